@@ -1,0 +1,20 @@
+# make test   install what is missing into the active Python, then run the CPU test suite
+# make bench  (on a GPU machine) see benchmarks/gpu_suite.sh
+PYTHON ?= python3
+
+.PHONY: test deps test-cpu test-interpret
+
+test: deps test-cpu test-interpret
+
+# torch first, pinned to the CPU build on a fresh machine (a bare `torch` requirement pulls a
+# multi-GB CUDA build); an installed torch is kept. Then this package and its test extras.
+deps:
+	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install -q torch==2.13.0
+	@$(PYTHON) -c "import triton, fla, einops, pytest, hypothesis, custom_ops" 2>/dev/null || $(PYTHON) -m pip install -q -e ".[test]"
+
+test-cpu:
+	$(PYTHON) -m pytest -m "not interpret"
+
+# Triton kernels on CPU tensors: TRITON_INTERPRET must be set before triton is imported.
+test-interpret:
+	TRITON_INTERPRET=1 $(PYTHON) -m pytest -m interpret

@@ -1,0 +1,33 @@
+"""Context-parallel building blocks for hybrid linear-attention models on packed THD sequences.
+
+``cp_ops`` is the public Python API (layout helpers, collectives, layers);
+the torch.library ops it builds on live in ``custom_ops`` and are registered as
+``torch.ops.cp_ops.*`` on import.
+"""
+
+import custom_ops  # noqa: F401  (registers torch.ops.cp_ops.*)
+from cp_ops.layout import (
+    local_cu_seqlens,
+    pack,
+    pad_cu_seqlens,
+    rank_to_seq_index,
+    seq_to_rank_index,
+    shard_thd,
+    unshard_thd,
+    validate_offsets,
+    validate_thd,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "pad_cu_seqlens",
+    "validate_thd",
+    "validate_offsets",
+    "local_cu_seqlens",
+    "shard_thd",
+    "unshard_thd",
+    "pack",
+    "seq_to_rank_index",
+    "rank_to_seq_index",
+]

@@ -1,0 +1,22 @@
+"""torch.library ops (namespace ``cp_ops``) for context parallelism on packed THD sequences.
+
+Importing this package registers every op, reachable as ``custom_ops.<name>``
+and ``torch.ops.cp_ops.<name>``. Each op folder holds ``kernels.py`` (Triton),
+``reference.py`` (pure torch, the CPU path and the test oracle) and ``op.py``
+(registration, fake, autograd).
+"""
+
+from custom_ops.thd_copy_valid_tokens.op import thd_copy_valid_tokens, thd_copy_valid_tokens_
+from custom_ops.thd_copy_valid_tokens.reference import thd_copy_valid_tokens_reference
+from custom_ops.thd_reorder.op import thd_rank_to_seq_order, thd_seq_to_rank_order
+from custom_ops.thd_reorder.reference import thd_rank_to_seq_order_reference, thd_seq_to_rank_order_reference
+
+__all__ = [
+    "thd_seq_to_rank_order",
+    "thd_rank_to_seq_order",
+    "thd_copy_valid_tokens",
+    "thd_copy_valid_tokens_",
+    "thd_seq_to_rank_order_reference",
+    "thd_rank_to_seq_order_reference",
+    "thd_copy_valid_tokens_reference",
+]

@@ -1,0 +1,96 @@
+"""Shared helpers for the op modules: argument checks, dispatch, word views.
+
+Every op in this package checks shapes, dtypes and devices (free, and done at
+trace time under ``torch.compile``). Checks of *values* (monotone cu_seqlens,
+divisibility by 2*cp_size, ...) would need a host sync, so they live in
+:mod:`cp_ops.layout` (``validate_thd``), which users call where data is prepared.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+NAMESPACE = "cp_ops"
+
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+# Integer types used to move elements bit-exactly, whatever their dtype.
+_WORD_DTYPES = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def triton_interpreting() -> bool:
+    """True when Triton runs kernels on CPU tensors (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """Whether an op body launches its Triton kernel for tensors on ``t``'s device.
+
+    CUDA tensors always do. CPU tensors run the torch reference, except under
+    ``TRITON_INTERPRET=1``, where the kernels run in Triton's interpreter (how
+    the kernels are tested on machines without a GPU). The answer depends on the
+    device only, so it is a trace-time constant under ``torch.compile``.
+    """
+    return t.device.type == "cuda" or (t.device.type == "cpu" and triton_interpreting())
+
+
+def check_index_tensor(name: str, t: torch.Tensor, device: torch.device, min_numel: int = 1) -> None:
+    """A 1-D int32/int64 tensor on ``device`` with at least ``min_numel`` entries."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in _INDEX_DTYPES:
+        raise TypeError(f"{name} must be int32 or int64, got {t.dtype}")
+    if t.dim() != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {tuple(t.shape)}")
+    if t.numel() < min_numel:
+        raise ValueError(f"{name} must have at least {min_numel} entries, got {t.numel()}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but the data is on {device}; put them on one device")
+
+
+def check_cp_size(cp_size: int) -> None:
+    if isinstance(cp_size, bool) or not isinstance(cp_size, int):
+        raise TypeError(f"cp_size must be an int, got {type(cp_size).__name__}")
+    if cp_size < 1:
+        raise ValueError(f"cp_size must be >= 1, got {cp_size}")
+
+
+def check_rows(name: str, x: torch.Tensor) -> None:
+    """``x`` is a tensor with a leading token dimension."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() < 1:
+        raise ValueError(f"{name} must have a leading token dimension, got a 0-d tensor")
+
+
+def as_words(x: torch.Tensor) -> torch.Tensor:
+    """View a tensor as a contiguous ``[T, D]`` integer matrix holding the same bytes.
+
+    Kernels that only move rows operate on these words, so every dtype
+    (float8, bool, complex, ...) is moved bit-exactly by one kernel per word size.
+    """
+    x = x.contiguous()
+    rows = x.shape[0]
+    cols = math.prod(x.shape[1:])
+    x2 = x.reshape(rows, cols)
+    size = x.element_size()
+    if size in _WORD_DTYPES:
+        return x2.view(_WORD_DTYPES[size])
+    # wider elements (complex128): move them as several 8-byte words
+    return x2.view(torch.int64)
+
+
+def row_tile(cols: int, word_bytes: int, tile_bytes: int = 16384, max_cols_bytes: int = 8192) -> tuple[int, int]:
+    """(BLOCK_R, BLOCK_D) for a row-moving kernel: about ``tile_bytes`` per program.
+
+    A program moves BLOCK_R whole rows of up to ``max_cols_bytes`` bytes; wider
+    rows are split over a second grid axis.
+    """
+    from triton import next_power_of_2
+
+    block_d = max(1, min(next_power_of_2(max(cols, 1)), max_cols_bytes // word_bytes))
+    block_r = max(1, min(64, tile_bytes // (block_d * word_bytes)))
+    return block_r, block_d

@@ -1,0 +1,114 @@
+"""Valid-token copy between THD tensors, functional and in place."""
+
+import torch
+import triton
+from torch.library import triton_op, wrap_triton
+
+from custom_ops._common import NAMESPACE, as_words, check_index_tensor, check_rows, row_tile, use_triton
+from custom_ops.thd_copy_valid_tokens.kernels import thd_copy_valid_tokens_kernel
+from custom_ops.thd_copy_valid_tokens.reference import thd_copy_valid_tokens_reference, valid_token_mask
+
+
+def _check(dst: torch.Tensor, src: torch.Tensor, offsets: torch.Tensor, cu_seqlens: torch.Tensor) -> None:
+    check_rows("dst", dst)
+    check_rows("src", src)
+    if dst.shape != src.shape:
+        raise ValueError(f"dst and src must have one shape, got {tuple(dst.shape)} and {tuple(src.shape)}")
+    if dst.dtype != src.dtype:
+        raise TypeError(f"dst and src must have one dtype, got {dst.dtype} and {src.dtype}")
+    if dst.device != src.device:
+        raise ValueError(f"dst is on {dst.device} but src is on {src.device}")
+    check_index_tensor("cu_seqlens", cu_seqlens, dst.device)
+    n_seq = cu_seqlens.shape[0] - 1
+    check_index_tensor("offsets", offsets, dst.device, min_numel=0)
+    if offsets.shape[0] not in (n_seq, n_seq + 1):
+        raise ValueError(
+            f"offsets must have B or B+1 entries for B = {n_seq} sequences (len(cu_seqlens) - 1), got {offsets.shape[0]}"
+        )
+
+
+def _launch(dst: torch.Tensor, src: torch.Tensor, offsets: torch.Tensor, cu_seqlens: torch.Tensor, out) -> None:
+    """Runs the kernel; ``out is None`` means in place (into ``dst``, which must be contiguous)."""
+    dst_w, src_w = as_words(dst), as_words(src)
+    out_w = dst_w if out is None else out
+    rows, cols = dst_w.shape
+    if rows == 0 or cols == 0:
+        return
+    block_r, block_d = row_tile(cols, dst_w.element_size())
+    grid = (triton.cdiv(rows, block_r), triton.cdiv(cols, block_d))
+    wrap_triton(thd_copy_valid_tokens_kernel)[grid](
+        dst_w,
+        src_w,
+        out_w,
+        offsets,
+        cu_seqlens,
+        cu_seqlens.shape[0] - 1,
+        rows,
+        cols,
+        IN_PLACE=out is None,
+        BLOCK_R=block_r,
+        BLOCK_D=block_d,
+        num_warps=4,
+    )
+
+
+@triton_op(f"{NAMESPACE}::thd_copy_valid_tokens", mutates_args=())
+def thd_copy_valid_tokens(
+    dst: torch.Tensor, src: torch.Tensor, offsets: torch.Tensor, cu_seqlens: torch.Tensor
+) -> torch.Tensor:
+    """A copy of ``dst`` whose rows ``offsets[i] + j`` (``0 <= j < L_i``) come from ``src``.
+
+    dst, src: ``[T, ...]``, one shape and dtype. offsets: ``[B]`` or ``[B+1]``
+    (entries past B are ignored; ``cu_seqlens_padded`` works as is).
+    cu_seqlens: ``[B+1]`` real lengths ``L_i``. Segments must be sorted and must
+    not overlap. Differentiable in dst and src (the gradient is routed by the
+    same mask).
+    """
+    _check(dst, src, offsets, cu_seqlens)
+    if not use_triton(dst):
+        return thd_copy_valid_tokens_reference(dst, src, offsets, cu_seqlens).contiguous()
+    out = torch.empty_like(as_words(dst))
+    _launch(dst, src, offsets, cu_seqlens, out)
+    return out.view(dst.dtype).view(dst.shape)
+
+
+@thd_copy_valid_tokens.register_fake
+def _(dst, src, offsets, cu_seqlens):
+    _check(dst, src, offsets, cu_seqlens)
+    return dst.new_empty(dst.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    _, _, ctx.offsets, ctx.cu_seqlens = inputs
+
+
+def _backward(ctx, grad):
+    zeros = torch.zeros_like(grad)
+    grad_dst = thd_copy_valid_tokens(grad, zeros, ctx.offsets, ctx.cu_seqlens) if ctx.needs_input_grad[0] else None
+    grad_src = thd_copy_valid_tokens(zeros, grad, ctx.offsets, ctx.cu_seqlens) if ctx.needs_input_grad[1] else None
+    return grad_dst, grad_src, None, None
+
+
+thd_copy_valid_tokens.register_autograd(_backward, setup_context=_setup_context)
+
+
+@triton_op(f"{NAMESPACE}::thd_copy_valid_tokens_", mutates_args={"dst"})
+def thd_copy_valid_tokens_(dst: torch.Tensor, src: torch.Tensor, offsets: torch.Tensor, cu_seqlens: torch.Tensor) -> None:
+    """In-place :func:`thd_copy_valid_tokens`: writes the valid rows of ``src`` into ``dst``.
+
+    Moves only the valid rows (the functional form moves all T). Not
+    differentiable: use the functional form where gradients flow.
+    """
+    _check(dst, src, offsets, cu_seqlens)
+    if not use_triton(dst):
+        mask = valid_token_mask(offsets, cu_seqlens, dst.shape[0])
+        dst.copy_(torch.where(mask.view((-1,) + (1,) * (dst.dim() - 1)), src, dst))
+        return
+    if not dst.is_contiguous():
+        raise ValueError("thd_copy_valid_tokens_ needs a contiguous dst on the GPU path")
+    _launch(dst, src, offsets, cu_seqlens, None)
+
+
+@thd_copy_valid_tokens_.register_fake
+def _(dst, src, offsets, cu_seqlens):
+    _check(dst, src, offsets, cu_seqlens)

@@ -1,0 +1,102 @@
+"""Layout helpers: pad_cu_seqlens, validate_thd, validate_offsets, shard/unshard, pack."""
+
+import pytest
+import torch
+from hypothesis import given
+
+import cp_ops
+from custom_ops.testing import random_tensor, thd_layouts, trailing_shapes
+from custom_ops.thd_reorder.reference import thd_seq_to_rank_order_loop
+
+
+@given(thd_layouts())
+def test_pad_cu_seqlens_formula(layout):
+    cp_size, seqlens = layout
+    cu, cup = cp_ops.pad_cu_seqlens(seqlens, cp_size)
+    assert cu.dtype == cup.dtype == torch.int32
+    assert cu.tolist() == [sum(seqlens[:i]) for i in range(len(seqlens) + 1)]
+    padded = cup.diff().tolist()
+    for n, p in zip(seqlens, padded):
+        assert p % (2 * cp_size) == 0 and n <= p < n + 2 * cp_size
+    cp_ops.validate_thd(cu, cup, cp_size, int(cup[-1]))
+
+
+def test_pad_cu_seqlens_from_tensor_keeps_device_and_rejects_negative():
+    cu, cup = cp_ops.pad_cu_seqlens(torch.tensor([3, 0, 5]), 2)
+    assert cu.tolist() == [0, 3, 3, 8] and cup.tolist() == [0, 4, 4, 12]
+    with pytest.raises(ValueError, match="sequence 1 has negative length -2"):
+        cp_ops.pad_cu_seqlens([3, -2], 2)
+
+
+@given(thd_layouts(), trailing_shapes())
+def test_shard_unshard_round_trip(layout, trailing):
+    cp_size, seqlens = layout
+    _, cup = cp_ops.pad_cu_seqlens(seqlens, cp_size)
+    x = random_tensor((int(cup[-1]),) + trailing, torch.float32)
+    shards = [cp_ops.shard_thd(x, cup, cp_size, r) for r in range(cp_size)]
+    assert torch.equal(torch.cat(shards), thd_seq_to_rank_order_loop(x, cup, cp_size))
+    assert torch.equal(cp_ops.unshard_thd(shards, cup, cp_size), x)
+
+
+def test_pack_places_real_tokens_then_padding():
+    seqs = [torch.randn(5, 2), torch.randn(0, 2), torch.randn(1, 2)]
+    x, cu, cup = cp_ops.pack(seqs, 2, padding_value=-1.0)
+    assert cu.tolist() == [0, 5, 5, 6] and cup.tolist() == [0, 8, 8, 12]
+    assert torch.equal(x[0:5], seqs[0]) and torch.equal(x[8:9], seqs[2])
+    assert (x[5:8] == -1).all() and (x[9:12] == -1).all()
+    with pytest.raises(ValueError, match="tensor 1 has shape"):
+        cp_ops.pack([torch.randn(3, 2), torch.randn(3, 4)], 2)
+
+
+def _valid():
+    return cp_ops.pad_cu_seqlens([5, 0, 9], 2)
+
+
+@pytest.mark.parametrize(
+    "mutate,message",
+    [
+        (lambda cu, cup: (cu, torch.tensor([0, 6, 6, 18], dtype=torch.int32)), "sequence 0 has padded length 6, not a multiple of 2\\*cp_size = 4"),
+        (lambda cu, cup: (torch.tensor([0, 5, 4, 14], dtype=torch.int32), cup), "cu_seqlens must be non-decreasing: sequence 1"),
+        (lambda cu, cup: (cu, torch.tensor([0, 8, 4, 16], dtype=torch.int32)), "cu_seqlens_padded must be non-decreasing: sequence 1"),
+        (lambda cu, cup: (cu + 1, cup), "cu_seqlens must start at 0, got 1"),
+        (lambda cu, cup: (cu, cup + 4), "cu_seqlens_padded must start at 0, got 4"),
+        (lambda cu, cup: (torch.tensor([0, 9, 9, 18], dtype=torch.int32), cup), "sequence 0 has real length 9 > padded length 8"),
+        (lambda cu, cup: (cu.float(), cup), "cu_seqlens must be int32 or int64"),
+        (lambda cu, cup: (cu[:-1], cup), "must have one length"),
+        (lambda cu, cup: (cu.to("meta"), cup), "cu_seqlens is on meta"),
+    ],
+)
+def test_validate_thd_rejects(mutate, message):
+    cu, cup = mutate(*_valid())
+    with pytest.raises((ValueError, TypeError), match=message):
+        cp_ops.validate_thd(cu, cup, 2)
+
+
+def test_validate_thd_rows_and_cp_size():
+    cu, cup = _valid()
+    cp_ops.validate_thd(cu, cup, 2, 20)
+    with pytest.raises(ValueError, match="cu_seqlens_padded\\[-1\\] = 20 but the tensor has 24 rows"):
+        cp_ops.validate_thd(cu, cup, 2, 24)
+    with pytest.raises(ValueError, match="cp_size must be >= 1"):
+        cp_ops.validate_thd(cu, cup, 0)
+
+
+def test_validate_offsets():
+    cu = torch.tensor([0, 3, 3, 5], dtype=torch.int32)
+    cp_ops.validate_offsets(torch.tensor([0, 4, 4, 8]), cu, 8)
+    cp_ops.validate_offsets(torch.tensor([0, 3, 3]), cu, 5)
+    with pytest.raises(ValueError, match="sequence 2 starts at row 2, inside sequence 1"):
+        cp_ops.validate_offsets(torch.tensor([0, 3, 2]), torch.tensor([0, 3, 4, 5]), 8)
+    with pytest.raises(ValueError, match="ends at row 10, past the 8 rows"):
+        cp_ops.validate_offsets(torch.tensor([0, 4, 8]), cu, 8)
+    with pytest.raises(ValueError, match="negative row"):
+        cp_ops.validate_offsets(torch.tensor([-1, 4, 4]), cu, 8)
+
+
+def test_shard_thd_bad_input():
+    cu, cup = _valid()
+    x = torch.randn(20, 3)
+    with pytest.raises(ValueError, match="rank must be in \\[0, 2\\)"):
+        cp_ops.shard_thd(x, cup, 2, 2)
+    with pytest.raises(ValueError, match="expected 2 shards"):
+        cp_ops.unshard_thd([x[:10]], cup, 2)

@@ -1,0 +1,173 @@
+"""thd_copy_valid_tokens (functional) and thd_copy_valid_tokens_ (in place)."""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import custom_ops
+from cp_ops import local_cu_seqlens, pad_cu_seqlens
+from custom_ops.testing import LAYOUT_DTYPES, poisoned_allocations, random_tensor, thd_layouts, trailing_shapes
+from custom_ops.thd_copy_valid_tokens.reference import thd_copy_valid_tokens_loop, thd_copy_valid_tokens_reference
+
+
+def _case(cp_size, seqlens, trailing, dtype, local=False, offsets_len="B+1", index_dtype=torch.int32):
+    """dst, src over the padded layout; segments at the padded (or local) offsets."""
+    cu, cup = pad_cu_seqlens(seqlens, cp_size)
+    offsets = cup
+    if local:  # a rank's local shard: offsets cup / W, real lengths capped to the local rows
+        offsets = local_cu_seqlens(cup, cp_size)
+        cu, _ = pad_cu_seqlens([min(n, int(p) // cp_size) for n, p in zip(seqlens, cup.diff())], 1)
+    if offsets_len == "B":
+        offsets = offsets[:-1]
+    rows = int(offsets[-1]) if offsets_len == "B+1" else int(cup[-1]) // (cp_size if local else 1)
+    dst = random_tensor((rows,) + trailing, dtype)
+    src = random_tensor((rows,) + trailing, dtype)
+    return dst, src, offsets.to(index_dtype), cu.to(index_dtype)
+
+
+layouts = st.tuples(thd_layouts(), st.booleans(), st.sampled_from(["B", "B+1"]))
+
+
+@given(layouts, trailing_shapes(), st.sampled_from(LAYOUT_DTYPES), st.sampled_from([torch.int32, torch.int64]))
+def test_matches_loop_definition(layout, trailing, dtype, index_dtype):
+    (cp_size, seqlens), local, offsets_len = layout
+    dst, src, offsets, cu = _case(cp_size, seqlens, trailing, dtype, local, offsets_len, index_dtype)
+    expected = thd_copy_valid_tokens_loop(dst, src, offsets, cu)
+    assert torch.equal(custom_ops.thd_copy_valid_tokens(dst, src, offsets, cu), expected)
+    inplace = dst.clone()
+    custom_ops.thd_copy_valid_tokens_(inplace, src, offsets, cu)
+    assert torch.equal(inplace, expected)
+
+
+def test_no_sequences_returns_dst():
+    dst, src = torch.randn(4, 2), torch.randn(4, 2)
+    cu = torch.zeros(1, dtype=torch.int32)
+    assert torch.equal(custom_ops.thd_copy_valid_tokens(dst, src, cu[:0], cu), dst)
+
+
+def test_unsorted_gaps_and_partial_rows():
+    # segments need not start at 0 nor tile the rows
+    dst, src = torch.randn(12, 3), torch.randn(12, 3)
+    offsets = torch.tensor([2, 5, 11], dtype=torch.int64)
+    cu = torch.tensor([0, 2, 2, 3], dtype=torch.int64)
+    out = torch.ops.cp_ops.thd_copy_valid_tokens(dst, src, offsets, cu)
+    from_src = torch.zeros(12, dtype=torch.bool)
+    from_src[[2, 3, 11]] = True
+    assert torch.equal(out[from_src], src[from_src]) and torch.equal(out[~from_src], dst[~from_src])
+
+
+# --- opcheck ----------------------------------------------------------------------------------
+
+
+def _opcheck_samples():
+    dst, src, offsets, cu = _case(2, [5, 0, 1, 9], (2, 3), torch.float32)
+    yield dst, src, offsets, cu
+    yield dst.double(), src.double(), offsets.long(), cu.long()
+    yield dst, src, offsets[:-1], cu
+    yield dst[:0], src[:0], torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    yield dst.transpose(1, 2), src.transpose(1, 2), offsets, cu  # non-contiguous
+    yield dst.clone().requires_grad_(), src.clone().requires_grad_(), offsets, cu
+
+
+def test_opcheck():
+    for args in _opcheck_samples():
+        torch.library.opcheck(custom_ops.thd_copy_valid_tokens, args)
+    for dst, src, offsets, cu in _opcheck_samples():
+        if not dst.requires_grad:
+            torch.library.opcheck(custom_ops.thd_copy_valid_tokens_, (dst.clone(), src, offsets, cu))
+
+
+# --- gradients --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cp_size,seqlens,local", [(1, [3, 0, 2], False), (2, [5, 1, 8], True), (3, [0, 7], False)])
+def test_gradcheck(cp_size, seqlens, local):
+    dst, src, offsets, cu = _case(cp_size, seqlens, (2,), torch.float64, local)
+    dst.requires_grad_()
+    src.requires_grad_()
+    for fn in (custom_ops.thd_copy_valid_tokens, thd_copy_valid_tokens_reference):
+        assert torch.autograd.gradcheck(lambda d, s, fn=fn: fn(d, s, offsets, cu), (dst, src))
+
+
+# --- compile ----------------------------------------------------------------------------------
+
+
+def _functional(dst, src, offsets, cu):
+    return torch.ops.cp_ops.thd_copy_valid_tokens(dst, src * 3, offsets, cu) + 1
+
+
+def _in_place(dst, src, offsets, cu):
+    out = dst * 2
+    torch.ops.cp_ops.thd_copy_valid_tokens_(out, src, offsets, cu)
+    return out
+
+
+@pytest.mark.parametrize(
+    "fn,expected",
+    [
+        (_functional, lambda d, s, o, c: thd_copy_valid_tokens_loop(d, s * 3, o, c) + 1),
+        (_in_place, lambda d, s, o, c: thd_copy_valid_tokens_loop(d * 2, s, o, c)),
+    ],
+)
+def test_compiled_fullgraph_dynamic_no_recompile(fn, expected):
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(fn, backend=counter, fullgraph=True, dynamic=True)
+    for seqlens in ([5, 9], [17, 0, 3, 8], [40], [1, 2, 3, 4, 5, 6], [33, 12, 7]):
+        dst, src, offsets, cu = _case(2, seqlens, (16, 64), torch.float32)
+        assert torch.equal(compiled(dst, src, offsets, cu), expected(dst, src, offsets, cu))
+    assert counter.frame_count == 1
+
+
+# --- the Triton kernel (CPU tensors, TRITON_INTERPRET=1) ----------------------------------------
+
+
+@pytest.mark.interpret
+@given(layouts, trailing_shapes(), st.sampled_from(LAYOUT_DTYPES))
+def test_kernel_matches_reference_bit_exact(layout, trailing, dtype):
+    (cp_size, seqlens), local, offsets_len = layout
+    dst, src, offsets, cu = _case(cp_size, seqlens, trailing, dtype, local, offsets_len)
+    expected = thd_copy_valid_tokens_reference(dst, src, offsets, cu)
+    inplace = dst.clone()
+    with poisoned_allocations():
+        out = custom_ops.thd_copy_valid_tokens(dst, src, offsets, cu)
+        custom_ops.thd_copy_valid_tokens_(inplace, src, offsets, cu)
+    assert torch.equal(out, expected)
+    assert torch.equal(inplace, expected)
+
+
+@pytest.mark.interpret
+def test_kernel_gradient(poison_empty):
+    dst, src, offsets, cu = _case(2, [7, 0, 13], (2, 700), torch.float32, local=True)
+    dst.requires_grad_()
+    src.requires_grad_()
+    grad = torch.randn_like(dst)
+    custom_ops.thd_copy_valid_tokens(dst, src, offsets, cu).backward(grad)
+    mask = thd_copy_valid_tokens_loop(torch.zeros_like(grad), torch.ones_like(grad), offsets, cu).bool()
+    assert torch.equal(src.grad, torch.where(mask, grad, 0))
+    assert torch.equal(dst.grad, torch.where(mask, 0, grad))
+
+
+# --- bad input --------------------------------------------------------------------------------
+
+
+def test_bad_input():
+    dst, src, offsets, cu = _case(2, [4, 8], (3,), torch.float32)
+    op = custom_ops.thd_copy_valid_tokens
+    with pytest.raises(TypeError, match="cu_seqlens must be int32 or int64"):
+        op(dst, src, offsets, cu.float())
+    with pytest.raises(TypeError, match="offsets must be int32 or int64"):
+        op(dst, src, offsets.double(), cu)
+    with pytest.raises(ValueError, match="offsets must have B or B\\+1 entries"):
+        op(dst, src, offsets[:1], cu)
+    with pytest.raises(ValueError, match="one shape"):
+        op(dst, src[:4], offsets, cu)
+    with pytest.raises(TypeError, match="one dtype"):
+        op(dst, src.double(), offsets, cu)
+    with pytest.raises(ValueError, match="dst is on cpu but src is on meta"):
+        op(dst, src.to("meta"), offsets, cu)
+    with pytest.raises(ValueError, match="cu_seqlens is on meta but the data is on cpu"):
+        op(dst, src, offsets, cu.to("meta"))
