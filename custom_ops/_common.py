@@ -52,7 +52,8 @@ def check_index_tensor(name: str, t: torch.Tensor, device: torch.device, min_num
 
 
 def check_cp_size(cp_size: int) -> None:
-    if isinstance(cp_size, bool) or not isinstance(cp_size, int):
+    # SymInt: dynamo turns an int that changes between calls into a symbol (automatic dynamic)
+    if isinstance(cp_size, bool) or not isinstance(cp_size, (int, torch.SymInt)):
         raise TypeError(f"cp_size must be an int, got {type(cp_size).__name__}")
     if cp_size < 1:
         raise ValueError(f"cp_size must be >= 1, got {cp_size}")
@@ -83,14 +84,19 @@ def as_words(x: torch.Tensor) -> torch.Tensor:
     return x2.view(torch.int64)
 
 
-def row_tile(cols: int, word_bytes: int, tile_bytes: int = 16384, max_cols_bytes: int = 8192) -> tuple[int, int]:
-    """(BLOCK_R, BLOCK_D) for a row-moving kernel: about ``tile_bytes`` per program.
+# Tile shape of the row-moving kernels (reorder, valid-token copy). One table, so a
+# benchmark can sweep it; the defaults were picked on an H100 (docs/benchmarks.md).
+ROW_TILE = {"tile_bytes": 16384, "max_row_bytes": 8192, "num_warps": 4}
 
-    A program moves BLOCK_R whole rows of up to ``max_cols_bytes`` bytes; wider
-    rows are split over a second grid axis.
+
+def row_tile(cols: int, word_bytes: int) -> tuple[int, int, int]:
+    """(BLOCK_R, BLOCK_D, num_warps) for a row-moving kernel over ``[T, cols]`` words.
+
+    A program moves BLOCK_R whole rows of up to ``max_row_bytes`` bytes, about
+    ``tile_bytes`` in all; wider rows are split over a second grid axis.
     """
     from triton import next_power_of_2
 
-    block_d = max(1, min(next_power_of_2(max(cols, 1)), max_cols_bytes // word_bytes))
-    block_r = max(1, min(64, tile_bytes // (block_d * word_bytes)))
-    return block_r, block_d
+    block_d = max(1, min(next_power_of_2(max(cols, 1)), ROW_TILE["max_row_bytes"] // word_bytes))
+    block_r = max(1, min(64, ROW_TILE["tile_bytes"] // (block_d * word_bytes)))
+    return block_r, block_d, ROW_TILE["num_warps"]

@@ -34,7 +34,7 @@ def _launch(dst: torch.Tensor, src: torch.Tensor, offsets: torch.Tensor, cu_seql
     rows, cols = dst_w.shape
     if rows == 0 or cols == 0:
         return
-    block_r, block_d = row_tile(cols, dst_w.element_size())
+    block_r, block_d, num_warps = row_tile(cols, dst_w.element_size())
     grid = (triton.cdiv(rows, block_r), triton.cdiv(cols, block_d))
     wrap_triton(thd_copy_valid_tokens_kernel)[grid](
         dst_w,
@@ -48,7 +48,7 @@ def _launch(dst: torch.Tensor, src: torch.Tensor, offsets: torch.Tensor, cu_seql
         IN_PLACE=out is None,
         BLOCK_R=block_r,
         BLOCK_D=block_d,
-        num_warps=4,
+        num_warps=num_warps,
     )
 
 

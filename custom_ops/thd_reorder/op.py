@@ -25,7 +25,7 @@ def _launch(x: torch.Tensor, cu_seqlens_padded: torch.Tensor, cp_size: int, to_r
     out = torch.empty_like(words)
     rows, cols = words.shape
     if rows > 0 and cols > 0:
-        block_r, block_d = row_tile(cols, words.element_size())
+        block_r, block_d, num_warps = row_tile(cols, words.element_size())
         grid = (triton.cdiv(rows, block_r), triton.cdiv(cols, block_d))
         wrap_triton(thd_reorder_kernel)[grid](
             words,
@@ -38,7 +38,7 @@ def _launch(x: torch.Tensor, cu_seqlens_padded: torch.Tensor, cp_size: int, to_r
             TO_RANK=to_rank,
             BLOCK_R=block_r,
             BLOCK_D=block_d,
-            num_warps=4,
+            num_warps=num_warps,
         )
     return out.view(x.dtype).view(x.shape)
 

@@ -171,3 +171,22 @@ def test_bad_input():
         op(dst, src.to("meta"), offsets, cu)
     with pytest.raises(ValueError, match="cu_seqlens is on meta but the data is on cpu"):
         op(dst, src, offsets, cu.to("meta"))
+
+
+# --- GPU ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn])
+@pytest.mark.parametrize("local", [False, True])
+def test_gpu_kernel_matches_loop_definition(dtype, local):
+    g = torch.Generator().manual_seed(int(local))
+    seqlens = [0, 1] + torch.randint(0, 1200, (13,), generator=g).tolist()
+    for trailing in [(16, 64), (3,), (2, 4100)]:
+        dst, src, offsets, cu = _case(4, seqlens, trailing, torch.float32, local)
+        dst, src = dst.to(dtype), src.to(dtype)
+        expected = thd_copy_valid_tokens_loop(dst, src, offsets, cu).view(torch.uint8)
+        args = [t.cuda() for t in (dst, src, offsets, cu)]
+        assert torch.equal(custom_ops.thd_copy_valid_tokens(*args).cpu().view(torch.uint8), expected)
+        custom_ops.thd_copy_valid_tokens_(*args)
+        assert torch.equal(args[0].cpu().view(torch.uint8), expected)

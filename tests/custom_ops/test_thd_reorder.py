@@ -171,3 +171,51 @@ def test_bad_input(op):
         op(x[:6], cup, 2)
     with pytest.raises(ValueError, match="on meta but the data is on cpu"):
         op(x, cup.to("meta"), 2)
+
+
+# --- GPU ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.complex64, torch.bool])
+@pytest.mark.parametrize("cp_size", [1, 2, 3, 8])
+def test_gpu_kernel_matches_loop_definition(dtype, cp_size):
+    g = torch.Generator().manual_seed(cp_size)
+    seqlens = [0, 1] + torch.randint(0, 1200, (13,), generator=g).tolist()
+    for trailing in [(16, 64), (3,), (), (2, 4100)]:
+        _, cup = pad_cu_seqlens(seqlens, cp_size)
+        x = random_tensor((int(cup[-1]),) + trailing, torch.float32).to(dtype) if dtype != torch.bool else (
+            random_tensor((int(cup[-1]),) + trailing, torch.float32) > 0
+        )
+        x_gpu, cup_gpu = x.cuda(), cup.cuda()
+        assert torch.equal(custom_ops.thd_seq_to_rank_order(x_gpu, cup_gpu, cp_size).cpu().view(torch.uint8),
+                           thd_seq_to_rank_order_loop(x, cup, cp_size).view(torch.uint8))
+        assert torch.equal(custom_ops.thd_rank_to_seq_order(x_gpu, cup_gpu, cp_size).cpu().view(torch.uint8),
+                           thd_rank_to_seq_order_loop(x, cup, cp_size).view(torch.uint8))
+
+
+@pytest.mark.gpu
+def test_gpu_compiled_graph_runs_the_triton_kernel():
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    x, cup = _case(4, [100, 7, 0, 300], (16, 64), torch.bfloat16)
+    x, cup = x.cuda().requires_grad_(), cup.cuda()
+
+    def fn(x):
+        return (torch.ops.cp_ops.thd_seq_to_rank_order(x, cup, 4).float() * 2).sum()
+
+    compiled = torch.compile(fn, fullgraph=True)
+    loss, code = run_and_get_code(lambda: compiled(x))
+    assert any("thd_reorder_kernel" in c for c in code)
+    loss.backward()
+    assert torch.equal(x.grad, torch.full_like(x, 2))
+
+
+def test_compiled_with_cp_size_changing_between_calls():
+    # dynamo makes an int that changes between calls symbolic: the op must accept a SymInt cp_size
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x, cup, w: torch.ops.cp_ops.thd_seq_to_rank_order(x, cup, w), fullgraph=True)
+    for w in (2, 4, 8):
+        x, cup = _case(w, [19, 0, 40], (5,), torch.float32)
+        assert torch.equal(compiled(x, cup, w), thd_seq_to_rank_order_loop(x, cup, w))

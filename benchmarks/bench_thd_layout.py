@@ -1,0 +1,169 @@
+"""THD layout ops on one GPU against the copy floor and the two usual ways of doing it.
+
+For each shape and CP size W:
+  clone        x.clone(): the copy floor (every op reads T rows and writes T rows)
+  index_select x.index_select(0, perm) with the permutation built on the host beforehand
+               (building it costs a host round trip per packing, not counted here)
+  loop         a Python loop over (rank, sequence) slicing chunks and concatenating them
+  ops          thd_seq_to_rank_order, thd_rank_to_seq_order, thd_copy_valid_tokens
+               (functional: T rows in and out) and thd_copy_valid_tokens_ (in place:
+               valid rows only), eager and inside torch.compile
+
+    python benchmarks/bench_thd_layout.py [--out FILE.md] [--sweep]
+
+--sweep also times the reorder under a few tile shapes (custom_ops._common.ROW_TILE).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import custom_ops  # noqa: E402
+from benchmarks.common import environment, markdown_table, median_ms  # noqa: E402
+from cp_ops import pad_cu_seqlens, seq_to_rank_index  # noqa: E402
+from custom_ops import _common  # noqa: E402
+from custom_ops.thd_reorder.reference import thd_seq_to_rank_order_loop  # noqa: E402
+
+
+def shapes():
+    """(name, seqlens, trailing): the issue's two shapes and uneven random lengths."""
+    torch.manual_seed(0)
+    uneven = (torch.distributions.LogNormal(7.0, 1.0).sample((40,)).clamp(1, 16384)).long()
+    uneven = (uneven * 65536 // uneven.sum()).tolist()
+    return [
+        ("16x4096 tok, 16x64", [4096] * 16, (16, 64)),
+        ("8x8192 tok, 32x128", [8192] * 8, (32, 128)),
+        (f"{len(uneven)} uneven ({sum(uneven)} tok), 16x64", uneven, (16, 64)),
+    ]
+
+
+def run(sweep: bool) -> tuple[str, list[dict]]:
+    rows, records = [], []
+    for name, seqlens, trailing in shapes():
+        for w in (2, 4, 8):
+            cu, cup = pad_cu_seqlens(seqlens, w, device="cuda")
+            num_rows = int(cup[-1])
+            x = torch.randn((num_rows,) + trailing, device="cuda", dtype=torch.bfloat16)
+            src = torch.randn_like(x)
+            perm = seq_to_rank_index(cup.cpu(), w, num_rows).cuda()
+            gbytes = 2 * x.numel() * x.element_size() / 1e9
+
+            def to_rank():
+                return custom_ops.thd_seq_to_rank_order(x, cup, w)
+
+            assert torch.equal(to_rank(), x.index_select(0, perm))
+            dst_inplace = x.clone()
+            t = {
+                "clone": median_ms(lambda: x.clone()),
+                "index_select": median_ms(lambda: x.index_select(0, perm)),
+                "loop": median_ms(lambda: thd_seq_to_rank_order_loop(x, cup, w), rep_ms=100),
+                "seq_to_rank": median_ms(to_rank),
+                "rank_to_seq": median_ms(lambda: custom_ops.thd_rank_to_seq_order(x, cup, w)),
+                "copy_valid": median_ms(lambda: custom_ops.thd_copy_valid_tokens(x, src, cup, cu)),
+                "copy_valid_": median_ms(lambda: custom_ops.thd_copy_valid_tokens_(dst_inplace, src, cup, cu)),
+            }
+            compiled_fn = torch.compile(lambda a: torch.ops.cp_ops.thd_seq_to_rank_order(a, cup, w), fullgraph=True)
+            compiled_copy = torch.compile(
+                lambda d, s: torch.ops.cp_ops.thd_copy_valid_tokens(d, s, cup, cu), fullgraph=True
+            )
+
+            def compiled_inplace(d, s):
+                torch.ops.cp_ops.thd_copy_valid_tokens_(d, s, cup, cu)
+                return d
+
+            compiled_inplace = torch.compile(compiled_inplace, fullgraph=True)
+            t["seq_to_rank (compiled)"] = median_ms(lambda: compiled_fn(x))
+            t["copy_valid (compiled)"] = median_ms(lambda: compiled_copy(x, src))
+            t["copy_valid_ (compiled)"] = median_ms(lambda: compiled_inplace(dst_inplace, src))
+            record = {"shape": name, "W": w, "GB moved by clone": gbytes, **t}
+            records.append(record)
+            rows.append(
+                [name, w, t["clone"], t["index_select"], t["loop"], t["seq_to_rank"], t["rank_to_seq"],
+                 t["copy_valid"], t["copy_valid_"], t["seq_to_rank (compiled)"], t["copy_valid (compiled)"],
+                 t["copy_valid_ (compiled)"],
+                 f"{max(t['seq_to_rank'], t['rank_to_seq'], t['copy_valid']) / t['clone']:.2f}x",
+                 f"{gbytes / t['seq_to_rank'] :.2f}"]
+            )
+    header = ["shape (bf16)", "W", "clone ms", "index_select ms", "loop ms", "seq_to_rank ms", "rank_to_seq ms",
+              "copy_valid ms", "copy_valid_ ms", "seq_to_rank compiled ms", "copy_valid compiled ms",
+              "copy_valid_ compiled ms",
+              "worst op / clone", "seq_to_rank TB/s"]
+    text = f"{environment()}\n\n" + markdown_table(header, rows) + "\n\n" + inplace_in_graph()
+    if sweep:
+        text += "\n\n" + tile_sweep()
+    return text, records
+
+
+def inplace_in_graph() -> str:
+    """Functional vs in-place copy where dst is an intermediate of the compiled graph (as when a
+    layer assembles its output from two partial results), not a graph input."""
+    rows = []
+    for name, seqlens, trailing in shapes()[:2]:
+        cu, cup = pad_cu_seqlens(seqlens, 2, device="cuda")
+        a = torch.randn((int(cup[-1]),) + trailing, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn_like(a)
+
+        def functional(a, b):
+            return torch.ops.cp_ops.thd_copy_valid_tokens(a * 2, b * 3, cup, cu)
+
+        def in_place(a, b):
+            out = a * 2
+            torch.ops.cp_ops.thd_copy_valid_tokens_(out, b * 3, cup, cu)
+            return out
+
+        f, g = torch.compile(functional, fullgraph=True), torch.compile(in_place, fullgraph=True)
+        assert torch.equal(f(a, b), g(a, b))
+        rows.append([name, median_ms(lambda: f(a, b)), median_ms(lambda: g(a, b))])
+    return markdown_table(["copy inside a compiled graph (dst intermediate), W=2", "functional ms", "in-place ms"], rows)
+
+
+def tile_sweep() -> str:
+    """Reorder time under several tile shapes, at the first two shapes with W = 4."""
+    configs = [
+        {"tile_bytes": 8192, "max_row_bytes": 4096, "num_warps": 4},
+        {"tile_bytes": 16384, "max_row_bytes": 8192, "num_warps": 4},
+        {"tile_bytes": 16384, "max_row_bytes": 8192, "num_warps": 8},
+        {"tile_bytes": 32768, "max_row_bytes": 8192, "num_warps": 8},
+        {"tile_bytes": 32768, "max_row_bytes": 16384, "num_warps": 8},
+        {"tile_bytes": 65536, "max_row_bytes": 16384, "num_warps": 16},
+    ]
+    default = dict(_common.ROW_TILE)
+    rows = []
+    for name, seqlens, trailing in shapes()[:2]:
+        _, cup = pad_cu_seqlens(seqlens, 4, device="cuda")
+        x = torch.randn((int(cup[-1]),) + trailing, device="cuda", dtype=torch.bfloat16)
+        clone = median_ms(lambda: x.clone())
+        for cfg in configs:
+            _common.ROW_TILE.update(cfg)
+            ms = median_ms(lambda: custom_ops.thd_seq_to_rank_order(x, cup, 4))
+            rows.append([name, cfg["tile_bytes"], cfg["max_row_bytes"], cfg["num_warps"], ms, f"{ms / clone:.3f}x"])
+    _common.ROW_TILE.clear()
+    _common.ROW_TILE.update(default)
+    return markdown_table(["shape", "tile_bytes", "max_row_bytes", "num_warps", "seq_to_rank ms", "/ clone"], rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", help="write the markdown table here")
+    parser.add_argument("--json", help="write the raw numbers here")
+    parser.add_argument("--sweep", action="store_true", help="also sweep the kernels' tile shapes")
+    args = parser.parse_args()
+    text, records = run(args.sweep)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(records, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
