@@ -6,6 +6,7 @@ the torch.library ops it builds on live in ``custom_ops`` and are registered as
 """
 
 import custom_ops  # noqa: F401  (registers torch.ops.cp_ops.*)
+from cp_ops.gdn import GatedDeltaNet, from_qwen3_next_state_dict
 from cp_ops.layout import (
     local_cu_seqlens,
     pack,
@@ -30,4 +31,6 @@ __all__ = [
     "pack",
     "seq_to_rank_index",
     "rank_to_seq_index",
+    "GatedDeltaNet",
+    "from_qwen3_next_state_dict",
 ]

@@ -87,3 +87,25 @@ def poisoned_allocations():
         mock.patch.object(torch.Tensor, "new_empty", lambda self, *a, **k: _poisoned(new_empty(self, *a, **k))),
     ):
         yield
+
+
+@contextlib.contextmanager
+def first_autotune_config():
+    """Make every ``triton.autotune`` take its first config without benchmarking, while active.
+
+    Triton's interpreter has no benchmarker, so autotuned kernels of other libraries (FLA's)
+    can only run under ``TRITON_INTERPRET=1`` this way. Numerics do not depend on the config.
+    """
+    from triton.runtime.autotuner import Autotuner
+
+    prune = Autotuner.prune_configs
+    with mock.patch.object(Autotuner, "prune_configs", lambda self, kwargs: prune(self, kwargs)[:1]):
+        yield
+
+
+def gdn_layouts(max_seqs: int = 4, max_len: int = 12):
+    """Hypothesis strategy of packed real lengths: zero-length and length-1 sequences likely."""
+    from hypothesis import strategies as st
+
+    lengths = st.one_of(st.just(0), st.just(1), st.integers(0, max_len))
+    return st.lists(lengths, min_size=1, max_size=max_seqs)

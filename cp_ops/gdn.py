@@ -1,0 +1,198 @@
+"""Gated DeltaNet layer (Qwen3-Next's linear-attention block) on packed THD sequences."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from custom_ops.gdn.op import causal_conv1d, chunk_gated_delta_rule
+
+# FLA's and Qwen3-Next's epsilon for the q/k l2 normalisation
+L2NORM_EPS = 1e-6
+
+
+def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
+    """``x / sqrt(sum(x^2) + eps)`` over the last dim, computed in at least float32."""
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
+    return (xf * torch.rsqrt(xf.square().sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """``rmsnorm(o) * weight * silu(z)`` over the last dim (size ``dim``), as Qwen3-Next's gated norm.
+
+    The normalisation runs in at least float32, is cast back before the weight,
+    and the gate multiplies in float32 again; the result has o's dtype.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        wide = torch.promote_types(o.dtype, torch.float32)
+        of = o.to(wide)
+        normed = (of * torch.rsqrt(of.square().mean(-1, keepdim=True) + self.eps)).to(o.dtype)
+        return ((self.weight * normed).to(wide) * F.silu(z.to(wide))).to(o.dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """Gated DeltaNet over packed sequences ``[T, hidden]`` (THD, padding at each sequence's tail).
+
+    Per token, with ``G = Hv / Hk`` value heads per key head::
+
+        q, k, v, z, b, a = in_proj(x)                 widths Hk*dk, Hk*dk, Hv*dv, Hv*dv, Hv, Hv
+        q, k, v = silu(causal_conv1d([q k v]))          depthwise, kernel K, per sequence
+        q, k = l2norm(q), l2norm(k)                     per key head
+        g = -exp(A_log) * softplus(a + dt_bias)         fp32, per value head
+        beta = sigmoid(b)                               fp32
+        o = chunk_gated_delta_rule(q, k, v, g, beta)    value head h reads key head h // G
+        out = out_proj(rmsnorm(o) * norm.weight * silu(z))   norm per value head (size dv)
+
+    Parameters (names and init as Qwen3-Next's ``Qwen3NextGatedDeltaNet``):
+    ``in_proj`` (one Linear, no bias, output sections in the order above),
+    ``conv1d`` (depthwise ``nn.Conv1d`` over the ``2*Hk*dk + Hv*dv`` q,k,v channels,
+    no bias), ``A_log`` (``log U(0, 16)``), ``dt_bias`` (ones), ``norm.weight``
+    (ones, size dv), ``out_proj`` (Linear, no bias).
+
+    Qwen3-Next checkpoints: ``in_proj_qkvz.weight [2*Hk*dk + 2*Hv*dv, hidden]`` is laid
+    out per key head: viewed as ``[Hk, 2*dk + 2*G*dv, hidden]``, block j holds q_j
+    (dk rows), k_j (dk), the v rows of value heads ``j*G .. j*G+G-1`` (G*dv), then
+    their z rows (G*dv). ``in_proj_ba.weight [2*Hv, hidden]`` viewed as
+    ``[Hk, 2*G, hidden]``: block j holds b then a of value heads ``j*G ..``. Taking
+    each section out of every block and concatenating in head order gives this
+    module's ``in_proj`` sections. ``conv1d.weight`` (channels q | k | v, head-major),
+    ``A_log``, ``dt_bias``, ``norm.weight`` and ``out_proj.weight`` map one to one.
+    :func:`from_qwen3_next_state_dict` does this; the layout is taken from the
+    Hugging Face implementation's ``fix_query_key_value_ordering`` (and agrees with
+    other public ports of it); the test builds a state dict that way, but no
+    released checkpoint was loaded here.
+
+    ``forward(x, cu_seqlens_padded, group=None)``: x ``[T, hidden]`` in sequence
+    order, ``cu_seqlens_padded [B+1]`` with ``cu[-1] = T``. Both the conv and the
+    recurrence are causal and padding sits at each sequence's tail, so the real
+    tokens' outputs do not depend on the padding. ``group=None`` runs the whole
+    batch on this device. With context parallelism (W ranks) the planned path is
+    ``x_cp -> in_proj -> thd_cp2hp(proj, cu, sections, group)`` (this rank's 1/W of
+    every section's heads, all tokens) ``-> head_parallel_core(proj_hp, cu, r*Hk/W, Hk/W)
+    -> thd_hp2cp -> out_proj``; it needs ``Hk % W == 0`` (hence ``Hv % W == 0``).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_k_heads: int,
+        num_v_heads: int,
+        head_k_dim: int,
+        head_v_dim: int,
+        conv_kernel_size: int = 4,
+        norm_eps: float = 1e-6,
+    ):
+        super().__init__()
+        if num_v_heads % num_k_heads != 0:
+            raise ValueError(f"num_v_heads = {num_v_heads} must be a multiple of num_k_heads = {num_k_heads}")
+        self.hidden_size = hidden_size
+        self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads
+        self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
+        self.conv_kernel_size = conv_kernel_size
+        self.key_dim, self.value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.in_proj = nn.Linear(hidden_size, sum(self.sections()), bias=False)
+        self.conv1d = nn.Conv1d(
+            self.conv_dim, self.conv_dim, conv_kernel_size, groups=self.conv_dim, padding=conv_kernel_size - 1, bias=False
+        )
+        self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
+        self.A_log = nn.Parameter(torch.log(torch.empty(num_v_heads).uniform_(0, 16)))
+        self.norm = GatedRMSNorm(head_v_dim, eps=norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
+
+    def sections(self, cp_size: int = 1) -> list[int]:
+        """Widths of the in_proj output sections q, k, v, z, b, a (per rank when ``cp_size > 1``)."""
+        hk, hv = self.num_k_heads // cp_size, self.num_v_heads // cp_size
+        dk, dv = self.head_k_dim, self.head_v_dim
+        return [hk * dk, hk * dk, hv * dv, hv * dv, hv, hv]
+
+    def forward(self, x: torch.Tensor, cu_seqlens_padded: torch.Tensor, group=None) -> torch.Tensor:
+        """x ``[T, hidden]`` -> ``[T, hidden]``; see the class docstring."""
+        if group is not None:
+            raise NotImplementedError("the context-parallel path (thd_cp2hp / thd_hp2cp) is not implemented yet")
+        proj = self.in_proj(x)
+        core = self.head_parallel_core(proj, cu_seqlens_padded, 0, self.num_k_heads)
+        return self.out_proj(core)
+
+    def head_parallel_core(
+        self, proj_hp: torch.Tensor, cu_seqlens: torch.Tensor, k_head_start: int, num_k_heads: int
+    ) -> torch.Tensor:
+        """conv -> l2norm -> gates -> delta rule -> gated norm for one range of heads, all tokens.
+
+        proj_hp ``[T, F_r]``: in_proj output restricted to key heads
+        ``[k_head_start, k_head_start + num_k_heads)`` and their value heads
+        ``[G*k_head_start, G*(k_head_start + num_k_heads))``, sections in the order
+        q, k, v, z, b, a (what ``thd_cp2hp`` returns with ``sections()``). Returns
+        ``[T, Hv_r * dv]``, the input of out_proj for those value heads.
+        """
+        num_rows = proj_hp.shape[0]
+        group = self.num_v_heads // self.num_k_heads
+        dk, dv = self.head_k_dim, self.head_v_dim
+        hk, hv = num_k_heads, num_k_heads * group
+        v_start = k_head_start * group
+        qk_w, v_w = hk * dk, hv * dv
+        conv_w = 2 * qk_w + v_w
+        if proj_hp.shape[-1] != conv_w + v_w + 2 * hv:
+            raise ValueError(f"proj_hp has {proj_hp.shape[-1]} features, expected {conv_w + v_w + 2 * hv} for {hk} key heads")
+
+        # the conv channels of this head range: q, k and v blocks of the full conv weight
+        weight = self.conv1d.weight[:, 0, :]
+        k0, v0 = k_head_start * dk, v_start * dv
+        conv_weight = torch.cat(
+            [
+                weight[k0 : k0 + qk_w],
+                weight[self.key_dim + k0 : self.key_dim + k0 + qk_w],
+                weight[2 * self.key_dim + v0 : 2 * self.key_dim + v0 + v_w],
+            ]
+        )
+        # a column slice of proj: the conv reads it strided, no copy
+        mixed = causal_conv1d(proj_hp[:, :conv_w], conv_weight, None, cu_seqlens, "silu")
+        q = l2norm(mixed[:, :qk_w].reshape(num_rows, hk, dk))
+        k = l2norm(mixed[:, qk_w : 2 * qk_w].reshape(num_rows, hk, dk))
+        v = mixed[:, 2 * qk_w :].reshape(num_rows, hv, dv)
+        z = proj_hp[:, conv_w : conv_w + v_w].reshape(num_rows, hv, dv)
+        b = proj_hp[:, conv_w + v_w : conv_w + v_w + hv]
+        a = proj_hp[:, conv_w + v_w + hv :]
+
+        wide = torch.promote_types(proj_hp.dtype, torch.float32)
+        a_log = self.A_log[v_start : v_start + hv].to(wide)
+        dt_bias = self.dt_bias[v_start : v_start + hv].to(wide)
+        g = -a_log.exp() * F.softplus(a.to(wide) + dt_bias)
+        beta = torch.sigmoid(b.to(wide))
+
+        o = chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens)
+        return self.norm(o, z).reshape(num_rows, v_w)
+
+
+def from_qwen3_next_state_dict(
+    sd: dict[str, torch.Tensor], num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int
+) -> dict[str, torch.Tensor]:
+    """A :class:`GatedDeltaNet` state dict from one Qwen3-Next GatedDeltaNet layer's tensors.
+
+    ``sd`` holds ``in_proj_qkvz.weight``, ``in_proj_ba.weight``, ``conv1d.weight``,
+    ``A_log``, ``dt_bias``, ``norm.weight``, ``out_proj.weight`` (prefix stripped).
+    The per-key-head blocks of the two projections are regrouped into this module's
+    section layout (see the class docstring); the rest is copied.
+    """
+    hk, dk, dv = num_k_heads, head_k_dim, head_v_dim
+    group = num_v_heads // hk
+    qkvz = sd["in_proj_qkvz.weight"]
+    hidden = qkvz.shape[-1]
+    blocks = qkvz.reshape(hk, 2 * dk + 2 * group * dv, hidden)
+    q, k, v, z = torch.split(blocks, [dk, dk, group * dv, group * dv], dim=1)
+    b, a = torch.split(sd["in_proj_ba.weight"].reshape(hk, 2 * group, hidden), [group, group], dim=1)
+    in_proj = torch.cat([t.reshape(-1, hidden) for t in (q, k, v, z, b, a)])
+    out = {"in_proj.weight": in_proj}
+    for name in ("conv1d.weight", "A_log", "dt_bias", "norm.weight", "out_proj.weight"):
+        out[name] = sd[name]
+    return out
+
+
+__all__ = ["GatedDeltaNet", "GatedRMSNorm", "from_qwen3_next_state_dict", "l2norm"]

@@ -1,0 +1,396 @@
+"""Gated DeltaNet core ops (causal depthwise conv1d, chunked gated delta rule) on packed THD sequences.
+
+Both ops are opaque ``torch.library.custom_op``s: under ``torch.compile`` Inductor
+sees one extern call per op and never traces into flash-linear-attention (FLA),
+whose own autograd entry points are ``@torch.compiler.disable``. On CUDA the op
+bodies call FLA's internal forward/backward functions directly; on CPU they run
+the torch references in :mod:`custom_ops.gdn.reference`. Under
+``TRITON_INTERPRET=1`` the conv runs FLA's kernels on CPU tensors in Triton's
+interpreter (how its FLA path is tested without a GPU); the delta rule cannot.
+
+No host syncs: FLA's varlen kernels take ``chunk_indices`` (one ``(sequence,
+chunk)`` row per program) whose length, the number of 64-row chunks, depends on
+the lengths. FLA builds it with ``repeat_interleave`` on device counts, which
+reads the total on the host. Here it is built by :func:`fla_varlen_indices` with
+a length fixed by shapes, ``T // 64 + B``, an upper bound; the spare rows point at
+an extra zero-length sequence appended to ``cu_seqlens``, whose programs load
+nothing and store nothing. FLA then never calls ``prepare_chunk_indices``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from custom_ops._common import NAMESPACE, check_index_tensor, use_triton
+from custom_ops.gdn.reference import (
+    causal_conv1d_reference,
+    causal_conv1d_reference_backward,
+    check_activation,
+    chunk_gated_delta_rule_reference,
+    chunk_gated_delta_rule_reference_backward,
+)
+
+# FLA's chunk length for both kernels (its default; the GDN kernels take 16, 32 or 64).
+FLA_CHUNK = 64
+# FLA's GDN kernels keep a [dk, dv] state tile in registers/shared memory.
+MAX_HEAD_DIM = 256
+
+
+def fla_varlen_indices(
+    cu_seqlens: torch.Tensor, num_rows: int, chunk_size: int = FLA_CHUNK
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cu_ext [B+2], chunk_indices [T // chunk_size + B, 2])`` for FLA's varlen kernels, sync-free.
+
+    ``chunk_indices[s] = (i, c)``: program s handles chunk c of sequence i. The
+    real rows are FLA's own (``prepare_chunk_indices``): sequences in order,
+    ``ceil(L_i / chunk_size)`` rows each. Their count is at most
+    ``sum_i (L_i // chunk_size + 1) <= T // chunk_size + B``, so the tensor has
+    that many rows and every spare row is ``(B, 0)``: chunk 0 of the zero-length
+    sequence ``cu_ext[B] .. cu_ext[B+1]`` appended here, which FLA's kernels
+    process as empty (masked loads and stores; its per-chunk partial sums are zero).
+    Requires ``cu_seqlens[-1] <= num_rows`` (validate_thd checks it where data is prepared).
+    """
+    cu = cu_seqlens
+    num_seqs = cu.numel() - 1
+    slots = num_rows // chunk_size + num_seqs
+    cu_ext = torch.cat([cu, cu[-1:]])
+    lens = (cu[1:] - cu[:-1]).to(torch.int64)
+    offsets = F.pad(torch.div(lens + chunk_size - 1, chunk_size, rounding_mode="floor").cumsum(0), (1, 0))
+    slot = torch.arange(slots, device=cu.device, dtype=torch.int64)
+    # right-sided search skips zero-length sequences; slots past the last chunk land on B
+    seq = torch.searchsorted(offsets, slot, right=True) - 1
+    real = seq < num_seqs
+    chunk = torch.where(real, slot - offsets[seq.clamp(max=num_seqs)], 0)
+    return cu_ext, torch.stack([seq, chunk], 1).to(cu.dtype)
+
+
+def _fla_activation(activation: Optional[str]) -> Optional[str]:
+    return "silu" if activation in ("silu", "swish") else None
+
+
+# --- causal_conv1d ----------------------------------------------------------------------------
+
+
+def _check_conv(x, weight, bias, cu_seqlens, activation) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"x must be [T, C], got shape {tuple(x.shape)}")
+    if weight.dim() != 2 or weight.shape[0] != x.shape[1]:
+        raise ValueError(f"weight must be [C, K] with C = {x.shape[1]}, got shape {tuple(weight.shape)}")
+    if bias is not None and tuple(bias.shape) != (x.shape[1],):
+        raise ValueError(f"bias must be [C] with C = {x.shape[1]}, got shape {tuple(bias.shape)}")
+    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
+        if t is not None and not t.dtype.is_floating_point:
+            raise TypeError(f"{name} must be floating point, got {t.dtype}")
+        if t is not None and t.device != x.device:
+            raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
+    check_index_tensor("cu_seqlens", cu_seqlens, x.device)
+    check_activation(activation)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::causal_conv1d", mutates_args=())
+def causal_conv1d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    cu_seqlens: torch.Tensor,
+    activation: Optional[str] = "silu",
+) -> torch.Tensor:
+    """Depthwise causal conv1d over packed sequences, zero history at every sequence start.
+
+    ``y[t, c] = act(bias[c] + sum_{j<K} weight[c, K-1-j] * x[t-j, c])`` with
+    ``x[t-j]`` taken as zero before the row's sequence starts.
+    x ``[T, C]`` (may be a column slice of a wider tensor), weight ``[C, K]``,
+    bias ``[C]`` or None, cu_seqlens ``[B+1]`` (int32/int64, ``cu[-1] = T``),
+    activation ``"silu"``/``"swish"`` or ``None``/``"identity"``. Returns ``[T, C]``
+    in x's dtype. Differentiable in x, weight and bias. CUDA: FLA's
+    ``causal_conv1d_fwd``; the backward recomputes the pre-activation inside
+    ``causal_conv1d_bwd``, as FLA's own autograd does, so only the inputs are saved.
+    """
+    _check_conv(x, weight, bias, cu_seqlens, activation)
+    if not use_triton(x) or x.shape[0] == 0:
+        return causal_conv1d_reference(x, weight, bias, cu_seqlens, activation).contiguous()
+    from fla.modules.causal_conv1d.ops import causal_conv1d_fwd
+
+    cu_ext, chunk_indices = fla_varlen_indices(cu_seqlens, x.shape[0])
+    y, _ = causal_conv1d_fwd(
+        x=x.unsqueeze(0),
+        weight=weight.contiguous(),
+        bias=None if bias is None else bias.contiguous(),
+        residual=None,
+        initial_state=None,
+        output_final_state=False,
+        activation=_fla_activation(activation),
+        cu_seqlens=cu_ext,
+        chunk_indices=chunk_indices,
+        chunk_size=FLA_CHUNK,
+    )
+    return y.view(x.shape)
+
+
+@causal_conv1d.register_fake
+def _(x, weight, bias, cu_seqlens, activation="silu"):
+    _check_conv(x, weight, bias, cu_seqlens, activation)
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::causal_conv1d_backward", mutates_args=())
+def causal_conv1d_backward(
+    grad_y: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    cu_seqlens: torch.Tensor,
+    activation: Optional[str],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx ``[T, C]``, dweight ``[C, K]``, dbias ``[C]``) of :func:`causal_conv1d` (dbias even without bias)."""
+    if not use_triton(x) or x.shape[0] == 0:
+        return causal_conv1d_reference_backward(grad_y, x, weight, bias, cu_seqlens, activation)
+    from fla.modules.causal_conv1d.ops import causal_conv1d_bwd
+
+    cu_ext, chunk_indices = fla_varlen_indices(cu_seqlens, x.shape[0])
+    dx, dw, db, _, _ = causal_conv1d_bwd(
+        x=x.unsqueeze(0),
+        dy=grad_y.unsqueeze(0),
+        dht=None,
+        weight=weight.contiguous(),
+        bias=None if bias is None else bias.contiguous(),
+        residual=None,
+        initial_state=None,
+        activation=_fla_activation(activation),
+        cu_seqlens=cu_ext,
+        chunk_indices=chunk_indices,
+        chunk_size=FLA_CHUNK,
+    )
+    if db is None:
+        db = grad_y.new_zeros(weight.shape[0], dtype=weight.dtype)  # no bias: nobody reads it
+    return dx.view(x.shape).contiguous(), dw, db
+
+
+@causal_conv1d_backward.register_fake
+def _(grad_y, x, weight, bias, cu_seqlens, activation):
+    db_dtype = bias.dtype if bias is not None else weight.dtype
+    return x.new_empty(x.shape), weight.new_empty(weight.shape), weight.new_empty(weight.shape[0], dtype=db_dtype)
+
+
+def _conv_setup_context(ctx, inputs, output):
+    x, weight, bias, cu_seqlens, activation = inputs
+    ctx.save_for_backward(x, weight, bias, cu_seqlens)
+    ctx.activation = activation
+
+
+def _conv_backward(ctx, grad_y):
+    x, weight, bias, cu_seqlens = ctx.saved_tensors
+    dx, dw, db = torch.ops.cp_ops.causal_conv1d_backward(grad_y, x, weight, bias, cu_seqlens, ctx.activation)
+    return dx, dw, (db if bias is not None else None), None, None
+
+
+causal_conv1d.register_autograd(_conv_backward, setup_context=_conv_setup_context)
+
+
+# --- chunk_gated_delta_rule -------------------------------------------------------------------
+
+
+def _check_gdn(q, k, v, g, beta, cu_seqlens) -> None:
+    for name, t, dim in (("q", q, 3), ("k", k, 3), ("v", v, 3), ("g", g, 2), ("beta", beta, 2)):
+        if t.dim() != dim:
+            raise ValueError(f"{name} must be {dim}-D, got shape {tuple(t.shape)}")
+        if not t.dtype.is_floating_point:
+            raise TypeError(f"{name} must be floating point, got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+    num_rows, hk, dk = q.shape
+    hv, dv = v.shape[1], v.shape[2]
+    if k.shape != q.shape:
+        raise ValueError(f"q and k must have one shape [T, Hk, dk], got {tuple(q.shape)} and {tuple(k.shape)}")
+    if v.shape[0] != num_rows or tuple(g.shape) != (num_rows, hv) or tuple(beta.shape) != (num_rows, hv):
+        raise ValueError(
+            f"v must be [T, Hv, dv] and g, beta [T, Hv] with T = {num_rows}; got v {tuple(v.shape)}, "
+            f"g {tuple(g.shape)}, beta {tuple(beta.shape)}"
+        )
+    if hk == 0 or hv % hk != 0:
+        raise ValueError(f"the value heads Hv = {hv} must be a multiple of the key heads Hk = {hk}")
+    if q.dtype != k.dtype or q.dtype != v.dtype:
+        raise TypeError(f"q, k, v must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.device.type == "cuda" and max(dk, dv) > MAX_HEAD_DIM:
+        raise ValueError(f"FLA's kernels take head dims up to {MAX_HEAD_DIM}, got dk = {dk}, dv = {dv}")
+    check_index_tensor("cu_seqlens", cu_seqlens, q.device)
+
+
+def _resolve_scale(q: torch.Tensor, scale: Optional[float]) -> float:
+    return q.shape[-1] ** -0.5 if scale is None else scale
+
+
+def _uses_fla(q: torch.Tensor) -> bool:
+    # CUDA only: FLA's state-passing kernel does not run in Triton's interpreter (its
+    # loop counter is a Python int there), so CPU tensors always take the reference.
+    return q.device.type == "cuda" and q.shape[0] > 0
+
+
+def _aux_shapes(q, v):
+    """Shapes of what the forward keeps for FLA's backward; nothing on the reference path."""
+    if not _uses_fla(q):
+        return (0,), (0,)
+    return (v.shape[0], v.shape[1]), (v.shape[0], v.shape[1], FLA_CHUNK)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::chunk_gated_delta_rule_forward", mutates_args=())
+def chunk_gated_delta_rule_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: Optional[float] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(o [T, Hv, dv], g_cum, A)``: the output of :func:`chunk_gated_delta_rule` and what its backward needs.
+
+    CUDA: FLA's ``chunk_gated_delta_rule_fwd``; ``g_cum [T, Hv]`` (fp32) is g
+    cumulated within each 64-row chunk (in log2 units) and ``A [T, Hv, 64]`` (q's
+    dtype) the solved ``(I + tril(beta K K^T))^{-1}`` blocks, the two tensors FLA's
+    own autograd keeps besides the inputs. CPU reference path: both are empty.
+    """
+    _check_gdn(q, k, v, g, beta, cu_seqlens)
+    scale = _resolve_scale(q, scale)
+    if not _uses_fla(q):
+        o = chunk_gated_delta_rule_reference(q, k, v, g, beta, cu_seqlens, scale)
+        return o, g.new_empty(0, dtype=torch.float32), q.new_empty(0)
+    from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
+
+    cu_ext, chunk_indices = fla_varlen_indices(cu_seqlens, q.shape[0])
+    g_cum, o, A, _, _, _ = chunk_gated_delta_rule_fwd(
+        q=q.contiguous().unsqueeze(0),
+        k=k.contiguous().unsqueeze(0),
+        v=v.contiguous().unsqueeze(0),
+        g=g.contiguous().unsqueeze(0),
+        beta=beta.contiguous().unsqueeze(0),
+        scale=scale,
+        initial_state=None,
+        output_final_state=False,
+        cu_seqlens=cu_ext,
+        chunk_indices=chunk_indices,
+        chunk_size=FLA_CHUNK,
+    )
+    return o.squeeze(0).to(q.dtype), g_cum.squeeze(0), A.squeeze(0)
+
+
+@chunk_gated_delta_rule_forward.register_fake
+def _(q, k, v, g, beta, cu_seqlens, scale=None):
+    _check_gdn(q, k, v, g, beta, cu_seqlens)
+    g_shape, a_shape = _aux_shapes(q, v)
+    return v.new_empty(v.shape, dtype=q.dtype), g.new_empty(g_shape, dtype=torch.float32), q.new_empty(a_shape)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::chunk_gated_delta_rule_backward", mutates_args=())
+def chunk_gated_delta_rule_backward(
+    grad_o: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    g_cum: torch.Tensor,
+    A: torch.Tensor,
+    scale: Optional[float] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dg, dbeta) of :func:`chunk_gated_delta_rule`, from the forward's saved tensors.
+
+    CUDA: FLA's ``chunk_gated_delta_rule_bwd`` (it recomputes w, u and the chunk
+    states h from A and g_cum, as in FLA's own autograd). GVA: FLA sums the key-head
+    gradients over each group of value heads. CPU: the reverse scan of the reference.
+    """
+    scale = _resolve_scale(q, scale)
+    if not _uses_fla(q):
+        return chunk_gated_delta_rule_reference_backward(grad_o, q, k, v, g, beta, cu_seqlens, scale)
+    from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_bwd
+
+    cu_ext, chunk_indices = fla_varlen_indices(cu_seqlens, q.shape[0])
+    dq, dk, dv, dbeta, dg, _, _, _ = chunk_gated_delta_rule_bwd(
+        q=q.contiguous().unsqueeze(0),
+        k=k.contiguous().unsqueeze(0),
+        v=v.contiguous().unsqueeze(0),
+        g=g_cum.unsqueeze(0),
+        beta=beta.contiguous().unsqueeze(0),
+        A=A.unsqueeze(0),
+        scale=scale,
+        initial_state=None,
+        do=grad_o.contiguous().unsqueeze(0),
+        dht=None,
+        cu_seqlens=cu_ext,
+        chunk_indices=chunk_indices,
+        chunk_size=FLA_CHUNK,
+    )
+    return (
+        dq.squeeze(0).to(q.dtype),
+        dk.squeeze(0).to(k.dtype),
+        dv.squeeze(0).to(v.dtype),
+        dg.squeeze(0).to(g.dtype),
+        dbeta.squeeze(0).to(beta.dtype),
+    )
+
+
+@chunk_gated_delta_rule_backward.register_fake
+def _(grad_o, q, k, v, g, beta, cu_seqlens, g_cum, A, scale=None):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), g.new_empty(g.shape), beta.new_empty(beta.shape)
+
+
+def _gdn_setup_context(ctx, inputs, output):
+    q, k, v, g, beta, cu_seqlens, scale = inputs
+    _, g_cum, A = output
+    ctx.save_for_backward(q, k, v, g, beta, cu_seqlens, g_cum, A)
+    ctx.scale = scale
+
+
+def _gdn_backward(ctx, grad_o, _grad_g_cum, _grad_A):
+    q, k, v, g, beta, cu_seqlens, g_cum, A = ctx.saved_tensors
+    dq, dk, dv, dg, dbeta = torch.ops.cp_ops.chunk_gated_delta_rule_backward(
+        grad_o, q, k, v, g, beta, cu_seqlens, g_cum, A, ctx.scale
+    )
+    return dq, dk, dv, dg, dbeta, None, None
+
+
+chunk_gated_delta_rule_forward.register_autograd(_gdn_backward, setup_context=_gdn_setup_context)
+
+
+# The public op returns o alone. It is CompositeImplicitAutograd over the forward op above,
+# so autograd and tracing see chunk_gated_delta_rule_forward (with its fake and backward)
+# and the auxiliary outputs reach the backward without being recomputed.
+torch.library.define(
+    f"{NAMESPACE}::chunk_gated_delta_rule",
+    "(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor cu_seqlens, float? scale=None) -> Tensor",
+)
+
+
+@torch.library.impl(f"{NAMESPACE}::chunk_gated_delta_rule", "CompositeImplicitAutograd")
+def _chunk_gated_delta_rule_composite(q, k, v, g, beta, cu_seqlens, scale=None):
+    return torch.ops.cp_ops.chunk_gated_delta_rule_forward(q, k, v, g, beta, cu_seqlens, scale)[0]
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: Optional[float] = None,
+) -> torch.Tensor:
+    """Chunked gated delta rule over packed sequences (``torch.ops.cp_ops.chunk_gated_delta_rule``).
+
+    Per sequence (zero initial state) and value head h, with key head ``h // (Hv/Hk)``
+    and state ``S [dk, dv]``::
+
+        S_t = exp(g_t) S_{t-1};  S_t = S_t + k_t (beta_t (v_t - S_t^T k_t))^T;  o_t = scale S_t^T q_t
+
+    q, k ``[T, Hk, dk]`` (not normalised here), v ``[T, Hv, dv]``, g (log decay,
+    float32) and beta ``[T, Hv]``, ``Hv % Hk == 0``, cu_seqlens ``[B+1]``
+    (``cu[-1] = T``), scale default ``dk ** -0.5``. Returns o ``[T, Hv, dv]`` in q's
+    dtype. Differentiable in q, k, v, g, beta. CUDA: FLA's chunked kernels (GVA
+    handled by FLA natively), q/k/v in bf16 or fp16, ``dk, dv <= 256``; CPU: the
+    sequential torch reference.
+    """
+    return torch.ops.cp_ops.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, scale)
