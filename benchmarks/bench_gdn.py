@@ -96,6 +96,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[32768, 65536])
     parser.add_argument("--seqs", type=int, nargs="+", default=[8, 64])
+    parser.add_argument("--out", help="also write the table to this markdown file")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_gdn needs a CUDA device")
@@ -107,16 +108,19 @@ def main() -> None:
     cases = [(t, b) for t in args.tokens for b in args.seqs]
     results = {case: bench_case(layer, *case) for case in cases}
 
-    print(f"## GatedDeltaNet (hidden {HIDDEN}, Hk {HK}, Hv {HV}, dk = dv = {DK}), bf16, median ms\n")
-    print(
+    lines = [
+        f"## GatedDeltaNet (hidden {HIDDEN}, Hk {HK}, Hv {HV}, dk = dv = {DK}), bf16, median ms\n",
         f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
-        f"fla {getattr(fla, '__version__', '?')}, {datetime.date.today().isoformat()}\n"
-    )
-    header = "| | " + " | ".join(f"T={t} B={b}" for t, b in cases) + " |"
-    print(header)
-    print("|---" * (len(cases) + 1) + "|")
+        f"fla {getattr(fla, '__version__', '?')}, {datetime.date.today().isoformat()}\n",
+        "| | " + " | ".join(f"T={t} B={b}" for t, b in cases) + " |",
+        "|---" * (len(cases) + 1) + "|",
+    ]
     for name in results[cases[0]]:
-        print(f"| {name} | " + " | ".join(f"{results[c][name]:.3f}" for c in cases) + " |")
+        lines.append(f"| {name} | " + " | ".join(f"{results[c][name]:.3f}" for c in cases) + " |")
+    print("\n".join(lines))
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
