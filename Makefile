@@ -10,7 +10,7 @@ test: deps test-cpu test-interpret
 # multi-GB CUDA build); an installed torch is kept. Then this package and its test extras.
 deps:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install -q torch==2.13.0
-	@$(PYTHON) -c "import triton, fla, einops, pytest, hypothesis, custom_ops" 2>/dev/null || $(PYTHON) -m pip install -q -e ".[test]"
+	@$(PYTHON) -c "import triton, fla, einops, pytest, hypothesis, matplotlib, custom_ops" 2>/dev/null || $(PYTHON) -m pip install -q -e ".[test]"
 
 test-cpu:
 	$(PYTHON) -m pytest -m "not interpret"
