@@ -9,6 +9,7 @@ import custom_ops  # noqa: F401  (registers torch.ops.cp_ops.*)
 from cp_ops.gdn import GatedDeltaNet, from_qwen3_next_state_dict
 from cp_ops.layout import (
     local_cu_seqlens,
+    local_positions,
     pack,
     pad_cu_seqlens,
     rank_to_seq_index,
@@ -26,6 +27,7 @@ __all__ = [
     "validate_thd",
     "validate_offsets",
     "local_cu_seqlens",
+    "local_positions",
     "shard_thd",
     "unshard_thd",
     "pack",

@@ -30,6 +30,7 @@ __all__ = [
     "validate_thd",
     "validate_offsets",
     "local_cu_seqlens",
+    "local_positions",
     "shard_thd",
     "unshard_thd",
     "pack",
@@ -146,6 +147,26 @@ def local_cu_seqlens(cu_seqlens_padded: torch.Tensor, cp_size: int) -> torch.Ten
     """Offsets of the sequences in every rank's local shard: ``cu_seqlens_padded / cp_size``."""
     check_cp_size(cp_size)
     return torch.div(cu_seqlens_padded, cp_size, rounding_mode="floor")
+
+
+def local_positions(cu_seqlens_padded: torch.Tensor, cp_size: int, rank: int, num_local_rows: int) -> torch.Tensor:
+    """Position within its sequence of every row of rank ``rank``'s shard (int64, ``[T/W]``).
+
+    Local row x of sequence i (``0 <= x < 2c_i``) sits at ``j*c_i + (x mod c_i)`` with
+    ``j = rank`` if ``x < c_i`` else ``2W-1-rank``. With ``cp_size = 1`` this is the
+    plain position ``row - cu_seqlens_padded[i]``. Computed on the device, no host sync
+    (usable inside compiled code, e.g. for rotary embeddings).
+    """
+    cup = cu_seqlens_padded.to(torch.int64)
+    w = cp_size
+    local = torch.arange(num_local_rows, device=cup.device, dtype=torch.int64)
+    last_seq = max(cup.numel() - 2, 0)
+    i = (torch.searchsorted(cup, local * w, right=True) - 1).clamp(0, last_seq)
+    start, end = cup[i], cup[(i + 1).clamp(max=cup.numel() - 1)]
+    c = (end - start) // (2 * w)
+    x = local - start // w
+    first = x < c
+    return torch.where(first, rank * c + x, (2 * w - 1 - rank) * c + x - c)
 
 
 def shard_thd(x: torch.Tensor, cu_seqlens_padded: torch.Tensor, cp_size: int, rank: int) -> torch.Tensor:

@@ -100,3 +100,13 @@ def test_shard_thd_bad_input():
         cp_ops.shard_thd(x, cup, 2, 2)
     with pytest.raises(ValueError, match="expected 2 shards"):
         cp_ops.unshard_thd([x[:10]], cup, 2)
+
+
+@given(thd_layouts())
+def test_local_positions_match_shard_of_global_positions(layout):
+    cp_size, seqlens = layout
+    _, cup = cp_ops.pad_cu_seqlens(seqlens, cp_size)
+    global_pos = torch.cat([torch.arange(int(n)) for n in cup.diff()] + [torch.zeros(0, dtype=torch.long)])
+    for r in range(cp_size):
+        expected = cp_ops.shard_thd(global_pos, cup, cp_size, r)
+        assert torch.equal(cp_ops.local_positions(cup, cp_size, r, int(cup[-1]) // cp_size), expected)
