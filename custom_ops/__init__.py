@@ -6,6 +6,8 @@ and ``torch.ops.cp_ops.<name>``. Each op folder holds ``kernels.py`` (Triton),
 (registration, fake, autograd).
 """
 
+from custom_ops.permute_sections.op import permute_sections, unpermute_sections
+from custom_ops.permute_sections.reference import permute_sections_reference, unpermute_sections_reference
 from custom_ops.thd_copy_valid_tokens.op import thd_copy_valid_tokens, thd_copy_valid_tokens_
 from custom_ops.thd_copy_valid_tokens.reference import thd_copy_valid_tokens_reference
 from custom_ops.thd_reorder.op import thd_rank_to_seq_order, thd_seq_to_rank_order
@@ -19,4 +21,8 @@ __all__ = [
     "thd_seq_to_rank_order_reference",
     "thd_rank_to_seq_order_reference",
     "thd_copy_valid_tokens_reference",
+    "permute_sections",
+    "unpermute_sections",
+    "permute_sections_reference",
+    "unpermute_sections_reference",
 ]
