@@ -6,6 +6,17 @@ the torch.library ops it builds on live in ``custom_ops`` and are registered as
 """
 
 import custom_ops  # noqa: F401  (registers torch.ops.cp_ops.*)
+from cp_ops.comm import (
+    all_gather_rows,
+    all_to_all_rows,
+    group_size,
+    reduce_scatter_rows,
+    resolve_group,
+    thd_cp2hp,
+    thd_cp2hp_reference,
+    thd_hp2cp,
+    thd_hp2cp_reference,
+)
 from cp_ops.gdn import GatedDeltaNet, from_qwen3_next_state_dict
 from cp_ops.layout import (
     local_cu_seqlens,
@@ -33,6 +44,15 @@ __all__ = [
     "pack",
     "seq_to_rank_index",
     "rank_to_seq_index",
+    "resolve_group",
+    "group_size",
+    "all_gather_rows",
+    "reduce_scatter_rows",
+    "all_to_all_rows",
+    "thd_cp2hp",
+    "thd_hp2cp",
+    "thd_cp2hp_reference",
+    "thd_hp2cp_reference",
     "GatedDeltaNet",
     "from_qwen3_next_state_dict",
 ]

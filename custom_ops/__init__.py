@@ -6,6 +6,8 @@ and ``torch.ops.cp_ops.<name>``. Each op folder holds ``kernels.py`` (Triton),
 (registration, fake, autograd).
 """
 
+from custom_ops.permute_sections.op import permute_sections, unpermute_sections
+from custom_ops.permute_sections.reference import permute_sections_reference, unpermute_sections_reference
 from custom_ops.gdn.op import causal_conv1d, chunk_gated_delta_rule
 from custom_ops.gdn.reference import causal_conv1d_reference, chunk_gated_delta_rule_reference
 from custom_ops.thd_copy_valid_tokens.op import thd_copy_valid_tokens, thd_copy_valid_tokens_
@@ -21,6 +23,10 @@ __all__ = [
     "thd_seq_to_rank_order_reference",
     "thd_rank_to_seq_order_reference",
     "thd_copy_valid_tokens_reference",
+    "permute_sections",
+    "unpermute_sections",
+    "permute_sections_reference",
+    "unpermute_sections_reference",
     "causal_conv1d",
     "chunk_gated_delta_rule",
     "causal_conv1d_reference",

@@ -1,0 +1,268 @@
+"""Process-group handling, functional-collective shims and the fused CP <-> head-parallel all-to-all.
+
+Groups cross op boundaries as a group name string (traceable, hashable); the
+Python entry points take a ``ProcessGroup``, a 1-D ``DeviceMesh`` or ``None``
+(no context parallelism) and resolve it with :func:`resolve_group`.
+
+CP -> head parallel (``thd_cp2hp``), on rank r of a CP group of size W:
+the local shard ``x_cp [T/W, ..., F]`` (rows of every sequence's chunks r and
+2W-1-r) becomes ``x_hp [T, ..., F/W]``: every row of the batch, in sequence
+order, with rank r's slice of every feature section. In three passes:
+
+1. send ``[W, T/W, ..., F/W]``: block d holds rank d's slice of every section of
+   the local rows (the section permutation, written straight into the rank-major
+   send layout by one kernel; no separate transpose).
+2. one all-to-all of equal splits: block d goes to rank d; what arrives is
+   ``[T, ..., F/W]`` in rank order (rank 0's rows first).
+3. rank order -> sequence order (``thd_rank_to_seq_order``), index map on the device.
+
+``thd_hp2cp`` runs the same passes backwards, and each is the other's gradient.
+All sequences and sections travel in the one all-to-all; nothing reads tensor
+values on the host, so one compiled graph serves every packing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch.library import triton_op
+
+import custom_ops
+from custom_ops._common import NAMESPACE, check_index_tensor
+from custom_ops.permute_sections.op import check_sections, rank_blocks_to_sections, sections_to_rank_blocks
+from custom_ops.permute_sections.reference import permute_sections_reference, unpermute_sections_reference
+
+__all__ = [
+    "resolve_group",
+    "group_size",
+    "all_gather_rows",
+    "reduce_scatter_rows",
+    "all_to_all_rows",
+    "thd_cp2hp",
+    "thd_hp2cp",
+    "thd_cp2hp_reference",
+    "thd_hp2cp_reference",
+]
+
+# --- shims over names that moved between torch releases ----------------------------------------
+
+# Newer releases call the autograd-aware gather / reduce-scatter *_single_autograd and keep the
+# *_tensor_autograd names as deprecated aliases; older ones only have the latter.
+_all_gather_autograd = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+_reduce_scatter_autograd = (
+    getattr(funcol, "reduce_scatter_single_autograd", None) or funcol.reduce_scatter_tensor_autograd
+)
+
+
+def group_size(group_name: str) -> int:
+    """The number of ranks in the process group registered under ``group_name``."""
+    by_name = getattr(dist.distributed_c10d, "_get_group_size_by_name", None)
+    if by_name is not None:
+        return by_name(group_name)
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(group_name).size()
+
+
+def _group_name(pg: dist.ProcessGroup) -> str:
+    name = getattr(pg, "group_name", None)
+    return name if name is not None else dist.distributed_c10d._get_process_group_name(pg)
+
+
+def resolve_group(group) -> tuple[str | None, int]:
+    """``(group_name, world_size)`` for a ``ProcessGroup``, a 1-D ``DeviceMesh`` or ``None``.
+
+    ``None`` means no context parallelism: ``(None, 1)``.
+    """
+    if group is None:
+        return None, 1
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(group, DeviceMesh):
+        if group.ndim != 1:
+            raise ValueError(
+                f"group: a DeviceMesh must be 1-D (the CP dimension), got {group.ndim}-D; pass mesh['cp'] or similar"
+            )
+        group = group.get_group()
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group must be a ProcessGroup, a 1-D DeviceMesh or None, got {type(group).__name__}")
+    return _group_name(group), group.size()
+
+
+def all_gather_rows(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    """``[R, ...]`` on each of W ranks -> ``[W*R, ...]``, rank 0's rows first (rank order).
+
+    Differentiable: the gradient is the reduce-scatter (sum) of the output gradient.
+    In eager mode the result may be an ``AsyncCollectiveTensor`` that waits on first use.
+    """
+    return _all_gather_autograd(x.contiguous(), 0, group_name)
+
+
+def reduce_scatter_rows(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    """``[W*R, ...]`` on each of W ranks -> ``[R, ...]``: rank r gets the sum over ranks of rows
+    ``[r*R, (r+1)*R)``. Differentiable: the gradient is the all-gather of the output gradient."""
+    return _reduce_scatter_autograd(x.contiguous(), "sum", 0, group_name)
+
+
+def all_to_all_rows(x: torch.Tensor, group_name: str, world: int) -> torch.Tensor:
+    """``[W*R, ...]`` -> ``[W*R, ...]``: rows ``[d*R, (d+1)*R)`` go to rank d; the result holds
+    rank s's block for this rank at rows ``[s*R, (s+1)*R)``. Not differentiable by itself;
+    meant for op bodies, which own their autograd. Blocks until the data has arrived
+    (on CUDA: until the exchange is ordered on the current stream)."""
+    rows = x.shape[0] // world
+    splits = [rows] * world
+    out = torch.ops._c10d_functional.all_to_all_single(x.contiguous(), splits, splits, group_name)
+    return torch.ops._c10d_functional.wait_tensor(out)
+
+
+# --- the ops --------------------------------------------------------------------------------------
+
+
+def _check_cp2hp(x_cp: torch.Tensor, cu_seqlens_padded: torch.Tensor, sections, world: int) -> None:
+    if not isinstance(x_cp, torch.Tensor):
+        raise TypeError(f"x_cp must be a torch.Tensor, got {type(x_cp).__name__}")
+    if x_cp.dim() < 2:
+        raise ValueError(f"x_cp must be [T/W, ..., F] (rows, then features last), got shape {tuple(x_cp.shape)}")
+    check_index_tensor("cu_seqlens_padded", cu_seqlens_padded, x_cp.device)
+    if x_cp.shape[0] % 2:
+        raise ValueError(
+            f"x_cp has {x_cp.shape[0]} rows; a local shard has T/W rows, two chunks per sequence, "
+            "so an even number"
+        )
+    check_sections("x_cp", x_cp.shape[-1], sections, world, world="the CP group size")
+
+
+def _check_hp2cp(y_hp: torch.Tensor, cu_seqlens_padded: torch.Tensor, sections, world: int) -> None:
+    if not isinstance(y_hp, torch.Tensor):
+        raise TypeError(f"y_hp must be a torch.Tensor, got {type(y_hp).__name__}")
+    if y_hp.dim() < 2:
+        raise ValueError(f"y_hp must be [T, ..., F/W] (rows, then features last), got shape {tuple(y_hp.shape)}")
+    check_index_tensor("cu_seqlens_padded", cu_seqlens_padded, y_hp.device)
+    if y_hp.shape[0] % (2 * world):
+        raise ValueError(
+            f"y_hp has {y_hp.shape[0]} rows, not a multiple of 2*W = {2 * world} for a CP group of {world} "
+            "ranks; y_hp must hold all T rows of the batch (is the group the one the layout was built for?)"
+        )
+    check_sections("y_hp", y_hp.shape[-1], sections, 1)
+
+
+@triton_op(f"{NAMESPACE}::thd_cp2hp", mutates_args=())
+def _thd_cp2hp(x_cp: torch.Tensor, cu_seqlens_padded: torch.Tensor, sections: list[int], group_name: str) -> torch.Tensor:
+    world = group_size(group_name)
+    _check_cp2hp(x_cp, cu_seqlens_padded, sections, world)
+    send = sections_to_rank_blocks(x_cp, sections, world)  # [W, T/W, ..., F/W]
+    recv = all_to_all_rows(send.flatten(0, 1), group_name, world)  # [T, ..., F/W], rank order
+    return custom_ops.thd_rank_to_seq_order(recv, cu_seqlens_padded, world)
+
+
+@_thd_cp2hp.register_fake
+def _(x_cp, cu_seqlens_padded, sections, group_name):
+    world = group_size(group_name)
+    _check_cp2hp(x_cp, cu_seqlens_padded, sections, world)
+    return x_cp.new_empty((x_cp.shape[0] * world,) + tuple(x_cp.shape[1:-1]) + (x_cp.shape[-1] // world,))
+
+
+@triton_op(f"{NAMESPACE}::thd_hp2cp", mutates_args=())
+def _thd_hp2cp(y_hp: torch.Tensor, cu_seqlens_padded: torch.Tensor, sections: list[int], group_name: str) -> torch.Tensor:
+    world = group_size(group_name)
+    _check_hp2cp(y_hp, cu_seqlens_padded, sections, world)
+    send = custom_ops.thd_seq_to_rank_order(y_hp, cu_seqlens_padded, world)  # [T, ..., F/W], rank order
+    recv = all_to_all_rows(send, group_name, world)  # block d: rank d's features of the local rows
+    blocks = recv.unflatten(0, (world, recv.shape[0] // world))  # [W, T/W, ..., F/W]
+    return rank_blocks_to_sections(blocks, [s * world for s in sections], world)
+
+
+@_thd_hp2cp.register_fake
+def _(y_hp, cu_seqlens_padded, sections, group_name):
+    world = group_size(group_name)
+    _check_hp2cp(y_hp, cu_seqlens_padded, sections, world)
+    return y_hp.new_empty((y_hp.shape[0] // world,) + tuple(y_hp.shape[1:-1]) + (y_hp.shape[-1] * world,))
+
+
+def _setup_context(ctx, inputs, output):
+    _, ctx.cu_seqlens_padded, ctx.sections, ctx.group_name = inputs
+    ctx.world = group_size(ctx.group_name)
+
+
+def _cp2hp_backward(ctx, grad):
+    local = [s // ctx.world for s in ctx.sections]
+    return _thd_hp2cp(grad, ctx.cu_seqlens_padded, local, ctx.group_name), None, None, None
+
+
+def _hp2cp_backward(ctx, grad):
+    full = [s * ctx.world for s in ctx.sections]
+    return _thd_cp2hp(grad, ctx.cu_seqlens_padded, full, ctx.group_name), None, None, None
+
+
+_thd_cp2hp.register_autograd(_cp2hp_backward, setup_context=_setup_context)
+_thd_hp2cp.register_autograd(_hp2cp_backward, setup_context=_setup_context)
+
+
+# --- Python entry points ----------------------------------------------------------------------------
+
+
+def thd_cp2hp(
+    x_cp: torch.Tensor, cu_seqlens_padded: torch.Tensor, sections: Sequence[int], group=None
+) -> torch.Tensor:
+    """Context parallel -> head parallel, with one all-to-all for all sequences and sections.
+
+    x_cp: ``[T/W, ..., F]`` this rank's THD shard (see DESIGN section 2); its last dim
+    is a concatenation of sections of widths ``sections`` (each divisible by W).
+    cu_seqlens_padded: ``[B+1]`` global padded offsets (``T = cu_seqlens_padded[-1]``).
+    group: ``ProcessGroup``, 1-D ``DeviceMesh``, or ``None`` (no CP: W = 1 and the
+    result is a copy of ``x_cp``, the section permutation being the identity).
+
+    Returns ``x_hp [T, ..., F/W]`` in sequence order; its features are this rank's
+    contiguous slice (width ``s/W``) of every section, in section order. Equal to
+    ``permute_sections(x, sections, W)[..., r*F/W:(r+1)*F/W]`` for the global
+    sequence-order ``x``. Differentiable; the gradient is :func:`thd_hp2cp`.
+    Also ``torch.ops.cp_ops.thd_cp2hp(x_cp, cu_seqlens_padded, sections, group_name)``.
+    """
+    group_name, world = resolve_group(group)
+    sections = [int(s) for s in sections]
+    if group_name is None:
+        _check_cp2hp(x_cp, cu_seqlens_padded, sections, world)
+        return custom_ops.permute_sections(x_cp, sections, 1)
+    return _thd_cp2hp(x_cp, cu_seqlens_padded, sections, group_name)
+
+
+def thd_hp2cp(
+    y_hp: torch.Tensor, cu_seqlens_padded: torch.Tensor, sections: Sequence[int], group=None
+) -> torch.Tensor:
+    """Head parallel -> context parallel: the inverse of :func:`thd_cp2hp`.
+
+    y_hp: ``[T, ..., F/W]`` in sequence order, features = this rank's slice of every
+    section; ``sections`` are the *local* widths (global width / W).
+    Returns this rank's THD shard ``[T/W, ..., F]`` with the sections whole again.
+    Differentiable; the gradient is :func:`thd_cp2hp`.
+    Also ``torch.ops.cp_ops.thd_hp2cp(y_hp, cu_seqlens_padded, sections, group_name)``.
+    """
+    group_name, world = resolve_group(group)
+    sections = [int(s) for s in sections]
+    if group_name is None:
+        _check_hp2cp(y_hp, cu_seqlens_padded, sections, world)
+        return custom_ops.unpermute_sections(y_hp, sections, 1)
+    return _thd_hp2cp(y_hp, cu_seqlens_padded, sections, group_name)
+
+
+# --- single-process references (test oracles) ----------------------------------------------------
+
+
+def thd_cp2hp_reference(x: torch.Tensor, sections: Sequence[int], cp_size: int, rank: int) -> torch.Tensor:
+    """What :func:`thd_cp2hp` returns on ``rank``, from the global sequence-order ``x [T, ..., F]``."""
+    local = x.shape[-1] // cp_size
+    return permute_sections_reference(x, list(sections), cp_size)[..., rank * local : (rank + 1) * local]
+
+
+def thd_hp2cp_reference(
+    y_hp_all: Sequence[torch.Tensor], cu_seqlens_padded: torch.Tensor, sections: Sequence[int], cp_size: int, rank: int
+) -> torch.Tensor:
+    """What :func:`thd_hp2cp` returns on ``rank``, from every rank's ``y_hp [T, ..., F/W]``
+    (rank 0 first; ``sections`` are the local widths)."""
+    from cp_ops.layout import shard_thd
+
+    full = unpermute_sections_reference(torch.cat(list(y_hp_all), dim=-1), [s * cp_size for s in sections], cp_size)
+    return shard_thd(full, cu_seqlens_padded, cp_size, rank)

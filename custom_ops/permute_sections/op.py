@@ -1,0 +1,213 @@
+"""Head-section permutation for CP <-> head-parallel conversions, as torch.library ops.
+
+Also home of the two fused layout steps of the all-to-all in :mod:`cp_ops.comm`
+(:func:`sections_to_rank_blocks`, :func:`rank_blocks_to_sections`): the same
+kernel writing or reading the rank-blocked ``[W, rows, F/W]`` layout directly,
+so the all-to-all send buffer is built in one pass with no separate transpose.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+from torch.library import triton_op, wrap_triton
+
+from custom_ops._common import _WORD_DTYPES, NAMESPACE, check_cp_size, row_tile, use_triton
+from custom_ops.permute_sections.kernels import permute_sections_kernel
+from custom_ops.permute_sections.reference import permute_sections_reference, unpermute_sections_reference
+
+
+def check_sections(name: str, width: int, sections, cp_size: int, world: str = "cp_size") -> list[int]:
+    """Checks that ``sections`` tile a last dim of ``width`` and each splits over ``cp_size``
+    ranks (called ``world`` in the messages); returns the local (per-rank) widths.
+
+    Under ``torch.compile(dynamic=True)`` the widths and ``cp_size`` may arrive symbolic;
+    they are model constants and the kernel is specialised on them, so they are
+    specialised (guarded) here.
+    """
+    cp_size = _concrete(cp_size)
+    check_cp_size(cp_size)
+    if not isinstance(sections, (list, tuple)) or not all(
+        isinstance(s, (int, torch.SymInt)) and not isinstance(s, bool) for s in sections
+    ):
+        raise TypeError(f"sections must be a list of ints, got {sections!r}")
+    sections = [int(s) for s in sections]
+    for b, s in enumerate(sections):
+        if s < 0:
+            raise ValueError(f"sections[{b}] = {s} is negative")
+        if s % cp_size:
+            raise ValueError(f"sections[{b}] = {s} is not divisible by {world} = {cp_size}")
+    if sum(sections) != width:
+        raise ValueError(f"sections {list(sections)} sum to {sum(sections)}, but {name} has {width} features (last dim)")
+    return [s // cp_size for s in sections]
+
+
+def _concrete(cp_size):
+    return int(cp_size) if isinstance(cp_size, torch.SymInt) else cp_size
+
+
+def _check(x: torch.Tensor, sections, cp_size: int) -> list[int]:
+    """Checks x and sections; returns the local widths (concrete ints)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() < 1:
+        raise ValueError("x must have a feature dimension (last dim), got a 0-d tensor")
+    return check_sections("x", x.shape[-1], sections, cp_size)
+
+
+def _words(x: torch.Tensor, num_cols: int) -> tuple[torch.Tensor, int]:
+    """``x`` as a contiguous ``[R, num_cols * k]`` integer matrix of the same bytes, and k
+    (words per element: 1, or 2 for 16-byte elements moved as two int64 words)."""
+    x2 = x.contiguous().reshape(math.prod(x.shape[:-1]), num_cols)
+    size = x.element_size()
+    if size in _WORD_DTYPES:
+        return x2.view(_WORD_DTYPES[size]), 1
+    return x2.view(torch.int64), size // 8
+
+
+def _launch(plain: torch.Tensor, blocked: torch.Tensor, local_widths, cp_size: int, k: int, blocked_strides, to_blocks):
+    rows, cols = plain.shape
+    if rows == 0 or cols == 0:
+        return
+    loff = [0]
+    for w in local_widths:
+        loff.append(loff[-1] + w * k)
+    block_r, block_c = row_tile(cols, plain.element_size())
+    grid = (triton.cdiv(rows, block_r), triton.cdiv(cols, block_c))
+    wrap_triton(permute_sections_kernel)[grid](
+        plain,
+        blocked,
+        rows,
+        cp_size,
+        blocked_strides[0],
+        blocked_strides[1],
+        LOFF=tuple(loff),
+        TO_BLOCKS=to_blocks,
+        BLOCK_R=block_r,
+        BLOCK_C=block_c,
+        num_warps=4,
+    )
+
+
+def _permute(x: torch.Tensor, sections, cp_size: int, rank_blocks: bool) -> torch.Tensor:
+    cp_size = _concrete(cp_size)
+    local = _check(x, sections, cp_size)
+    sections = [int(s) for s in sections]
+    num_cols, local_cols = x.shape[-1], x.shape[-1] // cp_size
+    lead = tuple(x.shape[:-1])
+    if not use_triton(x):
+        out = permute_sections_reference(x, sections, cp_size)
+        if rank_blocks:
+            out = out.unflatten(-1, (cp_size, local_cols)).movedim(-2, 0)
+        return out.contiguous()
+    if x.numel() == 0:  # nothing to move (and no word view of an empty tensor is needed)
+        return x.new_empty(((cp_size,) + lead + (local_cols,)) if rank_blocks else x.shape)
+    plain, k = _words(x, num_cols)
+    rows = plain.shape[0]
+    if rank_blocks:
+        out = plain.new_empty((cp_size, rows, local_cols * k))
+        strides = (rows * local_cols * k, local_cols * k)
+        shape = (cp_size,) + lead + (local_cols,)
+    else:
+        out = torch.empty_like(plain)
+        strides = (local_cols * k, num_cols * k)
+        shape = x.shape
+    _launch(plain, out, local, cp_size, k, strides, to_blocks=True)
+    return out.view(x.dtype).view(shape)
+
+
+def _unpermute(x: torch.Tensor, sections, cp_size: int, rank_blocks: bool) -> torch.Tensor:
+    """``rank_blocks``: x is ``[W, ..., F/W]`` and the result ``[..., F]``; else both ``[..., F]``."""
+    cp_size = _concrete(cp_size)
+    if rank_blocks:
+        if not isinstance(x, torch.Tensor) or x.dim() < 2 or x.shape[0] != cp_size:
+            raise ValueError(f"rank blocks must be [cp_size = {cp_size}, ..., F/cp_size], got {tuple(x.shape)}")
+        num_cols = x.shape[-1] * cp_size
+        check_sections("the rank blocks", num_cols, sections, cp_size)
+        lead = tuple(x.shape[1:-1])
+    else:
+        _check(x, sections, cp_size)
+        num_cols = x.shape[-1]
+        lead = tuple(x.shape[:-1])
+    sections = [int(s) for s in sections]
+    local = [s // cp_size for s in sections]
+    local_cols = num_cols // cp_size
+    if not use_triton(x):
+        plain = x.movedim(0, -2).flatten(-2) if rank_blocks else x
+        return unpermute_sections_reference(plain, sections, cp_size).contiguous()
+    if x.numel() == 0:
+        return x.new_empty(lead + (num_cols,))
+    src = x.contiguous()
+    size = x.element_size()
+    word = _WORD_DTYPES.get(size, torch.int64)
+    k = 1 if size in _WORD_DTYPES else size // 8
+    rows = math.prod(lead)
+    blocked = src.view(word)
+    out = torch.empty((rows, num_cols * k), dtype=word, device=x.device)
+    if rank_blocks:
+        strides = (rows * local_cols * k, local_cols * k)
+    else:
+        strides = (local_cols * k, num_cols * k)
+    _launch(out, blocked, local, cp_size, k, strides, to_blocks=False)
+    return out.view(x.dtype).view(lead + (num_cols,))
+
+
+def sections_to_rank_blocks(x: torch.Tensor, sections: list[int], cp_size: int) -> torch.Tensor:
+    """``[..., F]`` -> ``[W, ..., F/W]``: block d is rank d's slice of every section, in section
+    order (``permute_sections`` with the rank blocks moved to the front), in one kernel pass.
+    Not an op: called inside the CP <-> head-parallel ops, which own the autograd."""
+    return _permute(x, sections, cp_size, rank_blocks=True)
+
+
+def rank_blocks_to_sections(blocks: torch.Tensor, sections: list[int], cp_size: int) -> torch.Tensor:
+    """The inverse of :func:`sections_to_rank_blocks`: ``[W, ..., F/W]`` -> ``[..., F]``."""
+    return _unpermute(blocks, sections, cp_size, rank_blocks=True)
+
+
+@triton_op(f"{NAMESPACE}::permute_sections", mutates_args=())
+def permute_sections(x: torch.Tensor, sections: list[int], cp_size: int) -> torch.Tensor:
+    """Regroup the sections of the last dim by rank.
+
+    x: ``[..., F]``, any dtype; the last dim is a concatenation of sections of widths
+    ``sections`` (each divisible by ``W = cp_size``, summing to F). Returns ``[..., F]``
+    whose block d (columns ``[d*F/W, (d+1)*F/W)``) is rank d's contiguous slice
+    (width ``s/W``) of every section, in section order. Moves bits exactly;
+    differentiable (the gradient is :func:`unpermute_sections`).
+    """
+    return _permute(x, sections, cp_size, rank_blocks=False)
+
+
+@permute_sections.register_fake
+def _(x, sections, cp_size):
+    _check(x, sections, cp_size)
+    return x.new_empty(x.shape)
+
+
+@triton_op(f"{NAMESPACE}::unpermute_sections", mutates_args=())
+def unpermute_sections(x: torch.Tensor, sections: list[int], cp_size: int) -> torch.Tensor:
+    """The inverse of :func:`permute_sections` (``sections`` are the global widths)."""
+    return _unpermute(x, sections, cp_size, rank_blocks=False)
+
+
+@unpermute_sections.register_fake
+def _(x, sections, cp_size):
+    _check(x, sections, cp_size)
+    return x.new_empty(x.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    _, ctx.sections, ctx.cp_size = inputs
+
+
+def _permute_backward(ctx, grad):
+    return unpermute_sections(grad, ctx.sections, ctx.cp_size), None, None
+
+
+def _unpermute_backward(ctx, grad):
+    return permute_sections(grad, ctx.sections, ctx.cp_size), None, None
+
+
+permute_sections.register_autograd(_permute_backward, setup_context=_setup_context)
+unpermute_sections.register_autograd(_unpermute_backward, setup_context=_setup_context)

@@ -1,0 +1,258 @@
+"""thd_cp2hp / thd_hp2cp and the collective shims on real gloo process groups.
+
+Every rank builds the same global tensors from a seed, runs the conversion on
+its own shard and compares with the single-process reference computed from
+the global tensor. Spawning ranks costs seconds, so hypothesis draws a whole
+list of cases in the parent and one spawn of 4 ranks covers CP sizes 1-4 through
+subgroups of ranks ``[0, W)`` (which also exercises groups other than WORLD).
+Layout ops move bits, so every comparison is exact.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cp_ops import (
+    all_gather_rows,
+    pad_cu_seqlens,
+    reduce_scatter_rows,
+    resolve_group,
+    shard_thd,
+    thd_cp2hp,
+    thd_cp2hp_reference,
+    thd_hp2cp,
+    thd_hp2cp_reference,
+    validate_thd,
+)
+from custom_ops.testing import random_tensor
+from tests._dist import run_ranks
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float64, torch.int64)
+
+
+@st.composite
+def _case(draw):
+    """(seqlens, section multiples, middle shape, dtype, seed); sections are ``multiple * W``."""
+    seqlens = draw(st.lists(st.one_of(st.just(0), st.just(1), st.integers(0, 30)), min_size=1, max_size=5))
+    multiples = draw(st.lists(st.integers(0, 3), min_size=1, max_size=5))
+    multiples[0] = max(multiples[0], 1)  # at least one feature; zero-width sections elsewhere
+    mid = draw(st.sampled_from([(), (2,)]))
+    return seqlens, multiples, mid, draw(st.sampled_from(DTYPES)), draw(st.integers(0, 2**31 - 1))
+
+
+def _global_data(case, world):
+    seqlens, multiples, mid, dtype, seed = case
+    sections = [m * world for m in multiples]
+    _, cup = pad_cu_seqlens(seqlens, world)
+    rows, features = int(cup[-1]), sum(sections)
+    gen = torch.Generator().manual_seed(seed)
+    x = random_tensor((rows,) + mid + (features,), dtype, generator=gen)
+    y_all = [random_tensor((rows,) + mid + (features // world,), dtype, generator=gen) for _ in range(world)]
+    return sections, cup, x, y_all, gen
+
+
+def _check_cases(rank, world, cases, group):
+    for case in cases:
+        sections, cup, x, y_all, gen = _global_data(case, world)
+        local = [s // world for s in sections]
+        x_cp = shard_thd(x, cup, world, rank)
+
+        x_hp = thd_cp2hp(x_cp, cup, sections, group)
+        assert torch.equal(x_hp, thd_cp2hp_reference(x, sections, world, rank)), case
+        assert torch.equal(thd_hp2cp(x_hp, cup, local, group), x_cp), case
+
+        y_cp = thd_hp2cp(y_all[rank], cup, local, group)
+        assert torch.equal(y_cp, thd_hp2cp_reference(y_all, cup, local, world, rank)), case
+        assert torch.equal(thd_cp2hp(y_cp, cup, sections, group), y_all[rank]), case
+
+        # gradients: backward of one conversion is the other applied to the gradient
+        grads_hp = [random_tensor(y.shape, torch.float64, generator=gen) for y in y_all]
+        grad_x = random_tensor(x.shape, torch.float64, generator=gen)
+        x_in = x_cp.double().requires_grad_()
+        thd_cp2hp(x_in, cup, sections, group).backward(grads_hp[rank])
+        assert torch.equal(x_in.grad, thd_hp2cp_reference(grads_hp, cup, local, world, rank)), case
+        y_in = y_all[rank].double().requires_grad_()
+        thd_hp2cp(y_in, cup, local, group).backward(shard_thd(grad_x, cup, world, rank))
+        assert torch.equal(y_in.grad, thd_cp2hp_reference(grad_x, sections, world, rank)), case
+
+
+CP_SIZES = (1, 2, 3, 4)
+
+
+def _check_cases_all_sizes(rank, num_ranks, cases):
+    for world in CP_SIZES:
+        group = dist.new_group(list(range(world)))  # every rank takes part in creating it
+        if rank < world:
+            _check_cases(rank, world, cases, group)
+
+
+def _drawn_cases(limit: int | None = None) -> list:
+    """The examples hypothesis generates for :func:`_case` under the active profile (its first
+    example is the simplest one, so a single drawn list would be trivial): collected in the
+    parent, then checked in one spawn. A failure names its case in the assertion message."""
+    cases = []
+    n = settings.default.max_examples if limit is None else min(limit, settings.default.max_examples)
+
+    @settings(max_examples=n, database=None)
+    @given(_case())
+    def collect(case):
+        cases.append(case)
+
+    collect()
+    return cases
+
+
+@pytest.mark.dist
+def test_matches_reference_round_trips_and_gradients():
+    cases = _drawn_cases()
+    assert len(cases) > 5 and any(len(c[0]) > 2 and len(c[1]) > 2 for c in cases)  # not just trivial layouts
+    run_ranks(max(CP_SIZES), _check_cases_all_sizes, cases)
+
+
+# --- compiled, one all-to-all, group forms, baseline, shims, bad input (one spawn) ------------------
+
+
+def _all_to_all_counting_backend(counts):
+    """An AOT backend that records how many all-to-alls each graph (forward, backward) holds."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def compiler(gm, example_inputs):
+        a2a = torch.ops._c10d_functional.all_to_all_single.default
+        counts.append(sum(node.target is a2a for node in gm.graph.nodes))
+        return make_boxed_func(gm.forward)
+
+    return aot_autograd(fw_compiler=compiler, bw_compiler=compiler)
+
+
+def _check_compiled_and_extras(rank, world):
+    from benchmarks.bench_cp2hp import cp2hp_per_sequence
+    from torch.distributed.device_mesh import init_device_mesh
+
+    group = dist.group.WORLD
+    case = ([37, 0, 8, 1, 64], [1, 2, 0, 4, 1], (), torch.float32, 1234)
+    sections, cup, x, y_all, gen = _global_data(case, world)
+    local = [s // world for s in sections]
+    x_cp = shard_thd(x, cup, world, rank)
+    x_hp_ref = thd_cp2hp_reference(x, sections, world, rank)
+    grad_hp = random_tensor(x_hp_ref.shape, torch.float32, generator=gen)
+
+    # exactly one all-to-all per conversion, forward and backward, after AOT decomposition
+    for fn, arg, out_ref in (
+        (lambda a: thd_cp2hp(a, cup, sections, group), x_cp, x_hp_ref),
+        (lambda a: thd_hp2cp(a, cup, local, group), x_hp_ref, x_cp),
+    ):
+        counts = []
+        compiled = torch.compile(fn, backend=_all_to_all_counting_backend(counts), fullgraph=True)
+        inp = arg.clone().requires_grad_()
+        out = compiled(inp)
+        assert torch.equal(out, out_ref)
+        out.backward(random_tensor(out.shape, torch.float32, generator=gen))
+        assert counts == [1, 1], counts
+
+    # Inductor, fullgraph: same values and gradients as eager
+    def step(a):
+        hp = thd_cp2hp(a * 2, cup, sections, group)
+        return thd_hp2cp(hp + 1, cup, local, group), hp
+
+    compiled = torch.compile(step, fullgraph=True)
+    inp = x_cp.clone().requires_grad_()
+    back, hp = compiled(inp)
+    assert torch.equal(hp, x_hp_ref * 2)
+    assert torch.equal(back, x_cp * 2 + 1)
+    (grad,) = torch.autograd.grad(hp, inp, grad_hp)
+    assert torch.equal(grad, 2 * thd_hp2cp(grad_hp, cup, local, group))
+
+    # a 1-D DeviceMesh is the same group; a 2-D one is refused
+    mesh = init_device_mesh("cpu", (world,))
+    assert resolve_group(mesh) == resolve_group(group)
+    assert torch.equal(thd_cp2hp(x_cp, cup, sections, mesh), x_hp_ref)
+    if world % 2 == 0:
+        mesh2d = init_device_mesh("cpu", (2, world // 2))
+        with pytest.raises(ValueError, match="must be 1-D"):
+            thd_cp2hp(x_cp, cup, sections, mesh2d)
+
+    # the benchmark's per-sequence, per-section baseline computes the same thing
+    assert torch.equal(cp2hp_per_sequence(x_cp, cup, sections, group), x_hp_ref)
+
+    # all-gather / reduce-scatter shims: values and gradients (each other's adjoint)
+    name, _ = resolve_group(group)
+    shards = [random_tensor((3, 5), torch.float64, generator=gen) for _ in range(world)]
+    grads = [random_tensor((3 * world, 5), torch.float64, generator=gen) for _ in range(world)]
+    mine = shards[rank].clone().requires_grad_()
+    gathered = all_gather_rows(mine, name)
+    assert torch.equal(gathered, torch.cat(shards))
+    gathered.backward(grads[rank])
+    assert torch.allclose(mine.grad, sum(grads).chunk(world)[rank], rtol=1e-12, atol=0)
+    full = grads[rank].clone().requires_grad_()
+    scattered = reduce_scatter_rows(full, name)
+    assert torch.allclose(scattered, sum(grads).chunk(world)[rank], rtol=1e-12, atol=0)
+    scattered.backward(shards[rank])
+    assert torch.equal(full.grad, torch.cat(shards))
+
+    # bad input: raised on every rank before any collective, so nothing hangs
+    with pytest.raises(ValueError, match=f"not divisible by the CP group size = {world}"):
+        thd_cp2hp(x_cp[..., : sum(sections) - 1], cup, sections[:-1] + [sections[-1] - 1], group)
+    with pytest.raises(ValueError, match="sum to"):
+        thd_cp2hp(x_cp, cup, sections + [world], group)
+    with pytest.raises(ValueError, match="sum to"):
+        thd_hp2cp(x_hp_ref, cup, local + [1], group)
+    with pytest.raises(ValueError, match=f"not a multiple of 2\\*W = {2 * world}"):
+        thd_hp2cp(x_hp_ref[: 2 * world - 2], cup, local, group)  # e.g. a layout built for another W
+    with pytest.raises(ValueError, match="even number"):
+        thd_cp2hp(x_cp[:-1], cup, sections, group)
+    with pytest.raises(TypeError, match="must be int32 or int64"):
+        thd_cp2hp(x_cp, cup.float(), sections, group)
+    with pytest.raises(TypeError, match="ProcessGroup, a 1-D DeviceMesh or None"):
+        thd_cp2hp(x_cp, cup, sections, "world")
+    # total rows that do not match the layout need its values: validate_thd is where that is caught
+    with pytest.raises(ValueError):
+        validate_thd(cup, cup, world, (x_cp.shape[0] + 2) * world)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world", [2])
+def test_compiled_single_all_to_all_groups_baseline_shims_bad_input(world):
+    run_ranks(world, _check_compiled_and_extras)
+
+
+# --- no CP (group=None): W = 1 semantics, no process group needed ------------------------------------
+
+
+def test_no_group_is_the_identity_permutation():
+    sections = [4, 0, 6]
+    _, cup = pad_cu_seqlens([3, 5], 1)
+    x = random_tensor((int(cup[-1]), 2, sum(sections)), torch.float32).requires_grad_()
+    y = thd_cp2hp(x, cup, sections, None)
+    assert torch.equal(y, x.detach()) and y.data_ptr() != x.data_ptr()
+    assert torch.equal(thd_hp2cp(y, cup, sections, None), x.detach())
+    grad = random_tensor(y.shape, torch.float32)
+    y.backward(grad)
+    assert torch.equal(x.grad, grad)
+    assert resolve_group(None) == (None, 1)
+    with pytest.raises(ValueError, match="sum to"):
+        thd_cp2hp(x, cup, [4, 4], None)
+
+
+# --- the GPU path's Triton kernels inside a real all-to-all (CPU tensors, TRITON_INTERPRET=1) --------
+
+
+def _check_kernel_path(rank, num_ranks, cases):
+    from custom_ops.testing import poisoned_allocations
+
+    # TRITON_INTERPRET=1 is inherited from the parent, so the op bodies launch the kernels
+    # (fused send buffer, receive-side reorder) exactly as on the GPU; fresh buffers are
+    # poisoned so a row or column the kernels leave unwritten fails the comparison.
+    with poisoned_allocations():
+        for world in (2, 3):
+            group = dist.new_group(list(range(world)))
+            if rank < world:
+                _check_cases(rank, world, cases, group)
+
+
+@pytest.mark.dist
+@pytest.mark.interpret
+def test_kernel_path_matches_reference():
+    run_ranks(3, _check_kernel_path, _drawn_cases(limit=12))

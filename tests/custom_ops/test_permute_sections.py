@@ -1,0 +1,189 @@
+"""permute_sections / unpermute_sections: reference, opcheck, gradients, compile, kernel."""
+
+import inspect
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import custom_ops
+from custom_ops.permute_sections.op import rank_blocks_to_sections, sections_to_rank_blocks
+from custom_ops.permute_sections.reference import (
+    permute_sections_loop,
+    permute_sections_reference,
+    unpermute_sections_reference,
+)
+from custom_ops.testing import LAYOUT_DTYPES, poisoned_allocations, random_tensor
+
+
+@st.composite
+def section_cases(draw, cp_sizes=(1, 2, 3, 4, 8), max_sections=6):
+    """``(cp_size, sections, leading shape)``: zero-width and unequal sections included."""
+    cp_size = draw(st.sampled_from(cp_sizes))
+    multiples = draw(st.lists(st.one_of(st.just(0), st.integers(1, 5)), min_size=1, max_size=max_sections))
+    lead = draw(st.sampled_from([(), (1,), (7,), (3, 2), (0,)]))
+    return cp_size, [m * cp_size for m in multiples], lead
+
+
+def _case(cp_size, sections, lead, dtype):
+    if dtype.is_complex:  # random_tensor covers real and integer dtypes
+        return torch.randn(lead + (sum(sections),), dtype=dtype)
+    return random_tensor(lead + (sum(sections),), dtype)
+
+
+# --- agreement with the definition -------------------------------------------------------------
+
+
+@given(section_cases(), st.sampled_from(LAYOUT_DTYPES + (torch.complex64, torch.bool)))
+def test_matches_loop_definition(case, dtype):
+    cp_size, sections, lead = case
+    x = _case(cp_size, sections, lead, dtype)
+    out = custom_ops.permute_sections(x, sections, cp_size)
+    assert torch.equal(out, permute_sections_loop(x, sections, cp_size))
+    assert torch.equal(custom_ops.unpermute_sections(out, sections, cp_size), x)
+    assert torch.equal(custom_ops.unpermute_sections(x, sections, cp_size), unpermute_sections_reference(x, sections, cp_size))
+
+
+@given(section_cases())
+def test_rank_blocks_are_the_permutation_with_blocks_in_front(case):
+    # the send-buffer layout of the all-to-all: [W, ..., F/W], block d = output block d
+    cp_size, sections, lead = case
+    x = _case(cp_size, sections, lead, torch.float32)
+    blocks = sections_to_rank_blocks(x, sections, cp_size)
+    width = sum(sections) // cp_size
+    expect = permute_sections_loop(x, sections, cp_size).unflatten(-1, (cp_size, width)).movedim(-2, 0)
+    assert torch.equal(blocks, expect)
+    assert torch.equal(rank_blocks_to_sections(blocks, sections, cp_size), x)
+
+
+def test_known_small_layout():
+    # W = 2, sections [4, 2]: rank 0 gets columns 0,1 (of a) and 4 (of b); rank 1 gets 2,3 and 5
+    x = torch.arange(6)[None]
+    assert custom_ops.permute_sections(x, [4, 2], 2).tolist() == [[0, 1, 4, 2, 3, 5]]
+
+
+def test_reference_signature_and_namespace():
+    x = random_tensor((5, 12), torch.float32)
+    for name in ("permute_sections", "unpermute_sections"):
+        op, ref = getattr(custom_ops, name), getattr(custom_ops, f"{name}_reference")
+        assert list(inspect.signature(ref).parameters) == ["x", "sections", "cp_size"]
+        assert torch.equal(getattr(torch.ops.cp_ops, name)(x, [6, 3, 3], 3), op(x, [6, 3, 3], 3))
+        assert torch.equal(op(x, [6, 3, 3], 3), ref(x, [6, 3, 3], 3))
+
+
+# --- opcheck ----------------------------------------------------------------------------------
+
+
+def _opcheck_samples():
+    x = random_tensor((5, 3, 18), torch.float32)
+    yield x, [6, 0, 9, 3], 3
+    yield x.double(), [18], 1
+    yield x[:0], [6, 12], 3  # no rows
+    yield random_tensor((18, 5), torch.float32).t(), [12, 6], 2  # non-contiguous
+    yield random_tensor((4, 0), torch.float32), [], 2  # no features
+    yield x.clone().requires_grad_(), [2, 4, 12], 2
+
+
+@pytest.mark.parametrize("op", [custom_ops.permute_sections, custom_ops.unpermute_sections])
+def test_opcheck(op):
+    for args in _opcheck_samples():
+        torch.library.opcheck(op, args)
+
+
+# --- gradients --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cp_size,sections", [(1, [3, 2]), (2, [4, 0, 2]), (3, [9, 3, 6]), (4, [4])])
+def test_gradcheck(cp_size, sections):
+    x = random_tensor((3, 2, sum(sections)), torch.float64).requires_grad_()
+    for fn in (
+        custom_ops.permute_sections,
+        custom_ops.unpermute_sections,
+        permute_sections_reference,
+        unpermute_sections_reference,
+    ):
+        assert torch.autograd.gradcheck(lambda t, fn=fn: fn(t, sections, cp_size), (x,))
+
+
+def test_backward_is_the_inverse_permutation():
+    sections = [8, 4, 12, 4]
+    x = random_tensor((6, sum(sections)), torch.float32).requires_grad_()
+    grad = random_tensor((6, sum(sections)), torch.float32)
+    custom_ops.permute_sections(x, sections, 4).backward(grad)
+    assert torch.equal(x.grad, unpermute_sections_reference(grad, sections, 4))
+
+
+# --- compile ----------------------------------------------------------------------------------
+
+
+def test_compiled_fullgraph():
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("inductor")
+    sections = [6, 2, 10, 0, 4]
+
+    def round_trip(x):
+        y = torch.ops.cp_ops.permute_sections(x * 2, sections, 2)
+        return torch.ops.cp_ops.unpermute_sections(y, sections, 2) + 1, y
+
+    compiled = torch.compile(round_trip, backend=counter, fullgraph=True, dynamic=True)
+    for rows in (5, 17, 40):
+        x = random_tensor((rows, 3, sum(sections)), torch.float32).requires_grad_()
+        out, y = compiled(x)
+        assert torch.equal(y, permute_sections_loop(x.detach() * 2, sections, 2))
+        assert torch.equal(out, x.detach() * 2 + 1)
+        grad = random_tensor(y.shape, torch.float32)
+        (x.grad,) = torch.autograd.grad(y, x, grad)
+        assert torch.equal(x.grad, unpermute_sections_reference(grad, sections, 2) * 2)
+    assert counter.frame_count == 1
+
+
+# --- the Triton kernel (CPU tensors, TRITON_INTERPRET=1) ----------------------------------------
+
+
+@pytest.mark.interpret
+@given(section_cases(max_sections=4), st.sampled_from(LAYOUT_DTYPES + (torch.complex128, torch.int8)))
+def test_kernel_matches_reference_bit_exact(case, dtype):
+    cp_size, sections, lead = case
+    x = _case(cp_size, sections, lead, dtype)
+    with poisoned_allocations():
+        out = custom_ops.permute_sections(x, sections, cp_size)
+        back = custom_ops.unpermute_sections(x, sections, cp_size)
+        blocks = sections_to_rank_blocks(x, sections, cp_size)
+        from_blocks = rank_blocks_to_sections(blocks, sections, cp_size)
+    assert torch.equal(out, permute_sections_reference(x, sections, cp_size))
+    assert torch.equal(back, unpermute_sections_reference(x, sections, cp_size))
+    assert torch.equal(blocks, out.unflatten(-1, (cp_size, x.shape[-1] // cp_size)).movedim(-2, 0))
+    assert torch.equal(from_blocks, x)
+
+
+@pytest.mark.interpret
+def test_kernel_wide_rows_and_gradient(poison_empty):
+    # rows wider than one tile (second grid axis), a non-contiguous input, and autograd through the kernel
+    sections = [1536, 3072, 24, 0, 1200]
+    x = random_tensor((sum(sections), 5), torch.float32).t().requires_grad_()
+    y = custom_ops.permute_sections(x, sections, 3)
+    assert torch.equal(y, permute_sections_loop(x.detach(), sections, 3))
+    grad = random_tensor(y.shape, torch.float32)
+    y.backward(grad)
+    assert torch.equal(x.grad, unpermute_sections_reference(grad, sections, 3))
+
+
+# --- bad input --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("op", [custom_ops.permute_sections, custom_ops.unpermute_sections])
+def test_bad_input(op):
+    x = random_tensor((4, 12), torch.float32)
+    with pytest.raises(ValueError, match=r"sections\[0\] = 9 is not divisible by cp_size = 2"):
+        op(x, [9, 3], 2)
+    with pytest.raises(ValueError, match=r"sum to 10, but x has 12 features"):
+        op(x, [6, 4], 2)
+    with pytest.raises(ValueError, match="cp_size must be >= 1"):
+        op(x, [12], 0)
+    with pytest.raises(ValueError, match="is negative"):
+        op(x, [16, -4], 2)
+    with pytest.raises(ValueError, match="0-d tensor"):
+        op(x[0, 0], [], 1)
