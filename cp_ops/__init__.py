@@ -9,6 +9,7 @@ import custom_ops  # noqa: F401  (registers torch.ops.cp_ops.*)
 from cp_ops.comm import (
     all_gather_rows,
     all_to_all_rows,
+    group_rank,
     group_size,
     reduce_scatter_rows,
     resolve_group,
@@ -46,6 +47,7 @@ __all__ = [
     "rank_to_seq_index",
     "resolve_group",
     "group_size",
+    "group_rank",
     "all_gather_rows",
     "reduce_scatter_rows",
     "all_to_all_rows",

@@ -92,6 +92,20 @@ def resolve_group(group) -> tuple[str | None, int]:
     return _group_name(group), group.size()
 
 
+def group_rank(group) -> int:
+    """This process's rank in a ``ProcessGroup`` or 1-D ``DeviceMesh`` (0 for ``None``).
+
+    ``ProcessGroup.rank()`` is a constant to dynamo, so this costs nothing under compile.
+    """
+    if group is None:
+        return 0
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(group, DeviceMesh):
+        group = group.get_group()
+    return group.rank()
+
+
 def all_gather_rows(x: torch.Tensor, group_name: str) -> torch.Tensor:
     """``[R, ...]`` on each of W ranks -> ``[W*R, ...]``, rank 0's rows first (rank order).
 

@@ -6,6 +6,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from cp_ops.comm import group_rank, resolve_group, thd_cp2hp, thd_hp2cp
 from custom_ops.gdn.op import causal_conv1d, chunk_gated_delta_rule
 
 # FLA's and Qwen3-Next's epsilon for the q/k l2 normalisation
@@ -73,10 +74,11 @@ class GatedDeltaNet(nn.Module):
     order, ``cu_seqlens_padded [B+1]`` with ``cu[-1] = T``. Both the conv and the
     recurrence are causal and padding sits at each sequence's tail, so the real
     tokens' outputs do not depend on the padding. ``group=None`` runs the whole
-    batch on this device. With context parallelism (W ranks) the planned path is
-    ``x_cp -> in_proj -> thd_cp2hp(proj, cu, sections, group)`` (this rank's 1/W of
-    every section's heads, all tokens) ``-> head_parallel_core(proj_hp, cu, r*Hk/W, Hk/W)
-    -> thd_hp2cp -> out_proj``; it needs ``Hk % W == 0`` (hence ``Hv % W == 0``).
+    batch on this device. With context parallelism (W ranks, x the local shard
+    ``[T/W, hidden]``): ``in_proj -> thd_cp2hp(proj, cu, sections, group)`` (this
+    rank's 1/W of every section's heads, all tokens) ``-> head_parallel_core(proj_hp,
+    cu, r*Hk/W, Hk/W) -> thd_hp2cp -> out_proj``; it needs ``Hk % W == 0`` (hence
+    ``Hv % W == 0``).
     """
 
     def __init__(
@@ -114,12 +116,30 @@ class GatedDeltaNet(nn.Module):
         return [hk * dk, hk * dk, hv * dv, hv * dv, hv, hv]
 
     def forward(self, x: torch.Tensor, cu_seqlens_padded: torch.Tensor, group=None) -> torch.Tensor:
-        """x ``[T, hidden]`` -> ``[T, hidden]``; see the class docstring."""
-        if group is not None:
-            raise NotImplementedError("the context-parallel path (thd_cp2hp / thd_hp2cp) is not implemented yet")
-        proj = self.in_proj(x)
-        core = self.head_parallel_core(proj, cu_seqlens_padded, 0, self.num_k_heads)
-        return self.out_proj(core)
+        """x ``[T/W, hidden]`` (this rank's THD shard; the whole batch when ``group`` is None)
+        -> ``[T/W, hidden]``. ``cu_seqlens_padded`` is the *global* layout.
+
+        With a group of W ranks: ``in_proj`` on the local tokens, one ``thd_cp2hp``
+        (all tokens, this rank's 1/W of the heads), the head-parallel core, one
+        ``thd_hp2cp`` back to the local tokens, ``out_proj``. Parameter gradients
+        are this rank's contribution; sum them over the CP group (as data
+        parallelism does) to get the single-device gradients.
+        """
+        group_name, world = resolve_group(group)
+        if world == 1:
+            proj = self.in_proj(x)
+            return self.out_proj(self.head_parallel_core(proj, cu_seqlens_padded, 0, self.num_k_heads))
+        if self.num_k_heads % world or self.num_v_heads % world:
+            raise ValueError(
+                f"num_k_heads = {self.num_k_heads} and num_v_heads = {self.num_v_heads} must be divisible by "
+                f"the CP size {world}"
+            )
+        rank = group_rank(group)
+        heads = self.num_k_heads // world
+        proj_hp = thd_cp2hp(self.in_proj(x), cu_seqlens_padded, self.sections(), group)
+        core_hp = self.head_parallel_core(proj_hp, cu_seqlens_padded, rank * heads, heads)
+        core_cp = thd_hp2cp(core_hp, cu_seqlens_padded, [core_hp.shape[-1]], group)
+        return self.out_proj(core_cp)
 
     def head_parallel_core(
         self, proj_hp: torch.Tensor, cu_seqlens: torch.Tensor, k_head_start: int, num_k_heads: int

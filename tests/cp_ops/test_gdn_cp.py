@@ -1,0 +1,63 @@
+"""GatedDeltaNet with context parallelism on gloo ranks agrees with the same layer on one rank.
+
+float64 on CPU: the CP path computes exactly the single-device arithmetic, only on
+other devices' rows, so agreement is to rounding (1e-7 relative, as the issue asks);
+every row is compared, padding included.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from cp_ops import GatedDeltaNet, pad_cu_seqlens, shard_thd
+from custom_ops.testing import rel_error
+from custom_ops.thd_copy_valid_tokens.reference import valid_token_mask
+from tests._dist import run_ranks
+
+HIDDEN, DK, DV = 12, 8, 4
+
+
+def _compare_rank(rank, world, seqlens, heads, compiled):
+    torch.manual_seed(0)  # every rank builds the same weights and global batch
+    hk, hv = heads
+    layer = GatedDeltaNet(HIDDEN, hk, hv, DK, DV).double()
+    cu, cup = pad_cu_seqlens(seqlens, world)
+    num_rows = int(cup[-1])
+    x = torch.randn(num_rows, HIDDEN, dtype=torch.float64)
+    real = valid_token_mask(cup, cu, num_rows)[:, None]
+    grad_out = torch.randn(num_rows, HIDDEN, dtype=torch.float64) * real  # loss on real tokens only
+
+    x_ref = x.clone().requires_grad_()
+    out_ref = layer(x_ref, cup)
+    out_ref.backward(grad_out)
+    ref_grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    layer.zero_grad()
+
+    x_cp = shard_thd(x, cup, world, rank).requires_grad_()
+    fn = torch.compile(layer, fullgraph=True) if compiled else layer
+    out_cp = fn(x_cp, cup, group=dist.group.WORLD)
+    out_cp.backward(shard_thd(grad_out, cup, world, rank))
+
+    assert rel_error(out_cp, shard_thd(out_ref, cup, world, rank)) < 1e-7
+    assert rel_error(x_cp.grad, shard_thd(x_ref.grad, cup, world, rank)) < 1e-7
+    for name, p in layer.named_parameters():
+        dist.all_reduce(p.grad)
+        assert rel_error(p.grad, ref_grads[name]) < 1e-7, name
+
+    if world == 3:  # heads that do not split over the group are refused before any collective
+        with pytest.raises(ValueError, match="must be divisible by the CP size 3"):
+            GatedDeltaNet(HIDDEN, 2, 4, DK, DV)(x_cp.detach(), cup, group=dist.group.WORLD)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize(
+    "world,heads",
+    [(1, (2, 4)), (2, (2, 4)), (3, (3, 6)), (4, (4, 8))],
+)
+def test_cp_layer_matches_one_rank(world, heads):
+    run_ranks(world, _compare_rank, [9, 0, 1, 23, 6], heads, False)
+
+
+@pytest.mark.dist
+def test_cp_layer_compiled_matches_one_rank():
+    run_ranks(2, _compare_rank, [9, 0, 1, 23, 6], (2, 4), True)
