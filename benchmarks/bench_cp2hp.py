@@ -17,6 +17,7 @@ spawns one process per GPU itself (2 GPUs) and prints a markdown table; it write
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import os
 import socket
@@ -93,7 +94,7 @@ def _max_over_ranks(value: float) -> float:
     return float(t.item())
 
 
-def _worker(rank: int, world: int, port: int) -> None:
+def _worker(rank: int, world: int, port: int, out: str | None) -> None:
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     os.environ["MASTER_ADDR"] = "127.0.0.1"
@@ -131,15 +132,18 @@ def _worker(rank: int, world: int, port: int) -> None:
         if rank == 0:
             import triton
 
-            print(
+            lines = [
                 f"{torch.cuda.get_device_name()} x {world}, torch {torch.__version__}, triton {triton.__version__}, "
-                f"CUDA {torch.version.cuda}, {datetime.date.today().isoformat()}"
-            )
-            print(f"sections {SECTIONS} bf16, equal-length sequences; times in ms (median, max over ranks)\n")
-            print("| T | seqs | MiB/rank | bare a2a | cp2hp | hp2cp | per-seq | cp2hp / bare | per-seq / cp2hp |")
-            print("|---|---|---|---|---|---|---|---|---|")
-            for r in rows:
-                print("| {} | {} | {:.0f} | {:.3f} | {:.3f} | {:.3f} | {:.3f} | {:.2f} | {:.1f} |".format(*r))
+                f"CUDA {torch.version.cuda}, {datetime.date.today().isoformat()}",
+                f"sections {SECTIONS} bf16, equal-length sequences; times in ms (median, max over ranks)\n",
+                "| T | seqs | MiB/rank | bare a2a | cp2hp | hp2cp | per-seq | cp2hp / bare | per-seq / cp2hp |",
+                "|---|---|---|---|---|---|---|---|---|",
+            ]
+            lines += ["| {} | {} | {:.0f} | {:.3f} | {:.3f} | {:.3f} | {:.3f} | {:.2f} | {:.1f} |".format(*r) for r in rows]
+            print("\n".join(lines))
+            if out:
+                with open(out, "w") as f:
+                    f.write("\n".join(lines) + "\n")
     finally:
         dist.destroy_process_group()
 
@@ -151,12 +155,15 @@ def _free_port() -> int:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", help="also write the table to this markdown file")
+    args = parser.parse_args()
     if torch.cuda.device_count() < WORLD:
         raise SystemExit(f"needs {WORLD} GPUs, found {torch.cuda.device_count()}")
     # set here as well so the spawned workers inherit them before any NCCL initialisation
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    torch.multiprocessing.spawn(_worker, args=(WORLD, _free_port()), nprocs=WORLD, join=True)
+    torch.multiprocessing.spawn(_worker, args=(WORLD, _free_port(), args.out), nprocs=WORLD, join=True)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""One harness for multi-rank tests: spawn W processes, each in a gloo group.
+"""One harness for multi-rank tests: spawn W processes, each in a gloo (CPU) or NCCL (one GPU
+per rank) group.
 
 The rank function must be a module-level function (it is pickled by name):
 ``fn(rank, world_size, *args)``. Exceptions in any rank fail the test with
@@ -19,11 +20,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, fn, args) -> None:
+def _entry(rank: int, world_size: int, port: int, backend: str, fn, args) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    if backend == "nccl":
+        # NVLink multicast stays off on shared hosts
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=torch.device("cuda", rank))
+    else:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
         dist.barrier()
@@ -31,6 +39,9 @@ def _entry(rank: int, world_size: int, port: int, fn, args) -> None:
         dist.destroy_process_group()
 
 
-def run_ranks(world_size: int, fn, *args) -> None:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks and wait for all."""
-    mp.spawn(_entry, args=(world_size, _free_port(), fn, args), nprocs=world_size, join=True)
+def run_ranks(world_size: int, fn, *args, backend: str = "gloo") -> None:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks and wait for all.
+
+    ``backend="nccl"`` puts rank r on GPU r (needs ``world_size`` GPUs).
+    """
+    mp.spawn(_entry, args=(world_size, _free_port(), backend, fn, args), nprocs=world_size, join=True)
