@@ -100,8 +100,13 @@ def _tile_cumsum(lengths: torch.Tensor, block: int, gate: torch.Tensor | None = 
     return torch.cumsum(tiles, 0, dtype=torch.int32)
 
 
-def _block_d(head_dim: int) -> int:
-    return max(16, triton.next_power_of_2(head_dim))
+def _block_d(head_dim) -> int:
+    """The power-of-two head-dim tile (>= 16). Plain comparisons, so a symbolic
+    head_dim under torch.compile specialises instead of failing."""
+    block = 16
+    while block < head_dim:
+        block *= 2
+    return block
 
 
 def _forward_kernel(q, k, v, seg, causal, left, right, scale):

@@ -40,7 +40,8 @@ def lse_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def resolve_scale(scale: float | None, head_dim: int) -> float:
-    return head_dim**-0.5 if scale is None else float(scale)
+    """``scale``, or ``head_dim ** -0.5``; a plain float (a symbolic head_dim specialises)."""
+    return float(head_dim) ** -0.5 if scale is None else float(scale)
 
 
 def visibility_mask(
