@@ -318,7 +318,8 @@ def varlen_attention(
     ``q_pos = 0`` is plain varlen attention, ``q_pos = k_len - q_len`` bottom-right
     alignment. Differentiable in q, k, v, including through lse. On CUDA (and on
     CPU under TRITON_INTERPRET=1) fp16/bf16/fp32 run the Triton kernels
-    (head_dim <= 256); otherwise the dense torch reference runs.
+    (head_dim <= 256; fp32 products use Triton's default TF32 on the GPU, with
+    fp32 accumulation); otherwise the dense torch reference runs.
     """
     left, right = _window(window)
     return _varlen_attention(q, k, v, q_start, q_len, q_pos, k_start, k_len, causal, left, right, scale)
