@@ -14,12 +14,15 @@ from custom_ops.thd_copy_valid_tokens.op import thd_copy_valid_tokens, thd_copy_
 from custom_ops.thd_copy_valid_tokens.reference import thd_copy_valid_tokens_reference
 from custom_ops.thd_reorder.op import thd_rank_to_seq_order, thd_seq_to_rank_order
 from custom_ops.thd_reorder.reference import thd_rank_to_seq_order_reference, thd_seq_to_rank_order_reference
+from custom_ops.varlen_attention.op import validate_varlen_segments, varlen_attention
+from custom_ops.varlen_attention.reference import varlen_attention_reference
 
 __all__ = [
     "thd_seq_to_rank_order",
     "thd_rank_to_seq_order",
     "thd_copy_valid_tokens",
     "thd_copy_valid_tokens_",
+    "varlen_attention",
     "thd_seq_to_rank_order_reference",
     "thd_rank_to_seq_order_reference",
     "thd_copy_valid_tokens_reference",
@@ -31,4 +34,6 @@ __all__ = [
     "chunk_gated_delta_rule",
     "causal_conv1d_reference",
     "chunk_gated_delta_rule_reference",
+    "varlen_attention_reference",
+    "validate_varlen_segments",
 ]

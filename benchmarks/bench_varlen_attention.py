@@ -1,0 +1,298 @@
+"""GPU benchmark and tuner for custom_ops.varlen_attention (bf16, causal).
+
+    python benchmarks/bench_varlen_attention.py            # table: varlen_attention vs SDPA flash / cuDNN / FlexAttention
+    python benchmarks/bench_varlen_attention.py --gqa 4    # the same with Hkv = H / 4
+    python benchmarks/bench_varlen_attention.py --tune     # time kernel configs, print the best per kernel and head_dim
+
+Cases: (i) packed documents of mixed lengths totalling 32768 tokens, (ii) dense
+B = 8 x S = 4096 (eight segments); H = 16 query heads, D = 128 and 64.
+TFLOP/s count visible (query, key) pairs only: forward ``4 * D`` FLOPs per pair
+and head, backward 2.5x that (so forward+backward = 3.5x forward). Times are
+medians of triton.testing.do_bench. Before timing, every implementation is
+checked against SDPA in bf16 (rel_error below the bf16 tolerance).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import custom_ops
+from custom_ops.testing import TOLERANCE, rel_error
+from custom_ops.varlen_attention import kernels
+
+DTYPE = torch.bfloat16
+TOTAL_TOKENS = 32768
+HEADS = 16
+
+
+# --- cases ----------------------------------------------------------------------------------------
+
+
+def packed_lengths(total: int = TOTAL_TOKENS, seed: int = 0) -> list[int]:
+    """Mixed document lengths (128 .. 8192, log-uniform) filling exactly ``total`` tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    lens = []
+    while sum(lens) < total:
+        n = int(2 ** (7 + 6 * torch.rand((), generator=gen).item()))
+        lens.append(min(n, total - sum(lens)))
+    return lens
+
+
+def segments_for(lens: list[int], device) -> list[torch.Tensor]:
+    """Self-attention segments: each document's queries over its own keys, q_pos = 0."""
+    starts = [0] + list(itertools.accumulate(lens))[:-1]
+    zeros = [0] * len(lens)
+    return [torch.tensor(x, dtype=torch.int32, device=device) for x in (starts, lens, zeros, starts, lens)]
+
+
+def visible_pairs(lens: list[int], causal: bool = True) -> int:
+    return sum(n * (n + 1) // 2 if causal else n * n for n in lens)
+
+
+def tflops(pairs: int, heads: int, d: int, ms: float, factor: float = 1.0) -> float:
+    return 4 * d * pairs * heads * factor / (ms * 1e-3) / 1e12
+
+
+# --- implementations ------------------------------------------------------------------------------
+
+
+def varlen_fn(q, k, v, seg):
+    return custom_ops.varlen_attention(q, k, v, *seg, causal=True)[0]
+
+
+def sdpa_dense_fn(backend, batch, seqlen):
+    """SDPA on [B, H, S, D] views of the packed [B*S, H, D] tensors."""
+
+    def fn(q, k, v, seg):
+        def to_bhsd(t):
+            return t.view(batch, seqlen, t.shape[1], t.shape[2]).transpose(1, 2)
+
+        with sdpa_kernel(backend):
+            out = F.scaled_dot_product_attention(
+                to_bhsd(q), to_bhsd(k), to_bhsd(v), is_causal=True, enable_gqa=q.shape[1] != k.shape[1]
+            )
+        return out.transpose(1, 2).reshape(q.shape)
+
+    return fn
+
+
+def sdpa_loop_fn(backend, lens):
+    """SDPA per document in a Python loop (packed case; includes the launch overheads)."""
+    starts = [0] + list(itertools.accumulate(lens))[:-1]
+
+    def fn(q, k, v, seg):
+        outs = []
+        with sdpa_kernel(backend):
+            for s, n in zip(starts, lens):
+                qd, kd, vd = (t[s : s + n].transpose(0, 1)[None] for t in (q, k, v))
+                o = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+                outs.append(o[0].transpose(0, 1))
+        return torch.cat(outs)
+
+    return fn
+
+
+def flex_fn(lens, device):
+    """FlexAttention (compiled) over the packed sequence with a causal document mask."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    doc = torch.repeat_interleave(torch.arange(len(lens), device=device), torch.tensor(lens, device=device))
+    total = doc.numel()
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+
+    block_mask = create_block_mask(mask_mod, None, None, total, total, device=device)
+    flex = torch.compile(flex_attention, dynamic=False)
+
+    def fn(q, k, v, seg):
+        out = flex(
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+            block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1],
+        )  # fmt: skip
+        return out[0].transpose(0, 1)
+
+    return fn
+
+
+# --- timing ---------------------------------------------------------------------------------------
+
+
+def make_inputs(total, heads, kv_heads, d, device, seed=0):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randn(total, heads, d, device=device, dtype=DTYPE, generator=gen)
+    k = torch.randn(total, kv_heads, d, device=device, dtype=DTYPE, generator=gen)
+    v = torch.randn(total, kv_heads, d, device=device, dtype=DTYPE, generator=gen)
+    return [t.requires_grad_() for t in (q, k, v)]
+
+
+def time_fwd_bwd(fn, q, k, v, seg):
+    dout = torch.randn_like(q)
+
+    def fwd():
+        with torch.no_grad():
+            fn(q, k, v, seg)
+
+    def fwd_bwd():
+        fn(q, k, v, seg).backward(dout)
+
+    ms_fwd = triton.testing.do_bench(fwd, warmup=25, rep=200, return_mode="median")
+    ms_all = triton.testing.do_bench(fwd_bwd, warmup=25, rep=200, grad_to_none=[q, k, v], return_mode="median")
+    return ms_fwd, ms_all
+
+
+def check_agreement(name, fn, ref_fn, q, k, v, seg):
+    """Output and gradients of ``fn`` vs ``ref_fn`` in bf16 (rel_error < bf16 tolerance)."""
+    dout = torch.randn_like(q)
+    results = []
+    for f in (fn, ref_fn):
+        qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        out = f(qq, kk, vv, seg)
+        out.backward(dout)
+        results.append((out.detach(), qq.grad, kk.grad, vv.grad))
+    errs = [rel_error(a, b) for a, b in zip(*results)]
+    ok = all(e < TOLERANCE[DTYPE] for e in errs)
+    print(f"  check {name}: rel_error out/dq/dk/dv = {', '.join(f'{e:.1e}' for e in errs)} {'ok' if ok else 'FAILED'}")
+    return ok
+
+
+def bench(gqa: int = 1) -> None:
+    device = torch.device("cuda")
+    rows = []
+    cases = [("packed 32k", packed_lengths()), ("dense B8 x 4096", [4096] * 8)]
+    for d in (128, 64):
+        for case, lens in cases:
+            dense = len(set(lens)) == 1
+            q, k, v = make_inputs(sum(lens), HEADS, HEADS // gqa, d, device)
+            seg = segments_for(lens, device)
+            pairs = visible_pairs(lens)
+            impls = [("varlen_attention", varlen_fn)]
+            if dense:
+                impls += [
+                    ("SDPA flash", sdpa_dense_fn(SDPBackend.FLASH_ATTENTION, len(lens), lens[0])),
+                    ("SDPA cuDNN", sdpa_dense_fn(SDPBackend.CUDNN_ATTENTION, len(lens), lens[0])),
+                ]
+            else:
+                impls += [("SDPA flash, loop over docs", sdpa_loop_fn(SDPBackend.FLASH_ATTENTION, lens))]
+            impls += [("FlexAttention doc mask", flex_fn(lens, device))]
+            ref = impls[1][1]
+            print(f"D={d} {case} ({len(lens)} docs, {pairs / 1e6:.1f}M visible pairs per head)")
+            for name, fn in impls:
+                try:
+                    if name != impls[1][0] and not check_agreement(name, fn, ref, q, k, v, seg):
+                        rows.append((case, d, name, None, None, None, None, "disagrees with SDPA"))
+                        continue
+                    ms_fwd, ms_all = time_fwd_bwd(fn, q, k, v, seg)
+                except Exception as e:  # a backend may be unavailable for this shape / build
+                    rows.append((case, d, name, None, None, None, None, f"{type(e).__name__}: {str(e)[:60]}"))
+                    continue
+                rows.append(
+                    (case, d, name, ms_fwd, tflops(pairs, HEADS, d, ms_fwd),
+                     ms_all, tflops(pairs, HEADS, d, ms_all, 3.5), "")
+                )  # fmt: skip
+            del q, k, v
+    props = torch.cuda.get_device_properties(0)
+    print()
+    print(f"{props.name}, torch {torch.__version__}, triton {triton.__version__}, {datetime.date.today()}")
+    print(f"bf16, causal, H = {HEADS}, Hkv = {HEADS // gqa}; TFLOP/s on visible pairs; median of do_bench")
+    print()
+    print("| case | D | implementation | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | note |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for case, d, name, mf, tf, ma, ta, note in rows:
+        fmt = lambda x, p: "-" if x is None else f"{x:.{p}f}"  # noqa: E731
+        print(f"| {case} | {d} | {name} | {fmt(mf, 3)} | {fmt(tf, 0)} | {fmt(ma, 3)} | {fmt(ta, 0)} | {note} |")
+
+
+# --- tuning ---------------------------------------------------------------------------------------
+
+FWD_CANDIDATES = [
+    dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)
+    for bm, bn, w, s in [
+        (128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (128, 128, 8, 2), (128, 32, 4, 4),
+        (64, 64, 4, 3), (64, 64, 4, 4), (128, 64, 8, 4), (64, 128, 4, 3), (128, 64, 8, 2),
+    ]
+]  # fmt: skip
+DKDV_CANDIDATES = [
+    dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)
+    for bm, bn, w, s in [
+        (64, 128, 8, 2), (32, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 2), (64, 64, 8, 3),
+        (32, 64, 4, 3), (64, 128, 8, 3), (128, 128, 8, 2), (16, 128, 4, 3),
+    ]
+]  # fmt: skip
+DQ_CANDIDATES = [
+    dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)
+    for bm, bn, w, s in [
+        (128, 64, 8, 2), (128, 32, 8, 2), (128, 32, 4, 3), (64, 64, 4, 2), (64, 64, 8, 3),
+        (64, 32, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2),
+    ]
+]  # fmt: skip
+
+
+def _time_kernel(kind, cfg, bucket, q, k, v, seg, out, lse, dout, dlse):
+    saved = kernels.CONFIGS[kind][bucket]
+    kernels.CONFIGS[kind][bucket] = cfg
+    try:
+        if kind == "fwd":
+            fn = lambda: torch.ops.cp_ops.varlen_attention(q, k, v, *seg, True)  # noqa: E731
+        else:
+            fn = lambda: torch.ops.cp_ops.varlen_attention_backward(dout, dlse, q, k, v, out, lse, *seg, True)  # noqa: E731
+        fn()  # compile outside the timing
+        return triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median")
+    except Exception as e:  # e.g. out of shared memory for this tile shape
+        print(f"    {cfg}: {type(e).__name__}")
+        return float("inf")
+    finally:
+        kernels.CONFIGS[kind][bucket] = saved
+
+
+def tune(gqa: int = 1) -> None:
+    """Time the candidate configs of each kernel on both cases, D = 128 and 64; print the best.
+
+    The backward is timed as the whole backward op while one of its kernels varies
+    (the others keep their table entries), so its numbers include the preprocess.
+    """
+    device = torch.device("cuda")
+    cases = [("packed 32k", packed_lengths()), ("dense B8 x 4096", [4096] * 8)]
+    best = {}
+    for d in (128, 64):
+        bucket = d
+        for kind, candidates in (("fwd", FWD_CANDIDATES), ("bwd_dkdv", DKDV_CANDIDATES), ("bwd_dq", DQ_CANDIDATES)):
+            totals = {}
+            for case, lens in cases:
+                q, k, v = (t.detach() for t in make_inputs(sum(lens), HEADS, HEADS // gqa, d, device))
+                seg = segments_for(lens, device)
+                out, lse = torch.ops.cp_ops.varlen_attention(q, k, v, *seg, True)
+                dout, dlse = torch.randn_like(out), torch.zeros_like(lse)
+                pairs = visible_pairs(lens)
+                factor = 1.0 if kind == "fwd" else 2.5
+                for i, cfg in enumerate(candidates):
+                    ms = _time_kernel(kind, cfg, bucket, q, k, v, seg, out, lse, dout, dlse)
+                    totals[i] = totals.get(i, 0.0) + ms
+                    print(f"  D={d} {kind:8s} {case:16s} {cfg}: {ms:.3f} ms, {tflops(pairs, HEADS, d, ms, factor):.0f} TFLOP/s")
+            i = min(totals, key=totals.get)
+            best[(kind, d)] = candidates[i]
+            print(f"best D={d} {kind}: {candidates[i]} (sum over cases {totals[i]:.3f} ms)")
+    print("\n# paste into CONFIGS in custom_ops/varlen_attention/kernels.py")
+    for kind in ("fwd", "bwd_dkdv", "bwd_dq"):
+        print(f'"{kind}": {{' + ", ".join(f"{d}: dict({_fmt(best[(kind, d)])})" for d in (64, 128)) + "},")
+
+
+def _fmt(cfg):
+    return ", ".join(f"{k}={v}" for k, v in cfg.items())
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tune", action="store_true", help="time kernel configs instead of the comparison table")
+    parser.add_argument("--gqa", type=int, default=1, help="query heads per kv head (default 1)")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("this benchmark needs a CUDA device")
+    tune(args.gqa) if args.tune else bench(args.gqa)

@@ -1,0 +1,622 @@
+"""Triton kernels for segment attention: flash-attention forward and the FA2 backward split.
+
+Notation (see reference.py): segment s has query rows ``q_start + a`` at positions
+``pos(a) = q_pos + a`` (``0 <= a < q_len``) and key rows ``k_start + b``
+(``0 <= b < k_len``). Scores are kept in base 2: ``x = s * log2(e)``, so
+``exp(s - lse) = exp2(x - lse * log2(e))``.
+
+Work is cut into tiles per segment (query tiles of BLOCK_M rows for the forward
+and dq, key tiles of BLOCK_N rows for dk/dv). The launcher computes, on the
+device, the inclusive cumulative tile count per segment; a program maps its tile
+index to (segment, tile within it) by binary search, so grids depend on shapes
+only. For each tile the visible range of the other side is computed from the
+mask bounds; tiles entirely inside the mask run without the elementwise mask,
+only the boundary tiles apply it.
+"""
+
+import triton
+import triton.language as tl
+
+from custom_ops._triton_utils import search_sorted_right
+
+# Launch configurations, one table so they can be tuned on the GPU (the benchmark
+# overwrites entries). Per kernel: {largest BLOCK_D served: config}; the first
+# entry whose key is >= BLOCK_D is used.
+CONFIGS = {
+    "fwd": {
+        64: dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
+        128: dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
+        256: dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2),
+    },
+    "bwd_dkdv": {
+        64: dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2),
+        128: dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2),
+        256: dict(BLOCK_M=32, BLOCK_N=64, num_warps=8, num_stages=1),
+    },
+    "bwd_dq": {
+        64: dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2),
+        128: dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2),
+        256: dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=1),
+    },
+    "bwd_pre": {
+        256: dict(BLOCK_M=64, num_warps=4, num_stages=1),
+    },
+}
+
+# Under TRITON_INTERPRET=1 the kernels run in numpy: small tiles keep CPU tests
+# fast and still give several tiles (and all three loop phases) per segment.
+INTERPRET_CONFIGS = {
+    "fwd": dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1),
+    "bwd_dkdv": dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1),
+    "bwd_dq": dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1),
+    "bwd_pre": dict(BLOCK_M=16, num_warps=1, num_stages=1),
+}
+
+
+def kernel_config(kernel: str, block_d: int, interpreting: bool) -> dict:
+    """The launch config of ``kernel`` for head-dim tile ``block_d``."""
+    if interpreting:
+        return dict(INTERPRET_CONFIGS[kernel])
+    table = CONFIGS[kernel]
+    for bound in sorted(table):
+        if block_d <= bound:
+            return dict(table[bound])
+    return dict(table[max(table)])
+
+
+@triton.jit
+def _tile_owner(cum_ptr, n_seg, tile):
+    """(s, j): tile ``tile`` is tile j of segment s, where segment s owns tiles
+    ``[cum[s-1], cum[s])`` (``cum`` = inclusive cumulative tile counts). s == n_seg
+    when ``tile`` is past the last tile. Empty segments own no tile and are skipped."""
+    below = search_sorted_right(cum_ptr, n_seg, tl.zeros([1], dtype=tl.int32) + tile)
+    s = tl.sum(below, axis=0) + 1  # number of cum entries <= tile
+    first = tl.load(cum_ptr + s - 1, mask=s > 0, other=0)
+    return s, tile - first
+
+
+@triton.jit
+def _key_range(pos_lo, pos_hi, k_len, left, right, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key loop phases for the query positions [pos_lo, pos_hi].
+
+    Keys outside [lo, hi) are invisible to every query of the tile; key tiles in
+    [mid_lo, mid_hi) are visible to every query (no elementwise mask). Returns
+    (lo, mid_lo, mid_hi, hi) with mid_lo - lo and mid_hi - mid_lo multiples of BLOCK_N.
+    """
+    hi = k_len
+    full_hi = k_len
+    if CAUSAL:
+        hi = tl.minimum(hi, pos_hi + 1)
+        full_hi = tl.minimum(full_hi, pos_lo + 1)
+    hi = tl.where(right >= 0, tl.minimum(hi, pos_hi + right + 1), hi)
+    full_hi = tl.where(right >= 0, tl.minimum(full_hi, pos_lo + right + 1), full_hi)
+    lo = tl.where(left >= 0, tl.maximum(pos_lo - left, 0), 0)
+    full_lo = tl.where(left >= 0, tl.maximum(pos_hi - left, 0), 0)
+    hi = tl.maximum(hi, lo)
+    # round the unmasked range inwards onto the tile grid that starts at lo
+    mid_lo = tl.minimum(lo + tl.cdiv(tl.maximum(full_lo - lo, 0), BLOCK_N) * BLOCK_N, hi)
+    mid_hi = mid_lo + (tl.maximum(full_hi - mid_lo, 0) // BLOCK_N) * BLOCK_N
+    return lo, mid_lo, mid_hi, hi
+
+
+@triton.jit
+def _visible(pos, b, k_len, left, right, CAUSAL: tl.constexpr):
+    """Elementwise mask for query positions ``pos`` [M, 1] and key positions ``b`` [1, N]."""
+    vis = (b < k_len) & (b >= 0)
+    if CAUSAL:
+        vis = vis & (b <= pos)
+    vis = vis & ((left < 0) | (pos - b <= left))
+    vis = vis & ((right < 0) | (b - pos <= right))
+    return vis
+
+
+@triton.jit
+def _fwd_inner(
+    acc,
+    l_i,
+    m_i,
+    q,
+    k_base,
+    v_base,
+    stride_kt,
+    stride_vt,
+    pos,
+    offs_d,
+    k_len,
+    left,
+    right,
+    qk_scale,
+    start,
+    stop,
+    MASK: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    offs_n = tl.arange(0, BLOCK_N)
+    for n in range(start, stop, BLOCK_N):
+        b = n + offs_n
+        k_ptrs = k_base + b.to(tl.int64)[None, :] * stride_kt + offs_d[:, None]
+        v_ptrs = v_base + b.to(tl.int64)[:, None] * stride_vt + offs_d[None, :]
+        if MASK:
+            kt = tl.load(k_ptrs, mask=(b < k_len)[None, :] & (offs_d < HEAD_DIM)[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=(b < k_len)[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+        elif EVEN_D:
+            kt = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        else:
+            kt = tl.load(k_ptrs, mask=(offs_d < HEAD_DIM)[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
+        x = tl.dot(q, kt) * qk_scale
+        if MASK:
+            x = tl.where(_visible(pos[:, None], b[None, :], k_len, left, right, CAUSAL), x, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(x, 1))
+        if MASK:
+            # a row that has seen no visible key yet keeps m = -inf; shift by 0 instead
+            # so exp2 never evaluates (-inf) - (-inf)
+            m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_new_safe = m_new
+        p = tl.math.exp2(x - m_new_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_new_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit(do_not_specialize=["n_seg", "left", "right"])
+def varlen_attn_fwd_kernel(
+    Q,
+    K,
+    V,
+    O,
+    LSE,
+    q_start_ptr,
+    q_len_ptr,
+    q_pos_ptr,
+    k_start_ptr,
+    k_len_ptr,
+    tile_cum_ptr,  # inclusive cumsum of cdiv(q_len, BLOCK_M)
+    n_seg,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_lh,
+    group,  # Hq // Hkv
+    qk_scale,  # scale * log2(e)
+    left,
+    right,
+    CAUSAL: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """One query tile x one query head: online softmax over the visible key tiles.
+
+    ``m`` (running max of x), ``l = sum exp2(x - m)``, ``acc = sum exp2(x - m) v``;
+    at the end ``out = acc / l`` and ``lse = (m + log2 l) ln 2``; a row with no
+    visible key (l = 0) gets out = 0, lse = -inf.
+    """
+    tile = tl.program_id(0)
+    h = tl.program_id(1)
+    s, j = _tile_owner(tile_cum_ptr, n_seg, tile)
+    if s >= n_seg:
+        return
+    q_start = tl.load(q_start_ptr + s)
+    q_len = tl.load(q_len_ptr + s)
+    q_pos = tl.load(q_pos_ptr + s)
+    k_start = tl.load(k_start_ptr + s)
+    k_len = tl.load(k_len_ptr + s)
+
+    offs_m = j * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = offs_m < q_len
+    pos = q_pos + offs_m
+    pos_lo = q_pos + j * BLOCK_M
+    pos_hi = q_pos + tl.minimum(j * BLOCK_M + BLOCK_M, q_len) - 1
+    lo, mid_lo, mid_hi, hi = _key_range(pos_lo, pos_hi, k_len, left, right, CAUSAL, BLOCK_N)
+
+    rows = (q_start + offs_m).to(tl.int64)
+    d_ok = offs_d < HEAD_DIM
+    q = tl.load(
+        Q + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0
+    )
+    kvh = h // group
+    k_base = K + k_start.to(tl.int64) * stride_kt + kvh * stride_kh
+    v_base = V + k_start.to(tl.int64) * stride_vt + kvh * stride_vh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
+    acc, l_i, m_i = _fwd_inner(
+        acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, pos, offs_d, k_len, left, right, qk_scale,
+        lo, mid_lo, True, CAUSAL, EVEN_D, HEAD_DIM, BLOCK_N,
+    )
+    acc, l_i, m_i = _fwd_inner(
+        acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, pos, offs_d, k_len, left, right, qk_scale,
+        mid_lo, mid_hi, False, CAUSAL, EVEN_D, HEAD_DIM, BLOCK_N,
+    )
+    acc, l_i, m_i = _fwd_inner(
+        acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, pos, offs_d, k_len, left, right, qk_scale,
+        mid_hi, hi, True, CAUSAL, EVEN_D, HEAD_DIM, BLOCK_N,
+    )
+
+    seen = l_i > 0
+    l_safe = tl.where(seen, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    lse = tl.where(seen, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    tl.store(
+        O + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+        out.to(O.dtype.element_ty),
+        mask=row_ok[:, None] & d_ok[None, :],
+    )
+    tl.store(LSE + h * stride_lh + rows, lse, mask=row_ok)
+
+
+@triton.jit(do_not_specialize=["num_rows"])
+def varlen_attn_bwd_preprocess_kernel(
+    O,
+    DO,
+    DLSE,
+    DELTA,
+    num_rows,
+    stride_ot,
+    stride_oh,
+    stride_dot,
+    stride_doh,
+    stride_lh,  # DLSE and DELTA: [Hq, Tq], contiguous
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """``delta[h, t] = <dout[t, h], out[t, h]> - dlse[h, t]`` (fp32), for every row."""
+    h = tl.program_id(1)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = rows < num_rows
+    mask = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+    r64 = rows.to(tl.int64)
+    o = tl.load(O + r64[:, None] * stride_ot + h * stride_oh + offs_d[None, :], mask=mask, other=0.0)
+    do = tl.load(DO + r64[:, None] * stride_dot + h * stride_doh + offs_d[None, :], mask=mask, other=0.0)
+    dlse = tl.load(DLSE + h * stride_lh + r64, mask=row_ok, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1) - dlse
+    tl.store(DELTA + h * stride_lh + r64, delta, mask=row_ok)
+
+
+@triton.jit
+def _dq_inner(
+    dq,
+    q,
+    do,
+    lse2,
+    delta,
+    k_base,
+    v_base,
+    stride_kt,
+    stride_vt,
+    pos,
+    offs_d,
+    k_len,
+    left,
+    right,
+    qk_scale,
+    start,
+    stop,
+    MASK: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    offs_n = tl.arange(0, BLOCK_N)
+    for n in range(start, stop, BLOCK_N):
+        b = n + offs_n
+        k_ptrs = k_base + b.to(tl.int64)[:, None] * stride_kt + offs_d[None, :]
+        v_ptrs = v_base + b.to(tl.int64)[:, None] * stride_vt + offs_d[None, :]
+        if MASK:
+            kv_mask = (b < k_len)[:, None] & (offs_d < HEAD_DIM)[None, :]
+            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+            v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+        elif EVEN_D:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        else:
+            k = tl.load(k_ptrs, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
+        x = tl.dot(q, tl.trans(k)) * qk_scale
+        p = tl.math.exp2(x - lse2[:, None])
+        if MASK:
+            p = tl.where(_visible(pos[:, None], b[None, :], k_len, left, right, CAUSAL), p, 0.0)
+        dp = tl.dot(do, tl.trans(v))
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k)
+    return dq
+
+
+@triton.jit(do_not_specialize=["n_seg", "left", "right"])
+def varlen_attn_bwd_dq_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    DQ,
+    q_start_ptr,
+    q_len_ptr,
+    q_pos_ptr,
+    k_start_ptr,
+    k_len_ptr,
+    tile_cum_ptr,  # inclusive cumsum of cdiv(q_len, BLOCK_M)
+    n_seg,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_dot,
+    stride_doh,
+    stride_dqt,
+    stride_dqh,
+    stride_lh,
+    group,
+    sm_scale,
+    qk_scale,
+    left,
+    right,
+    CAUSAL: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """One query tile x one query head: ``dq = scale * sum_b P (dP - delta) k_b``,
+    P recomputed from the saved lse, over the same key phases as the forward."""
+    tile = tl.program_id(0)
+    h = tl.program_id(1)
+    s, j = _tile_owner(tile_cum_ptr, n_seg, tile)
+    if s >= n_seg:
+        return
+    q_start = tl.load(q_start_ptr + s)
+    q_len = tl.load(q_len_ptr + s)
+    q_pos = tl.load(q_pos_ptr + s)
+    k_start = tl.load(k_start_ptr + s)
+    k_len = tl.load(k_len_ptr + s)
+
+    offs_m = j * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = offs_m < q_len
+    pos = q_pos + offs_m
+    pos_lo = q_pos + j * BLOCK_M
+    pos_hi = q_pos + tl.minimum(j * BLOCK_M + BLOCK_M, q_len) - 1
+    lo, mid_lo, mid_hi, hi = _key_range(pos_lo, pos_hi, k_len, left, right, CAUSAL, BLOCK_N)
+
+    rows = (q_start + offs_m).to(tl.int64)
+    mask = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+    q = tl.load(Q + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=mask, other=0.0)
+    do = tl.load(DO + rows[:, None] * stride_dot + h * stride_doh + offs_d[None, :], mask=mask, other=0.0)
+    lse = tl.load(LSE + h * stride_lh + rows, mask=row_ok, other=float("-inf"))
+    # rows with no visible key (lse = -inf) must get P = 0: shift them by +inf
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    delta = tl.load(DELTA + h * stride_lh + rows, mask=row_ok, other=0.0)
+    kvh = h // group
+    k_base = K + k_start.to(tl.int64) * stride_kt + kvh * stride_kh
+    v_base = V + k_start.to(tl.int64) * stride_vt + kvh * stride_vh
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
+    dq = _dq_inner(
+        dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, pos, offs_d, k_len, left, right, qk_scale,
+        lo, mid_lo, True, CAUSAL, EVEN_D, HEAD_DIM, BLOCK_N,
+    )
+    dq = _dq_inner(
+        dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, pos, offs_d, k_len, left, right, qk_scale,
+        mid_lo, mid_hi, False, CAUSAL, EVEN_D, HEAD_DIM, BLOCK_N,
+    )
+    dq = _dq_inner(
+        dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, pos, offs_d, k_len, left, right, qk_scale,
+        mid_hi, hi, True, CAUSAL, EVEN_D, HEAD_DIM, BLOCK_N,
+    )
+    tl.store(
+        DQ + rows[:, None] * stride_dqt + h * stride_dqh + offs_d[None, :],
+        (dq * sm_scale).to(DQ.dtype.element_ty),
+        mask=mask,
+    )
+
+
+@triton.jit
+def _query_range(b_lo, b_hi, q_pos, q_len, left, right, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Query loop phases (offsets a within the segment) for the keys [b_lo, b_hi].
+
+    Queries outside [lo, hi) see no key of the tile; query tiles in [mid_lo, mid_hi)
+    see every key of it. Mirrors :func:`_key_range` with queries and keys swapped.
+    """
+    lo = q_len * 0
+    hi = q_len
+    full_lo = q_len * 0
+    full_hi = q_len
+    if CAUSAL:
+        lo = tl.maximum(lo, b_lo - q_pos)
+        full_lo = tl.maximum(full_lo, b_hi - q_pos)
+    lo = tl.where(right >= 0, tl.maximum(lo, b_lo - right - q_pos), lo)
+    full_lo = tl.where(right >= 0, tl.maximum(full_lo, b_hi - right - q_pos), full_lo)
+    hi = tl.where(left >= 0, tl.minimum(hi, b_hi + left - q_pos + 1), hi)
+    full_hi = tl.where(left >= 0, tl.minimum(full_hi, b_lo + left - q_pos + 1), full_hi)
+    hi = tl.maximum(hi, lo)
+    mid_lo = tl.minimum(lo + tl.cdiv(tl.maximum(full_lo - lo, 0), BLOCK_M) * BLOCK_M, hi)
+    mid_hi = mid_lo + (tl.maximum(full_hi - mid_lo, 0) // BLOCK_M) * BLOCK_M
+    return lo, mid_lo, mid_hi, hi
+
+
+@triton.jit
+def _dkdv_inner(
+    dk,
+    dv,
+    k,
+    v,
+    q_base,
+    do_base,
+    lse_base,
+    delta_base,
+    stride_qt,
+    stride_dot,
+    b,
+    offs_d,
+    q_pos,
+    q_len,
+    k_len,
+    left,
+    right,
+    qk_scale,
+    start,
+    stop,
+    MASK: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    offs_m = tl.arange(0, BLOCK_M)
+    for a0 in range(start, stop, BLOCK_M):
+        a = a0 + offs_m
+        a64 = a.to(tl.int64)
+        q_ptrs = q_base + a64[:, None] * stride_qt + offs_d[None, :]
+        do_ptrs = do_base + a64[:, None] * stride_dot + offs_d[None, :]
+        if MASK:
+            row_ok = a < q_len
+            mask = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+            q = tl.load(q_ptrs, mask=mask, other=0.0)
+            do = tl.load(do_ptrs, mask=mask, other=0.0)
+            lse = tl.load(lse_base + a64, mask=row_ok, other=float("-inf"))
+            delta = tl.load(delta_base + a64, mask=row_ok, other=0.0)
+        else:
+            if EVEN_D:
+                q = tl.load(q_ptrs)
+                do = tl.load(do_ptrs)
+            else:
+                q = tl.load(q_ptrs, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
+                do = tl.load(do_ptrs, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
+            lse = tl.load(lse_base + a64)
+            delta = tl.load(delta_base + a64)
+        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+        # transposed tiles [BLOCK_N, BLOCK_M]: rows are keys, so dk/dv accumulate without transposes
+        xt = tl.dot(k, tl.trans(q)) * qk_scale
+        pt = tl.math.exp2(xt - lse2[None, :])
+        if MASK:
+            vis = _visible(q_pos + a[None, :], b[:, None], k_len, left, right, CAUSAL) & (a < q_len)[None, :]
+            pt = tl.where(vis, pt, 0.0)
+        dv += tl.dot(pt.to(do.dtype), do)
+        dpt = tl.dot(v, tl.trans(do))
+        dst = pt * (dpt - delta[None, :])
+        dk += tl.dot(dst.to(q.dtype), q)
+    return dk, dv
+
+
+@triton.jit(do_not_specialize=["n_seg", "left", "right"])
+def varlen_attn_bwd_dkdv_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    DK,  # fp32 accumulation buffers, zero-initialised
+    DV,
+    q_start_ptr,
+    q_len_ptr,
+    q_pos_ptr,
+    k_start_ptr,
+    k_len_ptr,
+    tile_cum_ptr,  # inclusive cumsum of key tiles per segment
+    n_seg,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_dot,
+    stride_doh,
+    stride_dkt,
+    stride_dkh,
+    stride_lh,
+    group,
+    sm_scale,
+    qk_scale,
+    left,
+    right,
+    CAUSAL: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """(segment, key tile) work items x one kv head:
+    ``dv_b = sum_a P_ab dout_a``, ``dk_b = scale * sum_a P_ab (dP_ab - delta_a) q_a``
+    over the query heads of the kv group and the queries of the segment that see the tile.
+
+    Key ranges of different segments may overlap (all-gather CP runs two query
+    segments over one key range), so results are atomically added into fp32
+    buffers. Programs stride over the work items: the total (read on the device)
+    may exceed the grid, which is sized from shapes.
+    """
+    pid = tl.program_id(0)
+    kvh = tl.program_id(1)
+    n_prog = tl.num_programs(0)
+    total = tl.load(tile_cum_ptr + n_seg - 1)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
+    for item in range(pid, total, n_prog):
+        s, j = _tile_owner(tile_cum_ptr, n_seg, item)
+        q_start = tl.load(q_start_ptr + s)
+        q_len = tl.load(q_len_ptr + s)
+        q_pos = tl.load(q_pos_ptr + s)
+        k_start = tl.load(k_start_ptr + s)
+        k_len = tl.load(k_len_ptr + s)
+
+        b = j * BLOCK_N + offs_n
+        col_ok = b < k_len
+        b_lo = j * BLOCK_N
+        b_hi = tl.minimum(j * BLOCK_N + BLOCK_N, k_len) - 1
+        lo, mid_lo, mid_hi, hi = _query_range(b_lo, b_hi, q_pos, q_len, left, right, CAUSAL, BLOCK_M)
+
+        kv_rows = (k_start + b).to(tl.int64)
+        kv_mask = col_ok[:, None] & d_ok[None, :]
+        k = tl.load(K + kv_rows[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(V + kv_rows[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+        dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        if lo < hi:
+            for g in range(0, group):
+                h = kvh * group + g
+                q_base = Q + q_start.to(tl.int64) * stride_qt + h * stride_qh
+                do_base = DO + q_start.to(tl.int64) * stride_dot + h * stride_doh
+                lse_base = LSE + h * stride_lh + q_start
+                delta_base = DELTA + h * stride_lh + q_start
+                dk, dv = _dkdv_inner(
+                    dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, b, offs_d,
+                    q_pos, q_len, k_len, left, right, qk_scale, lo, mid_lo, True, CAUSAL, EVEN_D, HEAD_DIM, BLOCK_M,
+                )
+                dk, dv = _dkdv_inner(
+                    dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, b, offs_d,
+                    q_pos, q_len, k_len, left, right, qk_scale, mid_lo, mid_hi, False, CAUSAL, EVEN_D, HEAD_DIM, BLOCK_M,
+                )
+                dk, dv = _dkdv_inner(
+                    dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, b, offs_d,
+                    q_pos, q_len, k_len, left, right, qk_scale, mid_hi, hi, True, CAUSAL, EVEN_D, HEAD_DIM, BLOCK_M,
+                )
+            out_off = kv_rows[:, None] * stride_dkt + kvh * stride_dkh + offs_d[None, :]
+            tl.atomic_add(DK + out_off, dk * sm_scale, mask=kv_mask)
+            tl.atomic_add(DV + out_off, dv, mask=kv_mask)

@@ -1,0 +1,362 @@
+"""Segment ("varlen") attention as torch.library ops: forward, backward, fake, autograd.
+
+``torch.ops.cp_ops.varlen_attention(Tensor q, Tensor k, Tensor v, Tensor q_start,
+Tensor q_len, Tensor q_pos, Tensor k_start, Tensor k_len, bool causal=True,
+SymInt window_left=-1, SymInt window_right=-1, float? scale=None) -> (Tensor, Tensor)``
+returns ``(out, lse)``.
+
+``custom_ops.varlen_attention`` is the same op with ``window=(left, right)``.
+The backward is its own op, ``torch.ops.cp_ops.varlen_attention_backward``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from torch.library import triton_op, wrap_triton
+
+from custom_ops._common import NAMESPACE, check_index_tensor, triton_interpreting, use_triton
+from custom_ops.varlen_attention.kernels import (
+    kernel_config,
+    varlen_attn_bwd_dkdv_kernel,
+    varlen_attn_bwd_dq_kernel,
+    varlen_attn_bwd_preprocess_kernel,
+    varlen_attn_fwd_kernel,
+)
+from custom_ops.varlen_attention.reference import (
+    _attention,
+    lse_dtype,
+    resolve_scale,
+    varlen_attention_backward_reference,
+)
+
+_INDEX_NAMES = ("q_start", "q_len", "q_pos", "k_start", "k_len")
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_MAX_KERNEL_HEAD_DIM = 256
+_LOG2E = 1.4426950408889634
+
+
+def _check(q, k, v, index_tensors, causal, window_left, window_right) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 3:
+            raise ValueError(f"{name} must be 3-D [tokens, heads, head_dim], got shape {tuple(t.shape)}")
+        if t.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k and v must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.device != q.device or v.device != q.device:
+        raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"q and k must have one head_dim, got {q.shape[2]} and {k.shape[2]}")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
+        raise ValueError(
+            f"the query heads ({q.shape[1]}) must be a multiple of the kv heads ({k.shape[1]}) for GQA"
+        )
+    if q.shape[2] == 0:
+        raise ValueError("head_dim must be at least 1")
+    for name, t in zip(_INDEX_NAMES, index_tensors):
+        check_index_tensor(name, t, q.device, min_numel=0)
+    n_seg = index_tensors[0].shape[0]
+    for name, t in zip(_INDEX_NAMES[1:], index_tensors[1:]):
+        if t.shape[0] != n_seg:
+            raise ValueError(f"{name} has {t.shape[0]} entries but q_start has {n_seg}; give one entry per segment")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    for name, w in (("window_left", window_left), ("window_right", window_right)):
+        if isinstance(w, bool) or not isinstance(w, (int, torch.SymInt)):
+            raise TypeError(f"{name} must be an int, got {type(w).__name__}")
+        if w < -1:
+            raise ValueError(f"{name} must be >= 0, or -1 for unbounded; got {w}")
+
+
+def _use_kernel(q: torch.Tensor) -> bool:
+    """The Triton path serves fp16/bf16/fp32; float64 (tests, gradcheck) runs the reference."""
+    if not use_triton(q) or q.dtype == torch.float64:
+        return False
+    if q.shape[2] > _MAX_KERNEL_HEAD_DIM:
+        raise ValueError(f"the Triton kernel supports head_dim <= {_MAX_KERNEL_HEAD_DIM}, got {q.shape[2]}")
+    return True
+
+
+def _segments(q_start, q_len, q_pos, k_start, k_len, num_q_rows, num_k_rows):
+    """int32 segment tables, clamped into the tensors so an invalid layout gives wrong
+    rows but never an out-of-bounds access (validate with validate_varlen_segments)."""
+    qs = q_start.long().clamp(0, num_q_rows)
+    ql = torch.minimum(q_len.long().clamp(min=0), num_q_rows - qs)
+    ks = k_start.long().clamp(0, num_k_rows)
+    kl = torch.minimum(k_len.long().clamp(min=0), num_k_rows - ks)
+    return qs.int(), ql.int(), q_pos.int(), ks.int(), kl.int()
+
+
+def _tile_cumsum(lengths: torch.Tensor, block: int, gate: torch.Tensor | None = None) -> torch.Tensor:
+    """Inclusive cumulative count of ``block``-row tiles per segment (int32, on the device)."""
+    tiles = (lengths + (block - 1)) // block
+    if gate is not None:
+        tiles = torch.where(gate, tiles, 0)
+    return torch.cumsum(tiles, 0, dtype=torch.int32)
+
+
+def _block_d(head_dim) -> int:
+    """The power-of-two head-dim tile (>= 16). Plain comparisons, so a symbolic
+    head_dim under torch.compile specialises instead of failing."""
+    block = 16
+    while block < head_dim:
+        block *= 2
+    return block
+
+
+def _forward_kernel(q, k, v, seg, causal, left, right, scale):
+    tq, hq, d = q.shape
+    hkv = k.shape[1]
+    n_seg = seg[0].shape[0]
+    # rows in no segment are never visited by a program: they stay out = 0, lse = -inf
+    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.full((hq, tq), float("-inf"), dtype=torch.float32, device=q.device)
+    if n_seg == 0 or tq == 0 or hq == 0:
+        return out, lse
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    qs, ql, qp, ks, kl = _segments(*seg, tq, k.shape[0])
+    block_d = _block_d(d)
+    cfg = kernel_config("fwd", block_d, triton_interpreting())
+    cum = _tile_cumsum(ql, cfg["BLOCK_M"])
+    grid = (triton.cdiv(tq, cfg["BLOCK_M"]) + n_seg, hq)
+    wrap_triton(varlen_attn_fwd_kernel)[grid](
+        q, k, v, out, lse,
+        qs, ql, qp, ks, kl, cum, n_seg,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1), lse.stride(0),
+        hq // hkv, scale * _LOG2E, left, right,
+        CAUSAL=causal, HEAD_DIM=d, BLOCK_D=block_d, **cfg,
+    )  # fmt: skip
+    return out, lse
+
+
+def _backward_kernel(dout, dlse, q, k, v, out, lse, seg, causal, left, right, scale):
+    tq, hq, d = q.shape
+    tk, hkv, _ = k.shape
+    n_seg = seg[0].shape[0]
+    dq = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
+    dv = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
+    if n_seg == 0 or tq == 0 or hq == 0 or tk == 0:
+        return dq, dk.to(k.dtype), dv.to(v.dtype)
+    q, k, v, out, dout = q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(), dout.contiguous()
+    lse = lse.contiguous()
+    dlse = dlse.to(torch.float32).contiguous()
+    qs, ql, qp, ks, kl = _segments(*seg, tq, tk)
+    block_d = _block_d(d)
+    interpreting = triton_interpreting()
+
+    delta = torch.empty((hq, tq), dtype=torch.float32, device=q.device)
+    cfg = kernel_config("bwd_pre", block_d, interpreting)
+    wrap_triton(varlen_attn_bwd_preprocess_kernel)[(triton.cdiv(tq, cfg["BLOCK_M"]), hq)](
+        out, dout, dlse, delta, tq,
+        out.stride(0), out.stride(1), dout.stride(0), dout.stride(1), delta.stride(0),
+        HEAD_DIM=d, BLOCK_D=block_d, **cfg,
+    )  # fmt: skip
+
+    cfg = kernel_config("bwd_dq", block_d, interpreting)
+    cum = _tile_cumsum(ql, cfg["BLOCK_M"])
+    wrap_triton(varlen_attn_bwd_dq_kernel)[(triton.cdiv(tq, cfg["BLOCK_M"]) + n_seg, hq)](
+        q, k, v, dout, lse, delta, dq,
+        qs, ql, qp, ks, kl, cum, n_seg,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), lse.stride(0),
+        hq // hkv, scale, scale * _LOG2E, left, right,
+        CAUSAL=causal, HEAD_DIM=d, BLOCK_D=block_d, **cfg,
+    )  # fmt: skip
+
+    cfg = kernel_config("bwd_dkdv", block_d, interpreting)
+    # segments without queries own no key tile; the grid has one program per key tile
+    # of the key tensor (plus one per segment for partial tiles) and strides over the rest
+    cum = _tile_cumsum(kl, cfg["BLOCK_N"], gate=ql > 0)
+    wrap_triton(varlen_attn_bwd_dkdv_kernel)[(triton.cdiv(tk, cfg["BLOCK_N"]) + n_seg, hkv)](
+        q, k, v, dout, lse, delta, dk, dv,
+        qs, ql, qp, ks, kl, cum, n_seg,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        dout.stride(0), dout.stride(1), dk.stride(0), dk.stride(1), lse.stride(0),
+        hq // hkv, scale, scale * _LOG2E, left, right,
+        CAUSAL=causal, HEAD_DIM=d, BLOCK_D=block_d, **cfg,
+    )  # fmt: skip
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
+
+
+@triton_op(f"{NAMESPACE}::varlen_attention", mutates_args=())
+def _varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_start: torch.Tensor,
+    q_len: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_start: torch.Tensor,
+    k_len: torch.Tensor,
+    causal: bool = True,
+    window_left: int = -1,
+    window_right: int = -1,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.ops.cp_ops.varlen_attention``: :func:`varlen_attention` with the window as two ints."""
+    seg = (q_start, q_len, q_pos, k_start, k_len)
+    _check(q, k, v, seg, causal, window_left, window_right)
+    scale = resolve_scale(scale, q.shape[2])
+    if not _use_kernel(q):
+        out, lse = _attention(q, k, v, *seg, causal, window_left, window_right, scale)
+        return out.contiguous(), lse.contiguous()  # the fake's layout
+    return _forward_kernel(q, k, v, seg, causal, window_left, window_right, scale)
+
+
+@_varlen_attention.register_fake
+def _(q, k, v, q_start, q_len, q_pos, k_start, k_len, causal=True, window_left=-1, window_right=-1, scale=None):
+    _check(q, k, v, (q_start, q_len, q_pos, k_start, k_len), causal, window_left, window_right)
+    _use_kernel(q)  # same head_dim error as the real op
+    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=lse_dtype(q.dtype))
+
+
+@triton_op(f"{NAMESPACE}::varlen_attention_backward", mutates_args=())
+def _varlen_attention_backward(
+    dout: torch.Tensor,
+    dlse: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    q_start: torch.Tensor,
+    q_len: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_start: torch.Tensor,
+    k_len: torch.Tensor,
+    causal: bool = True,
+    window_left: int = -1,
+    window_right: int = -1,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` of :func:`varlen_attention` given ``dout [Tq, Hq, D]`` and
+    ``dlse [Hq, Tq]`` and the saved ``out`` and ``lse``. Not differentiable itself."""
+    seg = (q_start, q_len, q_pos, k_start, k_len)
+    _check(q, k, v, seg, causal, window_left, window_right)
+    scale = resolve_scale(scale, q.shape[2])
+    if not _use_kernel(q):
+        grads = varlen_attention_backward_reference(
+            dout, dlse, q, k, v, out, lse, *seg, causal, window_left, window_right, scale
+        )
+        return tuple(g.contiguous() for g in grads)
+    return _backward_kernel(dout, dlse, q, k, v, out, lse, seg, causal, window_left, window_right, scale)
+
+
+@_varlen_attention_backward.register_fake
+def _(dout, dlse, q, k, v, out, lse, q_start, q_len, q_pos, k_start, k_len, causal=True, window_left=-1,
+      window_right=-1, scale=None):  # fmt: skip
+    _check(q, k, v, (q_start, q_len, q_pos, k_start, k_len), causal, window_left, window_right)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, q_start, q_len, q_pos, k_start, k_len, causal, window_left, window_right, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, q_start, q_len, q_pos, k_start, k_len)
+    ctx.args = (causal, window_left, window_right, scale)
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse, *seg = ctx.saved_tensors
+    if dlse is None:
+        dlse = torch.zeros_like(lse)
+    if dout is None:
+        dout = torch.zeros_like(out)
+    dq, dk, dv = _varlen_attention_backward(dout, dlse, q, k, v, out, lse, *seg, *ctx.args)
+    return (dq, dk, dv) + (None,) * 9
+
+
+_varlen_attention.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _window(window) -> tuple[int, int]:
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise TypeError(f"window must be a pair (left, right) of ints, got {window!r}")
+    return window[0], window[1]
+
+
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_start: torch.Tensor,
+    q_len: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_start: torch.Tensor,
+    k_len: torch.Tensor,
+    causal: bool = True,
+    window: tuple[int, int] = (-1, -1),
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over S segments in one launch: ``(out [Tq, Hq, D], lse [Hq, Tq])``.
+
+    q: ``[Tq, Hq, D]``; k, v: ``[Tk, Hkv, D]`` with ``Hq % Hkv == 0`` (query head h
+    reads kv head ``h // (Hq / Hkv)``). The five index tensors (int32 or int64,
+    ``[S]`` each) describe segment s: query rows ``[q_start, q_start + q_len)`` at
+    positions ``q_pos + a``; key rows ``[k_start, k_start + k_len)`` at positions
+    ``b = 0 .. k_len - 1``. Query a sees key b iff ``b < k_len`` and
+    ``b <= pos(a)`` (causal) and ``pos(a) - b <= left`` (left >= 0) and
+    ``b - pos(a) <= right`` (right >= 0), ``window = (left, right)``, -1 = unbounded.
+    With ``s_ab = scale * <q_a, k_b>`` (scale defaults to ``D ** -0.5``):
+
+        lse_a = log sum_{b visible} exp(s_ab)
+        out_a = sum_{b visible} exp(s_ab - lse_a) v_b
+
+    out has q's dtype; lse is float32 (float64 for float64 inputs). Query rows
+    with no visible key, and rows in no segment, get ``out = 0``, ``lse = -inf``
+    and zero gradient. Query segments must be disjoint (sorting not required);
+    key ranges may overlap (dk, dv sum over every segment). Values are not
+    checked here (no host sync): see :func:`validate_varlen_segments`.
+
+    ``q_pos = 0`` is plain varlen attention, ``q_pos = k_len - q_len`` bottom-right
+    alignment. Differentiable in q, k, v, including through lse. On CUDA (and on
+    CPU under TRITON_INTERPRET=1) fp16/bf16/fp32 run the Triton kernels
+    (head_dim <= 256; fp32 products use Triton's default TF32 on the GPU, with
+    fp32 accumulation); otherwise the dense torch reference runs.
+    """
+    left, right = _window(window)
+    return _varlen_attention(q, k, v, q_start, q_len, q_pos, k_start, k_len, causal, left, right, scale)
+
+
+def validate_varlen_segments(
+    q_start: torch.Tensor,
+    q_len: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_start: torch.Tensor,
+    k_len: torch.Tensor,
+    num_q_rows: int,
+    num_k_rows: int,
+) -> None:
+    """Check segment tables on the host (syncs; call it where batches are built).
+
+    Raises ValueError unless lengths are >= 0, every query range lies in
+    ``[0, num_q_rows)`` and every key range in ``[0, num_k_rows)``, and the
+    non-empty query ranges are pairwise disjoint.
+    """
+    tables = {name: t.tolist() for name, t in zip(_INDEX_NAMES, (q_start, q_len, q_pos, k_start, k_len))}
+    n = len(tables["q_start"])
+    if any(len(t) != n for t in tables.values()):
+        raise ValueError("the five segment tensors must have one length")
+    spans = []
+    for s in range(n):
+        qs, ql, ks, kl = tables["q_start"][s], tables["q_len"][s], tables["k_start"][s], tables["k_len"][s]
+        if ql < 0 or kl < 0:
+            raise ValueError(f"segment {s}: q_len = {ql} and k_len = {kl} must be >= 0")
+        if qs < 0 or qs + ql > num_q_rows:
+            raise ValueError(f"segment {s}: query rows [{qs}, {qs + ql}) are not inside [0, {num_q_rows})")
+        if ks < 0 or ks + kl > num_k_rows:
+            raise ValueError(f"segment {s}: key rows [{ks}, {ks + kl}) are not inside [0, {num_k_rows})")
+        if ql > 0:
+            spans.append((qs, qs + ql, s))
+    spans.sort()
+    for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
+        if start < end:
+            raise ValueError(f"the query rows of segments {a} and {b} overlap")
+

@@ -1,0 +1,247 @@
+"""Torch references for segment ("varlen") attention.
+
+Segment s covers query rows ``[q_start[s], q_start[s] + q_len[s])`` at positions
+``pos(a) = q_pos[s] + a`` and key rows ``[k_start[s], k_start[s] + k_len[s])`` at
+positions ``b = 0 .. k_len[s] - 1``. Query a sees key b iff
+
+    b < k_len[s]
+    and (not causal or b <= pos(a))
+    and (left < 0 or pos(a) - b <= left)
+    and (right < 0 or b - pos(a) <= right)
+
+With ``s_ab = scale * <q_a, k_b>`` (query head h reads kv head ``h // (Hq/Hkv)``):
+
+    lse_a = log sum_{b visible} exp(s_ab)          (natural log; -inf if nothing is visible)
+    out_a = sum_{b visible} exp(s_ab - lse_a) v_b  (0 if nothing is visible)
+
+Query rows in no segment get ``out = 0``, ``lse = -inf``. Query segments must be
+disjoint (they need not be sorted); key ranges may overlap freely.
+
+:func:`varlen_attention_reference` is vectorised (dense ``[Hq, Tq, Tk]`` masked
+softmax, no host sync) and is what the op runs on CPU;
+:func:`varlen_attention_backward_reference` is the closed-form gradient the CPU
+backward uses. :func:`varlen_attention_loop` spells the definition out as a
+Python loop over segments and heads: an independent float64 oracle for tests
+and benchmarks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    """lse is float32, except for float64 inputs (float64, so gradcheck sees exact values)."""
+    return _compute_dtype(dtype)
+
+
+def resolve_scale(scale: float | None, head_dim: int) -> float:
+    """``scale``, or ``head_dim ** -0.5``; a plain float (a symbolic head_dim specialises)."""
+    return float(head_dim) ** -0.5 if scale is None else float(scale)
+
+
+def visibility_mask(
+    q_start: torch.Tensor,
+    q_len: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_start: torch.Tensor,
+    k_len: torch.Tensor,
+    num_q_rows: int,
+    num_k_rows: int,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+) -> torch.Tensor:
+    """``[Tq, Tk]`` bool: query row t may attend to key row u.
+
+    Each query row's segment comes from a dense ``[Tq, S]`` membership test (no
+    sorting assumed, empty segments anywhere); rows in no segment see nothing.
+    """
+    device = q_start.device
+    rows = torch.arange(num_q_rows, device=device, dtype=torch.int64)
+    cols = torch.arange(num_k_rows, device=device, dtype=torch.int64)
+    n_seg = q_start.shape[0]
+    if n_seg == 0 or num_q_rows == 0:
+        return torch.zeros(num_q_rows, num_k_rows, dtype=torch.bool, device=device)
+    qs, ql, qp = q_start.long(), q_len.long(), q_pos.long()
+    ks, kl = k_start.long(), k_len.long()
+    member = (rows[:, None] >= qs[None, :]) & (rows[:, None] < (qs + ql)[None, :])  # [Tq, S]
+    in_seg = member.any(dim=1)
+    seg = member.to(torch.int8).argmax(dim=1)  # the segment holding each row (0 when none)
+    pos = (qp[seg] + rows - qs[seg])[:, None]  # [Tq, 1]
+    b = cols[None, :] - ks[seg][:, None]  # key position within the row's segment, [Tq, Tk]
+    visible = in_seg[:, None] & (b >= 0) & (b < kl[seg][:, None])
+    if causal:
+        visible = visible & (b <= pos)
+    if window_left >= 0:
+        visible = visible & (pos - b <= window_left)
+    if window_right >= 0:
+        visible = visible & (b - pos <= window_right)
+    return visible
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+    """``[Hq, Tq, Tk]`` scaled scores in the compute dtype; GQA without copying k."""
+    tq, hq, d = q.shape
+    tk, hkv, _ = k.shape
+    dt = _compute_dtype(q.dtype)
+    q4 = q.to(dt).reshape(tq, hkv, hq // hkv, d)
+    s = torch.einsum("tkgd,ukd->kgtu", q4, k.to(dt)) * scale
+    return s.reshape(hq, tq, tk)
+
+
+def _group_sum(x: torch.Tensor, hkv: int) -> torch.Tensor:
+    """``[Hq, T, D] -> [T, Hkv, D]``: sum over the query heads of each kv group."""
+    hq, t, d = x.shape
+    return x.reshape(hkv, hq // hkv, t, d).sum(dim=1).permute(1, 0, 2)
+
+
+def _expand_kv(x: torch.Tensor, hq: int) -> torch.Tensor:
+    """``[T, Hkv, D] -> [Hq, T, D]``: each query head's kv head (h // group)."""
+    t, hkv, d = x.shape
+    return x.permute(1, 0, 2)[:, None].expand(hkv, hq // hkv, t, d).reshape(hq, t, d)
+
+
+def _attention(q, k, v, q_start, q_len, q_pos, k_start, k_len, causal, window_left, window_right, scale):
+    scale = resolve_scale(scale, q.shape[-1])
+    visible = visibility_mask(
+        q_start, q_len, q_pos, k_start, k_len, q.shape[0], k.shape[0], causal, window_left, window_right
+    )
+    s = _scores(q, k, scale)
+    any_visible = visible.any(dim=1)  # [Tq]
+    # Rows with no visible key get finite dummy scores so neither the softmax nor
+    # its gradient sees (-inf) - (-inf); their p is then zeroed by the mask.
+    fill = torch.where(any_visible, float("-inf"), 0.0).to(s.dtype)[None, :, None]
+    s_safe = torch.where(visible[None], s, fill)
+    lse_safe = torch.logsumexp(s_safe, dim=-1)  # [Hq, Tq]
+    p = torch.exp(s_safe - lse_safe[..., None]) * visible[None]
+    out = torch.einsum("htu,hud->thd", p, _expand_kv(v.to(s.dtype), q.shape[1]))
+    lse = torch.where(any_visible[None], lse_safe, float("-inf"))
+    return out.to(q.dtype), lse.to(lse_dtype(q.dtype))
+
+
+def varlen_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_start: torch.Tensor,
+    q_len: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_start: torch.Tensor,
+    k_len: torch.Tensor,
+    causal: bool = True,
+    window: tuple[int, int] = (-1, -1),
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Segment attention as a dense masked softmax: ``(out [Tq, Hq, D], lse [Hq, Tq])``.
+
+    Same contract as :func:`custom_ops.varlen_attention` (see the module
+    docstring). Memory is ``O(Hq * Tq * Tk)``: for CPU-sized inputs and as an
+    oracle. Differentiable by torch autograd in q, k, v (rows with no visible
+    key get zero gradient, never NaN).
+    """
+    return _attention(q, k, v, q_start, q_len, q_pos, k_start, k_len, causal, window[0], window[1], scale)
+
+
+def varlen_attention_backward_reference(
+    dout: torch.Tensor,
+    dlse: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    q_start: torch.Tensor,
+    q_len: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_start: torch.Tensor,
+    k_len: torch.Tensor,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    scale: float | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Closed-form gradients ``(dq, dk, dv)`` from the saved ``out`` and ``lse``.
+
+    With ``P_ab = exp(s_ab - lse_a)`` on visible pairs (0 elsewhere) and
+    ``delta_a = <dout_a, out_a> - dlse_a``:
+
+        dv_b = sum_a P_ab dout_a
+        dS_ab = P_ab (<dout_a, v_b> - delta_a)
+        dq_a = scale * sum_b dS_ab k_b,   dk_b = scale * sum_a dS_ab q_a
+
+    (the ``dlse`` term: d lse_a / d s_ab = P_ab). dk and dv sum over the query
+    heads of each kv group and over every segment whose key range holds the row.
+    """
+    scale = resolve_scale(scale, q.shape[-1])
+    hq, hkv = q.shape[1], k.shape[1]
+    visible = visibility_mask(
+        q_start, q_len, q_pos, k_start, k_len, q.shape[0], k.shape[0], causal, window_left, window_right
+    )
+    s = _scores(q, k, scale)
+    dt = s.dtype
+    lse_c = lse.to(dt)
+    lse_safe = torch.where(torch.isfinite(lse_c), lse_c, 0.0)
+    p = torch.exp(torch.where(visible[None], s, float("-inf")) - lse_safe[..., None])  # [Hq, Tq, Tk]
+    do = dout.to(dt).permute(1, 0, 2)  # [Hq, Tq, D]
+    delta = (do * out.to(dt).permute(1, 0, 2)).sum(-1) - dlse.to(dt)
+    ke, ve = _expand_kv(k.to(dt), hq), _expand_kv(v.to(dt), hq)  # [Hq, Tk, D]
+    dv = _group_sum(p.transpose(1, 2) @ do, hkv)
+    ds = p * (do @ ve.transpose(1, 2) - delta[..., None])
+    dq = (ds @ ke).permute(1, 0, 2) * scale
+    dk = _group_sum(ds.transpose(1, 2) @ q.to(dt).permute(1, 0, 2), hkv) * scale
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def varlen_attention_loop(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_start: torch.Tensor,
+    q_len: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_start: torch.Tensor,
+    k_len: torch.Tensor,
+    causal: bool = True,
+    window: tuple[int, int] = (-1, -1),
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The definition as a Python loop over (segment, head), in float64; syncs with the host.
+
+    Returns float64 ``(out, lse)``; differentiable by autograd in q, k, v.
+    """
+    tq, hq, d = q.shape
+    group = hq // k.shape[1]
+    scale = resolve_scale(scale, d)
+    left, right = window
+    q64, k64, v64 = q.double(), k.double(), v.double()
+    out = torch.zeros(tq, hq, d, dtype=torch.float64)
+    lse = torch.full((hq, tq), float("-inf"), dtype=torch.float64)
+    for qs, ql, qp, ks, kl in zip(q_start.tolist(), q_len.tolist(), q_pos.tolist(), k_start.tolist(), k_len.tolist()):
+        if ql <= 0:
+            continue
+        pos = torch.arange(ql)[:, None] + qp
+        b = torch.arange(max(kl, 0))[None, :]
+        seen = torch.ones(ql, max(kl, 0), dtype=torch.bool)
+        if causal:
+            seen &= b <= pos
+        if left >= 0:
+            seen &= pos - b <= left
+        if right >= 0:
+            seen &= b - pos <= right
+        rows = seen.any(dim=1)
+        if not rows.any():
+            continue
+        for h in range(hq):
+            qh = q64[qs : qs + ql, h][rows]
+            kh, vh = k64[ks : ks + kl, h // group], v64[ks : ks + kl, h // group]
+            scores = (qh @ kh.T * scale).masked_fill(~seen[rows], float("-inf"))
+            row_lse = torch.logsumexp(scores, dim=1)
+            idx = torch.arange(qs, qs + ql)[rows]
+            out[idx, h] = torch.softmax(scores, dim=1) @ vh
+            lse[h, idx] = row_lse
+    return out, lse

@@ -1,0 +1,406 @@
+"""varlen_attention: loop definition, opcheck, gradients, compile, Triton kernels, bad input.
+
+Tolerances: results are compared by rel_error against float64 computations; the
+bound is TOLERANCE of the dtype the op computes in (fp32 accumulation for fp32
+inputs; float64 paths agree to rounding).
+"""
+
+import inspect
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import custom_ops
+from custom_ops.testing import TOLERANCE, poisoned_allocations, random_tensor, rel_error
+from custom_ops.varlen_attention import kernels as kernels_mod
+from custom_ops.varlen_attention import validate_varlen_segments, varlen_attention_loop, varlen_attention_reference
+
+WINDOWS = [(-1, -1), (3, -1), (2, 1), (0, 0), (-1, 2), (5, 5)]
+HEADS = [(1, 1), (2, 1), (4, 2), (3, 3), (6, 2)]
+
+
+@st.composite
+def segment_layouts(draw, max_segs=4, max_q=12, max_k=14):
+    """(q_start, q_len, q_pos, k_start, k_len, Tq, Tk) as lists: gaps (rows in no segment),
+    empty segments, q_pos = 0 / bottom-right / arbitrary, key ranges shared with the previous
+    segment (two query segments over one key range, as all-gather CP runs them)."""
+    n = draw(st.integers(0, max_segs))
+    qs, ql, qp, ks, kl = [], [], [], [], []
+    row, key = draw(st.sampled_from([0, 0, 2])), 0
+    for _ in range(n):
+        q_len = draw(st.one_of(st.just(0), st.just(1), st.integers(0, max_q)))
+        if kl and draw(st.booleans()):
+            k_start, k_len = ks[-1], kl[-1]
+        else:
+            key += draw(st.sampled_from([0, 0, 1, 3]))
+            k_start, k_len = key, draw(st.one_of(st.just(0), st.just(1), st.integers(0, max_k)))
+            key += k_len
+        mode = draw(st.sampled_from(["zero", "bottom_right", "offset"]))
+        q_pos = {"zero": 0, "bottom_right": k_len - q_len}.get(mode) if mode != "offset" else None
+        if q_pos is None:
+            q_pos = draw(st.integers(-3, max_k + 3))
+        qs.append(row), ql.append(q_len), qp.append(q_pos), ks.append(k_start), kl.append(k_len)
+        row += q_len + draw(st.sampled_from([0, 0, 1, 2]))
+    return qs, ql, qp, ks, kl, row + draw(st.sampled_from([0, 1])), key + draw(st.sampled_from([0, 2]))
+
+
+def _tensors(layout, heads, d, dtype, index_dtype=torch.int32, seed=0):
+    qs, ql, qp, ks, kl, tq, tk = layout
+    hq, hkv = heads
+    gen = torch.Generator().manual_seed(seed)
+    q = random_tensor((tq, hq, d), dtype, generator=gen)
+    k = random_tensor((tk, hkv, d), dtype, generator=gen)
+    v = random_tensor((tk, hkv, d), dtype, generator=gen)
+    seg = [torch.tensor(x, dtype=index_dtype) for x in (qs, ql, qp, ks, kl)]
+    return q, k, v, seg
+
+
+def _cotangents(q, seed):
+    """Random cotangents for out ``[Tq, Hq, D]`` and lse ``[Hq, Tq]`` (lse is differentiable)."""
+    gen = torch.Generator().manual_seed(seed)
+    dout = torch.randn(q.shape, generator=gen, dtype=torch.float64)
+    dlse = torch.randn((q.shape[1], q.shape[0]), generator=gen, dtype=torch.float64)
+    return dout, dlse
+
+
+def _loss(out, lse, dout, dlse):
+    finite = torch.isfinite(lse.detach())
+    return (out.double() * dout).sum() + (lse.double()[finite] * dlse[finite]).sum()
+
+
+def _run(fn, q, k, v, seg, causal, window, dout, dlse, scale=None):
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out, lse = fn(q, k, v, *seg, causal=causal, window=window, scale=scale)
+    loss = _loss(out, lse, dout, dlse)
+    if not loss.requires_grad:  # the loop oracle with no visible key anywhere builds no graph
+        return out.detach(), lse.detach(), [torch.zeros_like(t) for t in (q, k, v)]
+    grads = torch.autograd.grad(loss, (q, k, v), allow_unused=True)
+    grads = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, (q, k, v))]
+    return out.detach(), lse.detach(), grads
+
+
+def _assert_agree(got, want, tol):
+    out, lse, grads = got
+    out_w, lse_w, grads_w = want
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    finite = torch.isfinite(lse_w)
+    assert torch.equal(torch.isfinite(lse), finite), "rows with no visible key must have lse = -inf"
+    assert (lse[~finite] == float("-inf")).all()
+    assert rel_error(out, out_w) <= tol
+    assert rel_error(lse[finite], lse_w[finite]) <= tol
+    for name, g, gw in zip("qkv", grads, grads_w):
+        assert rel_error(g, gw) <= tol, f"d{name}: {rel_error(g, gw)}"
+
+
+# --- agreement with the definition -------------------------------------------------------------
+
+
+@given(
+    segment_layouts(),
+    st.sampled_from(HEADS),
+    st.booleans(),
+    st.sampled_from(WINDOWS),
+    st.sampled_from([torch.int32, torch.int64]),
+    st.integers(0, 2**16),
+)
+def test_matches_loop_definition(layout, heads, causal, window, index_dtype, seed):
+    """Forward and gradients (through out and lse) of the reference (torch autograd) and of
+    the op (its closed-form backward), in float64 and float32, against the loop oracle."""
+    q, k, v, seg = _tensors(layout, heads, 8, torch.float64, index_dtype, seed)
+    dout, dlse = _cotangents(q, seed + 1)
+    want = _run(varlen_attention_loop, q, k, v, seg, causal, window, dout, dlse)
+    _assert_agree(_run(varlen_attention_reference, q, k, v, seg, causal, window, dout, dlse), want, TOLERANCE[torch.float64])
+    for dtype in (torch.float64, torch.float32):
+        got = _run(custom_ops.varlen_attention, q.to(dtype), k.to(dtype), v.to(dtype), seg, causal, window, dout, dlse)
+        assert got[0].dtype == dtype
+        _assert_agree(got, want, TOLERANCE[dtype])
+
+
+def test_torch_ops_namespace_is_the_same_op():
+    q, k, v, seg = _tensors(([0, 7], [5, 9], [0, 2], [0, 4], [6, 11], 16, 15), (4, 2), 8, torch.float32)
+    a = torch.ops.cp_ops.varlen_attention(q, k, v, *seg, False, 3, 1, 0.3)
+    b = custom_ops.varlen_attention(q, k, v, *seg, causal=False, window=(3, 1), scale=0.3)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert inspect.signature(custom_ops.varlen_attention) == inspect.signature(varlen_attention_reference)
+    schema = torch.ops.cp_ops.varlen_attention.default._schema
+    assert [a.name for a in schema.arguments][-4:] == ["causal", "window_left", "window_right", "scale"]
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2)])
+def test_dense_segments_match_sdpa(causal, heads):
+    """Two packed documents with q_pos = 0 are SDPA over each (top-left alignment), GQA included."""
+    lens = [13, 22]
+    q, k, v, seg = _tensors(([0, 13], lens, [0, 0], [0, 13], lens, 35, 35), heads, 16, torch.float64)
+    out, lse = custom_ops.varlen_attention(q, k, v, *seg, causal=causal, scale=0.2)
+    group = heads[0] // heads[1]
+    for s, n in zip((0, 13), lens):
+        qd, kd, vd = (t[s : s + n].transpose(0, 1) for t in (q, k, v))
+        ref = F.scaled_dot_product_attention(qd, kd, vd, is_causal=causal, scale=0.2, enable_gqa=group > 1)
+        assert rel_error(out[s : s + n], ref.transpose(0, 1)) <= TOLERANCE[torch.float64]
+        scores = (qd @ kd.repeat_interleave(group, 0).transpose(1, 2)) * 0.2
+        if causal:
+            scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        assert rel_error(lse[:, s : s + n], torch.logsumexp(scores, -1)) <= TOLERANCE[torch.float64]
+
+
+def test_all_gather_cp_chunks_match_full_causal_attention():
+    """Rank 0 of W = 2 holds chunks 0 and 3 of a 32-row sequence: two query segments (q_pos 0
+    and 24) over the one gathered key range give the full causal attention's rows, and their
+    dk, dv are the full attention's gradients when only those rows carry a cotangent."""
+    n, c = 32, 8
+    q_full, k, v, _ = _tensors(([], [], [], [], [], n, n), (2, 2), 8, torch.float64)
+    rows = torch.cat([torch.arange(0, c), torch.arange(3 * c, 4 * c)])
+    seg = [torch.tensor(x) for x in ([0, c], [c, c], [0, 3 * c], [0, 0], [n, n])]
+    dout = torch.randn(2 * c, 2, 8, dtype=torch.float64)
+    got = _run(custom_ops.varlen_attention, q_full[rows], k, v, seg, True, (-1, -1), dout, torch.zeros(2, 2 * c))
+
+    qf, kf, vf = (t.detach().clone().requires_grad_() for t in (q_full, k, v))
+    full = F.scaled_dot_product_attention(qf.transpose(0, 1), kf.transpose(0, 1), vf.transpose(0, 1), is_causal=True)
+    full = full.transpose(0, 1)
+    dq, dk, dv = torch.autograd.grad((full[rows] * dout).sum(), (qf, kf, vf))
+    tol = TOLERANCE[torch.float64]
+    assert rel_error(got[0], full[rows].detach()) <= tol
+    assert rel_error(got[2][0], dq[rows]) <= tol
+    assert rel_error(got[2][1], dk) <= tol and rel_error(got[2][2], dv) <= tol
+
+
+def test_bottom_right_alignment_is_the_tail_of_full_attention():
+    """q_pos = k_len - q_len: the last q_len rows of causal self-attention over k_len rows."""
+    n, m = 23, 9
+    q_full, k, v, _ = _tensors(([], [], [], [], [], n, n), (2, 1), 8, torch.float64)
+    seg = [torch.tensor([x]) for x in (0, m, n - m, 0, n)]
+    out, _ = custom_ops.varlen_attention(q_full[n - m :], k, v, *seg, causal=True, window=(4, -1))
+    full, _ = varlen_attention_loop(q_full, k, v, *[torch.tensor([x]) for x in (0, n, 0, 0, n)], window=(4, -1))
+    assert rel_error(out, full[n - m :]) <= TOLERANCE[torch.float64]
+
+
+def _empty_rows_case(dtype):
+    # segment 0: causal with q_pos = -2 -> its first two rows see no key; rows 6, 7 in no segment;
+    # segment 1 has k_len = 0; segment 2 has q_len = 0; segment 3 window (0, 0) with q_pos past its keys
+    layout = ([0, 8, 11, 11], [6, 3, 0, 5], [-2, 0, 0, 4], [0, 6, 6, 6], [6, 0, 5, 3], 18, 9)
+    return _tensors(layout, (2, 1), 16, dtype)
+
+
+def _check_empty_rows(out, lse, grads):
+    no_key = torch.tensor([0, 1, 6, 7, 8, 9, 10, 16, 17])
+    assert (out[no_key] == 0).all() and (lse[:, no_key] == float("-inf")).all()
+    assert (grads[0][no_key] == 0).all()
+    assert all(torch.isfinite(g).all() for g in grads)
+    assert (out[2:6].abs() > 0).any() and torch.isfinite(lse[:, 2:6]).all()
+
+
+def test_rows_without_keys_are_zero_and_never_nan():
+    q, k, v, seg = _empty_rows_case(torch.float32)
+    dout, dlse = _cotangents(q, 3)
+    got = _run(custom_ops.varlen_attention, q, k, v, seg, True, (-1, -1), dout, dlse)
+    _check_empty_rows(*got)
+    _assert_agree(got, _run(varlen_attention_loop, q, k, v, seg, True, (-1, -1), dout, dlse), TOLERANCE[torch.float32])
+
+
+# --- opcheck ----------------------------------------------------------------------------------
+
+
+def _opcheck_samples():
+    layout = ([0, 9, 20], [8, 11, 4], [0, 3, 11], [0, 4, 4], [5, 14, 14], 24, 18)
+    q, k, v, seg = _tensors(layout, (4, 2), 8, torch.float32)
+    yield (q, k, v, *seg), {}
+    yield (q.double(), k.double(), v.double(), *[s.long() for s in seg]), {"causal": False, "window_left": 2, "window_right": 1}
+    yield (q[:0], k, v, *[s[:0] for s in seg]), {}  # Tq = 0, S = 0
+    yield (q, k[:0], v[:0], *seg), {"scale": 0.5}  # Tk = 0: every row sees nothing
+    big = random_tensor((24, 8, 8), torch.float32)
+    yield (big[:, ::2], k.transpose(0, 1).contiguous().transpose(0, 1), v, *seg), {"window_left": 0}  # strided
+    yield (q.clone().requires_grad_(), k.clone().requires_grad_(), v.clone().requires_grad_(), *seg), {"window_left": 3}
+
+
+def test_opcheck():
+    for args, kwargs in _opcheck_samples():
+        torch.library.opcheck(torch.ops.cp_ops.varlen_attention.default, args, kwargs)
+
+
+def test_opcheck_backward():
+    for args, kwargs in _opcheck_samples():
+        q, k, v, *seg = (a.detach() if a.is_floating_point() else a for a in args)
+        out, lse = torch.ops.cp_ops.varlen_attention(q, k, v, *seg, **kwargs)
+        dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+        torch.library.opcheck(
+            torch.ops.cp_ops.varlen_attention_backward.default, (dout, dlse, q, k, v, out, lse, *seg), kwargs
+        )
+
+
+# --- gradients --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (False, (2, 1)), (True, (0, 0))])
+def test_gradcheck(causal, window):
+    # two query segments sharing keys, a row in no segment, a row with no visible key (q_pos = -1)
+    layout = ([0, 5], [4, 5], [-1, 2], [0, 0], [6, 6], 11, 7)
+    q, k, v, seg = _tensors(layout, (2, 1), 4, torch.float64)
+    for t in (q, k, v):
+        t.requires_grad_()
+
+    for fn in (custom_ops.varlen_attention, varlen_attention_reference):
+
+        def f(q, k, v, fn=fn):
+            out, lse = fn(q, k, v, *seg, causal=causal, window=window)
+            return out, torch.where(torch.isfinite(lse), lse, 0.0)  # -inf rows have no gradient
+
+        assert torch.autograd.gradcheck(f, (q, k, v))
+
+
+# --- compile ----------------------------------------------------------------------------------
+
+
+def test_compiled_fullgraph_dynamic_no_recompile():
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("inductor")
+
+    def step(q, k, v, q_start, q_len, q_pos, k_start, k_len):
+        out, lse = torch.ops.cp_ops.varlen_attention(q * 2, k, v, q_start, q_len, q_pos, k_start, k_len, True, 6, -1)
+        return out.sin(), lse
+
+    compiled = torch.compile(step, backend=counter, fullgraph=True, dynamic=True)
+    # S, Tq, Tk differ from each other and from the head counts / head_dim (duck sizing),
+    # and none is 0 or 1 (specialised)
+    layouts = [
+        ([0, 12, 20], [10, 8, 9], [0, 3, 0], [0, 12, 12], [11, 15, 15], 29, 37),
+        ([0, 5, 11, 30, 41], [5, 6, 19, 11, 9], [0, 0, 2, 0, 5], [0, 5, 11, 33, 33], [5, 6, 22, 14, 14], 50, 47),
+        ([3, 20, 27], [17, 7, 14], [0, 0, 9], [0, 17, 17], [17, 20, 20], 43, 39),
+    ]
+    for i, layout in enumerate(layouts):
+        q, k, v, seg = _tensors(layout, (4, 2), 16, torch.float32, seed=i)
+        dout, dlse = _cotangents(q, i)
+
+        def run(fn):
+            qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+            out, lse = fn(qq, kk, vv, *seg)
+            grads = torch.autograd.grad(_loss(out, lse, dout, dlse), (qq, kk, vv))
+            return out.detach(), lse.detach(), grads
+
+        _assert_agree(run(compiled), run(step), TOLERANCE[torch.float32])
+    assert counter.frame_count == 1
+
+
+# --- the Triton kernels (CPU tensors, TRITON_INTERPRET=1) ---------------------------------------
+
+
+def _kernel_vs_reference(q, k, v, seg, causal, window, seed=0):
+    dout, dlse = _cotangents(q, seed)
+    with poisoned_allocations():
+        got = _run(custom_ops.varlen_attention, q, k, v, seg, causal, window, dout, dlse)
+    want = _run(varlen_attention_reference, q.double(), k.double(), v.double(), seg, causal, window, dout, dlse)
+    _assert_agree(got, want, TOLERANCE[torch.float32])
+    return got
+
+
+@pytest.mark.interpret
+@settings(max_examples=15)
+@given(
+    segment_layouts(max_segs=3, max_q=20, max_k=24),
+    st.sampled_from([(2, 1), (2, 2), (3, 1)]),
+    st.booleans(),
+    st.sampled_from(WINDOWS),
+    st.integers(0, 2**16),
+)
+def test_kernel_matches_reference(layout, heads, causal, window, seed):
+    q, k, v, seg = _tensors(layout, heads, 16, torch.float32, seed=seed)
+    _kernel_vs_reference(q, k, v, seg, causal, window, seed)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (False, (-1, -1)), (True, (20, -1)), (False, (9, 12))])
+def test_kernel_all_gather_cp_layout(causal, window):
+    """Long segments (unmasked key/query tiles between the boundary tiles), all four chunks of
+    a W = 2 split as segments over one shared key range (more dk/dv work items than programs)."""
+    n, c = 64, 16
+    layout = ([0, 16, 32, 48], [c] * 4, [0, 3 * c, c, 2 * c], [0] * 4, [n] * 4, n, n)
+    q, k, v, seg = _tensors(layout, (2, 1), 16, torch.float32)
+    _kernel_vs_reference(q, k, v, seg, causal, window)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize(
+    "causal,window",
+    # (21, 25): left + right = 14 mod 16 puts the unmasked range's end on a tile edge
+    [(True, (-1, -1)), (True, (29, -1)), (False, (19, 22)), (False, (21, 25))],
+)
+def test_kernel_tile_boundaries_at_every_offset(causal, window):
+    """Sixteen segments over one shared 96-row key range with q_pos = 16..31 and q_len = 33..48
+    in scrambled order: every residue of the query positions and of the last tile's row count
+    modulo the 16-row tiles, and windows wider than two tiles. An off-by-one in any loop-phase
+    bound (a boundary tile run without its mask, or a visible tile skipped) changes a result."""
+    n_seg = 16
+    lens = [33 + (7 * s) % 16 for s in range(n_seg)]
+    starts = [sum(lens[:s]) for s in range(n_seg)]
+    layout = (starts, lens, [16 + s for s in range(n_seg)], [0] * n_seg, [96] * n_seg, sum(lens), 96)
+    q, k, v, seg = _tensors(layout, (1, 1), 16, torch.float32)
+    _kernel_vs_reference(q, k, v, seg, causal, window)
+
+
+@pytest.mark.interpret
+def test_kernel_padded_head_dim_and_other_tiles(monkeypatch):
+    """head_dim 24 (a padded 32-wide tile), GQA group 3, and asymmetric tile sizes."""
+    for name in ("fwd", "bwd_dq"):
+        monkeypatch.setitem(kernels_mod.INTERPRET_CONFIGS, name, dict(BLOCK_M=32, BLOCK_N=16, num_warps=1, num_stages=1))
+    monkeypatch.setitem(kernels_mod.INTERPRET_CONFIGS, "bwd_dkdv", dict(BLOCK_M=16, BLOCK_N=32, num_warps=1, num_stages=1))
+    layout = ([0, 37], [35, 12], [4, 0], [0, 41], [41, 12], 50, 53)
+    q, k, v, seg = _tensors(layout, (3, 1), 24, torch.float32)
+    _kernel_vs_reference(q, k, v, seg, True, (17, 2))
+
+
+@pytest.mark.interpret
+def test_kernel_rows_without_keys():
+    q, k, v, seg = _empty_rows_case(torch.float32)
+    _check_empty_rows(*_kernel_vs_reference(q, k, v, seg, True, (-1, -1)))
+
+
+# --- validation and bad input -------------------------------------------------------------------
+
+
+def test_validate_varlen_segments():
+    t = lambda *x: torch.tensor(x)  # noqa: E731
+    validate_varlen_segments(t(0, 5, 5), t(5, 0, 3), t(0, 0, 2), t(0, 0, 0), t(5, 5, 5), 8, 5)
+    with pytest.raises(ValueError, match="segments 0 and 1 overlap"):
+        validate_varlen_segments(t(0, 4), t(5, 3), t(0, 0), t(0, 0), t(5, 5), 8, 5)
+    with pytest.raises(ValueError, match="query rows \\[6, 9\\) are not inside"):
+        validate_varlen_segments(t(0, 6), t(5, 3), t(0, 0), t(0, 0), t(5, 5), 8, 5)
+    with pytest.raises(ValueError, match="key rows"):
+        validate_varlen_segments(t(0), t(5), t(0), t(2), t(5), 8, 5)
+    with pytest.raises(ValueError, match="must be >= 0"):
+        validate_varlen_segments(t(0), t(-1), t(0), t(0), t(5), 8, 5)
+
+
+def test_bad_input():
+    q, k, v, seg = _tensors(([0, 6], [6, 4], [0, 0], [0, 6], [6, 4], 10, 10), (4, 2), 8, torch.float32)
+    op = custom_ops.varlen_attention
+    with pytest.raises(ValueError, match="q must be 3-D"):
+        op(q[0], k, v, *seg)
+    with pytest.raises(ValueError, match="multiple of the kv heads"):
+        op(q[:, :3], k, v, *seg)
+    with pytest.raises(ValueError, match="one head_dim"):
+        op(q[..., :4], k, v, *seg)
+    with pytest.raises(ValueError, match="k and v must have one shape"):
+        op(q, k, v[:5], *seg)
+    with pytest.raises(TypeError, match="one dtype"):
+        op(q, k.double(), v, *seg)
+    with pytest.raises(TypeError, match="q must be float16"):
+        op(q.long(), k.long(), v.long(), *seg)
+    with pytest.raises(ValueError, match="one device"):
+        op(q, k.to("meta"), v, *seg)
+    with pytest.raises(TypeError, match="q_len must be int32 or int64"):
+        op(q, k, v, seg[0], seg[1].float(), *seg[2:])
+    with pytest.raises(ValueError, match="k_len has 1 entries but q_start has 2"):
+        op(q, k, v, *seg[:4], seg[4][:1])
+    with pytest.raises(ValueError, match="q_pos must be 1-D"):
+        op(q, k, v, *seg[:2], seg[2][None], *seg[3:])
+    with pytest.raises(ValueError, match="k_start is on meta"):
+        op(q, k, v, *seg[:3], seg[3].to("meta"), seg[4])
+    with pytest.raises(ValueError, match="window_left must be >= 0, or -1"):
+        op(q, k, v, *seg, window=(-2, 0))
+    with pytest.raises(TypeError, match="window must be a pair"):
+        op(q, k, v, *seg, window=3)
