@@ -6,6 +6,7 @@ PARTS (default: every part that fits the visible GPUs):
   tests-1gpu   pytest -m gpu (kernels against their references on CUDA)
   layout       benchmarks/bench_thd_layout.py --sweep
   attention    benchmarks/bench_varlen_attention.py       (if present)
+  attention-tune  the same with --tune: kernel configs
   gdn          benchmarks/bench_gdn.py                    (if present)
   a2a          benchmarks/bench_cp2hp.py, needs 2 GPUs    (if present)
   tests-2gpu   pytest -m "gpu and dist" on 2 GPUs         (if any)
@@ -26,7 +27,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PARTS = {
     "tests-1gpu": (1, [sys.executable, "-m", "pytest", "-m", "gpu and not dist", "-q", "-p", "no:cacheprovider"]),
     "layout": (1, [sys.executable, "benchmarks/bench_thd_layout.py", "--sweep", "--out", "{out}/layout.md"]),
-    "attention": (1, [sys.executable, "benchmarks/bench_varlen_attention.py", "--out", "{out}/attention.md"]),
+    "attention": (1, [sys.executable, "benchmarks/bench_varlen_attention.py"]),
+    "attention-tune": (1, [sys.executable, "benchmarks/bench_varlen_attention.py", "--tune"]),
     "gdn": (1, [sys.executable, "benchmarks/bench_gdn.py", "--out", "{out}/gdn.md"]),
     "a2a": (2, [sys.executable, "benchmarks/bench_cp2hp.py", "--out", "{out}/a2a.md"]),
     "tests-2gpu": (2, [sys.executable, "-m", "pytest", "-m", "gpu and dist", "-q", "-p", "no:cacheprovider"]),
