@@ -67,21 +67,44 @@ def check_rows(name: str, x: torch.Tensor) -> None:
         raise ValueError(f"{name} must have a leading token dimension, got a 0-d tensor")
 
 
-def as_words(x: torch.Tensor) -> torch.Tensor:
-    """View a tensor as a contiguous ``[T, D]`` integer matrix holding the same bytes.
+# dtypes Triton loads and stores as themselves; moving them is bit-exact
+_NATIVE_DTYPES = (
+    torch.float16, torch.bfloat16, torch.float32, torch.float64,
+    torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8,
+)  # fmt: skip
 
-    Kernels that only move rows operate on these words, so every dtype
-    (float8, bool, complex, ...) is moved bit-exactly by one kernel per word size.
+
+def word_dtype(dtype: torch.dtype) -> tuple[torch.dtype, int]:
+    """(dtype a row-moving kernel uses for ``dtype``, words per element).
+
+    Standard dtypes move as themselves. Others (float8, bool, complex, ...) move as
+    integers of their element size, 16-byte elements as two int64 words, so every
+    dtype is moved bit-exactly. Only those take a dtype view: Inductor cannot always
+    lower a dtype view of an intermediate that feeds a user kernel.
     """
-    x = x.contiguous()
-    rows = x.shape[0]
-    cols = math.prod(x.shape[1:])
-    x2 = x.reshape(rows, cols)
-    size = x.element_size()
+    if dtype in _NATIVE_DTYPES:
+        return dtype, 1
+    size = torch.empty((), dtype=dtype).element_size()
     if size in _WORD_DTYPES:
-        return x2.view(_WORD_DTYPES[size])
-    # wider elements (complex128): move them as several 8-byte words
-    return x2.view(torch.int64)
+        return _WORD_DTYPES[size], 1
+    return torch.int64, size // 8
+
+
+def to_words(x2: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """A contiguous 2-D tensor viewed in its :func:`word_dtype`, and the words per element."""
+    dtype, k = word_dtype(x2.dtype)
+    return (x2 if dtype == x2.dtype else x2.view(dtype)), k
+
+
+def from_words(words: torch.Tensor, dtype: torch.dtype, shape) -> torch.Tensor:
+    """The inverse of :func:`to_words`: ``words`` seen as ``dtype`` with ``shape``."""
+    return (words if words.dtype == dtype else words.view(dtype)).view(shape)
+
+
+def as_words(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as a contiguous ``[T, D']`` matrix a row-moving kernel can load and store."""
+    x = x.contiguous()
+    return to_words(x.reshape(x.shape[0], math.prod(x.shape[1:])))[0]
 
 
 # Tile shape of the row-moving kernels (reorder, valid-token copy). One table, so a

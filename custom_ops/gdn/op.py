@@ -51,9 +51,11 @@ def fla_varlen_indices(
     that many rows and every spare row is ``(B, 0)``: chunk 0 of the zero-length
     sequence ``cu_ext[B] .. cu_ext[B+1]`` appended here, which FLA's kernels
     process as empty (masked loads and stores; its per-chunk partial sums are zero).
-    Requires ``cu_seqlens[-1] <= num_rows`` (validate_thd checks it where data is prepared).
+    ``cu_seqlens`` is clamped to ``[0, num_rows]`` first: a layout whose last entry
+    exceeds the rows (validate_thd reports it where data is prepared) then gives
+    wrong rows, never an out-of-bounds access inside FLA's kernels.
     """
-    cu = cu_seqlens
+    cu = cu_seqlens.clamp(0, num_rows)
     num_seqs = cu.numel() - 1
     slots = num_rows // chunk_size + num_seqs
     cu_ext = torch.cat([cu, cu[-1:]])

@@ -14,7 +14,7 @@ import torch
 import triton
 from torch.library import triton_op, wrap_triton
 
-from custom_ops._common import _WORD_DTYPES, NAMESPACE, check_cp_size, row_tile, use_triton
+from custom_ops._common import NAMESPACE, check_cp_size, from_words, row_tile, to_words, use_triton, word_dtype
 from custom_ops.permute_sections.kernels import permute_sections_kernel
 from custom_ops.permute_sections.reference import permute_sections_reference, unpermute_sections_reference
 
@@ -58,13 +58,9 @@ def _check(x: torch.Tensor, sections, cp_size: int) -> list[int]:
 
 
 def _words(x: torch.Tensor, num_cols: int) -> tuple[torch.Tensor, int]:
-    """``x`` as a contiguous ``[R, num_cols * k]`` integer matrix of the same bytes, and k
-    (words per element: 1, or 2 for 16-byte elements moved as two int64 words)."""
-    x2 = x.contiguous().reshape(math.prod(x.shape[:-1]), num_cols)
-    size = x.element_size()
-    if size in _WORD_DTYPES:
-        return x2.view(_WORD_DTYPES[size]), 1
-    return x2.view(torch.int64), size // 8
+    """``x`` as a contiguous ``[R, num_cols * k]`` matrix of the same bytes, and k
+    (words per element, see :func:`custom_ops._common.word_dtype`)."""
+    return to_words(x.contiguous().reshape(math.prod(x.shape[:-1]), num_cols))
 
 
 def _launch(plain: torch.Tensor, blocked: torch.Tensor, local_widths, cp_size: int, k: int, blocked_strides, to_blocks):
@@ -74,7 +70,7 @@ def _launch(plain: torch.Tensor, blocked: torch.Tensor, local_widths, cp_size: i
     loff = [0]
     for w in local_widths:
         loff.append(loff[-1] + w * k)
-    block_r, block_c = row_tile(cols, plain.element_size())
+    block_r, block_c, num_warps = row_tile(cols, plain.element_size())
     grid = (triton.cdiv(rows, block_r), triton.cdiv(cols, block_c))
     wrap_triton(permute_sections_kernel)[grid](
         plain,
@@ -87,7 +83,7 @@ def _launch(plain: torch.Tensor, blocked: torch.Tensor, local_widths, cp_size: i
         TO_BLOCKS=to_blocks,
         BLOCK_R=block_r,
         BLOCK_C=block_c,
-        num_warps=4,
+        num_warps=num_warps,
     )
 
 
@@ -115,7 +111,7 @@ def _permute(x: torch.Tensor, sections, cp_size: int, rank_blocks: bool) -> torc
         strides = (local_cols * k, num_cols * k)
         shape = x.shape
     _launch(plain, out, local, cp_size, k, strides, to_blocks=True)
-    return out.view(x.dtype).view(shape)
+    return from_words(out, x.dtype, shape)
 
 
 def _unpermute(x: torch.Tensor, sections, cp_size: int, rank_blocks: bool) -> torch.Tensor:
@@ -140,18 +136,16 @@ def _unpermute(x: torch.Tensor, sections, cp_size: int, rank_blocks: bool) -> to
     if x.numel() == 0:
         return x.new_empty(lead + (num_cols,))
     src = x.contiguous()
-    size = x.element_size()
-    word = _WORD_DTYPES.get(size, torch.int64)
-    k = 1 if size in _WORD_DTYPES else size // 8
+    word, k = word_dtype(x.dtype)
     rows = math.prod(lead)
-    blocked = src.view(word)
+    blocked = src if word == x.dtype else src.view(word)
     out = torch.empty((rows, num_cols * k), dtype=word, device=x.device)
     if rank_blocks:
         strides = (rows * local_cols * k, local_cols * k)
     else:
         strides = (local_cols * k, num_cols * k)
     _launch(out, blocked, local, cp_size, k, strides, to_blocks=False)
-    return out.view(x.dtype).view(lead + (num_cols,))
+    return from_words(out, x.dtype, lead + (num_cols,))
 
 
 def sections_to_rank_blocks(x: torch.Tensor, sections: list[int], cp_size: int) -> torch.Tensor:

@@ -4,7 +4,7 @@ import torch
 import triton
 from torch.library import triton_op, wrap_triton
 
-from custom_ops._common import NAMESPACE, as_words, check_index_tensor, check_rows, row_tile, use_triton
+from custom_ops._common import NAMESPACE, as_words, from_words, check_index_tensor, check_rows, row_tile, use_triton
 from custom_ops.thd_copy_valid_tokens.kernels import thd_copy_valid_tokens_kernel
 from custom_ops.thd_copy_valid_tokens.reference import thd_copy_valid_tokens_reference, valid_token_mask
 
@@ -69,7 +69,7 @@ def thd_copy_valid_tokens(
         return thd_copy_valid_tokens_reference(dst, src, offsets, cu_seqlens).contiguous()
     out = torch.empty_like(as_words(dst))
     _launch(dst, src, offsets, cu_seqlens, out)
-    return out.view(dst.dtype).view(dst.shape)
+    return from_words(out, dst.dtype, dst.shape)
 
 
 @thd_copy_valid_tokens.register_fake

@@ -4,7 +4,7 @@ import torch
 import triton
 from torch.library import triton_op, wrap_triton
 
-from custom_ops._common import NAMESPACE, as_words, check_cp_size, check_index_tensor, check_rows, row_tile, use_triton
+from custom_ops._common import NAMESPACE, as_words, from_words, check_cp_size, check_index_tensor, check_rows, row_tile, use_triton
 from custom_ops.thd_reorder.kernels import thd_reorder_kernel
 from custom_ops.thd_reorder.reference import thd_rank_to_seq_order_reference, thd_seq_to_rank_order_reference
 
@@ -40,7 +40,7 @@ def _launch(x: torch.Tensor, cu_seqlens_padded: torch.Tensor, cp_size: int, to_r
             BLOCK_D=block_d,
             num_warps=num_warps,
         )
-    return out.view(x.dtype).view(x.shape)
+    return from_words(out, x.dtype, x.shape)
 
 
 @triton_op(f"{NAMESPACE}::thd_seq_to_rank_order", mutates_args=())
