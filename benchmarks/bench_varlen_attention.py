@@ -213,10 +213,10 @@ def bench(gqa: int = 1) -> None:
 # --- tuning ---------------------------------------------------------------------------------------
 
 FWD_CANDIDATES = [
-    dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)
+    dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s, K_ROWS=kr)
+    for kr in (True, False)
     for bm, bn, w, s in [
-        (128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (128, 128, 8, 2), (128, 32, 4, 4),
-        (64, 64, 4, 3), (64, 64, 4, 4), (128, 64, 8, 4), (64, 128, 4, 3), (128, 64, 8, 2),
+        (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 64, 8, 2),
     ]
 ]  # fmt: skip
 DKDV_CANDIDATES = [
@@ -252,7 +252,7 @@ def _time_kernel(kind, cfg, bucket, q, k, v, seg, out, lse, dout, dlse):
         kernels.CONFIGS[kind][bucket] = saved
 
 
-def tune(gqa: int = 1) -> None:
+def tune(gqa: int = 1, kinds=("fwd", "bwd_dkdv", "bwd_dq")) -> None:
     """Time the candidate configs of each kernel on both cases, D = 128 and 64; print the best.
 
     The backward is timed as the whole backward op while one of its kernels varies
@@ -263,7 +263,9 @@ def tune(gqa: int = 1) -> None:
     best = {}
     for d in (128, 64):
         bucket = d
-        for kind, candidates in (("fwd", FWD_CANDIDATES), ("bwd_dkdv", DKDV_CANDIDATES), ("bwd_dq", DQ_CANDIDATES)):
+        table = {"fwd": FWD_CANDIDATES, "bwd_dkdv": DKDV_CANDIDATES, "bwd_dq": DQ_CANDIDATES}
+        for kind in kinds:
+            candidates = table[kind]
             totals = {}
             for case, lens in cases:
                 q, k, v = (t.detach() for t in make_inputs(sum(lens), HEADS, HEADS // gqa, d, device))
@@ -280,7 +282,7 @@ def tune(gqa: int = 1) -> None:
             best[(kind, d)] = candidates[i]
             print(f"best D={d} {kind}: {candidates[i]} (sum over cases {totals[i]:.3f} ms)")
     print("\n# paste into CONFIGS in custom_ops/varlen_attention/kernels.py")
-    for kind in ("fwd", "bwd_dkdv", "bwd_dq"):
+    for kind in kinds:
         print(f'"{kind}": {{' + ", ".join(f"{d}: dict({_fmt(best[(kind, d)])})" for d in (64, 128)) + "},")
 
 
@@ -291,8 +293,9 @@ def _fmt(cfg):
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tune", action="store_true", help="time kernel configs instead of the comparison table")
+    parser.add_argument("--kinds", nargs="+", default=["fwd", "bwd_dkdv", "bwd_dq"], help="kernels to tune")
     parser.add_argument("--gqa", type=int, default=1, help="query heads per kv head (default 1)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA device")
-    tune(args.gqa) if args.tune else bench(args.gqa)
+    tune(args.gqa, args.kinds) if args.tune else bench(args.gqa)

@@ -23,19 +23,21 @@ from custom_ops._triton_utils import search_sorted_right
 # overwrites entries). Per kernel: {largest BLOCK_D served: config}; the first
 # entry whose key is >= BLOCK_D is used.
 CONFIGS = {
+    # D = 64 and 128: the best of benchmarks/bench_varlen_attention.py --tune on one H100
+    # (torch 2.11, triton 3.7.1, 2026-11-22); K_ROWS picks how the forward loads K tiles.
     "fwd": {
-        64: dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3),
-        128: dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
-        256: dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2),
+        64: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, K_ROWS=False),
+        128: dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2, K_ROWS=False),
+        256: dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2, K_ROWS=False),
     },
     "bwd_dkdv": {
-        64: dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2),
-        128: dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2),
+        64: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
+        128: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
         256: dict(BLOCK_M=32, BLOCK_N=64, num_warps=8, num_stages=1),
     },
     "bwd_dq": {
-        64: dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2),
-        128: dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2),
+        64: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
+        128: dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2),
         256: dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=1),
     },
     "bwd_pre": {
@@ -46,7 +48,7 @@ CONFIGS = {
 # Under TRITON_INTERPRET=1 the kernels run in numpy: small tiles keep CPU tests
 # fast and still give several tiles (and all three loop phases) per segment.
 INTERPRET_CONFIGS = {
-    "fwd": dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1),
+    "fwd": dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1, K_ROWS=True),
     "bwd_dkdv": dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1),
     "bwd_dq": dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1),
     "bwd_pre": dict(BLOCK_M=16, num_warps=1, num_stages=1),
@@ -133,21 +135,32 @@ def _fwd_inner(
     EVEN_D: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    K_ROWS: tl.constexpr,
 ):
     offs_n = tl.arange(0, BLOCK_N)
     for n in range(start, stop, BLOCK_N):
         b = n + offs_n
-        k_ptrs = k_base + b.to(tl.int64)[None, :] * stride_kt + offs_d[:, None]
         v_ptrs = v_base + b.to(tl.int64)[:, None] * stride_vt + offs_d[None, :]
+        if K_ROWS:
+            # K tile as stored ([N, D], D contiguous); the dot takes its transpose
+            k_ptrs = k_base + b.to(tl.int64)[:, None] * stride_kt + offs_d[None, :]
+            k_mask = (b < k_len)[:, None] & (offs_d < HEAD_DIM)[None, :]
+            d_mask = (offs_d < HEAD_DIM)[None, :]
+        else:
+            k_ptrs = k_base + b.to(tl.int64)[None, :] * stride_kt + offs_d[:, None]
+            k_mask = (b < k_len)[None, :] & (offs_d < HEAD_DIM)[:, None]
+            d_mask = (offs_d < HEAD_DIM)[:, None]
         if MASK:
-            kt = tl.load(k_ptrs, mask=(b < k_len)[None, :] & (offs_d < HEAD_DIM)[:, None], other=0.0)
+            kt = tl.load(k_ptrs, mask=k_mask, other=0.0)
             v = tl.load(v_ptrs, mask=(b < k_len)[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
         elif EVEN_D:
             kt = tl.load(k_ptrs)
             v = tl.load(v_ptrs)
         else:
-            kt = tl.load(k_ptrs, mask=(offs_d < HEAD_DIM)[:, None], other=0.0)
+            kt = tl.load(k_ptrs, mask=d_mask, other=0.0)
             v = tl.load(v_ptrs, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
+        if K_ROWS:
+            kt = tl.trans(kt)
         x = tl.dot(q, kt) * qk_scale
         if MASK:
             x = tl.where(_visible(pos[:, None], b[None, :], k_len, left, right, CAUSAL), x, float("-inf"))
@@ -198,6 +211,7 @@ def varlen_attn_fwd_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    K_ROWS: tl.constexpr = True,
 ):
     """One query tile x one query head: online softmax over the visible key tiles.
 
@@ -239,15 +253,15 @@ def varlen_attn_fwd_kernel(
     EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, pos, offs_d, k_len, left, right, qk_scale,
-        lo, mid_lo, True, CAUSAL, EVEN_D, HEAD_DIM, BLOCK_N,
+        lo, mid_lo, True, CAUSAL, EVEN_D, HEAD_DIM, BLOCK_N, K_ROWS,
     )
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, pos, offs_d, k_len, left, right, qk_scale,
-        mid_lo, mid_hi, False, CAUSAL, EVEN_D, HEAD_DIM, BLOCK_N,
+        mid_lo, mid_hi, False, CAUSAL, EVEN_D, HEAD_DIM, BLOCK_N, K_ROWS,
     )
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, pos, offs_d, k_len, left, right, qk_scale,
-        mid_hi, hi, True, CAUSAL, EVEN_D, HEAD_DIM, BLOCK_N,
+        mid_hi, hi, True, CAUSAL, EVEN_D, HEAD_DIM, BLOCK_N, K_ROWS,
     )
 
     seen = l_i > 0

@@ -329,8 +329,9 @@ def test_kernel_all_gather_cp_layout(causal, window):
     # (21, 25): left + right = 14 mod 16 puts the unmasked range's end on a tile edge
     [(True, (-1, -1)), (True, (29, -1)), (False, (19, 22)), (False, (21, 25))],
 )
-def test_kernel_tile_boundaries_at_every_offset(causal, window):
-    """Sixteen segments over one shared 96-row key range with q_pos = 16..31 and q_len = 33..48
+@pytest.mark.parametrize("k_rows", [True, False])
+def test_kernel_tile_boundaries_at_every_offset(causal, window, k_rows, monkeypatch):
+    """Both ways of loading K tiles in the forward (K_ROWS), and sixteen segments over one shared 96-row key range with q_pos = 16..31 and q_len = 33..48
     in scrambled order: every residue of the query positions and of the last tile's row count
     modulo the 16-row tiles, and windows wider than two tiles. An off-by-one in any loop-phase
     bound (a boundary tile run without its mask, or a visible tile skipped) changes a result."""
@@ -339,6 +340,7 @@ def test_kernel_tile_boundaries_at_every_offset(causal, window):
     starts = [sum(lens[:s]) for s in range(n_seg)]
     layout = (starts, lens, [16 + s for s in range(n_seg)], [0] * n_seg, [96] * n_seg, sum(lens), 96)
     q, k, v, seg = _tensors(layout, (1, 1), 16, torch.float32)
+    monkeypatch.setitem(kernels_mod.INTERPRET_CONFIGS, "fwd", dict(kernels_mod.INTERPRET_CONFIGS["fwd"], K_ROWS=k_rows))
     _kernel_vs_reference(q, k, v, seg, causal, window)
 
 
