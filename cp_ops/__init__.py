@@ -6,6 +6,7 @@ the torch.library ops it builds on live in ``custom_ops`` and are registered as
 """
 
 import custom_ops  # noqa: F401  (registers torch.ops.cp_ops.*)
+from cp_ops.attention import Attention, ag_thd_attention, ag_thd_segments
 from cp_ops.comm import (
     all_gather_rows,
     all_to_all_rows,
@@ -56,5 +57,8 @@ __all__ = [
     "thd_cp2hp_reference",
     "thd_hp2cp_reference",
     "GatedDeltaNet",
+    "Attention",
+    "ag_thd_attention",
+    "ag_thd_segments",
     "from_qwen3_next_state_dict",
 ]

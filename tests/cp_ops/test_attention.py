@@ -1,0 +1,302 @@
+"""All-gather CP attention and the gated Attention layer agree with attention on the global batch.
+
+The oracle is ``varlen_attention_reference`` over whole sequences (``q_pos = 0``,
+``q_len = k_len = L_i``) on the global sequence-order tensors; each rank compares
+its shard of the oracle's output and gradients (dk, dv: its shard of the global
+dk, dv, which the reduce-scatter must produce). Every row is compared, padding
+included (zero output, zero gradient on both sides).
+
+Tolerances: float64 everywhere. The CP path evaluates the same softmax over the
+same keys as the oracle, only summed in another order (gathered keys, dk/dv
+reduced over ranks), so it agrees to rounding: 1e-10 (TOLERANCE[float64]) for the
+op; 1e-7 for the layer, as for the GDN layer, since the projections' parameter
+gradients are summed over ranks in a different order and norms/rotary add ops.
+
+Spawns are the main cost, so each spawned test runs every case of its W in one go.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given
+from hypothesis import strategies as st
+
+import cp_ops
+import custom_ops
+from cp_ops import Attention, ag_thd_attention, ag_thd_segments, pad_cu_seqlens, shard_thd
+from custom_ops.testing import TOLERANCE, random_seqlens, rel_error, thd_layouts
+from custom_ops.thd_copy_valid_tokens.reference import valid_token_mask
+from tests._dist import run_ranks
+
+TOL = TOLERANCE[torch.float64]
+HIDDEN = 24
+
+# (seqlens, (Hq, Hkv), D, causal, window): zero-length and length-1 sequences, GQA, windows
+# left only (causal), left+right (non-causal), and a sequence that leaves whole chunks empty
+CASES = [
+    ([9, 0, 1, 23, 6], (4, 2), 8, True, (-1, -1)),
+    ([9, 0, 1, 23, 6], (2, 2), 8, False, (-1, -1)),
+    ([17, 1, 0, 30], (6, 2), 4, True, (5, -1)),
+    ([17, 1, 0, 30], (3, 1), 4, False, (4, 2)),
+    ([2, 33], (2, 1), 6, True, (-1, -1)),
+    ([0], (2, 1), 4, True, (-1, -1)),  # nothing real at all
+]
+
+
+def _global_case(seqlens, heads, head_dim, world, seed):
+    """Global sequence-order q, k, v and an output cotangent (float64, fresh random data)."""
+    gen = torch.Generator().manual_seed(seed)
+    cu, cup = pad_cu_seqlens(seqlens, world)
+    rows = int(cup[-1])
+    hq, hkv = heads
+
+    def rand(h):
+        return torch.randn(rows, h, head_dim, dtype=torch.float64, generator=gen)
+
+    return cu, cup, rand(hq), rand(hkv), rand(hkv), rand(hq)
+
+
+def _reference(q, k, v, dout, cu, cup, causal, window):
+    """Attention of every sequence over itself, on the global tensors: (out, dq, dk, dv)."""
+    lens = cu[1:] - cu[:-1]
+    starts = cup[:-1]
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    out, _ = custom_ops.varlen_attention_reference(
+        q, k, v, starts, lens, torch.zeros_like(lens), starts, lens, causal, window
+    )
+    out.backward(dout)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def _cp_run(fn, q_cp, k_cp, v_cp, dout_cp, cu, cup, causal, window, **kwargs):
+    q_cp, k_cp, v_cp = (t.clone().requires_grad_() for t in (q_cp, k_cp, v_cp))
+    out = fn(q_cp, k_cp, v_cp, cu, cup, causal=causal, window=window, **kwargs)
+    out.backward(dout_cp)
+    return out.detach(), q_cp.grad, k_cp.grad, v_cp.grad
+
+
+def _assert_close(got, want, tol, what):
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        err = rel_error(a, b)
+        assert err < tol, f"{what}: {name} rel_error {err:.3g}"
+
+
+# --- the segment tables, single process (every rank and W, no collective) ---------------------------
+
+
+@given(thd_layouts(max_seqs=5, max_len=30, cp_sizes=(1, 2, 3, 4)), st.booleans(), st.sampled_from(
+    [(-1, -1), (3, -1), (2, 1), (0, 0), (-1, 2)]))  # fmt: skip
+def test_segments_give_global_attention(layout, causal, window):
+    """For every rank r: varlen_attention(shard_r(q), global k, v, ag_thd_segments(r)) equals
+    shard_r of the global attention. This is the op after its all-gather and reorder."""
+    world, seqlens = layout
+    cu, cup, q, k, v, _ = _global_case(seqlens, (4, 2), 4, world, seed=len(seqlens))
+    lens, starts = cu[1:] - cu[:-1], cup[:-1]
+    want, _ = custom_ops.varlen_attention_reference(
+        q, k, v, starts, lens, torch.zeros_like(lens), starts, lens, causal, window
+    )
+    for rank in range(world):
+        seg = ag_thd_segments(cu, cup, world, rank, causal, window[1])
+        custom_ops.validate_varlen_segments(*seg, q.shape[0] // world, q.shape[0])
+        got, _ = custom_ops.varlen_attention(shard_thd(q, cup, world, rank), k, v, *seg, causal=causal, window=window)
+        assert rel_error(got, shard_thd(want, cup, world, rank)) < TOL
+
+
+def test_segment_formulas():
+    """The tables spelled out for one layout: W = 2, rank 1, lengths 5 and 8 (padded 8 and 8, c = 2)."""
+    cu, cup = torch.tensor([0, 5, 13]), torch.tensor([0, 8, 16])
+    q_start, q_len, q_pos, k_start, k_len = ag_thd_segments(cu, cup, 2, 1, causal=True, window_right=-1)
+    # rank 1 holds chunks 1 and 2 of each sequence; local offsets cup / 2 = 0, 4
+    assert q_start.tolist() == [0, 2, 4, 6]
+    assert q_len.tolist() == [2, 1, 2, 2]  # sequence 0 has 5 real tokens: chunk 2 holds only row 4
+    assert q_pos.tolist() == [2, 4, 2, 4]
+    assert k_start.tolist() == [0, 0, 8, 8]
+    assert k_len.tolist() == [4, 5, 4, 6]  # min(L, (j+1)*c)
+    assert ag_thd_segments(cu, cup, 2, 1, causal=True, window_right=3)[4].tolist() == [5, 5, 7, 8]
+    assert ag_thd_segments(cu, cup, 2, 1, causal=False)[4].tolist() == [5, 5, 8, 8]
+
+
+# --- no group (W = 1), in process -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("launches", [1, 2])
+def test_no_group_is_varlen_attention(launches):
+    for i, (seqlens, heads, d, causal, window) in enumerate(CASES):
+        cu, cup, q, k, v, dout = _global_case(seqlens, heads, d, 1, seed=i)
+        got = _cp_run(ag_thd_attention, q, k, v, dout, cu, cup, causal, window, launches=launches)
+        _assert_close(got, _reference(q, k, v, dout, cu, cup, causal, window), TOL, f"case {i}")
+        assert not got[0][~valid_token_mask(cup, cu, q.shape[0])].any()  # padding rows are zero
+
+
+def _opcheck_samples():
+    cu, cup, q, k, v, _ = _global_case([9, 0, 1, 5], (4, 2), 8, 1, seed=0)
+    yield (q, k, v, cu, cup), {}
+    yield (q.float(), k.float(), v.float(), cu.long(), cup.long()), {"causal": False, "window_left": 2, "window_right": 1}
+    yield (q, k, v, cu, cup, True, 3, -1, 0.5, None), {}
+    yield (q[:0], k[:0], v[:0], cu[:1], cup[:1]), {}  # no sequences, T = 0
+    yield (q.clone().requires_grad_(), k.clone().requires_grad_(), v.clone().requires_grad_(), cu, cup), {}
+
+
+def test_opcheck():
+    for args, kwargs in _opcheck_samples():
+        torch.library.opcheck(torch.ops.cp_ops.ag_thd_attention.default, args, kwargs)
+
+
+def test_bad_input():
+    cu, cup, q, k, v, _ = _global_case([4, 3], (2, 1), 4, 1, seed=0)
+    with pytest.raises(ValueError, match="q has 8 rows but k and v have 7"):
+        ag_thd_attention(q, k[:-1], v[:-1], cu, cup)
+    with pytest.raises(ValueError, match="both are \\[B\\+1\\]"):
+        ag_thd_attention(q, k, v, cu[:-1], cup)
+    with pytest.raises(ValueError, match="launches must be 1 or 2"):
+        ag_thd_attention(q, k, v, cu, cup, launches=3)
+    with pytest.raises(TypeError, match="window must be a pair"):
+        ag_thd_attention(q, k, v, cu, cup, window=3)
+
+
+# --- the layer, in process ----------------------------------------------------------------------------
+
+
+def _layer(heads, seed=0, **kwargs):
+    """An Attention layer with every parameter random (norm weights too: zeros would hide their grads)."""
+    torch.manual_seed(seed)
+    layer = Attention(HIDDEN, *heads, 8, **kwargs).double()
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn_like(p) * (HIDDEN**-0.5 if p.dim() == 2 else 0.3))
+    return layer
+
+
+def test_layer_matches_its_formula():
+    """The layer on one device, written out with the global reference (the docstring's formula)."""
+    layer = _layer((4, 2))
+    cu, cup = pad_cu_seqlens([7, 0, 1, 12], 1)
+    x = torch.randn(int(cup[-1]), HIDDEN, dtype=torch.float64)
+    rows, d = x.shape[0], 8
+    qg = layer.q_proj(x).view(rows, 4, 2 * d)
+    q, gate = qg[..., :d], qg[..., d:]
+    k, v = layer.k_proj(x).view(rows, 2, d), layer.v_proj(x).view(rows, 2, d)
+
+    def norm(t, w):
+        return t / (t.square().mean(-1, keepdim=True) + 1e-6).sqrt() * (1 + w)
+
+    def rope(t):
+        pos = cp_ops.local_positions(cup, 1, 0, rows).double()
+        ang = pos[:, None] * 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+        cos, sin = torch.cat([ang, ang], -1).cos()[:, None], torch.cat([ang, ang], -1).sin()[:, None]
+        return t * cos + torch.cat([-t[..., d // 2 :], t[..., : d // 2]], -1) * sin
+
+    q, k = rope(norm(q, layer.q_norm.weight)), rope(norm(k, layer.k_norm.weight))
+    lens, starts = cu[1:] - cu[:-1], cup[:-1]
+    o, _ = custom_ops.varlen_attention_reference(q, k, v, starts, lens, torch.zeros_like(lens), starts, lens)
+    want = layer.o_proj((o * torch.sigmoid(gate)).reshape(rows, -1))
+    assert rel_error(layer(x, cu, cup).detach(), want.detach()) < TOL
+
+
+# --- spawned: the collective, the reorder and their gradients ------------------------------------------
+
+
+def _op_rank(rank, world, compiled):
+    group = dist.group.WORLD
+    for i, (seqlens, heads, d, causal, window) in enumerate(CASES):
+        cu, cup, q, k, v, dout = _global_case(seqlens, heads, d, world, seed=i)
+        want = [shard_thd(t, cup, world, rank) for t in _reference(q, k, v, dout, cu, cup, causal, window)]
+        q_cp, k_cp, v_cp, dout_cp = (shard_thd(t, cup, world, rank) for t in (q, k, v, dout))
+        got = _cp_run(ag_thd_attention, q_cp, k_cp, v_cp, dout_cp, cu, cup, causal, window, group=group)
+        _assert_close(got, want, TOL, f"W={world} rank {rank} case {i}")
+        two = _cp_run(ag_thd_attention, q_cp, k_cp, v_cp, dout_cp, cu, cup, causal, window, group=group, launches=2)
+        _assert_close(two, got, TOL, f"launches=2 W={world} rank {rank} case {i}")
+
+    if world == 2:  # a 1-D DeviceMesh is accepted as the group
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (world,))
+        seqlens, heads, d, causal, window = CASES[0]
+        cu, cup, q, k, v, dout = _global_case(seqlens, heads, d, world, seed=0)
+        q_cp, k_cp, v_cp, dout_cp = (shard_thd(t, cup, world, rank) for t in (q, k, v, dout))
+        want = _cp_run(ag_thd_attention, q_cp, k_cp, v_cp, dout_cp, cu, cup, causal, window, group=group)
+        _assert_close(_cp_run(ag_thd_attention, q_cp, k_cp, v_cp, dout_cp, cu, cup, causal, window, group=mesh),
+                      want, TOL, "DeviceMesh")  # fmt: skip
+
+    if compiled:
+        _compiled_op_rank(rank, world, group)
+    if world in (2, 3):
+        _layer_rank(rank, world, group, compiled=False)
+    if compiled:
+        _layer_rank(rank, world, group, compiled=True)
+
+
+def _compiled_op_rank(rank, world, group):
+    """fullgraph, dynamic shapes: two packings of different T and B, one graph, fwd and bwd."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("inductor")
+
+    def step(q, k, v, cu, cup):
+        return ag_thd_attention(q * 2, k, v, cu, cup, causal=True, window=(7, -1), group=group).sin()
+
+    compiled = torch.compile(step, backend=counter, fullgraph=True, dynamic=True)
+    # row counts, B+1 and head counts all differ (duck sizing would tie equal sizes)
+    for i, seqlens in enumerate(([9, 0, 1, 23, 6], [31, 2, 0, 5, 1, 17])):
+        cu, cup, q, k, v, dout = _global_case(seqlens, (4, 2), 8, world, seed=10 + i)
+        q_cp, k_cp, v_cp, dout_cp = (shard_thd(t, cup, world, rank) for t in (q, k, v, dout))
+        got = _cp_run(lambda *a, **kw: compiled(*a[:5]), q_cp, k_cp, v_cp, dout_cp, cu, cup, True, (7, -1))
+        want = _cp_run(lambda *a, **kw: step(*a[:5]), q_cp, k_cp, v_cp, dout_cp, cu, cup, True, (7, -1))
+        _assert_close(got, want, TOL, f"compiled rank {rank} layout {i}")
+    assert counter.frame_count == 1
+
+
+def _layer_rank(rank, world, group, compiled):
+    """CP layer vs the same layer on one rank: outputs, input grads, parameter grads summed over ranks."""
+    for heads, kwargs in (((4, 2), {}), ((3, 3), {"gated": False, "qk_norm": False, "causal": False, "window": (3, 2)})):
+        if compiled and kwargs:
+            continue  # one compiled configuration keeps the compile time down
+        layer = _layer(heads, **kwargs)
+        cu, cup = pad_cu_seqlens([9, 0, 1, 23, 6], world)
+        gen = torch.Generator().manual_seed(1)
+        x = torch.randn(int(cup[-1]), HIDDEN, dtype=torch.float64, generator=gen)
+        grad_out = torch.randn(x.shape, dtype=torch.float64, generator=gen)
+
+        x_ref = x.clone().requires_grad_()
+        out_ref = layer(x_ref, cu, cup)
+        out_ref.backward(grad_out)
+        ref_grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
+        layer.zero_grad()
+
+        x_cp = shard_thd(x, cup, world, rank).requires_grad_()
+        fn = torch.compile(layer, fullgraph=True) if compiled else layer
+        out_cp = fn(x_cp, cu, cup, group=group)
+        out_cp.backward(shard_thd(grad_out, cup, world, rank))
+
+        what = f"layer W={world} rank {rank} {kwargs} compiled={compiled}"
+        assert rel_error(out_cp, shard_thd(out_ref, cup, world, rank)) < 1e-7, what
+        assert rel_error(x_cp.grad, shard_thd(x_ref.grad, cup, world, rank)) < 1e-7, what
+        for name, p in layer.named_parameters():
+            dist.all_reduce(p.grad)
+            assert rel_error(p.grad, ref_grads[name]) < 1e-7, f"{what}: {name}"
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world", [1, 3, 4])
+def test_ag_attention_matches_global(world):
+    """Every case on W gloo ranks, launches 1 and 2 (and the layer at W = 3)."""
+    run_ranks(world, _op_rank, False)
+
+
+@pytest.mark.dist
+def test_ag_attention_matches_global_compiled_w2():
+    """W = 2: every eager case, the layer, then the op and the layer under torch.compile(fullgraph=True)."""
+    run_ranks(2, _op_rank, True)
+
+
+def test_random_layouts_through_the_op_in_process():
+    """A few random packings at W = 1 through the op (fast; the spawned tests use fixed ones)."""
+    gen = torch.Generator().manual_seed(3)
+    for i in range(4):
+        seqlens = random_seqlens(4, 20, gen)
+        cu, cup, q, k, v, dout = _global_case(seqlens, (2, 1), 4, 1, seed=20 + i)
+        got = _cp_run(ag_thd_attention, q, k, v, dout, cu, cup, True, (-1, -1))
+        _assert_close(got, _reference(q, k, v, dout, cu, cup, True, (-1, -1)), TOL, f"seqlens {seqlens}")
