@@ -1,8 +1,11 @@
-"""Multi-rank agreement on GPUs with NCCL (2 ranks): the fused all-to-all and the GDN layer.
+"""Multi-rank agreement on GPUs with NCCL (2 ranks): the fused all-to-all, the GDN layer,
+all-gather CP attention and the Attention layer.
 
 Skipped unless 2 CUDA devices are visible. bf16 tolerances as Megatron-LM uses
 with CP (5e-3 relative): the CP layer runs the same kernels on the same rows as
-one GPU does, except that the projections see other row blocks.
+one GPU does, except that the projections see other row blocks. Attention on CP
+ranks runs the kernels on other tile boundaries than one GPU (query tiles start
+at each local chunk), so its bf16 rounding differs more: 1e-2, TOLERANCE[bf16].
 """
 
 import pytest
@@ -10,8 +13,9 @@ import torch
 import torch.distributed as dist
 
 import cp_ops
-from cp_ops import GatedDeltaNet, pad_cu_seqlens, shard_thd
-from custom_ops.testing import rel_error
+import custom_ops
+from cp_ops import Attention, GatedDeltaNet, ag_thd_attention, pad_cu_seqlens, shard_thd
+from custom_ops.testing import TOLERANCE, rel_error
 from tests._dist import run_ranks
 
 pytestmark = [
@@ -73,3 +77,75 @@ def _gdn_rank(rank, world, compiled):
 @pytest.mark.parametrize("compiled", [False, True])
 def test_gdn_cp_layer_nccl(compiled):
     run_ranks(2, _gdn_rank, compiled, backend="nccl")
+
+
+def _ag_attention_rank(rank, world, compiled):
+    torch.manual_seed(0)
+    group = dist.group.WORLD
+    cu, cup = pad_cu_seqlens([1000, 0, 1, 3000, 77], world, device="cuda")
+    rows = int(cup[-1])
+    q = torch.randn(rows, 8, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(rows, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    dout = torch.randn_like(q)
+    lens, starts = cu[1:] - cu[:-1], cup[:-1]
+    for causal, window in ((True, (-1, -1)), (True, (256, -1)), (False, (100, 50))):
+        ref = [t.clone().requires_grad_() for t in (q, k, v)]
+        out_ref, _ = custom_ops.varlen_attention(
+            *ref, starts, lens, torch.zeros_like(lens), starts, lens, causal=causal, window=window
+        )
+        out_ref.backward(dout)
+        want = [shard_thd(t, cup, world, rank) for t in (out_ref.detach(), *(t.grad for t in ref))]
+
+        def step(q_cp, k_cp, v_cp, launches=1):
+            return ag_thd_attention(q_cp, k_cp, v_cp, cu, cup, causal=causal, window=window, group=group,
+                                    launches=launches)  # fmt: skip
+
+        fns = [(step, 1), (step, 2)]
+        if compiled:
+            fns = [(torch.compile(step, fullgraph=True, dynamic=True), 1)]
+        for fn, launches in fns:
+            local = [shard_thd(t, cup, world, rank).requires_grad_() for t in (q, k, v)]
+            out = fn(*local, launches=launches)
+            out.backward(shard_thd(dout, cup, world, rank))
+            for name, a, b in zip(("out", "dq", "dk", "dv"), (out, *(t.grad for t in local)), want):
+                err = rel_error(a, b)
+                assert err < TOLERANCE[torch.bfloat16], f"{name} {causal} {window} launches={launches}: {err:.3g}"
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_ag_thd_attention_nccl(compiled):
+    run_ranks(2, _ag_attention_rank, compiled, backend="nccl")
+
+
+def _attention_layer_rank(rank, world, compiled):
+    torch.manual_seed(0)
+    layer = Attention(1024, 8, 2, 128).to("cuda", torch.bfloat16)
+    with torch.no_grad():  # the norm weights start at zero; random ones exercise their gradients
+        layer.q_norm.weight.normal_(0, 0.3)
+        layer.k_norm.weight.normal_(0, 0.3)
+    cu, cup = pad_cu_seqlens([700, 0, 1, 2000, 300], world, device="cuda")
+    x = torch.randn(int(cup[-1]), 1024, device="cuda", dtype=torch.bfloat16)
+    grad_out = torch.randn_like(x)
+
+    x_ref = x.clone().requires_grad_()
+    out_ref = layer(x_ref, cu, cup)
+    out_ref.backward(grad_out)
+    ref_grads = {n: p.grad.float().clone() for n, p in layer.named_parameters()}
+    layer.zero_grad()
+
+    x_cp = shard_thd(x, cup, world, rank).requires_grad_()
+    fn = torch.compile(layer, fullgraph=True) if compiled else layer
+    out_cp = fn(x_cp, cu, cup, group=dist.group.WORLD)
+    out_cp.backward(shard_thd(grad_out, cup, world, rank))
+    tol = TOLERANCE[torch.bfloat16]
+    assert rel_error(out_cp, shard_thd(out_ref, cup, world, rank)) < tol
+    assert rel_error(x_cp.grad, shard_thd(x_ref.grad, cup, world, rank)) < tol
+    for name, p in layer.named_parameters():
+        g = p.grad.float()
+        dist.all_reduce(g)
+        assert rel_error(g, ref_grads[name]) < tol, name
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_attention_layer_nccl(compiled):
+    run_ranks(2, _attention_layer_rank, compiled, backend="nccl")
