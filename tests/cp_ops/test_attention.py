@@ -118,6 +118,30 @@ def test_segment_formulas():
     assert ag_thd_segments(cu, cup, 2, 1, causal=False)[4].tolist() == [5, 5, 8, 8]
 
 
+@pytest.mark.interpret
+@pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (False, (4, 2))])
+def test_kernels_with_ag_segments(causal, window, poison_empty):
+    """The Triton kernels (interpreted) on every rank's tables at W = 2, float32, fwd and bwd.
+
+    K and V are head slices of one gathered tensor, as in the op; dk, dv are summed over
+    the ranks (what the reduce-scatter does) and compared with the global gradients.
+    """
+    world = 2
+    cu, cup, q, k, v, dout = _global_case([9, 0, 1, 13], (2, 1), 16, world, seed=5)
+    want = _reference(q, k, v, dout, cu, cup, causal, window)
+    kv = torch.cat([k, v], dim=1).float().requires_grad_()
+    for rank in range(world):
+        seg = ag_thd_segments(cu, cup, world, rank, causal, window[1])
+        q_cp = shard_thd(q, cup, world, rank).float().requires_grad_()
+        out, _ = custom_ops.varlen_attention(q_cp, kv[:, :1], kv[:, 1:], *seg, causal=causal, window=window)
+        out.backward(shard_thd(dout, cup, world, rank).float())
+        tol = TOLERANCE[torch.float32]
+        assert rel_error(out.detach(), shard_thd(want[0], cup, world, rank)) < tol
+        assert rel_error(q_cp.grad, shard_thd(want[1], cup, world, rank)) < tol
+    assert rel_error(kv.grad[:, :1], want[2]) < TOLERANCE[torch.float32]
+    assert rel_error(kv.grad[:, 1:], want[3]) < TOLERANCE[torch.float32]
+
+
 # --- no group (W = 1), in process -------------------------------------------------------------------
 
 
