@@ -46,14 +46,15 @@ from cp_ops.comm import all_gather_rows, group_rank, group_size, resolve_group
 from cp_ops.layout import local_positions
 from custom_ops._common import NAMESPACE, check_index_tensor
 
-__all__ = ["ag_thd_attention", "ag_thd_segments", "Attention", "RMSNorm", "apply_rotary"]
+__all__ = ["ag_thd_attention", "ag_thd_segments", "group_rank_tensor", "Attention", "RMSNorm", "apply_rotary"]
 
 
 # --- segment tables -------------------------------------------------------------------------------
 
 
-def _chunk_segments(cu_seqlens, cu_seqlens_padded, cp_size: int, chunk: int, second: bool, causal: bool, right):
-    """The five ``[B]`` segment columns of local chunk ``chunk`` (the first or second local chunk)."""
+def _chunk_segments(cu_seqlens, cu_seqlens_padded, cp_size: int, chunk, second: bool, causal: bool, right):
+    """The five ``[B]`` segment columns of chunk ``chunk`` (an int or a 0-d tensor), the first
+    or second local chunk."""
     cu = cu_seqlens.to(torch.int64)
     cup = cu_seqlens_padded.to(torch.int64)
     lens = cu[1:] - cu[:-1]
@@ -76,7 +77,7 @@ def ag_thd_segments(
     cu_seqlens: torch.Tensor,
     cu_seqlens_padded: torch.Tensor,
     cp_size: int,
-    rank: int,
+    rank: int | torch.Tensor,
     causal: bool = True,
     window_right: int = -1,
     chunks: tuple[int, ...] = (0, 1),
@@ -87,7 +88,8 @@ def ag_thd_segments(
     sequence-order ``[T, ...]``. ``chunks=(0, 1)`` gives both local chunks of every
     sequence (``[2B]`` each, interleaved: sequence 0 chunk r, sequence 0 chunk
     2W-1-r, sequence 1 ...); ``(0,)`` or ``(1,)`` only the first or second (``[B]``).
-    Formulas in the module docstring. Built on the device, no host sync.
+    Formulas in the module docstring. Built on the device, no host sync; ``rank`` may be
+    an int or a 0-d integer tensor on the device.
     """
     ids = (rank, 2 * cp_size - 1 - rank)
     cols = [
@@ -120,8 +122,23 @@ def _check(q, k, v, cu_seqlens, cu_seqlens_padded, launches) -> None:
         raise ValueError(f"launches must be 1 or 2, got {launches!r}")
 
 
-def _group_rank_by_name(group_name: str) -> int:
-    return dist.distributed_c10d._resolve_process_group(group_name).rank()
+# The rank is read at run time, by an opaque op, not baked into the traced graph. The composite
+# op below decomposes during AOT tracing, after the compile caches have keyed the graph on its
+# arguments (which name the group, identical on every rank); a rank folded in as a constant
+# would let one rank load another rank's cached graph and attend with its segment tables.
+@torch.library.custom_op(f"{NAMESPACE}::group_rank_tensor", mutates_args=())
+def group_rank_tensor(like: torch.Tensor, group_name: str) -> torch.Tensor:
+    """This process's rank in the group ``group_name``: a 0-d int64 tensor on ``like``'s device.
+
+    ``like`` only places the result (and, as an input, keeps compilers from folding the op).
+    """
+    rank = dist.distributed_c10d._resolve_process_group(group_name).rank()
+    return torch.full((), rank, dtype=torch.int64, device=like.device)
+
+
+@group_rank_tensor.register_fake
+def _(like, group_name):
+    return like.new_empty((), dtype=torch.int64)
 
 
 def _ag_thd_attention(q, k, v, cu_seqlens, cu_seqlens_padded, causal, window_left, window_right, scale, group_name,
@@ -133,7 +150,7 @@ def _ag_thd_attention(q, k, v, cu_seqlens, cu_seqlens_padded, causal, window_lef
         world, rank = 1, 0
         k_seq, v_seq = k, v  # W = 1: rank order is sequence order, nothing to gather
     else:
-        world, rank = group_size(group_name), _group_rank_by_name(group_name)
+        world, rank = group_size(group_name), group_rank_tensor(cu_seqlens_padded, group_name)
         hkv = k.shape[1]
         # K and V travel together: one all-gather forward, one reduce-scatter backward
         kv = all_gather_rows(torch.cat([k, v], dim=1), group_name)  # [T, 2*Hkv, D], rank order

@@ -233,6 +233,11 @@ def _op_rank(rank, world, compiled):
         two = _cp_run(ag_thd_attention, q_cp, k_cp, v_cp, dout_cp, cu, cup, causal, window, group=group, launches=2)
         _assert_close(two, got, TOL, f"launches=2 W={world} rank {rank} case {i}")
 
+    group_name, _ = cp_ops.resolve_group(group)
+    rank_t = torch.ops.cp_ops.group_rank_tensor(torch.zeros(3, dtype=torch.int32), group_name)
+    assert rank_t.dtype == torch.int64 and rank_t.shape == () and int(rank_t) == rank
+    torch.library.opcheck(torch.ops.cp_ops.group_rank_tensor.default, (torch.zeros(3), group_name))
+
     if world == 2:  # a 1-D DeviceMesh is accepted as the group
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -257,7 +262,9 @@ def _compiled_op_rank(rank, world, group):
     from torch._dynamo.testing import CompileCounterWithBackend
 
     torch._dynamo.reset()
-    counter = CompileCounterWithBackend("inductor")
+    # aot_eager: dynamo and AOT autograd (what fullgraph and dynamic shapes are about); the layer
+    # test below compiles the same op with Inductor
+    counter = CompileCounterWithBackend("aot_eager")
 
     def step(q, k, v, cu, cup):
         return ag_thd_attention(q * 2, k, v, cu, cup, causal=True, window=(7, -1), group=group).sin()
@@ -271,6 +278,31 @@ def _compiled_op_rank(rank, world, group):
         want = _cp_run(lambda *a, **kw: step(*a[:5]), q_cp, k_cp, v_cp, dout_cp, cu, cup, True, (7, -1))
         _assert_close(got, want, TOL, f"compiled rank {rank} layout {i}")
     assert counter.frame_count == 1
+
+    # Compile caches key a graph on what dynamo sees, the same on every rank; so the graphs
+    # handed to the compiler must be the same on every rank too (the rank is read at run time).
+    codes = _aot_graph_codes(step, q_cp, k_cp, v_cp, dout_cp, cu, cup)
+    everyone = [None] * world
+    dist.all_gather_object(everyone, codes)
+    assert len(codes) == 2 and all(c == codes for c in everyone), "the compiled graphs differ between ranks"
+
+
+def _aot_graph_codes(step, q, k, v, dout, cu, cup):
+    """The Python code of the forward and backward graphs AOT autograd passes to the compiler."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    codes = []
+
+    def keep(gm, _):
+        codes.append(gm.code)
+        return make_boxed_func(gm.forward)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep), fullgraph=True)
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    compiled(q, k, v, cu, cup).backward(dout)
+    return codes
 
 
 def _layer_rank(rank, world, group, compiled):
