@@ -6,7 +6,7 @@ the torch.library ops it builds on live in ``custom_ops`` and are registered as
 """
 
 import custom_ops  # noqa: F401  (registers torch.ops.cp_ops.*)
-from cp_ops.attention import Attention, ag_thd_attention, ag_thd_segments
+from cp_ops.attention import Attention, ag_thd_attention, ag_thd_attention_reference, ag_thd_segments
 from cp_ops.comm import (
     all_gather_rows,
     all_to_all_rows,
@@ -59,6 +59,7 @@ __all__ = [
     "GatedDeltaNet",
     "Attention",
     "ag_thd_attention",
+    "ag_thd_attention_reference",
     "ag_thd_segments",
     "from_qwen3_next_state_dict",
 ]

@@ -29,6 +29,15 @@ one graph serves every packing. The backward is autograd through the pieces:
 ``varlen_attention``'s backward (dq on the local rows; dk, dv on the gathered
 sequence-order keys), ``thd_seq_to_rank_order``, then the reduce-scatter.
 
+The op is a composite: it decomposes into those pieces when traced, which happens
+after torch.compile's caches have keyed the graph on the op's arguments. So nothing
+the decomposition reads may differ between processes that share a cache: the rank
+is read at run time (``group_rank_tensor``, a 0-d device tensor), never folded into
+the graph. The CP size W sets shapes and must be known when tracing; it comes from
+the group name, which the caches do see but which does not encode W (the default
+group is called "0" whatever its size). Processes with different W and identical
+shapes should therefore not share a compile-cache directory.
+
 ``launches=2`` runs TransformerEngine's form instead: one ``varlen_attention``
 launch per local chunk (segments of chunk r, then of chunk 2W-1-r), the second
 chunk's rows copied into the first output with ``thd_copy_valid_tokens``. Same
@@ -46,7 +55,14 @@ from cp_ops.comm import all_gather_rows, group_rank, group_size, resolve_group
 from cp_ops.layout import local_positions
 from custom_ops._common import NAMESPACE, check_index_tensor
 
-__all__ = ["ag_thd_attention", "ag_thd_segments", "group_rank_tensor", "Attention", "RMSNorm", "apply_rotary"]
+__all__ = [
+    "ag_thd_attention",
+    "ag_thd_attention_reference",
+    "ag_thd_segments",     "group_rank_tensor",
+    "Attention",
+    "RMSNorm",
+    "apply_rotary",
+]
 
 
 # --- segment tables -------------------------------------------------------------------------------
@@ -232,6 +248,32 @@ def ag_thd_attention(
     return _ag_thd_attention(
         q, k, v, cu_seqlens, cu_seqlens_padded, causal, window[0], window[1], scale, group_name, launches
     )
+
+
+def ag_thd_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    cu_seqlens_padded: torch.Tensor,
+    *,
+    causal: bool = True,
+    window: tuple[int, int] = (-1, -1),
+    scale: float | None = None,
+) -> torch.Tensor:
+    """The single-process oracle: every sequence's attention over itself, on the *global*
+    sequence-order q ``[T, Hq, D]``, k, v ``[T, Hkv, D]``; returns ``[T, Hq, D]``.
+
+    Rank r's :func:`ag_thd_attention` output is ``shard_thd(this, cu_seqlens_padded, W, r)``
+    (and so are its gradients, dk and dv included). Segments ``q_start = k_start = cup[i]``,
+    ``q_len = k_len = L_i``, ``q_pos = 0`` through the dense
+    ``custom_ops.varlen_attention_reference``; padding rows are zero. Differentiable.
+    """
+    lens = cu_seqlens[1:] - cu_seqlens[:-1]
+    starts = cu_seqlens_padded[:-1]
+    return custom_ops.varlen_attention_reference(
+        q, k, v, starts, lens, torch.zeros_like(lens), starts, lens, causal, window, scale
+    )[0]
 
 
 # --- the layer ------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """All-gather CP attention and the gated Attention layer agree with attention on the global batch.
 
-The oracle is ``varlen_attention_reference`` over whole sequences (``q_pos = 0``,
-``q_len = k_len = L_i``) on the global sequence-order tensors; each rank compares
+The oracle is ``ag_thd_attention_reference``: ``varlen_attention_reference`` over
+whole sequences (``q_pos = 0``, ``q_len = k_len = L_i``) on the global sequence-order
+tensors; each rank compares
 its shard of the oracle's output and gradients (dk, dv: its shard of the global
 dk, dv, which the reduce-scatter must produce). Every row is compared, padding
 included (zero output, zero gradient on both sides).
@@ -25,7 +26,7 @@ from hypothesis import strategies as st
 
 import cp_ops
 import custom_ops
-from cp_ops import Attention, ag_thd_attention, ag_thd_segments, pad_cu_seqlens, shard_thd
+from cp_ops import Attention, ag_thd_attention, ag_thd_attention_reference, ag_thd_segments, pad_cu_seqlens, shard_thd
 from custom_ops.testing import TOLERANCE, random_seqlens, rel_error, thd_layouts
 from custom_ops.thd_copy_valid_tokens.reference import valid_token_mask
 from tests._dist import run_ranks
@@ -60,12 +61,8 @@ def _global_case(seqlens, heads, head_dim, world, seed):
 
 def _reference(q, k, v, dout, cu, cup, causal, window):
     """Attention of every sequence over itself, on the global tensors: (out, dq, dk, dv)."""
-    lens = cu[1:] - cu[:-1]
-    starts = cup[:-1]
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
-    out, _ = custom_ops.varlen_attention_reference(
-        q, k, v, starts, lens, torch.zeros_like(lens), starts, lens, causal, window
-    )
+    out = ag_thd_attention_reference(q, k, v, cu, cup, causal=causal, window=window)
     out.backward(dout)
     return out.detach(), q.grad, k.grad, v.grad
 
@@ -93,10 +90,7 @@ def test_segments_give_global_attention(layout, causal, window):
     shard_r of the global attention. This is the op after its all-gather and reorder."""
     world, seqlens = layout
     cu, cup, q, k, v, _ = _global_case(seqlens, (4, 2), 4, world, seed=len(seqlens))
-    lens, starts = cu[1:] - cu[:-1], cup[:-1]
-    want, _ = custom_ops.varlen_attention_reference(
-        q, k, v, starts, lens, torch.zeros_like(lens), starts, lens, causal, window
-    )
+    want = ag_thd_attention_reference(q, k, v, cu, cup, causal=causal, window=window)
     for rank in range(world):
         seg = ag_thd_segments(cu, cup, world, rank, causal, window[1])
         custom_ops.validate_varlen_segments(*seg, q.shape[0] // world, q.shape[0])
@@ -213,8 +207,7 @@ def test_layer_matches_its_formula():
         return t * cos + torch.cat([-t[..., d // 2 :], t[..., : d // 2]], -1) * sin
 
     q, k = rope(norm(q, layer.q_norm.weight)), rope(norm(k, layer.k_norm.weight))
-    lens, starts = cu[1:] - cu[:-1], cup[:-1]
-    o, _ = custom_ops.varlen_attention_reference(q, k, v, starts, lens, torch.zeros_like(lens), starts, lens)
+    o = ag_thd_attention_reference(q, k, v, cu, cup)
     want = layer.o_proj((o * torch.sigmoid(gate)).reshape(rows, -1))
     assert rel_error(layer(x, cu, cup).detach(), want.detach()) < TOL
 
