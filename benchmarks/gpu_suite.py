@@ -9,6 +9,7 @@ PARTS (default: every part that fits the visible GPUs):
   attention-tune  the same with --tune: kernel configs
   gdn          benchmarks/bench_gdn.py                    (if present)
   a2a          benchmarks/bench_cp2hp.py, needs 2 GPUs    (if present)
+  ag-attention benchmarks/bench_ag_attention.py, 2 GPUs   (if present)
   tests-2gpu   pytest -m "gpu and dist" on 2 GPUs         (if any)
 
 Logs and markdown tables go to --out (default $OUT or ./gpu-results).
@@ -31,6 +32,7 @@ PARTS = {
     "attention-tune": (1, [sys.executable, "benchmarks/bench_varlen_attention.py", "--tune"]),
     "gdn": (1, [sys.executable, "benchmarks/bench_gdn.py", "--out", "{out}/gdn.md"]),
     "a2a": (2, [sys.executable, "benchmarks/bench_cp2hp.py", "--out", "{out}/a2a.md"]),
+    "ag-attention": (2, [sys.executable, "benchmarks/bench_ag_attention.py", "--out", "{out}/ag_attention.md"]),
     "tests-2gpu": (2, [sys.executable, "-m", "pytest", "-m", "gpu and dist", "-q", "-p", "no:cacheprovider"]),
 }
 
