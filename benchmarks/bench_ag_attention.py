@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
-import statistics
 import sys
 
 import torch
@@ -38,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import custom_ops  # noqa: E402
 from benchmarks.bench_varlen_attention import packed_lengths  # noqa: E402
-from benchmarks.common import environment  # noqa: E402
+from benchmarks.common import environment, free_port, max_over_ranks, median_ms_counted  # noqa: E402
 from cp_ops import ag_thd_attention, all_gather_rows, pad_cu_seqlens, resolve_group, shard_thd  # noqa: E402
 from custom_ops.testing import TOLERANCE, rel_error  # noqa: E402
 
@@ -48,26 +46,8 @@ HEADS, HEAD_DIM = 16, 128
 DTYPE = torch.bfloat16
 
 
-def _median_ms(fn, warmup: int = 5, runs: int = 40) -> float:
-    """Median of ``runs`` CUDA-event timings of ``fn()``; the same count on every rank."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(runs):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
-def _max_over_ranks(value: float) -> float:
-    t = torch.tensor([value], device="cuda", dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
 
 
 def _fwd_and_step(fn, q, k, v, dout):
@@ -82,6 +62,10 @@ def _fwd_and_step(fn, q, k, v, dout):
         torch.autograd.grad(fn(*leaves), leaves, dout)
 
     return fwd, step
+
+
+def _timed(fn, warmup: int = 5, runs: int = 40) -> float:
+    return median_ms_counted(fn, warmup, runs)
 
 
 def _worker(rank: int, world: int, port: int, gqa: int, out: str | None) -> None:
@@ -131,7 +115,7 @@ def _worker(rank: int, world: int, port: int, gqa: int, out: str | None) -> None
             t1 = [0.0, 0.0]
             if rank == 0:
                 fwd, step = _fwd_and_step(one_gpu, q, k, v, dout)
-                t1 = [_median_ms(fwd), _median_ms(step)]
+                t1 = [_timed(fwd), _timed(step)]
             dist.barrier()
             del q, k, v, dout
             torch.cuda.empty_cache()
@@ -139,7 +123,7 @@ def _worker(rank: int, world: int, port: int, gqa: int, out: str | None) -> None
             times = {}
             for launches in (1, 2):
                 fwd, step = _fwd_and_step(cp_fn(launches), *local)
-                times[launches] = [_max_over_ranks(_median_ms(fwd)), _max_over_ranks(_median_ms(step))]
+                times[launches] = [max_over_ranks(_timed(fwd)), max_over_ranks(_timed(step))]
             kv_cp = torch.cat([local[1], local[2]], dim=1)
 
             def gather():
@@ -149,7 +133,7 @@ def _worker(rank: int, world: int, port: int, gqa: int, out: str | None) -> None
                 if isinstance(gathered, funcol.AsyncCollectiveTensor):
                     gathered.wait()
 
-            t_ag = _max_over_ranks(_median_ms(gather))
+            t_ag = max_over_ranks(_timed(gather))
             for label, idx in (("fwd", 0), ("fwd+bwd", 1)):
                 w1, w2 = times[1][idx], times[2][idx]
                 rows.append((total, len(lens), label, t1[idx], w1, w2, t1[idx] / (world * w1),
@@ -180,10 +164,6 @@ def _worker(rank: int, world: int, port: int, gqa: int, out: str | None) -> None
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:
@@ -198,7 +178,7 @@ def main() -> None:
     # set here as well so the spawned workers inherit them before any NCCL initialisation
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    torch.multiprocessing.spawn(_worker, args=(WORLD, _free_port(), args.gqa, args.out), nprocs=WORLD, join=True)
+    torch.multiprocessing.spawn(_worker, args=(WORLD, free_port(), args.gqa, args.out), nprocs=WORLD, join=True)
 
 
 if __name__ == "__main__":

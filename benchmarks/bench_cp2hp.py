@@ -20,8 +20,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import socket
-import statistics
 import sys
 
 import torch
@@ -30,6 +28,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import cp_ops  # noqa: E402
+from benchmarks.common import free_port, max_over_ranks, median_ms_counted  # noqa: E402
 from cp_ops import pad_cu_seqlens  # noqa: E402
 
 SECTIONS = [2048, 2048, 4096, 4096, 32, 32]  # Qwen3-Next GDN: q, k, v, z, b, a
@@ -73,25 +72,12 @@ def cp2hp_per_sequence(x_cp: torch.Tensor, cu_seqlens_padded: torch.Tensor, sect
     return torch.cat(seqs)
 
 
-def _median_ms(fn, warmup: int = 5, runs: int = 30) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(runs):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
-def _max_over_ranks(value: float) -> float:
-    t = torch.tensor([value], device="cuda", dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
+
+
+def _timed(fn, warmup: int = 5, runs: int = 30) -> float:
+    return median_ms_counted(fn, warmup, runs)
 
 
 def _worker(rank: int, world: int, port: int, out: str | None) -> None:
@@ -119,11 +105,11 @@ def _worker(rank: int, world: int, port: int, out: str | None) -> None:
             if not torch.equal(cp_ops.thd_hp2cp(x_hp, cup, local_sections, group), x_cp):
                 raise AssertionError(f"thd_hp2cp(thd_cp2hp(x)) != x at T={total}, B={num_seqs}")
 
-            t_bare = _max_over_ranks(_median_ms(lambda: dist.all_to_all_single(flat_out, flat, group=group)))
-            t_cp2hp = _max_over_ranks(_median_ms(lambda: cp_ops.thd_cp2hp(x_cp, cup, SECTIONS, group)))
-            t_hp2cp = _max_over_ranks(_median_ms(lambda: cp_ops.thd_hp2cp(x_hp, cup, local_sections, group)))
-            t_seq = _max_over_ranks(
-                _median_ms(lambda: cp2hp_per_sequence(x_cp, cup, SECTIONS, group), warmup=2, runs=10)
+            t_bare = max_over_ranks(_timed(lambda: dist.all_to_all_single(flat_out, flat, group=group)))
+            t_cp2hp = max_over_ranks(_timed(lambda: cp_ops.thd_cp2hp(x_cp, cup, SECTIONS, group)))
+            t_hp2cp = max_over_ranks(_timed(lambda: cp_ops.thd_hp2cp(x_hp, cup, local_sections, group)))
+            t_seq = max_over_ranks(
+                _timed(lambda: cp2hp_per_sequence(x_cp, cup, SECTIONS, group), warmup=2, runs=10)
             )
             mb = x_cp.numel() * x_cp.element_size() / 2**20
             rows.append((total, num_seqs, mb, t_bare, t_cp2hp, t_hp2cp, t_seq, t_cp2hp / t_bare, t_seq / t_cp2hp))
@@ -148,10 +134,6 @@ def _worker(rank: int, world: int, port: int, out: str | None) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:
@@ -163,7 +145,7 @@ def main() -> None:
     # set here as well so the spawned workers inherit them before any NCCL initialisation
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    torch.multiprocessing.spawn(_worker, args=(WORLD, _free_port(), args.out), nprocs=WORLD, join=True)
+    torch.multiprocessing.spawn(_worker, args=(WORLD, free_port(), args.out), nprocs=WORLD, join=True)
 
 
 if __name__ == "__main__":
