@@ -33,10 +33,9 @@ The op is a composite: it decomposes into those pieces when traced, which happen
 after torch.compile's caches have keyed the graph on the op's arguments. So nothing
 the decomposition reads may differ between processes that share a cache: the rank
 is read at run time (``group_rank_tensor``, a 0-d device tensor), never folded into
-the graph. The CP size W sets shapes and must be known when tracing; it comes from
-the group name, which the caches do see but which does not encode W (the default
-group is called "0" whatever its size). Processes with different W and identical
-shapes should therefore not share a compile-cache directory.
+the graph. The CP size W sets shapes and must be known when tracing. The group name
+does not encode it (the default group is called "0" whatever its size), so W is an
+argument of the op (``cp_size``, checked against the group) and so part of the key.
 
 ``launches=2`` runs TransformerEngine's form instead: one ``varlen_attention``
 launch per local chunk (segments of chunk r, then of chunk 2W-1-r), the second
@@ -158,15 +157,19 @@ def _(like, group_name):
 
 
 def _ag_thd_attention(q, k, v, cu_seqlens, cu_seqlens_padded, causal, window_left, window_right, scale, group_name,
-                      launches=1):  # fmt: skip
+                      cp_size=1, launches=1):  # fmt: skip
     """The decomposition: one collective, one reorder, one (or two) segment-attention launches."""
     _check(q, k, v, cu_seqlens, cu_seqlens_padded, launches)
     window = (window_left, window_right)
     if group_name is None:
+        if cp_size != 1:
+            raise ValueError(f"cp_size = {cp_size} needs a process group (group_name is None)")
         world, rank = 1, 0
         k_seq, v_seq = k, v  # W = 1: rank order is sequence order, nothing to gather
     else:
         world, rank = group_size(group_name), group_rank_tensor(cu_seqlens_padded, group_name)
+        if world != cp_size:
+            raise ValueError(f"cp_size = {cp_size} but the process group {group_name!r} has {world} ranks")
         hkv = k.shape[1]
         # K and V travel together: one all-gather forward, one reduce-scatter backward
         kv = all_gather_rows(torch.cat([k, v], dim=1), group_name)  # [T, 2*Hkv, D], rank order
@@ -188,18 +191,20 @@ def _ag_thd_attention(q, k, v, cu_seqlens, cu_seqlens_padded, causal, window_lef
 torch.library.define(
     f"{NAMESPACE}::ag_thd_attention",
     "(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, Tensor cu_seqlens_padded, bool causal=True, "
-    "SymInt window_left=-1, SymInt window_right=-1, float? scale=None, str? group_name=None) -> Tensor",
+    "SymInt window_left=-1, SymInt window_right=-1, float? scale=None, str? group_name=None, int cp_size=1) -> Tensor",
 )
 
 
 # CompositeImplicitAutograd: the op is its decomposition, so autograd, fake tensors and
 # torch.compile see all_gather / thd_rank_to_seq_order / varlen_attention, each with its own
-# fake and backward; nothing here needs a fake or an autograd formula of its own.
+# fake and backward; nothing here needs a fake or an autograd formula of its own. cp_size is
+# in the schema (checked against the group) so that a compiled graph's cache key holds it:
+# group names repeat across runs of different sizes.
 @torch.library.impl(f"{NAMESPACE}::ag_thd_attention", "CompositeImplicitAutograd")
 def _ag_thd_attention_composite(q, k, v, cu_seqlens, cu_seqlens_padded, causal=True, window_left=-1, window_right=-1,
-                                scale=None, group_name=None):  # fmt: skip
+                                scale=None, group_name=None, cp_size=1):  # fmt: skip
     return _ag_thd_attention(
-        q, k, v, cu_seqlens, cu_seqlens_padded, causal, window_left, window_right, scale, group_name
+        q, k, v, cu_seqlens, cu_seqlens_padded, causal, window_left, window_right, scale, group_name, cp_size
     )
 
 
@@ -236,17 +241,17 @@ def ag_thd_attention(
     ``launches=2``: one launch per local chunk (TransformerEngine's form), same result.
 
     Also ``torch.ops.cp_ops.ag_thd_attention(q, k, v, cu_seqlens, cu_seqlens_padded,
-    causal, window_left, window_right, scale, group_name)`` (the one-launch form).
+    causal, window_left, window_right, scale, group_name, cp_size)`` (the one-launch form).
     """
-    group_name, _ = resolve_group(group)
+    group_name, world = resolve_group(group)
     if not isinstance(window, (tuple, list)) or len(window) != 2:
         raise TypeError(f"window must be a pair (left, right) of ints, got {window!r}")
     if launches == 1:
         return torch.ops.cp_ops.ag_thd_attention(
-            q, k, v, cu_seqlens, cu_seqlens_padded, causal, window[0], window[1], scale, group_name
+            q, k, v, cu_seqlens, cu_seqlens_padded, causal, window[0], window[1], scale, group_name, world
         )
     return _ag_thd_attention(
-        q, k, v, cu_seqlens, cu_seqlens_padded, causal, window[0], window[1], scale, group_name, launches
+        q, k, v, cu_seqlens, cu_seqlens_padded, causal, window[0], window[1], scale, group_name, world, launches
     )
 
 

@@ -163,9 +163,20 @@ def _check_hp2cp(y_hp: torch.Tensor, cu_seqlens_padded: torch.Tensor, sections, 
     check_sections("y_hp", y_hp.shape[-1], sections, 1)
 
 
-@triton_op(f"{NAMESPACE}::thd_cp2hp", mutates_args=())
-def _thd_cp2hp(x_cp: torch.Tensor, cu_seqlens_padded: torch.Tensor, sections: list[int], group_name: str) -> torch.Tensor:
+def _group_world(group_name: str, cp_size: int) -> int:
+    """The group's size, which must equal ``cp_size``. cp_size is in the ops' schemas so that a
+    compiled graph's cache key holds it: group names repeat across runs of different sizes."""
     world = group_size(group_name)
+    if world != cp_size:
+        raise ValueError(f"cp_size = {cp_size} but the process group {group_name!r} has {world} ranks")
+    return world
+
+
+@triton_op(f"{NAMESPACE}::thd_cp2hp", mutates_args=())
+def _thd_cp2hp(
+    x_cp: torch.Tensor, cu_seqlens_padded: torch.Tensor, sections: list[int], group_name: str, cp_size: int
+) -> torch.Tensor:
+    world = _group_world(group_name, cp_size)
     _check_cp2hp(x_cp, cu_seqlens_padded, sections, world)
     send = sections_to_rank_blocks(x_cp, sections, world)  # [W, T/W, ..., F/W]
     recv = all_to_all_rows(send.flatten(0, 1), group_name, world)  # [T, ..., F/W], rank order
@@ -173,15 +184,17 @@ def _thd_cp2hp(x_cp: torch.Tensor, cu_seqlens_padded: torch.Tensor, sections: li
 
 
 @_thd_cp2hp.register_fake
-def _(x_cp, cu_seqlens_padded, sections, group_name):
-    world = group_size(group_name)
+def _(x_cp, cu_seqlens_padded, sections, group_name, cp_size):
+    world = _group_world(group_name, cp_size)
     _check_cp2hp(x_cp, cu_seqlens_padded, sections, world)
     return x_cp.new_empty((x_cp.shape[0] * world,) + tuple(x_cp.shape[1:-1]) + (x_cp.shape[-1] // world,))
 
 
 @triton_op(f"{NAMESPACE}::thd_hp2cp", mutates_args=())
-def _thd_hp2cp(y_hp: torch.Tensor, cu_seqlens_padded: torch.Tensor, sections: list[int], group_name: str) -> torch.Tensor:
-    world = group_size(group_name)
+def _thd_hp2cp(
+    y_hp: torch.Tensor, cu_seqlens_padded: torch.Tensor, sections: list[int], group_name: str, cp_size: int
+) -> torch.Tensor:
+    world = _group_world(group_name, cp_size)
     _check_hp2cp(y_hp, cu_seqlens_padded, sections, world)
     send = custom_ops.thd_seq_to_rank_order(y_hp, cu_seqlens_padded, world)  # [T, ..., F/W], rank order
     recv = all_to_all_rows(send, group_name, world)  # block d: rank d's features of the local rows
@@ -190,25 +203,24 @@ def _thd_hp2cp(y_hp: torch.Tensor, cu_seqlens_padded: torch.Tensor, sections: li
 
 
 @_thd_hp2cp.register_fake
-def _(y_hp, cu_seqlens_padded, sections, group_name):
-    world = group_size(group_name)
+def _(y_hp, cu_seqlens_padded, sections, group_name, cp_size):
+    world = _group_world(group_name, cp_size)
     _check_hp2cp(y_hp, cu_seqlens_padded, sections, world)
     return y_hp.new_empty((y_hp.shape[0] // world,) + tuple(y_hp.shape[1:-1]) + (y_hp.shape[-1] * world,))
 
 
 def _setup_context(ctx, inputs, output):
-    _, ctx.cu_seqlens_padded, ctx.sections, ctx.group_name = inputs
-    ctx.world = group_size(ctx.group_name)
+    _, ctx.cu_seqlens_padded, ctx.sections, ctx.group_name, ctx.world = inputs
 
 
 def _cp2hp_backward(ctx, grad):
     local = [s // ctx.world for s in ctx.sections]
-    return _thd_hp2cp(grad, ctx.cu_seqlens_padded, local, ctx.group_name), None, None, None
+    return _thd_hp2cp(grad, ctx.cu_seqlens_padded, local, ctx.group_name, ctx.world), None, None, None, None
 
 
 def _hp2cp_backward(ctx, grad):
     full = [s * ctx.world for s in ctx.sections]
-    return _thd_cp2hp(grad, ctx.cu_seqlens_padded, full, ctx.group_name), None, None, None
+    return _thd_cp2hp(grad, ctx.cu_seqlens_padded, full, ctx.group_name, ctx.world), None, None, None, None
 
 
 _thd_cp2hp.register_autograd(_cp2hp_backward, setup_context=_setup_context)
@@ -233,14 +245,14 @@ def thd_cp2hp(
     contiguous slice (width ``s/W``) of every section, in section order. Equal to
     ``permute_sections(x, sections, W)[..., r*F/W:(r+1)*F/W]`` for the global
     sequence-order ``x``. Differentiable; the gradient is :func:`thd_hp2cp`.
-    Also ``torch.ops.cp_ops.thd_cp2hp(x_cp, cu_seqlens_padded, sections, group_name)``.
+    Also ``torch.ops.cp_ops.thd_cp2hp(x_cp, cu_seqlens_padded, sections, group_name, cp_size)``.
     """
     group_name, world = resolve_group(group)
     sections = [int(s) for s in sections]
     if group_name is None:
         _check_cp2hp(x_cp, cu_seqlens_padded, sections, world)
         return custom_ops.permute_sections(x_cp, sections, 1)
-    return _thd_cp2hp(x_cp, cu_seqlens_padded, sections, group_name)
+    return _thd_cp2hp(x_cp, cu_seqlens_padded, sections, group_name, world)
 
 
 def thd_hp2cp(
@@ -252,14 +264,14 @@ def thd_hp2cp(
     section; ``sections`` are the *local* widths (global width / W).
     Returns this rank's THD shard ``[T/W, ..., F]`` with the sections whole again.
     Differentiable; the gradient is :func:`thd_cp2hp`.
-    Also ``torch.ops.cp_ops.thd_hp2cp(y_hp, cu_seqlens_padded, sections, group_name)``.
+    Also ``torch.ops.cp_ops.thd_hp2cp(y_hp, cu_seqlens_padded, sections, group_name, cp_size)``.
     """
     group_name, world = resolve_group(group)
     sections = [int(s) for s in sections]
     if group_name is None:
         _check_hp2cp(y_hp, cu_seqlens_padded, sections, world)
         return custom_ops.unpermute_sections(y_hp, sections, 1)
-    return _thd_hp2cp(y_hp, cu_seqlens_padded, sections, group_name)
+    return _thd_hp2cp(y_hp, cu_seqlens_padded, sections, group_name, world)
 
 
 # --- single-process references (test oracles) ----------------------------------------------------
