@@ -7,9 +7,14 @@ Notation (see reference.py): segment s has query rows ``q_start + a`` at positio
 
 Work is cut into tiles per segment (query tiles of BLOCK_M rows for the forward
 and dq, key tiles of BLOCK_N rows for dk/dv). The launcher computes, on the
-device, the inclusive cumulative tile count per segment; a program maps its tile
-index to (segment, tile within it) by binary search, so grids depend on shapes
-only. For each tile the visible range of the other side is computed from the
+device, the inclusive cumulative tile count per segment, so grids depend on shapes
+only. The forward and dq programs (one per query tile of the grid) read their
+segment from a tile -> segment table the launcher also builds on the device
+(``torch.searchsorted``); a binary-search loop in the kernel instead stops
+Triton's software pipeliner from pipelining the key loops that follow it (no
+async copies in the TTGIR, checked for sm_90 with triton 3.7), which costs the
+forward most of its speed. The dk/dv programs stride over a work list longer than
+their grid and keep the in-kernel search; their loops pipeline either way. For each tile the visible range of the other side is computed from the
 mask bounds; tiles entirely inside the mask run without the elementwise mask,
 only the boundary tiles apply it.
 """
@@ -24,10 +29,11 @@ from custom_ops._triton_utils import search_sorted_right
 # entry whose key is >= BLOCK_D is used.
 CONFIGS = {
     # D = 64 and 128: the best of benchmarks/bench_varlen_attention.py --tune on one H100
-    # (torch 2.11, triton 3.7.1, 2026-11-22); K_ROWS picks how the forward loads K tiles.
+    # (torch 2.11, triton 3.7.1, 2026-11-22, after the tile -> segment table made the key
+    # loops pipeline); K_ROWS picks how the forward loads K tiles.
     "fwd": {
         64: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, K_ROWS=False),
-        128: dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2, K_ROWS=False),
+        128: dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, K_ROWS=True),
         256: dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2, K_ROWS=False),
     },
     "bwd_dkdv": {
@@ -36,8 +42,8 @@ CONFIGS = {
         256: dict(BLOCK_M=32, BLOCK_N=64, num_warps=8, num_stages=1),
     },
     "bwd_dq": {
-        64: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
-        128: dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2),
+        64: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
+        128: dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=4),
         256: dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=1),
     },
     "bwd_pre": {
@@ -75,6 +81,21 @@ def _tile_owner(cum_ptr, n_seg, tile):
     s = tl.sum(below, axis=0) + 1  # number of cum entries <= tile
     first = tl.load(cum_ptr + s - 1, mask=s > 0, other=0)
     return s, tile - first
+
+
+@triton.jit
+def _tile_owner_from_table(owner_ptr, cum_ptr, n_seg, tile):
+    """(s, j) from ``owner[tile]`` (the number of ``cum`` entries <= tile, built by the
+    launcher): two loads and no loop, so the loops after it pipeline.
+
+    Unlike :func:`_tile_owner`, a segment's tiles are handed out last first (the
+    segment's first program gets its last query tile): under a causal mask the last
+    tiles see the most keys, and starting the longest work first shortens the tail
+    of the launch.
+    """
+    s = tl.load(owner_ptr + tile)
+    last = tl.load(cum_ptr + s, mask=s < n_seg, other=0) - 1  # the segment's last tile index
+    return s, last - tile
 
 
 @triton.jit
@@ -161,17 +182,19 @@ def _fwd_inner(
             v = tl.load(v_ptrs, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
         if K_ROWS:
             kt = tl.trans(kt)
-        x = tl.dot(q, kt) * qk_scale
+        # raw scores; the scale is applied once per row to the max and fused into the
+        # exponent's argument (one FMA per score instead of a multiply and a subtract)
+        x = tl.dot(q, kt)
         if MASK:
             x = tl.where(_visible(pos[:, None], b[None, :], k_len, left, right, CAUSAL), x, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(x, 1))
+        m_new = tl.maximum(m_i, tl.max(x, 1) * qk_scale)
         if MASK:
             # a row that has seen no visible key yet keeps m = -inf; shift by 0 instead
             # so exp2 never evaluates (-inf) - (-inf)
             m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
             m_new_safe = m_new
-        p = tl.math.exp2(x - m_new_safe[:, None])
+        p = tl.math.exp2(x * qk_scale - m_new_safe[:, None])
         alpha = tl.math.exp2(m_i - m_new_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
@@ -192,6 +215,7 @@ def varlen_attn_fwd_kernel(
     k_start_ptr,
     k_len_ptr,
     tile_cum_ptr,  # inclusive cumsum of cdiv(q_len, BLOCK_M)
+    tile_owner_ptr,  # [grid]: the segment of each query tile (n_seg past the last)
     n_seg,
     stride_qt,
     stride_qh,
@@ -221,7 +245,7 @@ def varlen_attn_fwd_kernel(
     """
     tile = tl.program_id(0)
     h = tl.program_id(1)
-    s, j = _tile_owner(tile_cum_ptr, n_seg, tile)
+    s, j = _tile_owner_from_table(tile_owner_ptr, tile_cum_ptr, n_seg, tile)
     if s >= n_seg:
         return
     q_start = tl.load(q_start_ptr + s)
@@ -371,6 +395,7 @@ def varlen_attn_bwd_dq_kernel(
     k_start_ptr,
     k_len_ptr,
     tile_cum_ptr,  # inclusive cumsum of cdiv(q_len, BLOCK_M)
+    tile_owner_ptr,  # [grid]: the segment of each query tile (n_seg past the last)
     n_seg,
     stride_qt,
     stride_qh,
@@ -398,7 +423,7 @@ def varlen_attn_bwd_dq_kernel(
     P recomputed from the saved lse, over the same key phases as the forward."""
     tile = tl.program_id(0)
     h = tl.program_id(1)
-    s, j = _tile_owner(tile_cum_ptr, n_seg, tile)
+    s, j = _tile_owner_from_table(tile_owner_ptr, tile_cum_ptr, n_seg, tile)
     if s >= n_seg:
         return
     q_start = tl.load(q_start_ptr + s)

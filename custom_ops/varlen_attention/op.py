@@ -100,6 +100,16 @@ def _tile_cumsum(lengths: torch.Tensor, block: int, gate: torch.Tensor | None = 
     return torch.cumsum(tiles, 0, dtype=torch.int32)
 
 
+def _tile_table(lengths: torch.Tensor, block: int, num_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cum, owner)`` for a grid of ``num_tiles`` programs over ``block``-row tiles:
+    ``cum`` as :func:`_tile_cumsum`, ``owner[t]`` = the segment that owns tile t (the
+    number of ``cum`` entries <= t; ``len(lengths)`` past the last tile). On the device,
+    sized from shapes only."""
+    cum = _tile_cumsum(lengths, block)
+    tiles = torch.arange(num_tiles, dtype=torch.int32, device=lengths.device)
+    return cum, torch.searchsorted(cum, tiles, right=True, out_int32=True)
+
+
 def _block_d(head_dim) -> int:
     """The power-of-two head-dim tile (>= 16). Plain comparisons, so a symbolic
     head_dim under torch.compile specialises instead of failing."""
@@ -122,11 +132,11 @@ def _forward_kernel(q, k, v, seg, causal, left, right, scale):
     qs, ql, qp, ks, kl = _segments(*seg, tq, k.shape[0])
     block_d = _block_d(d)
     cfg = kernel_config("fwd", block_d, triton_interpreting())
-    cum = _tile_cumsum(ql, cfg["BLOCK_M"])
     grid = (triton.cdiv(tq, cfg["BLOCK_M"]) + n_seg, hq)
+    cum, owner = _tile_table(ql, cfg["BLOCK_M"], grid[0])
     wrap_triton(varlen_attn_fwd_kernel)[grid](
         q, k, v, out, lse,
-        qs, ql, qp, ks, kl, cum, n_seg,
+        qs, ql, qp, ks, kl, cum, owner, n_seg,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), lse.stride(0),
         hq // hkv, scale * _LOG2E, left, right,
@@ -160,10 +170,11 @@ def _backward_kernel(dout, dlse, q, k, v, out, lse, seg, causal, left, right, sc
     )  # fmt: skip
 
     cfg = kernel_config("bwd_dq", block_d, interpreting)
-    cum = _tile_cumsum(ql, cfg["BLOCK_M"])
-    wrap_triton(varlen_attn_bwd_dq_kernel)[(triton.cdiv(tq, cfg["BLOCK_M"]) + n_seg, hq)](
+    grid = (triton.cdiv(tq, cfg["BLOCK_M"]) + n_seg, hq)
+    cum, owner = _tile_table(ql, cfg["BLOCK_M"], grid[0])
+    wrap_triton(varlen_attn_bwd_dq_kernel)[grid](
         q, k, v, dout, lse, delta, dq,
-        qs, ql, qp, ks, kl, cum, n_seg,
+        qs, ql, qp, ks, kl, cum, owner, n_seg,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), lse.stride(0),
         hq // hkv, scale, scale * _LOG2E, left, right,
