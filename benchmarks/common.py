@@ -1,11 +1,13 @@
-"""Shared pieces of the GPU benchmarks: timing, environment header, table formatting."""
+"""Shared pieces of the GPU benchmarks: timing, spawning ranks, environment header, table formatting."""
 
 from __future__ import annotations
 
 import datetime
+import os
 import platform
 import socket
 import statistics
+import time
 
 import torch
 import triton
@@ -16,17 +18,26 @@ def median_ms(fn, warmup_ms: int = 50, rep_ms: int = 300) -> float:
     return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 
-def median_ms_counted(fn, warmup: int = 5, runs: int = 30) -> float:
-    """Median of exactly ``runs`` CUDA-event timings of ``fn()`` after ``warmup`` calls.
+def median_ms_counted(fn, warmup: int = 5, runs: int = 30, device: torch.device | str = "cuda") -> float:
+    """Median of exactly ``runs`` timings of ``fn()`` in ms, after ``warmup`` calls.
 
     For code with collectives: every rank must call ``fn`` the same number of times,
-    which a time-budgeted loop (do_bench) does not promise.
+    which a time-budgeted loop (do_bench) does not promise. On CUDA each run is timed
+    with CUDA events; on the CPU (the gloo smoke runs) with the wall clock, the work
+    being synchronous there.
     """
+    cuda = torch.device(device).type == "cuda"
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
+    if cuda:
+        torch.cuda.synchronize()
     times = []
     for _ in range(runs):
+        if not cuda:
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+            continue
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
@@ -40,7 +51,8 @@ def max_over_ranks(value: float) -> float:
     """The largest ``value`` over the default process group (a step is as slow as its slowest rank)."""
     import torch.distributed as dist
 
-    t = torch.tensor([value], device="cuda", dtype=torch.float64)
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor([value], device=device, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t.item())
 
@@ -51,13 +63,62 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def environment() -> str:
-    """One line naming the device, software versions and date, for the head of every table."""
-    dev = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
-    return (
+def default_world() -> int:
+    """The CP size a multi-rank benchmark uses unless told: every visible GPU, at least 2."""
+    return max(2, torch.cuda.device_count())
+
+
+def init_rank(rank: int, world: int, port: int, device: str) -> torch.device:
+    """Join a ``world``-rank group in a spawned benchmark worker: NCCL with rank r on GPU r
+    (``device="cuda"``), or gloo on the CPU (``device="cpu"``, the smoke runs). Returns the
+    device this rank computes on."""
+    import torch.distributed as dist
+
+    # NVLink multicast stays off on shared hosts
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+        dev = torch.device("cuda", rank)
+        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=dev)
+        return dev
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    return torch.device("cpu")
+
+
+def spawn_ranks(worker, world: int, *args, device: str = "cuda") -> None:
+    """Run ``worker(rank, world, port, *args)`` in ``world`` processes and wait for all.
+
+    ``device="cuda"`` needs ``world`` visible GPUs (one per rank, NCCL); ``"cpu"`` runs gloo.
+    """
+    if device == "cuda" and torch.cuda.device_count() < world:
+        raise SystemExit(f"needs {world} GPUs, found {torch.cuda.device_count()}")
+    if world < 2:
+        raise SystemExit(f"a multi-rank run needs at least 2 ranks, got {world}")
+    # set here as well so the spawned workers inherit them before any NCCL initialisation
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    torch.multiprocessing.spawn(worker, args=(world, free_port(), *args), nprocs=world, join=True)
+
+
+def environment(world: int | None = None) -> str:
+    """One line naming the device, software versions and date, for the head of every table;
+    with ``world``, also the number of ranks and of visible GPUs."""
+    cuda = torch.cuda.is_available()
+    dev = torch.cuda.get_device_name() if cuda else platform.processor() or "cpu"
+    line = (
         f"{dev}, torch {torch.__version__}, triton {triton.__version__}, "
         f"CUDA {torch.version.cuda}, {datetime.date.today().isoformat()}"
     )
+    if world is not None:
+        import torch.distributed as dist
+
+        backend = dist.get_backend() if dist.is_initialized() else ("nccl" if cuda else "gloo")
+        line += f"; W = {world} ranks ({backend.upper()}), {torch.cuda.device_count()} GPU(s) visible"
+    return line
 
 
 def markdown_table(header: list[str], rows: list[list]) -> str:
