@@ -1,24 +1,27 @@
-"""CP <-> head-parallel conversion on 2 GPUs (NCCL): the fused one-all-to-all ops against the
+"""CP <-> head-parallel conversion on W GPUs (NCCL): the fused one-all-to-all ops against the
 per-sequence, per-section scheme and against a bare all-to-all of the same bytes.
 
-For each shape (Qwen3-Next GDN in_proj sections, bf16, W = 2):
-  bare     dist.all_to_all_single on an already-contiguous [T, F/W] send buffer: the floor
-  cp2hp    cp_ops.thd_cp2hp (section permutation fused into the send buffer, one
-           all-to-all, rank -> sequence order on the receive side)
-  hp2cp    cp_ops.thd_hp2cp, the inverse
-  per-seq  one all-to-all per sequence and per section, eager (cp2hp_per_sequence below)
-Each time is the median over many runs after warm-up, timed with CUDA events, and the
-maximum of that median over the ranks (the slower rank sets the pace).
+For each shape (Qwen3-Next GDN in_proj sections, bf16):
+  bare           dist.all_to_all_single on an already-contiguous [T, F/W] send buffer: the floor
+  cp2hp          cp_ops.thd_cp2hp (section permutation fused into the send buffer, one
+                 all-to-all, rank -> sequence order on the receive side)
+  hp2cp          cp_ops.thd_hp2cp, the inverse
+  per-seq cp2hp  one all-to-all per sequence and per section, eager (cp2hp_per_sequence below)
+  per-seq hp2cp  its inverse, the same way (hp2cp_per_sequence below)
+Each time is the median over a fixed number of runs after warm-up, timed with CUDA events,
+and the maximum of that median over the ranks (the slower rank sets the pace).
 
-    python benchmarks/bench_cp2hp.py
+    python benchmarks/bench_cp2hp.py [--world W] [--out FILE]
+    python benchmarks/bench_cp2hp.py --smoke       # 2 gloo ranks on the CPU, tiny shapes
 
-spawns one process per GPU itself (2 GPUs) and prints a markdown table; it writes no files.
+spawns one process per GPU itself (W GPUs, default every visible GPU, at least 2), prints a
+markdown table and, with --out, writes it to FILE as well. W must divide every section.
+``--smoke`` runs the same code path (checks included) on the CPU, with wall-clock timing.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import sys
 
@@ -28,12 +31,21 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import cp_ops  # noqa: E402
-from benchmarks.common import free_port, max_over_ranks, median_ms_counted  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    default_world,
+    environment,
+    init_rank,
+    max_over_ranks,
+    median_ms_counted,
+    spawn_ranks,
+)
 from cp_ops import pad_cu_seqlens  # noqa: E402
 
 SECTIONS = [2048, 2048, 4096, 4096, 32, 32]  # Qwen3-Next GDN: q, k, v, z, b, a
 SHAPES = [(32768, 8), (32768, 64), (131072, 128)]  # (T, number of sequences)
-WORLD = 2
+# --smoke: the same code path on 2 gloo ranks, at sizes a CPU runs in seconds
+SMOKE_SECTIONS = [16, 16, 32, 32, 4, 4]
+SMOKE_SHAPES = [(256, 4), (512, 8)]
 
 
 def cp2hp_per_sequence(x_cp: torch.Tensor, cu_seqlens_padded: torch.Tensor, sections, group) -> torch.Tensor:
@@ -72,61 +84,98 @@ def cp2hp_per_sequence(x_cp: torch.Tensor, cu_seqlens_padded: torch.Tensor, sect
     return torch.cat(seqs)
 
 
+def hp2cp_per_sequence(y_hp: torch.Tensor, cu_seqlens_padded: torch.Tensor, sections, group) -> torch.Tensor:
+    """The baseline inverse: ``thd_hp2cp`` with one all-to-all per sequence and per section (eager).
+
+    ``y_hp [T, ..., F/W]`` in sequence order holds this rank's slice of every section;
+    ``sections`` are the local widths. For each sequence i (global rows ``[cup[i], cup[i+1])``,
+    chunks of c rows) and each section: block d of the send buffer is the section's columns
+    of chunks d and 2W-1-d (rank d's local rows); after the all-to-all, block s holds rank
+    s's slice of the section for this rank's two chunks, and the W slices side by side are
+    the whole section. Reads the layout on the host (``.tolist()``).
+    Returns what ``thd_hp2cp`` returns: this rank's shard ``[T/W, ..., W*sum(sections)]``.
+    """
+    world = group.size()
+    cup = cu_seqlens_padded.tolist()
+    offsets = [sum(sections[:b]) for b in range(len(sections))]
+    seqs = []
+    for i in range(len(cup) - 1):
+        c = (cup[i + 1] - cup[i]) // (2 * world)
+        if c == 0:
+            continue
+        chunks = y_hp[cup[i] : cup[i + 1]].unflatten(0, (2 * world, c))  # [2W, c, ..., F/W]
+        parts = []
+        for off, local in zip(offsets, sections):
+            if local == 0:  # nothing to exchange for an empty section
+                parts.append(y_hp.new_empty((2 * c,) + tuple(y_hp.shape[1:-1]) + (0,)))
+                continue
+            cols = chunks[..., off : off + local]
+            send = torch.stack([torch.cat([cols[d], cols[2 * world - 1 - d]]) for d in range(world)])
+            recv = torch.empty_like(send)  # [W, 2c, ..., local]: recv[s] = rank s's slice of my rows
+            dist.all_to_all_single(recv, send, group=group)
+            parts.append(recv.movedim(0, -2).flatten(-2))  # [2c, ..., W*local], rank 0's slice first
+        seqs.append(torch.cat(parts, dim=-1))
+    if not seqs:
+        return y_hp.new_empty((y_hp.shape[0] // world,) + tuple(y_hp.shape[1:-1]) + (y_hp.shape[-1] * world,))
+    return torch.cat(seqs)
 
 
-
-
-def _timed(fn, warmup: int = 5, runs: int = 30) -> float:
-    return median_ms_counted(fn, warmup, runs)
-
-
-def _worker(rank: int, world: int, port: int, out: str | None) -> None:
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+def _worker(rank: int, world: int, port: int, out: str | None, smoke: bool) -> None:
+    device = init_rank(rank, world, port, "cpu" if smoke else "cuda")
     group = dist.group.WORLD
+    sections, shapes = (SMOKE_SECTIONS, SMOKE_SHAPES) if smoke else (SECTIONS, SHAPES)
+    warmup, runs, seq_warmup, seq_runs = (1, 3, 1, 2) if smoke else (5, 30, 2, 10)
+
+    def timed(fn, per_sequence=False):
+        if per_sequence:
+            return max_over_ranks(median_ms_counted(fn, seq_warmup, seq_runs, device))
+        return max_over_ranks(median_ms_counted(fn, warmup, runs, device))
+
     rows = []
     try:
-        features = sum(SECTIONS)
-        local_sections = [s // world for s in SECTIONS]
-        for total, num_seqs in SHAPES:
-            _, cup = pad_cu_seqlens([total // num_seqs] * num_seqs, world, device="cuda")
-            gen = torch.Generator(device="cuda").manual_seed(rank)
-            x_cp = torch.randn(total // world, features, device="cuda", generator=gen).to(torch.bfloat16)
-            flat = torch.randn(total, features // world, device="cuda", generator=gen).to(torch.bfloat16)
+        features = sum(sections)
+        local_sections = [s // world for s in sections]
+        for total, num_seqs in shapes:
+            _, cup = pad_cu_seqlens([total // num_seqs] * num_seqs, world, device=device)
+            rows_global = int(cup[-1])
+            gen = torch.Generator(device=device).manual_seed(rank)
+            x_cp = torch.randn(rows_global // world, features, device=device, generator=gen).to(torch.bfloat16)
+            flat = torch.randn(rows_global, features // world, device=device, generator=gen).to(torch.bfloat16)
             flat_out = torch.empty_like(flat)
 
-            x_hp = cp_ops.thd_cp2hp(x_cp, cup, SECTIONS, group)
-            if not torch.equal(cp2hp_per_sequence(x_cp, cup, SECTIONS, group), x_hp):
+            x_hp = cp_ops.thd_cp2hp(x_cp, cup, sections, group)
+            if not torch.equal(cp2hp_per_sequence(x_cp, cup, sections, group), x_hp):
                 raise AssertionError(f"per-sequence baseline and thd_cp2hp disagree at T={total}, B={num_seqs}")
             if not torch.equal(cp_ops.thd_hp2cp(x_hp, cup, local_sections, group), x_cp):
                 raise AssertionError(f"thd_hp2cp(thd_cp2hp(x)) != x at T={total}, B={num_seqs}")
+            if not torch.equal(hp2cp_per_sequence(x_hp, cup, local_sections, group), x_cp):
+                raise AssertionError(f"per-sequence hp2cp and thd_hp2cp disagree at T={total}, B={num_seqs}")
 
-            t_bare = max_over_ranks(_timed(lambda: dist.all_to_all_single(flat_out, flat, group=group)))
-            t_cp2hp = max_over_ranks(_timed(lambda: cp_ops.thd_cp2hp(x_cp, cup, SECTIONS, group)))
-            t_hp2cp = max_over_ranks(_timed(lambda: cp_ops.thd_hp2cp(x_hp, cup, local_sections, group)))
-            t_seq = max_over_ranks(
-                _timed(lambda: cp2hp_per_sequence(x_cp, cup, SECTIONS, group), warmup=2, runs=10)
-            )
+            t_bare = timed(lambda: dist.all_to_all_single(flat_out, flat, group=group))
+            t_cp2hp = timed(lambda: cp_ops.thd_cp2hp(x_cp, cup, sections, group))
+            t_hp2cp = timed(lambda: cp_ops.thd_hp2cp(x_hp, cup, local_sections, group))
+            t_seq = timed(lambda: cp2hp_per_sequence(x_cp, cup, sections, group), per_sequence=True)
+            t_seq_back = timed(lambda: hp2cp_per_sequence(x_hp, cup, local_sections, group), per_sequence=True)
             mb = x_cp.numel() * x_cp.element_size() / 2**20
-            rows.append((total, num_seqs, mb, t_bare, t_cp2hp, t_hp2cp, t_seq, t_cp2hp / t_bare, t_seq / t_cp2hp))
+            rows.append((total, num_seqs, mb, t_bare, t_cp2hp, t_hp2cp, t_seq, t_seq_back, t_cp2hp / t_bare,
+                         t_seq / t_cp2hp))  # fmt: skip
             del x_cp, flat, flat_out, x_hp
-            torch.cuda.empty_cache()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
         if rank == 0:
-            import triton
-
             lines = [
-                f"{torch.cuda.get_device_name()} x {world}, torch {torch.__version__}, triton {triton.__version__}, "
-                f"CUDA {torch.version.cuda}, {datetime.date.today().isoformat()}",
-                f"sections {SECTIONS} bf16, equal-length sequences; times in ms (median, max over ranks)\n",
-                "| T | seqs | MiB/rank | bare a2a | cp2hp | hp2cp | per-seq | cp2hp / bare | per-seq / cp2hp |",
-                "|---|---|---|---|---|---|---|---|---|",
+                environment(world),
+                f"sections {sections} bf16, equal-length sequences; times in ms (median of {runs} runs, "
+                f"{seq_runs} for per-seq; max over ranks)\n",
+                "| T | seqs | MiB/rank | bare a2a | cp2hp | hp2cp | per-seq cp2hp | per-seq hp2cp | cp2hp / bare "
+                "| per-seq / cp2hp |",
+                "|---|---|---|---|---|---|---|---|---|---|",
             ]
-            lines += ["| {} | {} | {:.0f} | {:.3f} | {:.3f} | {:.3f} | {:.3f} | {:.2f} | {:.1f} |".format(*r) for r in rows]
-            print("\n".join(lines))
+            lines += [
+                "| {} | {} | {:.0f} | {:.3f} | {:.3f} | {:.3f} | {:.3f} | {:.3f} | {:.2f} | {:.1f} |".format(*r)
+                for r in rows
+            ]
+            print("\n".join(lines), flush=True)
             if out:
                 with open(out, "w") as f:
                     f.write("\n".join(lines) + "\n")
@@ -134,18 +183,19 @@ def _worker(rank: int, world: int, port: int, out: str | None) -> None:
         dist.destroy_process_group()
 
 
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--world", type=int, default=None, help="ranks, one GPU each (default: every visible GPU, at least 2)"
+    )
+    parser.add_argument("--smoke", action="store_true", help="2 gloo ranks on the CPU, tiny shapes, few runs")
     parser.add_argument("--out", help="also write the table to this markdown file")
     args = parser.parse_args()
-    if torch.cuda.device_count() < WORLD:
-        raise SystemExit(f"needs {WORLD} GPUs, found {torch.cuda.device_count()}")
-    # set here as well so the spawned workers inherit them before any NCCL initialisation
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    torch.multiprocessing.spawn(_worker, args=(WORLD, free_port(), args.out), nprocs=WORLD, join=True)
+    world = args.world or (2 if args.smoke else default_world())
+    bad = [s for s in (SMOKE_SECTIONS if args.smoke else SECTIONS) if s % world]
+    if bad:
+        raise SystemExit(f"--world {world} must divide every section width, not {bad}")
+    spawn_ranks(_worker, world, args.out, args.smoke, device="cpu" if args.smoke else "cuda")
 
 
 if __name__ == "__main__":
