@@ -1,27 +1,74 @@
-"""GatedDeltaNet on one GPU at Qwen3-Next-80B shapes: layer eager vs compiled, core op, breakdown.
+"""GatedDeltaNet at Qwen3-Next-80B shapes: on one GPU (layer eager vs compiled, core op, breakdown)
+and, with --cp W, context-parallel on W GPUs against one GPU and against the per-sequence all-to-all.
 
-    PYTHONPATH=. python benchmarks/bench_gdn.py    # from the repo root (or after pip install -e .)
+    PYTHONPATH=. python benchmarks/bench_gdn.py                         # one GPU
     PYTHONPATH=. python benchmarks/bench_gdn.py --tokens 32768 --seqs 8
+    PYTHONPATH=. python benchmarks/bench_gdn.py --cp 8 --out gdn_cp.md   # spawns 8 NCCL ranks
+    PYTHONPATH=. python benchmarks/bench_gdn.py --cp 2 --smoke           # 2 gloo ranks on the CPU
 
-Shapes: hidden 2048, Hk 16, Hv 32, dk = dv = 128, conv kernel 4, bf16. Sequence
-lengths are random around T/B (a fixed seed) and sum to T. Times are medians of
-``triton.testing.do_bench`` in ms; "fwd+bwd" runs forward and backward of
-``out.sum()``-style losses with a fixed upstream gradient. Prints a markdown table.
+Shapes: hidden 2048, Hk 16, Hv 32, dk = dv = 128, conv kernel 4, bf16; T = 32768 and
+65536 tokens with 8 and 64 sequences unless told. Sequence lengths are random around
+T/B (a fixed seed) and sum to T; each is padded to whole CP chunks (2W rows, 2 on one
+GPU). "fwd+bwd" runs forward and backward with a fixed upstream gradient.
+
+One GPU: times are medians of ``triton.testing.do_bench`` in ms; prints a markdown table.
+
+``--cp W`` (W ranks, one GPU each, NCCL; W must divide Hk), per shape:
+
+  check      the CP layer's output on each rank's shard (eager, compiled, and eager with the
+             per-sequence all-to-alls) against the layer on one device over the whole batch
+             (each rank runs it eagerly), rel_error on real tokens; printed, max over ranks
+  1 GPU      the same layer, compiled and eager, fwd+bwd on the whole global batch with
+             group=None, timed on rank 0 while the other ranks wait
+  W GPUs     the CP layer fwd+bwd on each rank's shard, compiled and eager
+  per-seq    the eager CP layer with thd_cp2hp / thd_hp2cp swapped for the per-sequence,
+             per-section all-to-alls of bench_cp2hp (cp2hp_per_sequence, hp2cp_per_sequence);
+             they read the layout on the host, so they cannot compile: compare with the
+             eager CP layer
+  breakdown  one rank's step in pieces, fwd+bwd each: in_proj and out_proj on the local
+             rows; cp2hp and hp2cp (fused and per-sequence); conv, core and gated norm on
+             all rows for 1/W of the heads
+
+Multi-rank times are medians of a fixed number of runs (CUDA events; the same count on
+every rank, since the ranks meet in every all-to-all), max over ranks. Scaling efficiency
+= T_1 / (W * T_W). If a CP output is off by more than 5e-3 the table is still printed,
+then the run fails. ``--smoke`` runs the multi-rank path on 2 gloo ranks on the CPU with a
+tiny layer in float32 and wall-clock timing (checks and compile included).
+
+The per-sequence layer works by swapping ``cp_ops.gdn.thd_cp2hp`` / ``thd_hp2cp`` (the
+names the layer calls at run time) inside :func:`per_sequence_all_to_all`.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import math
+import os
+import sys
 
 import torch
+import torch.distributed as dist
 import triton
 from triton.testing import do_bench
 
-import custom_ops
-from cp_ops import GatedDeltaNet, pad_cu_seqlens
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import custom_ops  # noqa: E402
+import cp_ops.gdn as gdn_module  # noqa: E402
+from benchmarks.bench_cp2hp import cp2hp_per_sequence, hp2cp_per_sequence  # noqa: E402
+from benchmarks.common import environment, init_rank, max_over_ranks, median_ms_counted, spawn_ranks  # noqa: E402
+from cp_ops import GatedDeltaNet, pad_cu_seqlens, shard_thd, thd_cp2hp, thd_hp2cp  # noqa: E402
+from custom_ops.testing import rel_error  # noqa: E402
+from custom_ops.thd_copy_valid_tokens.reference import valid_token_mask  # noqa: E402
 
 HIDDEN, HK, HV, DK, DV = 2048, 16, 32, 128, 128
+TOKENS, SEQS = (32768, 65536), (8, 64)
+# --smoke: a tiny layer in float32 on the CPU; two packings, so the compiled layer meets a second shape
+SMOKE_DIMS = (32, 2, 4, 16, 16)
+SMOKE_TOKENS, SMOKE_SEQS = (192,), (2, 5)
+CP_TOLERANCE = 5e-3  # bf16 CP vs one device, as the GPU tests (Megatron-LM's CP tolerance)
 
 
 def _lengths(total: int, num_seqs: int, generator: torch.Generator) -> list[int]:
@@ -41,6 +88,58 @@ def _fwd_bwd(fn, inputs, grad):
     return run
 
 
+def piece_steps(layer: GatedDeltaNet, x: torch.Tensor, cup: torch.Tensor, world: int = 1) -> dict:
+    """Closures running the compute pieces of one rank's layer step (``world`` ranks; 1 = one GPU).
+
+    in_proj and out_proj on x's rows (``[T/W, hidden]``); conv, core and gated norm on all
+    ``T = W * x.shape[0]`` rows for 1/W of the heads (what a rank of the CP layer runs), on
+    random inputs of those shapes. fwd+bwd each, except "core fwd".
+    """
+    dev, dtype = x.device, x.dtype
+    local_rows, rows = x.shape[0], x.shape[0] * world
+    hk, hv = layer.num_k_heads // world, layer.num_v_heads // world
+    dk, dv = layer.head_k_dim, layer.head_v_dim
+    conv_w = 2 * hk * dk + hv * dv
+
+    def randn(*shape, dt=dtype):
+        return torch.randn(*shape, device=dev, dtype=dt)
+
+    with torch.no_grad():
+        proj = layer.in_proj(x)
+    # the conv reads a column slice of the head-parallel projection, as in the layer
+    proj_hp = randn(rows, sum(layer.sections(world))).requires_grad_()
+    weight = layer.conv1d.weight[:conv_w, 0, :].detach().contiguous().requires_grad_()
+    q = torch.nn.functional.normalize(randn(rows, hk, dk), dim=-1).requires_grad_()
+    k = torch.nn.functional.normalize(randn(rows, hk, dk), dim=-1).requires_grad_()
+    v = randn(rows, hv, dv).requires_grad_()
+    g = torch.nn.functional.logsigmoid(randn(rows, hv, dt=torch.float32) + 3).requires_grad_()
+    beta = torch.rand(rows, hv, device=dev).requires_grad_()
+    o_grad = randn(rows, hv, dv)
+    z = randn(rows, hv, dv).requires_grad_()
+    o_in = randn(rows, hv, dv).requires_grad_()
+    core_in = randn(local_rows, layer.value_dim).requires_grad_()
+    norm_c = torch.compile(layer.norm, fullgraph=True, dynamic=True)
+
+    def core():
+        return custom_ops.chunk_gated_delta_rule(q, k, v, g, beta, cup)
+
+    return {
+        "in_proj fwd+bwd": _fwd_bwd(lambda: layer.in_proj(x), [x, layer.in_proj.weight], torch.randn_like(proj)),
+        "conv fwd+bwd": _fwd_bwd(
+            lambda: custom_ops.causal_conv1d(proj_hp[:, :conv_w], weight, None, cup, "silu"),
+            [proj_hp, weight],
+            randn(rows, conv_w),
+        ),
+        "core fwd": core,
+        "core fwd+bwd": _fwd_bwd(core, [q, k, v, g, beta], o_grad),
+        "gated norm fwd+bwd eager": _fwd_bwd(lambda: layer.norm(o_in, z), [o_in, z], o_grad),
+        "gated norm fwd+bwd compiled": _fwd_bwd(lambda: norm_c(o_in, z), [o_in, z], o_grad),
+        "out_proj fwd+bwd": _fwd_bwd(
+            lambda: layer.out_proj(core_in), [core_in, layer.out_proj.weight], randn(local_rows, layer.hidden_size)
+        ),
+    }
+
+
 def bench_case(layer, tokens: int, num_seqs: int) -> dict[str, float]:
     gen = torch.Generator().manual_seed(tokens + num_seqs)
     _, cup = pad_cu_seqlens(_lengths(tokens, num_seqs, gen), 1, device="cuda")
@@ -55,58 +154,315 @@ def bench_case(layer, tokens: int, num_seqs: int) -> dict[str, float]:
     res["layer fwd+bwd eager"] = do_bench(_fwd_bwd(lambda: layer(x, cup), [x] + params, grad))
     res["layer fwd compiled"] = do_bench(lambda: compiled(x, cup))
     res["layer fwd+bwd compiled"] = do_bench(_fwd_bwd(lambda: compiled(x, cup), [x] + params, grad))
-
-    # the pieces, on the tensors the layer produces (fwd+bwd each)
-    with torch.no_grad():
-        proj = layer.in_proj(x)
-    proj = proj.detach().requires_grad_()
-    conv_w = 2 * HK * DK + HV * DV
-    weight = layer.conv1d.weight[:, 0, :].detach().contiguous().requires_grad_()
-    q = torch.nn.functional.normalize(torch.randn(tokens, HK, DK, device=dev, dtype=bf16), dim=-1).requires_grad_()
-    k = torch.nn.functional.normalize(torch.randn(tokens, HK, DK, device=dev, dtype=bf16), dim=-1).requires_grad_()
-    v = torch.randn(tokens, HV, DV, device=dev, dtype=bf16, requires_grad=True)
-    g = torch.nn.functional.logsigmoid(torch.randn(tokens, HV, device=dev) + 3).requires_grad_()
-    beta = torch.rand(tokens, HV, device=dev).requires_grad_()
-    o_grad = torch.randn(tokens, HV, DV, device=dev, dtype=bf16)
-    z = torch.randn(tokens, HV, DV, device=dev, dtype=bf16, requires_grad=True)
-    o_in = torch.randn(tokens, HV, DV, device=dev, dtype=bf16, requires_grad=True)
-    core_in = torch.randn(tokens, HV * DV, device=dev, dtype=bf16, requires_grad=True)
-
-    res["in_proj fwd+bwd"] = do_bench(
-        _fwd_bwd(lambda: layer.in_proj(x), [x, layer.in_proj.weight], torch.randn_like(proj))
-    )
-    res["conv fwd+bwd"] = do_bench(
-        _fwd_bwd(
-            lambda: custom_ops.causal_conv1d(proj[:, :conv_w], weight, None, cup, "silu"),
-            [proj, weight],
-            torch.randn(tokens, conv_w, device=dev, dtype=bf16),
-        )
-    )
-    res["core fwd"] = do_bench(lambda: custom_ops.chunk_gated_delta_rule(q, k, v, g, beta, cup))
-    res["core fwd+bwd"] = do_bench(
-        _fwd_bwd(lambda: custom_ops.chunk_gated_delta_rule(q, k, v, g, beta, cup), [q, k, v, g, beta], o_grad)
-    )
-    res["gated norm fwd+bwd eager"] = do_bench(_fwd_bwd(lambda: layer.norm(o_in, z), [o_in, z], o_grad))
-    norm_c = torch.compile(layer.norm, fullgraph=True, dynamic=True)
-    res["gated norm fwd+bwd compiled"] = do_bench(_fwd_bwd(lambda: norm_c(o_in, z), [o_in, z], o_grad))
-    res["out_proj fwd+bwd"] = do_bench(_fwd_bwd(lambda: layer.out_proj(core_in), [core_in, layer.out_proj.weight], grad))
+    # the pieces (fwd+bwd each)
+    for name, fn in piece_steps(layer, x, cup).items():
+        res[name] = do_bench(fn)
     return res
+
+
+# --- context parallelism: the per-sequence all-to-all baseline swapped into the layer ------------
+
+
+class _PerSequenceCp2hp(torch.autograd.Function):
+    """cp2hp_per_sequence with hp2cp_per_sequence as its gradient (the baseline's autograd)."""
+
+    @staticmethod
+    def forward(ctx, x, cu_seqlens_padded, sections, group):
+        ctx.cup, ctx.sections, ctx.group = cu_seqlens_padded, [int(s) for s in sections], group
+        return cp2hp_per_sequence(x, cu_seqlens_padded, ctx.sections, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        local = [s // ctx.group.size() for s in ctx.sections]
+        return hp2cp_per_sequence(grad.contiguous(), ctx.cup, local, ctx.group), None, None, None
+
+
+class _PerSequenceHp2cp(torch.autograd.Function):
+    """hp2cp_per_sequence with cp2hp_per_sequence as its gradient."""
+
+    @staticmethod
+    def forward(ctx, y, cu_seqlens_padded, sections, group):
+        ctx.cup, ctx.sections, ctx.group = cu_seqlens_padded, [int(s) for s in sections], group
+        return hp2cp_per_sequence(y, cu_seqlens_padded, ctx.sections, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        full = [s * ctx.group.size() for s in ctx.sections]
+        return cp2hp_per_sequence(grad.contiguous(), ctx.cup, full, ctx.group), None, None, None
+
+
+def per_sequence_cp2hp(x_cp, cu_seqlens_padded, sections, group):
+    """``thd_cp2hp``'s signature, one all-to-all per sequence and section (eager, differentiable)."""
+    return _PerSequenceCp2hp.apply(x_cp, cu_seqlens_padded, sections, group)
+
+
+def per_sequence_hp2cp(y_hp, cu_seqlens_padded, sections, group):
+    """``thd_hp2cp``'s signature, one all-to-all per sequence and section (eager, differentiable)."""
+    return _PerSequenceHp2cp.apply(y_hp, cu_seqlens_padded, sections, group)
+
+
+@contextlib.contextmanager
+def per_sequence_all_to_all():
+    """Inside, GatedDeltaNet's all-to-alls are the per-sequence baseline. Yields a one-item list
+    counting the baseline's calls, so a caller can tell that the swap took effect."""
+    calls = [0]
+
+    def cp2hp(*args):
+        calls[0] += 1
+        return per_sequence_cp2hp(*args)
+
+    def hp2cp(*args):
+        calls[0] += 1
+        return per_sequence_hp2cp(*args)
+
+    saved = gdn_module.thd_cp2hp, gdn_module.thd_hp2cp
+    gdn_module.thd_cp2hp, gdn_module.thd_hp2cp = cp2hp, hp2cp
+    try:
+        yield calls
+    finally:
+        gdn_module.thd_cp2hp, gdn_module.thd_hp2cp = saved
+
+
+def a2a_steps(layer: GatedDeltaNet, x_cp: torch.Tensor, cup: torch.Tensor, group, cp2hp, hp2cp) -> dict:
+    """fwd+bwd closures of the layer's two all-to-alls on one rank: cp2hp of the in_proj output
+    (``[T/W, F]``, six sections) and hp2cp of the core output (``[T, Hv*dv/W]``, one section)."""
+    world = group.size()
+    rows = x_cp.shape[0] * world
+    with torch.no_grad():
+        proj = layer.in_proj(x_cp).requires_grad_()
+    width = layer.value_dim // world
+    core_hp = torch.randn(rows, width, device=x_cp.device, dtype=x_cp.dtype, requires_grad=True)
+    grad_hp = torch.randn(rows, proj.shape[-1] // world, device=x_cp.device, dtype=x_cp.dtype)
+    grad_cp = torch.randn(x_cp.shape[0], layer.value_dim, device=x_cp.device, dtype=x_cp.dtype)
+    return {
+        "cp2hp": _fwd_bwd(lambda: cp2hp(proj, cup, layer.sections(), group), [proj], grad_hp),
+        "hp2cp": _fwd_bwd(lambda: hp2cp(core_hp, cup, [width], group), [core_hp], grad_cp),
+    }
+
+
+def _set_recompile_limit(n: int) -> None:
+    # one graph per (CP, one device) and grad mode, a second for a new packing if specialised
+    for name in ("recompile_limit", "cache_size_limit"):
+        try:
+            setattr(torch._dynamo.config, name, max(n, getattr(torch._dynamo.config, name)))
+        except AttributeError:
+            pass
+
+
+def _cp_worker(rank, world, port, tokens, seqs, out, smoke) -> None:
+    device = init_rank(rank, world, port, "cpu" if smoke else "cuda")
+    group = dist.group.WORLD
+    hidden, hk, hv, dk, dv = SMOKE_DIMS if smoke else (HIDDEN, HK, HV, DK, DV)
+    dtype = torch.float32 if smoke else torch.bfloat16
+    warmup, runs, seq_warmup, seq_runs = (1, 2, 1, 2) if smoke else (3, 20, 2, 10)
+    _set_recompile_limit(64)
+
+    def timed(fn, per_sequence=False):
+        counts = (seq_warmup, seq_runs) if per_sequence else (warmup, runs)
+        return max_over_ranks(median_ms_counted(fn, *counts, device))
+
+    torch.manual_seed(0)  # the same weights on every rank
+    layer = GatedDeltaNet(hidden, hk, hv, dk, dv).to(device, dtype)
+    params = list(layer.parameters())
+    compiled = {"fn": torch.compile(layer, fullgraph=True, dynamic=True), "dynamic": True}
+    notes = []
+    cases = [(t, b) for t in tokens for b in seqs]
+    results = {}
+    try:
+        for total, num_seqs in cases:
+            res = {}
+            lens = _lengths(total, num_seqs, torch.Generator().manual_seed(total + num_seqs))
+            cu, cup = pad_cu_seqlens(lens, world, device=device)
+            rows = int(cup[-1])
+            gen = torch.Generator(device=device).manual_seed(total + num_seqs)  # one global batch on every rank
+            x = torch.randn(rows, hidden, device=device, generator=gen).to(dtype)
+            grad = torch.randn(rows, hidden, device=device, generator=gen).to(dtype)
+            real = valid_token_mask(cup, cu, rows)
+            with torch.no_grad():
+                ref = layer(x, cup)  # one device, eager, the whole batch
+            x_cp = shard_thd(x, cup, world, rank).requires_grad_()
+            grad_cp = shard_thd(grad, cup, world, rank)
+            real_cp = shard_thd(real, cup, world, rank)
+            ref_cp = shard_thd(ref, cup, world, rank)[real_cp]
+            del ref
+
+            def cp_step(fn):
+                return _fwd_bwd(lambda: fn(x_cp, cup, group=group), [x_cp] + params, grad_cp)
+
+            def check(fn):
+                """One fwd+bwd step of the CP layer; the output's rel_error on real tokens, max over ranks."""
+                for t in [x_cp] + params:
+                    t.grad = None
+                out_cp = fn(x_cp, cup, group=group)
+                err = max_over_ranks(rel_error(out_cp.detach()[real_cp], ref_cp))
+                out_cp.backward(grad_cp)
+                return err
+
+            res["err eager"] = check(layer)
+            try:
+                res["err compiled"] = check(compiled["fn"])
+            except Exception as e:  # noqa: BLE001  (a compile failure: retry with static shapes)
+                if not compiled["dynamic"]:
+                    raise
+                msg = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                print(f"rank {rank}: torch.compile(dynamic=True) failed ({msg}); using dynamic=False", flush=True)
+                torch._dynamo.reset()
+                compiled = {"fn": torch.compile(layer, fullgraph=True, dynamic=False), "dynamic": False}
+                notes.append(f"compiled with dynamic=False (dynamic=True failed: {msg[:200]})")
+                res["err compiled"] = check(compiled["fn"])
+            with per_sequence_all_to_all() as calls:
+                res["err per-seq"] = check(layer)
+                if calls[0] < 2:
+                    raise RuntimeError("GatedDeltaNet did not call the swapped thd_cp2hp / thd_hp2cp of cp_ops.gdn")
+                res["W per-seq eager"] = timed(cp_step(layer), per_sequence=True)
+            res["W compiled"] = timed(cp_step(compiled["fn"]))
+            res["W eager"] = timed(cp_step(layer))
+
+            # one device: rank 0 alone, the whole batch, the same (compiled) layer; the others wait
+            res["1 compiled"] = res["1 eager"] = math.nan
+            if rank == 0:
+                x_all = x.detach().requires_grad_()
+                res["1 compiled"] = median_ms_counted(
+                    _fwd_bwd(lambda: compiled["fn"](x_all, cup), [x_all] + params, grad), warmup, runs, device
+                )
+                res["1 eager"] = median_ms_counted(
+                    _fwd_bwd(lambda: layer(x_all, cup), [x_all] + params, grad), warmup, runs, device
+                )
+                del x_all
+            dist.barrier()
+            del x, grad
+            _empty_cache(device)
+
+            # where one rank's step goes
+            for name, fn in piece_steps(layer, x_cp, cup, world).items():
+                res[name] = timed(fn)
+            fused = a2a_steps(layer, x_cp, cup, group, thd_cp2hp, thd_hp2cp)
+            per_seq = a2a_steps(layer, x_cp, cup, group, per_sequence_cp2hp, per_sequence_hp2cp)
+            for name in ("cp2hp", "hp2cp"):
+                res[f"{name} fwd+bwd"] = timed(fused[name])
+                res[f"per-seq {name} fwd+bwd"] = timed(per_seq[name], per_sequence=True)
+            results[(total, num_seqs)] = res
+            del x_cp, grad_cp, fused, per_seq
+            _empty_cache(device)
+
+        if rank == 0:
+            text = _cp_table(results, cases, world, (hidden, hk, hv, dk, dv), dtype, runs, seq_runs, notes)
+            print(text, flush=True)
+            if out:
+                with open(out, "w") as f:
+                    f.write(text + "\n")
+    finally:
+        dist.destroy_process_group()
+    worst = max(max(r["err eager"], r["err compiled"], r["err per-seq"]) for r in results.values())
+    if not worst < CP_TOLERANCE:
+        raise AssertionError(f"CP output off by rel_error {worst:.3g} >= {CP_TOLERANCE} against one device")
+
+
+def _empty_cache(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _cp_table(results, cases, world, dims, dtype, runs, seq_runs, notes) -> str:
+    hidden, hk, hv, dk, dv = dims
+    w = f"W={world}"
+    for r in results.values():
+        r["eff compiled"] = r["1 compiled"] / (world * r["W compiled"])
+        r["eff eager"] = r["1 eager"] / (world * r["W eager"])
+        r["per-seq / fused"] = r["W per-seq eager"] / r["W eager"]
+        r["a2a"] = r["cp2hp fwd+bwd"] + r["hp2cp fwd+bwd"]
+        r["per-seq a2a"] = r["per-seq cp2hp fwd+bwd"] + r["per-seq hp2cp fwd+bwd"]
+        r["sum"] = sum(
+            r[k]
+            for k in ("in_proj fwd+bwd", "cp2hp fwd+bwd", "conv fwd+bwd", "core fwd+bwd",
+                      "gated norm fwd+bwd compiled", "hp2cp fwd+bwd", "out_proj fwd+bwd")
+        )  # fmt: skip
+    e, t, x = "{:.2e}", "{:.3f}", "{:.2f}"
+    table = [
+        ("rel error vs 1 GPU: CP eager", "err eager", e),
+        ("rel error vs 1 GPU: CP compiled", "err compiled", e),
+        ("rel error vs 1 GPU: CP eager, per-seq a2a", "err per-seq", e),
+        ("1 GPU fwd+bwd compiled", "1 compiled", t),
+        (f"{w} fwd+bwd compiled", "W compiled", t),
+        ("scaling efficiency, compiled", "eff compiled", x),
+        ("1 GPU fwd+bwd eager", "1 eager", t),
+        (f"{w} fwd+bwd eager", "W eager", t),
+        ("scaling efficiency, eager", "eff eager", x),
+        (f"{w} fwd+bwd eager, per-seq a2a", "W per-seq eager", t),
+        ("per-seq a2a / fused a2a (eager layer)", "per-seq / fused", x),
+        ("in_proj fwd+bwd", "in_proj fwd+bwd", t),
+        ("cp2hp fwd+bwd", "cp2hp fwd+bwd", t),
+        ("conv fwd+bwd", "conv fwd+bwd", t),
+        ("core fwd", "core fwd", t),
+        ("core fwd+bwd", "core fwd+bwd", t),
+        ("gated norm fwd+bwd eager", "gated norm fwd+bwd eager", t),
+        ("gated norm fwd+bwd compiled", "gated norm fwd+bwd compiled", t),
+        ("hp2cp fwd+bwd", "hp2cp fwd+bwd", t),
+        ("out_proj fwd+bwd", "out_proj fwd+bwd", t),
+        ("sum of the fwd+bwd pieces (compiled norm)", "sum", t),
+        ("all-to-alls (cp2hp + hp2cp fwd+bwd)", "a2a", t),
+        ("per-seq all-to-alls (cp2hp + hp2cp fwd+bwd)", "per-seq a2a", t),
+        ("per-seq cp2hp fwd+bwd", "per-seq cp2hp fwd+bwd", t),
+        ("per-seq hp2cp fwd+bwd", "per-seq hp2cp fwd+bwd", t),
+    ]
+    lines = [
+        f"## GatedDeltaNet with CP, {w} (hidden {hidden}, Hk {hk}, Hv {hv}, dk {dk}, dv {dv}), "
+        f"{str(dtype).removeprefix('torch.')}\n",
+        _fla_environment(world) + "\n",
+        f"times in ms: median of {runs} runs ({seq_runs} for per-seq), max over ranks; 1 GPU on rank 0 alone; "
+        f"efficiency = T_1 / (W * T_W); rel error on real tokens, max over ranks; the pieces below the "
+        f"efficiency rows are one rank's share (projections on T/W rows; conv, core, norm on T rows, "
+        f"1/W of the heads)\n",
+    ]
+    lines += [f"- {n}" for n in notes] + ([""] if notes else [])
+    lines += [
+        "| | " + " | ".join(f"T={t} B={b}" for t, b in cases) + " |",
+        "|---" * (len(cases) + 1) + "|",
+    ]
+    for label, key, fmt in table:
+        lines.append(f"| {label} | " + " | ".join(fmt.format(results[c][key]) for c in cases) + " |")
+    return "\n".join(lines)
+
+
+def _fla_environment(world: int | None = None) -> str:
+    try:
+        import fla
+
+        version = getattr(fla, "__version__", "?")
+    except ImportError:
+        version = "absent"
+    return f"{environment(world)}, fla {version}"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, nargs="+", default=[32768, 65536])
-    parser.add_argument("--seqs", type=int, nargs="+", default=[8, 64])
+    parser.add_argument("--tokens", type=int, nargs="+", help=f"global tokens per batch (default {TOKENS})")
+    parser.add_argument("--seqs", type=int, nargs="+", help=f"sequences per batch (default {SEQS})")
+    parser.add_argument("--cp", type=int, default=0, help="W: run the CP layer on W ranks (one GPU each, NCCL)")
+    parser.add_argument("--smoke", action="store_true", help="with --cp: gloo ranks on the CPU, tiny layer, few runs")
     parser.add_argument("--out", help="also write the table to this markdown file")
     args = parser.parse_args()
+    if args.smoke:
+        world = args.cp or 2
+        tokens, seqs = args.tokens or SMOKE_TOKENS, args.seqs or SMOKE_SEQS
+        if SMOKE_DIMS[1] % world:
+            raise SystemExit(f"--smoke runs a layer with Hk = {SMOKE_DIMS[1]}; --cp must divide it")
+        spawn_ranks(_cp_worker, world, tokens, seqs, args.out, True, device="cpu")
+        return
+    tokens, seqs = args.tokens or TOKENS, args.seqs or SEQS
+    if args.cp:
+        if args.cp < 2 or HK % args.cp:
+            raise SystemExit(f"--cp must be at least 2 and divide Hk = {HK}, got {args.cp}")
+        spawn_ranks(_cp_worker, args.cp, tokens, seqs, args.out, False, device="cuda")
+        return
     if not torch.cuda.is_available():
-        raise SystemExit("bench_gdn needs a CUDA device")
+        raise SystemExit("bench_gdn needs a CUDA device (or --cp 2 --smoke on the CPU)")
 
     import fla
 
     torch.manual_seed(0)
     layer = GatedDeltaNet(HIDDEN, HK, HV, DK, DV).to("cuda", torch.bfloat16)
-    cases = [(t, b) for t in args.tokens for b in args.seqs]
+    cases = [(t, b) for t in tokens for b in seqs]
     results = {case: bench_case(layer, *case) for case in cases}
 
     lines = [

@@ -6,6 +6,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+# forward() looks thd_cp2hp / thd_hp2cp up in this module when it runs, so a benchmark can swap
+# in another all-to-all scheme (benchmarks/bench_gdn.py: per_sequence_all_to_all)
 from cp_ops.comm import group_rank, resolve_group, thd_cp2hp, thd_hp2cp
 from custom_ops.gdn.op import causal_conv1d, chunk_gated_delta_rule
 
