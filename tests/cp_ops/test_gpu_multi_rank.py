@@ -1,11 +1,15 @@
-"""Multi-rank agreement on GPUs with NCCL (2 ranks): the fused all-to-all, the GDN layer,
-all-gather CP attention and the Attention layer.
+"""Multi-rank agreement on GPUs with NCCL at W = 2, 4 and 8 ranks (each W that the visible GPUs
+allow; the others are skipped): the layout ops on every rank's GPU, the fused all-to-all, the
+GDN layer, all-gather CP attention and the Attention layer.
 
-Skipped unless 2 CUDA devices are visible. bf16 tolerances as Megatron-LM uses
-with CP (5e-3 relative): the CP layer runs the same kernels on the same rows as
-one GPU does, except that the projections see other row blocks. Attention on CP
-ranks runs the kernels on other tile boundaries than one GPU (query tiles start
-at each local chunk), so its bf16 rounding differs more: 1e-2, TOLERANCE[bf16].
+Test ids carry the CP size (``[W2]``, ``[W4-compiled]``, ...), so ``-k W8`` runs one size.
+Shapes work at every W: section widths and GDN heads divisible by 8, sequence lengths
+padded with ``pad_cu_seqlens(lens, W)`` (multiples of 2W), including an empty and a
+one-token sequence. bf16 tolerances as Megatron-LM uses with CP (5e-3 relative): the CP
+layer runs the same kernels on the same rows as one GPU does, except that the
+projections see other row blocks. Attention on CP ranks runs the kernels on other tile
+boundaries than one GPU (query tiles start at each local chunk), so its bf16 rounding
+differs more: 1e-2, TOLERANCE[bf16].
 """
 
 import pytest
@@ -14,7 +18,7 @@ import torch.distributed as dist
 
 import cp_ops
 import custom_ops
-from cp_ops import Attention, GatedDeltaNet, ag_thd_attention, pad_cu_seqlens, shard_thd
+from cp_ops import Attention, GatedDeltaNet, ag_thd_attention, local_cu_seqlens, pad_cu_seqlens, shard_thd, unshard_thd
 from custom_ops.testing import TOLERANCE, rel_error
 from tests._dist import run_ranks
 
@@ -24,12 +28,69 @@ pytestmark = [
     pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs"),
 ]
 
-SECTIONS = [256, 256, 512, 512, 8, 8]
+WORLDS = [
+    pytest.param(
+        w,
+        id=f"W{w}",
+        marks=pytest.mark.skipif(
+            torch.cuda.device_count() < w, reason=f"needs {w} GPUs, {torch.cuda.device_count()} visible"
+        ),
+    )
+    for w in (2, 4, 8)
+]
+COMPILED = [pytest.param(False, id="eager"), pytest.param(True, id="compiled")]
+
+SECTIONS = [256, 256, 512, 512, 8, 8]  # every width divisible by 8
+SEQLENS = [1000, 0, 1, 3000, 77]
+
+
+def _layout_rank(rank, world):
+    """The layout ops on this rank's GPU (cuda:rank) at CP size W against their torch references,
+    and the W shards gathered over NCCL against the whole batch."""
+    torch.manual_seed(0)
+    cu, cup = pad_cu_seqlens(SEQLENS, world)
+    padded = cup.diff()
+    assert all(int(p) % (2 * world) == 0 and int(p) >= n for p, n in zip(padded, SEQLENS))
+    rows, per_rank = int(cup[-1]), int(cup[-1]) // world
+    dev = torch.device("cuda", rank)
+    x = torch.randn(rows, 4, 32, dtype=torch.bfloat16)
+    x_d, cup_d = x.to(dev), cup.to(dev)
+
+    rank_order = custom_ops.thd_seq_to_rank_order(x_d, cup_d, world)
+    assert torch.equal(rank_order.cpu(), custom_ops.thd_seq_to_rank_order_reference(x, cup, world))
+    assert torch.equal(custom_ops.thd_rank_to_seq_order(rank_order, cup_d, world), x_d)
+    assert torch.equal(
+        custom_ops.thd_rank_to_seq_order(rank_order, cup_d, world).cpu(),
+        custom_ops.thd_rank_to_seq_order_reference(rank_order.cpu(), cup, world),
+    )
+    local = shard_thd(x_d, cup_d, world, rank)
+    assert torch.equal(local, rank_order[rank * per_rank : (rank + 1) * per_rank])
+    shards = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(shards, local)
+    assert torch.equal(unshard_thd(shards, cup_d, world), x_d)
+
+    # valid-token copies over the global layout and over this rank's shard (its first chunks' real tokens)
+    chunk = padded // (2 * world)
+    local_lens = [min(max(n - rank * int(c), 0), int(c)) for n, c in zip(SEQLENS, chunk)]
+    local_cu, _ = pad_cu_seqlens(local_lens, 1)
+    for offsets, lens_cu, n in ((cup, cu, rows), (local_cu_seqlens(cup, world), local_cu, per_rank)):
+        dst, src = torch.randn(n, 4, 32, dtype=torch.bfloat16), torch.randn(n, 4, 32, dtype=torch.bfloat16)
+        want = custom_ops.thd_copy_valid_tokens_reference(dst, src, offsets, lens_cu)
+        args = (src.to(dev), offsets.to(dev), lens_cu.to(dev))
+        assert torch.equal(custom_ops.thd_copy_valid_tokens(dst.to(dev), *args).cpu(), want)
+        inplace = dst.to(dev)
+        custom_ops.thd_copy_valid_tokens_(inplace, *args)
+        assert torch.equal(inplace.cpu(), want)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_layout_ops_nccl(world):
+    run_ranks(world, _layout_rank, backend="nccl")
 
 
 def _cp2hp_rank(rank, world):
     torch.manual_seed(0)
-    _, cup = pad_cu_seqlens([1000, 0, 1, 3000, 77], world)
+    _, cup = pad_cu_seqlens(SEQLENS, world)
     x = torch.randn(int(cup[-1]), sum(SECTIONS), dtype=torch.bfloat16)
     x_cp = shard_thd(x, cup, world, rank).cuda().requires_grad_()
     cup = cup.cuda()
@@ -44,13 +105,14 @@ def _cp2hp_rank(rank, world):
     assert torch.equal(compiled(x_cp.detach()), x_hp.detach())
 
 
-def test_cp2hp_nccl():
-    run_ranks(2, _cp2hp_rank, backend="nccl")
+@pytest.mark.parametrize("world", WORLDS)
+def test_cp2hp_nccl(world):
+    run_ranks(world, _cp2hp_rank, backend="nccl")
 
 
 def _gdn_rank(rank, world, compiled):
     torch.manual_seed(0)
-    layer = GatedDeltaNet(256, 4, 8, 64, 64).to("cuda", torch.bfloat16)
+    layer = GatedDeltaNet(256, 8, 16, 64, 64).to("cuda", torch.bfloat16)  # Hk = 8: W = 8 gets one key head
     cu, cup = pad_cu_seqlens([700, 0, 1, 2000, 300], world, device="cuda")
     num_rows = int(cup[-1])
     x = torch.randn(num_rows, 256, device="cuda", dtype=torch.bfloat16)
@@ -74,15 +136,16 @@ def _gdn_rank(rank, world, compiled):
         assert rel_error(g, ref_grads[name]) < 5e-3, name
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-def test_gdn_cp_layer_nccl(compiled):
-    run_ranks(2, _gdn_rank, compiled, backend="nccl")
+@pytest.mark.parametrize("compiled", COMPILED)
+@pytest.mark.parametrize("world", WORLDS)
+def test_gdn_cp_layer_nccl(world, compiled):
+    run_ranks(world, _gdn_rank, compiled, backend="nccl")
 
 
 def _ag_attention_rank(rank, world, compiled):
     torch.manual_seed(0)
     group = dist.group.WORLD
-    cu, cup = pad_cu_seqlens([1000, 0, 1, 3000, 77], world, device="cuda")
+    cu, cup = pad_cu_seqlens(SEQLENS, world, device="cuda")
     rows = int(cup[-1])
     q = torch.randn(rows, 8, 128, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(rows, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
@@ -112,9 +175,10 @@ def _ag_attention_rank(rank, world, compiled):
                 assert err < TOLERANCE[torch.bfloat16], f"{name} {causal} {window} launches={launches}: {err:.3g}"
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-def test_ag_thd_attention_nccl(compiled):
-    run_ranks(2, _ag_attention_rank, compiled, backend="nccl")
+@pytest.mark.parametrize("compiled", COMPILED)
+@pytest.mark.parametrize("world", WORLDS)
+def test_ag_thd_attention_nccl(world, compiled):
+    run_ranks(world, _ag_attention_rank, compiled, backend="nccl")
 
 
 def _attention_layer_rank(rank, world, compiled):
@@ -146,6 +210,7 @@ def _attention_layer_rank(rank, world, compiled):
         assert rel_error(g, ref_grads[name]) < tol, name
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-def test_attention_layer_nccl(compiled):
-    run_ranks(2, _attention_layer_rank, compiled, backend="nccl")
+@pytest.mark.parametrize("compiled", COMPILED)
+@pytest.mark.parametrize("world", WORLDS)
+def test_attention_layer_nccl(world, compiled):
+    run_ranks(world, _attention_layer_rank, compiled, backend="nccl")
