@@ -1,16 +1,25 @@
 """Run the GPU tests and benchmarks in one call and print a short table last.
 
-    python benchmarks/gpu_suite.py [PART ...] [--out DIR]
+    python benchmarks/gpu_suite.py [PART ...] [--world W [W ...]] [--out DIR] [--timeout S]
 
 PARTS (default: every part that fits the visible GPUs):
-  tests-1gpu   pytest -m gpu (kernels against their references on CUDA)
-  layout       benchmarks/bench_thd_layout.py --sweep
-  attention    benchmarks/bench_varlen_attention.py       (if present)
+  tests-1gpu      pytest -m "gpu and not dist" (kernels against their references on CUDA)
+  layout          benchmarks/bench_thd_layout.py --sweep
+  attention       benchmarks/bench_varlen_attention.py       (if present)
   attention-tune  the same with --tune: kernel configs
-  gdn          benchmarks/bench_gdn.py                    (if present)
-  a2a          benchmarks/bench_cp2hp.py, needs 2 GPUs    (if present)
-  ag-attention benchmarks/bench_ag_attention.py, 2 GPUs   (if present)
-  tests-2gpu   pytest -m "gpu and dist" on 2 GPUs         (if any)
+  gdn             benchmarks/bench_gdn.py: the layer on one GPU, T = 32768 and 65536
+  a2a             benchmarks/bench_cp2hp.py --world W                  multi-rank, >= 2 GPUs
+  ag-attention    benchmarks/bench_ag_attention.py --world W           multi-rank, >= 2 GPUs
+  gdn-cp          benchmarks/bench_gdn.py --cp W                        multi-rank, >= 2 GPUs
+  tests-dist      pytest -m "gpu and dist" -k W<W> (NCCL tests at W)   multi-rank, >= 2 GPUs
+                  ("tests-2gpu" is accepted as its old name)
+
+Multi-rank parts run once per CP size W, each run with its own timeout and named
+PART-wW in the summary, logs and tables (a2a-w8.log, a2a-w8.md, ...). The sizes are
+--world's; without it, the benchmarks run at W = every visible GPU and tests-dist at
+each of 2, 4, 8 that fits. For a scaling series on an 8-GPU host:
+``a2a gdn-cp --world 2 4 8`` (parts before --world). Sizes above the visible GPU count
+are reported as skipped.
 
 Logs and markdown tables go to --out (default $OUT or ./gpu-results).
 """
@@ -31,18 +40,44 @@ PARTS = {
     "attention": (1, [sys.executable, "benchmarks/bench_varlen_attention.py"]),
     "attention-tune": (1, [sys.executable, "benchmarks/bench_varlen_attention.py", "--tune"]),
     "gdn": (1, [sys.executable, "benchmarks/bench_gdn.py", "--out", "{out}/gdn.md"]),
-    "a2a": (2, [sys.executable, "benchmarks/bench_cp2hp.py", "--out", "{out}/a2a.md"]),
-    "ag-attention": (2, [sys.executable, "benchmarks/bench_ag_attention.py", "--out", "{out}/ag_attention.md"]),
-    "tests-2gpu": (2, [sys.executable, "-m", "pytest", "-m", "gpu and dist", "-q", "-p", "no:cacheprovider"]),
+    # multi-rank: {world} is the CP size, {name} the part's name with it (a2a-w8)
+    "a2a": (2, [sys.executable, "benchmarks/bench_cp2hp.py", "--world", "{world}", "--out", "{out}/{name}.md"]),
+    "ag-attention": (
+        2,
+        [sys.executable, "benchmarks/bench_ag_attention.py", "--world", "{world}", "--out", "{out}/{name}.md"],
+    ),
+    "gdn-cp": (2, [sys.executable, "benchmarks/bench_gdn.py", "--cp", "{world}", "--out", "{out}/{name}.md"]),
+    "tests-dist": (
+        2,
+        [sys.executable, "-m", "pytest", "tests/cp_ops/test_gpu_multi_rank.py", "-m", "gpu and dist", "-k",
+         "W{world}", "-q", "-p", "no:cacheprovider"],
+    ),  # fmt: skip
 }
+ALIASES = {"tests-2gpu": "tests-dist"}
+TEST_WORLDS = (2, 4, 8)
+
+
+def runs_of(part: str, worlds: list[int] | None, gpus: int) -> list[tuple[str, int, int | None]]:
+    """``(name, GPUs needed, W)`` for each run of ``part``: one for a one-GPU part, one per W otherwise."""
+    need, _ = PARTS[part]
+    if need < 2:
+        return [(part, need, None)]
+    if worlds is None:
+        worlds = ([w for w in TEST_WORLDS if w <= gpus] or [2]) if part == "tests-dist" else [max(2, gpus)]
+    return [(f"{part}-w{w}", w, w) for w in worlds]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("parts", nargs="*", help="parts to run")
+    parser.add_argument("--world", type=int, nargs="+", help="CP sizes for the multi-rank parts")
     parser.add_argument("--out", default=os.environ.get("OUT", os.path.join(ROOT, "gpu-results")))
-    parser.add_argument("--timeout", type=int, default=420, help="seconds per part")
+    parser.add_argument("--timeout", type=int, default=420, help="seconds per part (per run of a multi-rank part)")
     args = parser.parse_args()
+    parts = [ALIASES.get(p, p) for p in args.parts]
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown:
+        parser.error(f"unknown parts {unknown}; choose from {list(PARTS)}")
     os.makedirs(args.out, exist_ok=True)
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
@@ -50,35 +85,38 @@ def main() -> None:
     import torch
 
     gpus = torch.cuda.device_count()
-    print(f"{gpus} GPU(s): {[torch.cuda.get_device_name(i) for i in range(gpus)]}, torch {torch.__version__}", flush=True)
-    parts = args.parts or [p for p, (need, _) in PARTS.items() if need <= gpus]
+    names = [torch.cuda.get_device_name(i) for i in range(gpus)]
+    print(f"{gpus} GPU(s): {names}, torch {torch.__version__}", flush=True)
+    parts = parts or [p for p, (need, _) in PARTS.items() if need <= gpus]
     summary = []
     for part in parts:
-        need, cmd = PARTS[part]
-        cmd = [c.format(out=args.out) for c in cmd]
-        script = cmd[1] if cmd[1].endswith(".py") else None
-        if script and not os.path.exists(os.path.join(ROOT, script)):
-            summary.append((part, "absent", 0.0, ""))
-            continue
-        if need > gpus:
-            summary.append((part, f"needs {need} GPUs", 0.0, ""))
-            continue
-        print(f"\n===== {part}: {' '.join(cmd)}", flush=True)
-        start = time.time()
-        with open(os.path.join(args.out, f"{part}.log"), "w") as log:
-            try:
-                proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                      timeout=args.timeout)
-                output, status = proc.stdout, "ok" if proc.returncode == 0 else f"rc={proc.returncode}"
-            except subprocess.TimeoutExpired as e:
-                output, status = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or ""), "timeout"
-            log.write(output)
-        print(output[-6000:], flush=True)
-        last = [line for line in output.strip().splitlines() if line.strip()][-1:] or [""]
-        summary.append((part, status, time.time() - start, last[0][:110]))
+        _, template = PARTS[part]
+        script = template[1] if template[1].endswith(".py") else None
+        for name, need, world in runs_of(part, args.world, gpus):
+            if script and not os.path.exists(os.path.join(ROOT, script)):
+                summary.append((name, "absent", 0.0, ""))
+                continue
+            if need > gpus:
+                summary.append((name, f"needs {need} GPUs", 0.0, ""))
+                continue
+            cmd = [c.format(out=args.out, world=world, name=name) for c in template]
+            print(f"\n===== {name}: {' '.join(cmd)}", flush=True)
+            start = time.time()
+            with open(os.path.join(args.out, f"{name}.log"), "w") as log:
+                try:
+                    proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                          timeout=args.timeout)  # fmt: skip
+                    output, status = proc.stdout, "ok" if proc.returncode == 0 else f"rc={proc.returncode}"
+                except subprocess.TimeoutExpired as e:
+                    output = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+                    status = "timeout"
+                log.write(output)
+            print(output[-6000:], flush=True)
+            last = [line for line in output.strip().splitlines() if line.strip()][-1:] or [""]
+            summary.append((name, status, time.time() - start, last[0][:110]))
     print("\n| part | status | seconds | last line |\n|---|---|---|---|")
-    for part, status, secs, last in summary:
-        print(f"| {part} | {status} | {secs:.0f} | {last} |")
+    for name, status, secs, last in summary:
+        print(f"| {name} | {status} | {secs:.0f} | {last} |")
 
 
 if __name__ == "__main__":
