@@ -1,8 +1,9 @@
 # make test   install what is missing into the active Python, then run the CPU test suite
 # make bench  (on a GPU machine) see benchmarks/gpu_suite.sh
+# make demo   install what is missing, then train a small hybrid GDN / attention model with CP (python -m cp_ops demo)
 PYTHON ?= python3
 
-.PHONY: test deps test-cpu test-interpret
+.PHONY: test deps test-cpu test-interpret demo
 
 test: deps test-cpu test-interpret
 
@@ -18,3 +19,6 @@ test-cpu:
 # Triton kernels on CPU tensors: TRITON_INTERPRET must be set before triton is imported.
 test-interpret:
 	TRITON_INTERPRET=1 $(PYTHON) -m pytest -m interpret
+
+demo: deps
+	$(PYTHON) -m cp_ops demo
