@@ -230,6 +230,12 @@ def _op_rank(rank, world, compiled):
     rank_t = torch.ops.cp_ops.group_rank_tensor(torch.zeros(3, dtype=torch.int32), group_name)
     assert rank_t.dtype == torch.int64 and rank_t.shape == () and int(rank_t) == rank
     torch.library.opcheck(torch.ops.cp_ops.group_rank_tensor.default, (torch.zeros(3), group_name))
+    # W is an argument of the op (compiled graphs are keyed on it); it must be the group's size
+    seqlens, heads, d, causal, window = CASES[0]
+    cu, cup, q, k, v, _ = _global_case(seqlens, heads, d, world, seed=0)
+    q_cp, k_cp, v_cp = (shard_thd(t, cup, world, rank) for t in (q, k, v))
+    with pytest.raises(ValueError, match=f"cp_size = {world + 1} but the process group"):
+        torch.ops.cp_ops.ag_thd_attention(q_cp, k_cp, v_cp, cu, cup, causal, -1, -1, None, group_name, world + 1)
 
     if world == 2:  # a 1-D DeviceMesh is accepted as the group
         from torch.distributed.device_mesh import init_device_mesh

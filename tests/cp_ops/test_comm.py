@@ -207,6 +207,11 @@ def _check_compiled_and_extras(rank, world):
         thd_cp2hp(x_cp, cup.float(), sections, group)
     with pytest.raises(TypeError, match="ProcessGroup, a 1-D DeviceMesh or None"):
         thd_cp2hp(x_cp, cup, sections, "world")
+    # the ops take W explicitly (it keys compiled graphs); it must be the group's size
+    with pytest.raises(ValueError, match=f"cp_size = {world + 1} but the process group"):
+        torch.ops.cp_ops.thd_cp2hp(x_cp, cup, sections, name, world + 1)
+    with pytest.raises(ValueError, match=f"cp_size = {world + 1} but the process group"):
+        torch.ops.cp_ops.thd_hp2cp(x_hp_ref, cup, local, name, world + 1)
     # total rows that do not match the layout need its values: validate_thd is where that is caught
     with pytest.raises(ValueError):
         validate_thd(cup, cup, world, (x_cp.shape[0] + 2) * world)
