@@ -3,6 +3,7 @@
     python benchmarks/bench_varlen_attention.py            # table: varlen_attention vs SDPA flash / cuDNN / FlexAttention
     python benchmarks/bench_varlen_attention.py --gqa 4    # the same with Hkv = H / 4
     python benchmarks/bench_varlen_attention.py --tune     # time kernel configs, print the best per kernel and head_dim
+    python benchmarks/bench_varlen_attention.py --profile  # CUDA time per kernel of one forward and one backward
 
 Cases: (i) packed documents of mixed lengths totalling 32768 tokens, (ii) dense
 B = 8 x S = 4096 (eight segments); H = 16 query heads, D = 128 and 64.
@@ -287,6 +288,32 @@ def tune(gqa: int = 1, kinds=("fwd", "bwd_dkdv", "bwd_dq")) -> None:
         print(f'"{kind}": {{' + ", ".join(f"{d}: dict({_fmt(best[(kind, d)])})" for d in (64, 128)) + "},")
 
 
+def profile(gqa: int = 1) -> None:
+    """CUDA time per kernel of the forward and backward ops (torch.profiler, mean over 5 calls)."""
+    device = torch.device("cuda")
+    for case, lens in [("dense B8 x 4096", [4096] * 8), ("packed 32k", packed_lengths())]:
+        for d in (128, 64):
+            q, k, v = (t.detach() for t in make_inputs(sum(lens), HEADS, HEADS // gqa, d, device))
+            seg = segments_for(lens, device)
+            out, lse = torch.ops.cp_ops.varlen_attention(q, k, v, *seg, True)
+            dout, dlse = torch.randn_like(out), torch.zeros_like(lse)
+
+            def step():
+                torch.ops.cp_ops.varlen_attention(q, k, v, *seg, True)
+                torch.ops.cp_ops.varlen_attention_backward(dout, dlse, q, k, v, out, lse, *seg, True)
+
+            step()
+            torch.cuda.synchronize()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    step()
+                torch.cuda.synchronize()
+            print(f"{case}, D = {d}: CUDA ms per call")
+            for evt in sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total):
+                if evt.self_device_time_total > 0:
+                    print(f"  {evt.key[:60]:60s} {evt.self_device_time_total / 1e3 / 5:.3f}")
+
+
 def _fmt(cfg):
     return ", ".join(f"{k}={v}" for k, v in cfg.items())
 
@@ -294,9 +321,15 @@ def _fmt(cfg):
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tune", action="store_true", help="time kernel configs instead of the comparison table")
+    parser.add_argument("--profile", action="store_true", help="CUDA time per kernel instead of the table")
     parser.add_argument("--kinds", nargs="+", default=["fwd", "bwd_dkdv", "bwd_dq"], help="kernels to tune")
     parser.add_argument("--gqa", type=int, default=1, help="query heads per kv head (default 1)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA device")
-    tune(args.gqa, args.kinds) if args.tune else bench(args.gqa)
+    if args.tune:
+        tune(args.gqa, args.kinds)
+    elif args.profile:
+        profile(args.gqa)
+    else:
+        bench(args.gqa)
