@@ -176,7 +176,8 @@ def make_batch(seqlens: Sequence[int], cp_size: int, vocab: int, seed: int):
     for start, real_start, length in zip(cup[:-1].tolist(), cu[:-1].tolist(), seqlens):
         seq = real_tokens[real_start : real_start + length]
         tokens[start : start + length] = seq
-        labels[start : start + length - 1] = seq[1:]
+        if length > 1:
+            labels[start : start + length - 1] = seq[1:]
     return tokens, labels, cu, cup
 
 

@@ -47,6 +47,11 @@ def test_batch_labels_and_padding():
     assert (labels[8:12] == demo.IGNORE_INDEX).all()  # a one-token sequence has no target
     assert torch.equal(labels[12:14], tokens[13:15]) and (labels[14:] == demo.IGNORE_INDEX).all()
     assert (tokens[5:8] == 0).all() and (tokens[9:12] == 0).all()  # padding rows
+    # a zero-length first sequence, and the real tokens do not depend on the CP size
+    tokens2, labels2, _, cup2 = demo.make_batch([0, 5, 0, 1, 3], 1, 50, seed=0)
+    assert cup2.tolist() == [0, 0, 6, 6, 8, 12]
+    assert torch.equal(tokens2[:5], tokens[:5]) and torch.equal(labels2[:4], labels[:4])
+    assert (labels2[4:6] == demo.IGNORE_INDEX).all() and (labels2[6:8] == demo.IGNORE_INDEX).all()
 
 
 @pytest.mark.parametrize(
