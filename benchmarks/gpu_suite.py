@@ -7,10 +7,13 @@ PARTS (default: every part that fits the visible GPUs):
   layout          benchmarks/bench_thd_layout.py --sweep
   attention       benchmarks/bench_varlen_attention.py       (if present)
   attention-tune  the same with --tune: kernel configs
+  attention-profile  the same with --profile: CUDA time per kernel
   gdn             benchmarks/bench_gdn.py: the layer on one GPU, T = 32768 and 65536
+  demo            python -m cp_ops demo --cp-size 1 (the hybrid stack on one GPU)
   a2a             benchmarks/bench_cp2hp.py --world W                  multi-rank, >= 2 GPUs
   ag-attention    benchmarks/bench_ag_attention.py --world W           multi-rank, >= 2 GPUs
   gdn-cp          benchmarks/bench_gdn.py --cp W                        multi-rank, >= 2 GPUs
+  demo-cp         python -m cp_ops demo --cp-size W                     multi-rank, >= 2 GPUs
   tests-dist      pytest -m "gpu and dist" -k W<W> (NCCL tests at W)   multi-rank, >= 2 GPUs
                   ("tests-2gpu" is accepted as its old name)
 
@@ -39,7 +42,9 @@ PARTS = {
     "layout": (1, [sys.executable, "benchmarks/bench_thd_layout.py", "--sweep", "--out", "{out}/layout.md"]),
     "attention": (1, [sys.executable, "benchmarks/bench_varlen_attention.py"]),
     "attention-tune": (1, [sys.executable, "benchmarks/bench_varlen_attention.py", "--tune"]),
+    "attention-profile": (1, [sys.executable, "benchmarks/bench_varlen_attention.py", "--profile"]),
     "gdn": (1, [sys.executable, "benchmarks/bench_gdn.py", "--out", "{out}/gdn.md"]),
+    "demo": (1, [sys.executable, "-m", "cp_ops", "demo", "--cp-size", "1"]),
     # multi-rank: {world} is the CP size, {name} the part's name with it (a2a-w8)
     "a2a": (2, [sys.executable, "benchmarks/bench_cp2hp.py", "--world", "{world}", "--out", "{out}/{name}.md"]),
     "ag-attention": (
@@ -47,6 +52,7 @@ PARTS = {
         [sys.executable, "benchmarks/bench_ag_attention.py", "--world", "{world}", "--out", "{out}/{name}.md"],
     ),
     "gdn-cp": (2, [sys.executable, "benchmarks/bench_gdn.py", "--cp", "{world}", "--out", "{out}/{name}.md"]),
+    "demo-cp": (2, [sys.executable, "-m", "cp_ops", "demo", "--cp-size", "{world}"]),
     "tests-dist": (
         2,
         [sys.executable, "-m", "pytest", "tests/cp_ops/test_gpu_multi_rank.py", "-m", "gpu and dist", "-k",
