@@ -412,9 +412,10 @@ def test_bad_input():
 # --- code generation for Hopper (compiled here, no GPU needed) ------------------------------------
 
 
-def _compile_for_sm90(kernel, config: dict, head_dim: int = 128):
+def _compile_for_sm90(kernel, config: dict, head_dim: int = 128, float_type: str = "fp32"):
     """Compile ``kernel`` for sm_90 with ``config`` as the launcher would (bf16 tensors,
-    int32 tables, 16-byte-aligned pointers and strides) and return its TTGIR text."""
+    int32 tables, 16-byte-aligned pointers and strides, float scalars of ``float_type``)
+    and return its TTGIR text."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -432,7 +433,7 @@ def _compile_for_sm90(kernel, config: dict, head_dim: int = 128):
         elif name.endswith("_ptr"):
             signature[name] = "*i32"
         elif name.endswith("scale"):
-            signature[name] = "fp32"
+            signature[name] = float_type
         else:
             signature[name] = "i32"
     names = kernel.arg_names
@@ -450,7 +451,14 @@ def _compile_for_sm90(kernel, config: dict, head_dim: int = 128):
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ttgir"]
 
 
-@pytest.mark.parametrize("kind", ["fwd", "bwd_dq", "bwd_dkdv"])
+_KERNELS = {
+    "fwd": kernels_mod.varlen_attn_fwd_kernel,
+    "bwd_dq": kernels_mod.varlen_attn_bwd_dq_kernel,
+    "bwd_dkdv": kernels_mod.varlen_attn_bwd_dkdv_kernel,
+}
+
+
+@pytest.mark.parametrize("kind", list(_KERNELS))
 def test_key_and_query_loops_pipeline_on_hopper(kind):
     """The inner loops must be software-pipelined (async copies into shared memory).
 
@@ -460,15 +468,24 @@ def test_key_and_query_loops_pipeline_on_hopper(kind):
     compiles the kernels for sm_90 with their H100 launch configs, on the CPU.
     """
     pytest.importorskip("triton.backends.nvidia")
-    kernel = {
-        "fwd": kernels_mod.varlen_attn_fwd_kernel,
-        "bwd_dq": kernels_mod.varlen_attn_bwd_dq_kernel,
-        "bwd_dkdv": kernels_mod.varlen_attn_bwd_dkdv_kernel,
-    }[kind]
     try:
-        ttgir = _compile_for_sm90(kernel, kernels_mod.kernel_config(kind, 128, interpreting=False))
+        ttgir = _compile_for_sm90(_KERNELS[kind], kernels_mod.kernel_config(kind, 128, interpreting=False))
     except (ImportError, TypeError, AttributeError) as e:  # compile API of another triton release
         pytest.skip(f"cannot compile for sm_90 with triton {triton.__version__}: {e}")
     assert "ttng.warp_group_dot" in ttgir, "no wgmma: the dots are not on Hopper's matrix path"
     # three loop phases (masked, unmasked, masked), each with at least its K (or Q) tile async
     assert ttgir.count("async_copy_global_to_local") >= 6, "the inner loops are not pipelined"
+
+
+@pytest.mark.parametrize("kind", list(_KERNELS))
+def test_kernels_take_fp64_scales(kind):
+    """Inductor's launcher can pass the float arguments as fp64 scalars; the kernels must
+    still compile (they cast them to fp32; an fp64 scale once made the forward's
+    loop-carried accumulator change type and fail to compile under torch.compile)."""
+    pytest.importorskip("triton.backends.nvidia")
+    config = kernels_mod.kernel_config(kind, 64, interpreting=False)
+    try:
+        ttgir = _compile_for_sm90(_KERNELS[kind], config, head_dim=64, float_type="fp64")
+    except (ImportError, TypeError, AttributeError) as e:  # compile API of another triton release
+        pytest.skip(f"cannot compile for sm_90 with triton {triton.__version__}: {e}")
+    assert "ttng.warp_group_dot" in ttgir
