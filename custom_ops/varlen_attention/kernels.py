@@ -245,7 +245,7 @@ def varlen_attn_fwd_kernel(
     """
     # a float argument can arrive as an fp64 scalar (seen from Inductor's launcher, torch 2.11):
     # fp32 keeps every tensor of the kernel in fp32 (loop-carried types must not change)
-    qk_scale = qk_scale.to(tl.float32)
+    qk_scale = tl.cast(qk_scale, tl.float32)
     tile = tl.program_id(0)
     h = tl.program_id(1)
     s, j = _tile_owner_from_table(tile_owner_ptr, tile_cum_ptr, n_seg, tile)
@@ -425,8 +425,8 @@ def varlen_attn_bwd_dq_kernel(
     """One query tile x one query head: ``dq = scale * sum_b P (dP - delta) k_b``,
     P recomputed from the saved lse, over the same key phases as the forward."""
     # fp32 scales, as in the forward
-    sm_scale = sm_scale.to(tl.float32)
-    qk_scale = qk_scale.to(tl.float32)
+    sm_scale = tl.cast(sm_scale, tl.float32)
+    qk_scale = tl.cast(qk_scale, tl.float32)
     tile = tl.program_id(0)
     h = tl.program_id(1)
     s, j = _tile_owner_from_table(tile_owner_ptr, tile_cum_ptr, n_seg, tile)
@@ -616,8 +616,8 @@ def varlen_attn_bwd_dkdv_kernel(
     may exceed the grid, which is sized from shapes.
     """
     # fp32 scales, as in the forward
-    sm_scale = sm_scale.to(tl.float32)
-    qk_scale = qk_scale.to(tl.float32)
+    sm_scale = tl.cast(sm_scale, tl.float32)
+    qk_scale = tl.cast(qk_scale, tl.float32)
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     n_prog = tl.num_programs(0)
