@@ -1,5 +1,5 @@
 # make test   install what is missing into the active Python, then run the CPU test suite
-# make bench  (on a GPU machine) see benchmarks/gpu_suite.sh
+# GPU tests and benchmarks (on a GPU machine): python benchmarks/gpu_suite.py
 # make demo   install what is missing, then train a small hybrid GDN / attention model with CP (python -m cp_ops demo)
 PYTHON ?= python3
 
