@@ -1,0 +1,55 @@
+"""How far the demo model's step-1 gradients are from float64, per dtype (CPU, one device).
+
+    python benchmarks/demo_precision.py [--dtype bfloat16] [demo options ...]
+
+Builds ``cp_ops.demo.HybridLM`` with the demo's options (``python -m cp_ops demo
+--help``; the defaults here are the CPU ones with 4 blocks and 2030 tokens), runs one
+forward and backward of the summed token loss in ``--dtype`` and in float64 from the
+same (``--dtype``) weights, and prints the relative error ``||g - g64|| / ||g64||``
+of the worst parameters and over all parameters. It tells which tolerance a step-1
+check in that dtype can use: two runs that differ only in rounding can be this far
+apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from cp_ops import demo  # noqa: E402
+
+
+def gradients(model, batch) -> dict[str, torch.Tensor]:
+    model(*batch).backward()
+    return {name: p.grad.double() for name, p in model.named_parameters()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    args, rest = parser.parse_known_args()
+    cfg = demo.parse_args(
+        ["--device", "cpu", "--cp-size", "1", "--blocks", "4", "--seqlens", "300,0,1,700,129,900"] + rest
+    )
+    torch.manual_seed(cfg.seed)
+    model = demo.HybridLM(cfg).to(getattr(torch, args.dtype))  # both runs start from these weights
+    batch = demo.make_batch(cfg.seqlens, 1, cfg.vocab, cfg.seed * 1000)
+    exact = gradients(copy.deepcopy(model).double(), batch)
+    low = gradients(model, batch)
+    errors = {name: float((low[name] - exact[name]).norm() / exact[name].norm()) for name in exact}
+    flat = [torch.cat([g[n].flatten() for n in exact]) for g in (low, exact)]
+    print(f"{args.dtype} vs float64, step-1 gradients of the demo model ({cfg.blocks} blocks, "
+          f"{sum(cfg.seqlens)} tokens, hidden {cfg.hidden})")  # fmt: skip
+    for name in sorted(errors, key=errors.get, reverse=True)[:5]:
+        print(f"  {name:40s} {errors[name]:.3g}")
+    print(f"  {'all parameters':40s} {float((flat[0] - flat[1]).norm() / flat[1].norm()):.3g}")
+
+
+if __name__ == "__main__":
+    main()
