@@ -290,11 +290,13 @@ def test_compiled_fullgraph_dynamic_no_recompile():
 # --- the Triton kernels (CPU tensors, TRITON_INTERPRET=1) ---------------------------------------
 
 
-def _kernel_vs_reference(q, k, v, seg, causal, window, seed=0):
+def _kernel_vs_reference(q, k, v, seg, causal, window, seed=0, scale=None):
     dout, dlse = _cotangents(q, seed)
     with poisoned_allocations():
-        got = _run(custom_ops.varlen_attention, q, k, v, seg, causal, window, dout, dlse)
-    want = _run(varlen_attention_reference, q.double(), k.double(), v.double(), seg, causal, window, dout, dlse)
+        got = _run(custom_ops.varlen_attention, q, k, v, seg, causal, window, dout, dlse, scale)
+    want = _run(
+        varlen_attention_reference, q.double(), k.double(), v.double(), seg, causal, window, dout, dlse, scale
+    )
     _assert_agree(got, want, TOLERANCE[torch.float32])
     return got
 
@@ -311,6 +313,17 @@ def _kernel_vs_reference(q, k, v, seg, causal, window, seed=0):
 def test_kernel_matches_reference(layout, heads, causal, window, seed):
     q, k, v, seg = _tensors(layout, heads, 16, torch.float32, seed=seed)
     _kernel_vs_reference(q, k, v, seg, causal, window, seed)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("scale", [-0.7, 0.0, 1.3])
+def test_kernel_any_scale(scale):
+    """The scale is any float: negative flips which key dominates, zero gives the mean of
+    the visible values. Masked and unmasked tiles, causal and a two-sided window."""
+    layout = ([0, 20], [20, 17], [0, 5], [0, 0], [24, 24], 37, 24)
+    q, k, v, seg = _tensors(layout, (2, 1), 16, torch.float32, seed=3)
+    for causal, window in ((True, (-1, -1)), (False, (6, 3))):
+        _kernel_vs_reference(q, k, v, seg, causal, window, scale=scale)
 
 
 @pytest.mark.interpret
