@@ -41,12 +41,12 @@ from benchmarks.bench_varlen_attention import packed_lengths  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     default_world,
     environment,
-    init_rank,
     max_over_ranks,
     median_ms_counted,
     spawn_ranks,
 )
 from cp_ops import ag_thd_attention, all_gather_rows, pad_cu_seqlens, resolve_group, shard_thd  # noqa: E402
+from cp_ops._local_ranks import init_local_rank  # noqa: E402
 from custom_ops.testing import TOLERANCE, rel_error  # noqa: E402
 
 TOTALS = (32768, 65536)
@@ -71,7 +71,7 @@ def _fwd_and_step(fn, q, k, v, dout):
 
 
 def _worker(rank: int, world: int, port: int, gqa: int, out: str | None, smoke: bool) -> None:
-    device = init_rank(rank, world, port, "cpu" if smoke else "cuda")
+    device = init_local_rank(rank, world, port, "cpu" if smoke else "cuda")
     group = dist.group.WORLD
     group_name, _ = resolve_group(group)
     totals, heads, head_dim = (SMOKE_TOTALS, SMOKE_HEADS, SMOKE_HEAD_DIM) if smoke else (TOTALS, HEADS, HEAD_DIM)

@@ -34,12 +34,12 @@ import cp_ops  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     default_world,
     environment,
-    init_rank,
     max_over_ranks,
     median_ms_counted,
     spawn_ranks,
 )
 from cp_ops import pad_cu_seqlens  # noqa: E402
+from cp_ops._local_ranks import init_local_rank  # noqa: E402
 
 SECTIONS = [2048, 2048, 4096, 4096, 32, 32]  # Qwen3-Next GDN: q, k, v, z, b, a
 SHAPES = [(32768, 8), (32768, 64), (131072, 128)]  # (T, number of sequences)
@@ -121,7 +121,7 @@ def hp2cp_per_sequence(y_hp: torch.Tensor, cu_seqlens_padded: torch.Tensor, sect
 
 
 def _worker(rank: int, world: int, port: int, out: str | None, smoke: bool) -> None:
-    device = init_rank(rank, world, port, "cpu" if smoke else "cuda")
+    device = init_local_rank(rank, world, port, "cpu" if smoke else "cuda")
     group = dist.group.WORLD
     sections, shapes = (SMOKE_SECTIONS, SMOKE_SHAPES) if smoke else (SECTIONS, SHAPES)
     warmup, runs, seq_warmup, seq_runs = (1, 3, 1, 2) if smoke else (5, 30, 2, 10)

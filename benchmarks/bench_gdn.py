@@ -58,8 +58,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import custom_ops  # noqa: E402
 import cp_ops.gdn as gdn_module  # noqa: E402
 from benchmarks.bench_cp2hp import cp2hp_per_sequence, hp2cp_per_sequence  # noqa: E402
-from benchmarks.common import environment, init_rank, max_over_ranks, median_ms_counted, spawn_ranks  # noqa: E402
+from benchmarks.common import environment, max_over_ranks, median_ms_counted, spawn_ranks  # noqa: E402
 from cp_ops import GatedDeltaNet, pad_cu_seqlens, shard_thd, thd_cp2hp, thd_hp2cp  # noqa: E402
+from cp_ops._local_ranks import init_local_rank  # noqa: E402
 from custom_ops.testing import rel_error  # noqa: E402
 from custom_ops.thd_copy_valid_tokens.reference import valid_token_mask  # noqa: E402
 
@@ -250,7 +251,7 @@ def _set_recompile_limit(n: int) -> None:
 
 
 def _cp_worker(rank, world, port, tokens, seqs, out, smoke, eager_only=False) -> None:
-    device = init_rank(rank, world, port, "cpu" if smoke else "cuda")
+    device = init_local_rank(rank, world, port, "cpu" if smoke else "cuda")
     group = dist.group.WORLD
     hidden, hk, hv, dk, dv = SMOKE_DIMS if smoke else (HIDDEN, HK, HV, DK, DV)
     dtype = torch.float32 if smoke else torch.bfloat16

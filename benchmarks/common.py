@@ -5,12 +5,13 @@ from __future__ import annotations
 import datetime
 import os
 import platform
-import socket
 import statistics
 import time
 
 import torch
 import triton
+
+from cp_ops._local_ranks import free_port
 
 
 def median_ms(fn, warmup_ms: int = 50, rep_ms: int = 300) -> float:
@@ -57,36 +58,9 @@ def max_over_ranks(value: float) -> float:
     return float(t.item())
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def default_world() -> int:
     """The CP size a multi-rank benchmark uses unless told: every visible GPU, at least 2."""
     return max(2, torch.cuda.device_count())
-
-
-def init_rank(rank: int, world: int, port: int, device: str) -> torch.device:
-    """Join a ``world``-rank group in a spawned benchmark worker: NCCL with rank r on GPU r
-    (``device="cuda"``), or gloo on the CPU (``device="cpu"``, the smoke runs). Returns the
-    device this rank computes on."""
-    import torch.distributed as dist
-
-    # NVLink multicast stays off on shared hosts
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    if device == "cuda":
-        torch.cuda.set_device(rank)
-        dev = torch.device("cuda", rank)
-        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=dev)
-        return dev
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    return torch.device("cpu")
 
 
 def spawn_ranks(worker, world: int, *args, device: str = "cuda") -> None:

@@ -50,7 +50,6 @@ import json
 import math
 import os
 import resource
-import socket
 import statistics
 import sys
 import tempfile
@@ -64,6 +63,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import cp_ops
+from cp_ops._local_ranks import free_port, init_local_rank
 from cp_ops.attention import RMSNorm
 
 __all__ = ["HybridLM", "build_parser", "parse_args", "run", "main", "make_batch", "TOLERANCE"]
@@ -331,12 +331,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 # --- one rank -------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class _Progress:
     """tqdm when importable, else a one-line ``\\r`` bar on stderr."""
 
@@ -502,25 +496,13 @@ def _reduce_results(res: dict, group, device: torch.device) -> dict:
 
 
 def _rank_entry(rank: int, world: int, port: int, args: argparse.Namespace, result_path: str) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
     if "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
         # W ranks compile at once: share the cores instead of W pools of cpu_count workers each
         # (on 2 cores with 2 ranks this cuts the cold compile of the defaults by about a quarter)
         import torch._inductor.config
 
         torch._inductor.config.compile_threads = max(1, (os.cpu_count() or 1) // world)
-    if args.device == "cuda":
-        # NVLink multicast stays off on shared hosts
-        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-        torch.cuda.set_device(rank)
-        device = torch.device("cuda", rank)
-        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
-    else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-        device = torch.device("cpu")
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+    device = init_local_rank(rank, world, port, args.device)
     try:
         group = dist.group.WORLD
         res = _reduce_results(_train(rank, world, group, args, device), group, device)
@@ -621,7 +603,7 @@ def run(argv: Sequence[str] | None = None) -> dict:
     else:
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "results.json")
-            mp.spawn(_rank_entry, args=(world, _free_port(), args, path), nprocs=world, join=True)
+            mp.spawn(_rank_entry, args=(world, free_port(), args, path), nprocs=world, join=True)
             with open(path) as f:
                 res = json.load(f)
     res = _summarise(args, res)
