@@ -3,9 +3,9 @@
 # make demo   install what is missing, then train a small hybrid GDN / attention model with CP (python -m cp_ops demo)
 PYTHON ?= python3
 
-.PHONY: test deps test-cpu test-interpret demo
+.PHONY: test deps test-cpu test-interpret test-opaque demo
 
-test: deps test-cpu test-interpret
+test: deps test-cpu test-interpret test-opaque
 
 # torch first, pinned to the CPU build on a fresh machine (a bare `torch` requirement pulls a
 # multi-GB CUDA build); an installed torch is kept. Then this package and its test extras.
@@ -19,6 +19,16 @@ test-cpu:
 # Triton kernels on CPU tensors: TRITON_INTERPRET must be set before triton is imported.
 test-interpret:
 	TRITON_INTERPRET=1 $(PYTHON) -m pytest -m interpret
+
+# The compile tests again with the kernels registered as opaque ops, the form the ops take when the
+# installed triton is newer than the one torch pins (custom_ops._common.kernels_visible_to_compiler):
+# layout, all-to-all and attention kernels in Triton's interpreter, the GDN layers on references.
+test-opaque:
+	CP_OPS_OPAQUE_KERNELS=1 TRITON_INTERPRET=1 $(PYTHON) -m pytest -q -k compiled \
+		tests/custom_ops tests/cp_ops/test_comm.py tests/cp_ops/test_attention.py \
+		--deselect tests/custom_ops/test_gdn_ops.py::test_compiled_fullgraph_forward_backward
+	CP_OPS_OPAQUE_KERNELS=1 $(PYTHON) -m pytest -q -k compiled \
+		tests/cp_ops/test_gdn_cp.py tests/cp_ops/test_gdn_layer.py tests/cp_ops/test_demo.py
 
 demo: deps
 	$(PYTHON) -m cp_ops demo

@@ -28,10 +28,9 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-from torch.library import triton_op
 
 import custom_ops
-from custom_ops._common import NAMESPACE, check_index_tensor
+from custom_ops._common import NAMESPACE, check_index_tensor, kernel_op
 from custom_ops.permute_sections.op import check_sections, rank_blocks_to_sections, sections_to_rank_blocks
 from custom_ops.permute_sections.reference import permute_sections_reference, unpermute_sections_reference
 
@@ -172,7 +171,7 @@ def _group_world(group_name: str, cp_size: int) -> int:
     return world
 
 
-@triton_op(f"{NAMESPACE}::thd_cp2hp", mutates_args=())
+@kernel_op(f"{NAMESPACE}::thd_cp2hp", mutates_args=())
 def _thd_cp2hp(
     x_cp: torch.Tensor, cu_seqlens_padded: torch.Tensor, sections: list[int], group_name: str, cp_size: int
 ) -> torch.Tensor:
@@ -190,7 +189,7 @@ def _(x_cp, cu_seqlens_padded, sections, group_name, cp_size):
     return x_cp.new_empty((x_cp.shape[0] * world,) + tuple(x_cp.shape[1:-1]) + (x_cp.shape[-1] // world,))
 
 
-@triton_op(f"{NAMESPACE}::thd_hp2cp", mutates_args=())
+@kernel_op(f"{NAMESPACE}::thd_hp2cp", mutates_args=())
 def _thd_hp2cp(
     y_hp: torch.Tensor, cu_seqlens_padded: torch.Tensor, sections: list[int], group_name: str, cp_size: int
 ) -> torch.Tensor:

@@ -8,10 +8,15 @@ divisibility by 2*cp_size, ...) would need a host sync, so they live in
 
 from __future__ import annotations
 
+import functools
+import importlib.metadata
+import logging
 import math
 import os
+import re
 
 import torch
+from torch.library import custom_op, triton_op
 
 NAMESPACE = "cp_ops"
 
@@ -35,6 +40,70 @@ def use_triton(t: torch.Tensor) -> bool:
     device only, so it is a trace-time constant under ``torch.compile``.
     """
     return t.device.type == "cuda" or (t.device.type == "cpu" and triton_interpreting())
+
+
+def _major_minor(version: str) -> tuple[int, int] | None:
+    m = re.match(r"(\d+)\.(\d+)", version)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def _torch_triton_pin() -> str | None:
+    """The triton version this torch build pins (CUDA wheels do), or None."""
+    try:
+        requires = importlib.metadata.requires("torch") or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for req in requires:
+        m = re.match(r"\s*(?:pytorch-)?triton\s*==\s*([0-9][^;\s]*)", req)
+        if m:
+            return m.group(1)
+    return None
+
+
+@functools.cache
+def kernels_visible_to_compiler() -> bool:
+    """Whether ops register as ``triton_op`` (Inductor sees their Triton kernels).
+
+    ``torch.compile`` analyses the Triton IR of every kernel launched inside a
+    ``triton_op`` to learn which arguments it writes. That analysis is written
+    against the triton release a torch build pins; with a newer triton (torch
+    2.11 pins 3.6; FLA's GDN backward on Hopper needs 3.7.1) it fails for every
+    kernel, torch then assumes every input is written, clones all of them at
+    each launch, and Inductor's lowering of those clones fails under dynamic
+    shapes. So when the installed triton is newer than the pinned one, the ops
+    register as opaque ``custom_op``s instead: the same kernels, launched by the
+    op at run time; graphs are unchanged (one node per op, no breaks).
+
+    ``CP_OPS_OPAQUE_KERNELS=1`` (or ``0``) forces the choice. Read once, when
+    ``custom_ops`` is imported.
+    """
+    forced = os.environ.get("CP_OPS_OPAQUE_KERNELS")
+    if forced in ("0", "1"):
+        return forced == "0"
+    if forced is not None:
+        raise ValueError(f"CP_OPS_OPAQUE_KERNELS must be 0 or 1, got {forced!r}")
+    import triton
+
+    pin, have = _torch_triton_pin(), _major_minor(triton.__version__)
+    pinned = _major_minor(pin) if pin else None
+    if pinned is None or have is None or have <= pinned:
+        return True
+    logging.getLogger("cp_ops").info(
+        "triton %s is newer than the %s torch %s pins: cp_ops kernels run as opaque ops under torch.compile",
+        triton.__version__, pin, torch.__version__,
+    )  # fmt: skip
+    return False
+
+
+def kernel_op(qualname: str, *, mutates_args):
+    """Register an op whose body launches Triton kernels through ``wrap_triton``.
+
+    ``torch.library.triton_op`` where the compiler can analyse the kernels,
+    ``torch.library.custom_op`` otherwise (:func:`kernels_visible_to_compiler`).
+    Both return the same kind of object (``register_fake``, ``register_autograd``).
+    """
+    register = triton_op if kernels_visible_to_compiler() else custom_op
+    return register(qualname, mutates_args=mutates_args)
 
 
 def check_index_tensor(name: str, t: torch.Tensor, device: torch.device, min_numel: int = 1) -> None:

@@ -12,9 +12,9 @@ import math
 
 import torch
 import triton
-from torch.library import triton_op, wrap_triton
+from torch.library import wrap_triton
 
-from custom_ops._common import NAMESPACE, check_cp_size, from_words, row_tile, to_words, use_triton, word_dtype
+from custom_ops._common import NAMESPACE, kernel_op, check_cp_size, from_words, row_tile, to_words, use_triton, word_dtype
 from custom_ops.permute_sections.kernels import permute_sections_kernel
 from custom_ops.permute_sections.reference import permute_sections_reference, unpermute_sections_reference
 
@@ -160,7 +160,7 @@ def rank_blocks_to_sections(blocks: torch.Tensor, sections: list[int], cp_size: 
     return _unpermute(blocks, sections, cp_size, rank_blocks=True)
 
 
-@triton_op(f"{NAMESPACE}::permute_sections", mutates_args=())
+@kernel_op(f"{NAMESPACE}::permute_sections", mutates_args=())
 def permute_sections(x: torch.Tensor, sections: list[int], cp_size: int) -> torch.Tensor:
     """Regroup the sections of the last dim by rank.
 
@@ -179,7 +179,7 @@ def _(x, sections, cp_size):
     return x.new_empty(x.shape)
 
 
-@triton_op(f"{NAMESPACE}::unpermute_sections", mutates_args=())
+@kernel_op(f"{NAMESPACE}::unpermute_sections", mutates_args=())
 def unpermute_sections(x: torch.Tensor, sections: list[int], cp_size: int) -> torch.Tensor:
     """The inverse of :func:`permute_sections` (``sections`` are the global widths)."""
     return _unpermute(x, sections, cp_size, rank_blocks=False)

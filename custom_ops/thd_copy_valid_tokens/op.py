@@ -2,9 +2,9 @@
 
 import torch
 import triton
-from torch.library import triton_op, wrap_triton
+from torch.library import wrap_triton
 
-from custom_ops._common import NAMESPACE, as_words, from_words, check_index_tensor, check_rows, row_tile, use_triton
+from custom_ops._common import NAMESPACE, kernel_op, as_words, from_words, check_index_tensor, check_rows, row_tile, use_triton
 from custom_ops.thd_copy_valid_tokens.kernels import thd_copy_valid_tokens_kernel
 from custom_ops.thd_copy_valid_tokens.reference import thd_copy_valid_tokens_reference, valid_token_mask
 
@@ -52,7 +52,7 @@ def _launch(dst: torch.Tensor, src: torch.Tensor, offsets: torch.Tensor, cu_seql
     )
 
 
-@triton_op(f"{NAMESPACE}::thd_copy_valid_tokens", mutates_args=())
+@kernel_op(f"{NAMESPACE}::thd_copy_valid_tokens", mutates_args=())
 def thd_copy_valid_tokens(
     dst: torch.Tensor, src: torch.Tensor, offsets: torch.Tensor, cu_seqlens: torch.Tensor
 ) -> torch.Tensor:
@@ -92,7 +92,7 @@ def _backward(ctx, grad):
 thd_copy_valid_tokens.register_autograd(_backward, setup_context=_setup_context)
 
 
-@triton_op(f"{NAMESPACE}::thd_copy_valid_tokens_", mutates_args={"dst"})
+@kernel_op(f"{NAMESPACE}::thd_copy_valid_tokens_", mutates_args={"dst"})
 def thd_copy_valid_tokens_(dst: torch.Tensor, src: torch.Tensor, offsets: torch.Tensor, cu_seqlens: torch.Tensor) -> None:
     """In-place :func:`thd_copy_valid_tokens`: writes the valid rows of ``src`` into ``dst``.
 

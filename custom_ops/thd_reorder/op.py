@@ -2,9 +2,9 @@
 
 import torch
 import triton
-from torch.library import triton_op, wrap_triton
+from torch.library import wrap_triton
 
-from custom_ops._common import NAMESPACE, as_words, from_words, check_cp_size, check_index_tensor, check_rows, row_tile, use_triton
+from custom_ops._common import NAMESPACE, kernel_op, as_words, from_words, check_cp_size, check_index_tensor, check_rows, row_tile, use_triton
 from custom_ops.thd_reorder.kernels import thd_reorder_kernel
 from custom_ops.thd_reorder.reference import thd_rank_to_seq_order_reference, thd_seq_to_rank_order_reference
 
@@ -43,7 +43,7 @@ def _launch(x: torch.Tensor, cu_seqlens_padded: torch.Tensor, cp_size: int, to_r
     return from_words(out, x.dtype, x.shape)
 
 
-@triton_op(f"{NAMESPACE}::thd_seq_to_rank_order", mutates_args=())
+@kernel_op(f"{NAMESPACE}::thd_seq_to_rank_order", mutates_args=())
 def thd_seq_to_rank_order(x: torch.Tensor, cu_seqlens_padded: torch.Tensor, cp_size: int) -> torch.Tensor:
     """Permute the rows of a sequence-order THD tensor into CP rank order.
 
@@ -64,7 +64,7 @@ def _(x, cu_seqlens_padded, cp_size):
     return x.new_empty(x.shape)
 
 
-@triton_op(f"{NAMESPACE}::thd_rank_to_seq_order", mutates_args=())
+@kernel_op(f"{NAMESPACE}::thd_rank_to_seq_order", mutates_args=())
 def thd_rank_to_seq_order(x: torch.Tensor, cu_seqlens_padded: torch.Tensor, cp_size: int) -> torch.Tensor:
     """The inverse of :func:`thd_seq_to_rank_order`: rank order -> sequence order.
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 import triton
-from torch.library import triton_op, wrap_triton
+from torch.library import wrap_triton
 
-from custom_ops._common import NAMESPACE, check_index_tensor, triton_interpreting, use_triton
+from custom_ops._common import NAMESPACE, kernel_op, check_index_tensor, triton_interpreting, use_triton
 from custom_ops.varlen_attention.kernels import (
     kernel_config,
     varlen_attn_bwd_dkdv_kernel,
@@ -131,7 +131,7 @@ def _forward_kernel(q, k, v, seg, causal, left, right, scale):
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     qs, ql, qp, ks, kl = _segments(*seg, tq, k.shape[0])
     block_d = _block_d(d)
-    cfg = kernel_config("fwd", block_d, triton_interpreting())
+    cfg = kernel_config("fwd", block_d, triton_interpreting(), q.element_size())
     grid = (triton.cdiv(tq, cfg["BLOCK_M"]) + n_seg, hq)
     cum, owner = _tile_table(ql, cfg["BLOCK_M"], grid[0])
     wrap_triton(varlen_attn_fwd_kernel)[grid](
@@ -162,14 +162,14 @@ def _backward_kernel(dout, dlse, q, k, v, out, lse, seg, causal, left, right, sc
     interpreting = triton_interpreting()
 
     delta = torch.empty((hq, tq), dtype=torch.float32, device=q.device)
-    cfg = kernel_config("bwd_pre", block_d, interpreting)
+    cfg = kernel_config("bwd_pre", block_d, interpreting, q.element_size())
     wrap_triton(varlen_attn_bwd_preprocess_kernel)[(triton.cdiv(tq, cfg["BLOCK_M"]), hq)](
         out, dout, dlse, delta, tq,
         out.stride(0), out.stride(1), dout.stride(0), dout.stride(1), delta.stride(0),
         HEAD_DIM=d, BLOCK_D=block_d, **cfg,
     )  # fmt: skip
 
-    cfg = kernel_config("bwd_dq", block_d, interpreting)
+    cfg = kernel_config("bwd_dq", block_d, interpreting, q.element_size())
     grid = (triton.cdiv(tq, cfg["BLOCK_M"]) + n_seg, hq)
     cum, owner = _tile_table(ql, cfg["BLOCK_M"], grid[0])
     wrap_triton(varlen_attn_bwd_dq_kernel)[grid](
@@ -181,7 +181,7 @@ def _backward_kernel(dout, dlse, q, k, v, out, lse, seg, causal, left, right, sc
         CAUSAL=causal, HEAD_DIM=d, BLOCK_D=block_d, **cfg,
     )  # fmt: skip
 
-    cfg = kernel_config("bwd_dkdv", block_d, interpreting)
+    cfg = kernel_config("bwd_dkdv", block_d, interpreting, q.element_size())
     # segments without queries own no key tile; the grid has one program per key tile
     # of the key tensor (plus one per segment for partial tiles) and strides over the rest
     cum = _tile_cumsum(kl, cfg["BLOCK_N"], gate=ql > 0)
@@ -196,7 +196,7 @@ def _backward_kernel(dout, dlse, q, k, v, out, lse, seg, causal, left, right, sc
     return dq, dk.to(k.dtype), dv.to(v.dtype)
 
 
-@triton_op(f"{NAMESPACE}::varlen_attention", mutates_args=())
+@kernel_op(f"{NAMESPACE}::varlen_attention", mutates_args=())
 def _varlen_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -228,7 +228,7 @@ def _(q, k, v, q_start, q_len, q_pos, k_start, k_len, causal=True, window_left=-
     return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=lse_dtype(q.dtype))
 
 
-@triton_op(f"{NAMESPACE}::varlen_attention_backward", mutates_args=())
+@kernel_op(f"{NAMESPACE}::varlen_attention_backward", mutates_args=())
 def _varlen_attention_backward(
     dout: torch.Tensor,
     dlse: torch.Tensor,
