@@ -53,6 +53,29 @@ CONFIGS = {
     },
 }
 
+# float32 inputs: the tables above are tuned for 2-byte elements, and at 4 bytes their
+# tiles need more shared memory than a Hopper SM has (the D = 128 forward asks for 256 KiB
+# of 227). Smaller tiles and fewer stages, each kernel within about 160 KiB: q/k/v tiles
+# plus num_stages copies of the streamed ones.
+WIDE_CONFIGS = {
+    "fwd": {
+        128: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2, K_ROWS=False),
+        256: dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1, K_ROWS=False),
+    },
+    "bwd_dkdv": {
+        64: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=1),
+        128: dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=1),
+        256: dict(BLOCK_M=16, BLOCK_N=32, num_warps=8, num_stages=1),
+    },
+    "bwd_dq": {
+        128: dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
+        256: dict(BLOCK_M=32, BLOCK_N=32, num_warps=8, num_stages=1),
+    },
+    "bwd_pre": {
+        256: dict(BLOCK_M=64, num_warps=4, num_stages=1),
+    },
+}
+
 # Under TRITON_INTERPRET=1 the kernels run in numpy: small tiles keep CPU tests
 # fast and still give several tiles (and all three loop phases) per segment.
 INTERPRET_CONFIGS = {
@@ -63,11 +86,12 @@ INTERPRET_CONFIGS = {
 }
 
 
-def kernel_config(kernel: str, block_d: int, interpreting: bool) -> dict:
-    """The launch config of ``kernel`` for head-dim tile ``block_d``."""
+def kernel_config(kernel: str, block_d: int, interpreting: bool, element_size: int = 2) -> dict:
+    """The launch config of ``kernel`` for head-dim tile ``block_d`` and q/k/v elements of
+    ``element_size`` bytes."""
     if interpreting:
         return dict(INTERPRET_CONFIGS[kernel])
-    table = CONFIGS[kernel]
+    table = (CONFIGS if element_size <= 2 else WIDE_CONFIGS)[kernel]
     for bound in sorted(table):
         if block_d <= bound:
             return dict(table[bound])

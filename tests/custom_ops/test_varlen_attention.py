@@ -425,10 +425,10 @@ def test_bad_input():
 # --- code generation for Hopper (compiled here, no GPU needed) ------------------------------------
 
 
-def _compile_for_sm90(kernel, config: dict, head_dim: int = 128, float_type: str = "fp32"):
-    """Compile ``kernel`` for sm_90 with ``config`` as the launcher would (bf16 tensors,
-    int32 tables, 16-byte-aligned pointers and strides, float scalars of ``float_type``)
-    and return its TTGIR text."""
+def _compile_for_sm90(kernel, config: dict, head_dim: int = 128, float_type: str = "fp32", element: str = "*bf16"):
+    """Compile ``kernel`` for sm_90 with ``config`` as the launcher would (q/k/v/o tensors of
+    ``element``, int32 tables, 16-byte-aligned pointers and strides, float scalars of
+    ``float_type``) and return the compiled kernel (``.asm["ttgir"]``, ``.metadata.shared``)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -440,7 +440,7 @@ def _compile_for_sm90(kernel, config: dict, head_dim: int = 128, float_type: str
         if name in constants:
             signature[name] = "constexpr"
         elif name in ("Q", "K", "V", "O", "DO", "DQ"):
-            signature[name] = "*bf16"
+            signature[name] = element
         elif name in ("LSE", "DELTA", "DK", "DV"):
             signature[name] = "*fp32"
         elif name.endswith("_ptr"):
@@ -461,7 +461,7 @@ def _compile_for_sm90(kernel, config: dict, head_dim: int = 128, float_type: str
         constexprs={(names.index(k),): v for k, v in constants.items()},
         attrs=aligned,
     )
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ttgir"]
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 _KERNELS = {
@@ -482,7 +482,7 @@ def test_key_and_query_loops_pipeline_on_hopper(kind):
     """
     pytest.importorskip("triton.backends.nvidia")
     try:
-        ttgir = _compile_for_sm90(_KERNELS[kind], kernels_mod.kernel_config(kind, 128, interpreting=False))
+        ttgir = _compile_for_sm90(_KERNELS[kind], kernels_mod.kernel_config(kind, 128, interpreting=False)).asm["ttgir"]
     except (ImportError, TypeError, AttributeError) as e:  # compile API of another triton release
         pytest.skip(f"cannot compile for sm_90 with triton {triton.__version__}: {e}")
     assert "ttng.warp_group_dot" in ttgir, "no wgmma: the dots are not on Hopper's matrix path"
@@ -498,7 +498,26 @@ def test_kernels_take_fp64_scales(kind):
     pytest.importorskip("triton.backends.nvidia")
     config = kernels_mod.kernel_config(kind, 64, interpreting=False)
     try:
-        ttgir = _compile_for_sm90(_KERNELS[kind], config, head_dim=64, float_type="fp64")
+        ttgir = _compile_for_sm90(_KERNELS[kind], config, head_dim=64, float_type="fp64").asm["ttgir"]
     except (ImportError, TypeError, AttributeError) as e:  # compile API of another triton release
         pytest.skip(f"cannot compile for sm_90 with triton {triton.__version__}: {e}")
     assert "ttng.warp_group_dot" in ttgir
+
+
+# The most dynamic shared memory one block may use on an H100 / H200 (227 KiB).
+HOPPER_MAX_SHARED = 232448
+
+
+@pytest.mark.parametrize("element", ["*bf16", "*fp32"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("kind", list(_KERNELS))
+def test_launch_configs_fit_hopper_shared_memory(kind, head_dim, element):
+    """Every launch config the op picks fits an SM's shared memory, 2- and 4-byte inputs.
+    (The bf16-tuned D = 128 forward once asked 256 KiB for float32 and failed to launch.)"""
+    pytest.importorskip("triton.backends.nvidia")
+    config = kernels_mod.kernel_config(kind, head_dim, interpreting=False, element_size=int(element[-2:]) // 8)
+    try:
+        compiled = _compile_for_sm90(_KERNELS[kind], config, head_dim=head_dim, element=element)
+    except (ImportError, TypeError, AttributeError) as e:  # compile API of another triton release
+        pytest.skip(f"cannot compile for sm_90 with triton {triton.__version__}: {e}")
+    assert compiled.metadata.shared <= HOPPER_MAX_SHARED, (config, compiled.metadata.shared)
