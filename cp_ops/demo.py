@@ -21,10 +21,19 @@ cross-entropy over its local targets and divides by the global count, so the sum
 over ranks is the one-device loss and the parameter gradients, summed over the CP
 group (all-reduce) before the optimizer step, are the one-device gradients.
 
-Before training, step 1 is checked against the same model (same seed, same
-weights, same batch) run eagerly on one device over the whole batch without a
-group: the relative error of the loss and of every parameter gradient (after the
-all-reduce), ``||g_cp - g_ref|| / ||g_ref||``, max over parameters and ranks.
+Step 1 is checked against the same model (same seed, same weights, same batch)
+run eagerly on one device over the whole batch without a group: the relative
+error of the loss and of every parameter gradient (after the all-reduce),
+``||g_cp - g_ref|| / ||g_ref||``, max over parameters and ranks. The check runs
+in ``--check-dtype`` (default: ``--dtype``). With ``--dtype bfloat16
+--check-dtype float32`` a float32 copy of the model runs step 1 on the CP ranks,
+compiled like training, before training starts (which then compiles afresh in
+bfloat16): bfloat16 rounding alone moves this model's step-1 gradients by tens
+of percent (``benchmarks/demo_precision.py``), more than any useful tolerance.
+On GPUs a float32 check needs ``TRITON_F32_DEFAULT=ieee`` as well (Triton's
+float32 dots are TF32 by default, and this model amplifies TF32 rounding into
+errors of order 1 between any two runs) and compiles and autotunes a second set
+of kernels (FLA's included), which takes minutes on a cold cache.
 
 Counting: graph breaks are ``sum(torch._dynamo.utils.counters["graph_break"].values())``
 and compiles are counted by a backend wrapper around Inductor
@@ -244,9 +253,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"attention head dim, even ({_both('attn_head_dim')})")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help=f"parameter and activation dtype ({_both('dtype')})")
+    p.add_argument("--check-dtype", choices=["float32", "bfloat16"], default=None,
+                   help="dtype of the step-1 check (default: --dtype); when it differs from --dtype, a copy of "
+                        "the model in this dtype runs step 1 on the CP ranks (compiled unless --eager) before "
+                        "training. bfloat16 rounding alone moves this model's step-1 gradients by tens of "
+                        "percent (benchmarks/demo_precision.py). On GPUs, float32 dots in Triton kernels are "
+                        "TF32 unless TRITON_F32_DEFAULT=ieee is set, with the same effect")
     p.add_argument("--tol", type=float, default=None,
                    help="max relative error of the step-1 loss and parameter gradients vs one device "
-                        f"(default: {TOLERANCE['float32']:g} for float32, {TOLERANCE['bfloat16']:g} for bfloat16)")
+                        f"(default: {TOLERANCE['float32']:g} for a float32 check, {TOLERANCE['bfloat16']:g} "
+                        "for bfloat16)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the data")
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
     p.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
@@ -321,8 +337,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error(f"--head-dim {args.attn_head_dim} must be even (rotary embedding)")
     if on_cuda and max(args.gdn_head_dim, args.attn_head_dim) > 256:
         p.error("the CUDA kernels take head dims up to 256")
+    if args.check_dtype is None:
+        args.check_dtype = args.dtype
     if args.tol is None:
-        args.tol = TOLERANCE[args.dtype]
+        args.tol = TOLERANCE[args.check_dtype]
     if args.lr <= 0:
         p.error(f"--lr must be > 0, got {args.lr}")
     return args
@@ -393,6 +411,14 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(num / den) if den > 0 else float(num)
 
 
+def _errors(loss: torch.Tensor, model: nn.Module, reference) -> dict:
+    """Relative error of the loss and of every parameter gradient against ``reference``."""
+    errors = {"loss": _rel(loss, reference[0])}
+    for name, p in model.named_parameters():
+        errors[name] = _rel(p.grad, reference[1][name])
+    return errors
+
+
 def _train(rank: int, world: int, group, args: argparse.Namespace, device: torch.device) -> dict:
     """Build, check step 1, train; runs on every rank. Returns this rank's results."""
     import torch._dynamo
@@ -415,44 +441,68 @@ def _train(rank: int, world: int, group, args: argparse.Namespace, device: torch
     num_targets = sum(max(n - 1, 0) for n in args.seqlens)
     num_real = sum(args.seqlens)
 
-    reference = None
-    if not args.no_check:
-        # the same model, eager, one device, the whole batch, no group
-        ref_model = copy.deepcopy(model)
-        tokens, labels, cu, cup = batch(0)
-        ref_loss = ref_model(tokens, labels, cu, cup) / num_targets
-        ref_loss.backward()
-        reference = (ref_loss.detach().float(), {n: p.grad for n, p in ref_model.named_parameters()})
-        del ref_model
-
-    torch._dynamo.reset()
-    counters.clear()
-    counter = CompileCounterWithBackend("inductor")
-    fn = model if args.eager else torch.compile(model, fullgraph=True, backend=counter)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-
-    losses, times, errors = [], [], {}
-    progress = _Progress(args.steps, enabled=rank == 0 and not args.quiet)
-    for step in range(args.steps):
+    def step_grads(fn, net, step: int) -> torch.Tensor:
+        """One forward/backward of ``net`` (through ``fn``) on this rank's shard; the global loss."""
         tokens, labels, cu, cup = batch(step)
         if world > 1:
             tokens, labels = (cp_ops.shard_thd(t, cup, world, rank) for t in (tokens, labels))
-        _sync(device)
-        start = time.perf_counter()
         loss = fn(tokens, labels, cu, cup, group=group) / num_targets
         loss.backward()
         loss = loss.detach().float()
         if world > 1:
             # CP layer gradients are each rank's contribution, the rest each rank's tokens' share
-            for p in model.parameters():
+            for p in net.parameters():
                 dist.all_reduce(p.grad, group=group)
             dist.all_reduce(loss, group=group)
+        return loss
+
+    def compile_fresh(net):
+        torch._dynamo.reset()
+        counters.clear()
+        counter = CompileCounterWithBackend("inductor")
+        return (net if args.eager else torch.compile(net, fullgraph=True, backend=counter)), counter
+
+    t_start = time.perf_counter()
+
+    def say(text: str) -> None:  # what a long first step is busy with
+        if rank == 0 and not args.quiet:
+            print(f"[{time.perf_counter() - t_start:6.1f} s] {text}", file=sys.stderr, flush=True)
+
+    reference, errors = None, {}
+    if not args.no_check:
+        say(f"step 1 on one device, eager, {args.check_dtype} (the reference)")
+        # the same model in the check dtype, eager, one device, the whole batch, no group
+        check_dtype = getattr(torch, args.check_dtype)
+        ref_model = copy.deepcopy(model).to(check_dtype)
+        tokens, labels, cu, cup = batch(0)
+        ref_loss = ref_model(tokens, labels, cu, cup) / num_targets
+        ref_loss.backward()
+        reference = (ref_loss.detach().float(), {n: p.grad for n, p in ref_model.named_parameters()})
+        del ref_model
+        if check_dtype != dtype:
+            # step 1 of a copy in the check dtype, run the way training runs (CP ranks, compiled),
+            # before training; training then compiles afresh in its own dtype
+            say(f"step 1 on {world} rank(s), {'eager' if args.eager else 'compiling'}, {args.check_dtype} (the check)")
+            check_model = copy.deepcopy(model).to(check_dtype)
+            loss = step_grads(compile_fresh(check_model)[0], check_model, 0)
+            errors = _errors(loss, check_model, reference)
+            reference = None
+            del check_model
+
+    fn, counter = compile_fresh(model)
+    say(f"training on {world} rank(s), {args.dtype}" + ("" if args.eager else "; step 1 compiles"))
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+
+    losses, times = [], []
+    progress = _Progress(args.steps, enabled=rank == 0 and not args.quiet)
+    for step in range(args.steps):
+        _sync(device)
+        start = time.perf_counter()
+        loss = step_grads(fn, model, step)
         checking = 0.0
         if step == 0 and reference is not None:  # not part of the step's time
             t0 = time.perf_counter()
-            errors["loss"] = _rel(loss, reference[0])
-            for name, p in model.named_parameters():
-                errors[name] = _rel(p.grad, reference[1][name])
+            errors = _errors(loss, model, reference)
             checking = time.perf_counter() - t0
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -537,6 +587,7 @@ def _summarise(args: argparse.Namespace, res: dict) -> dict:
         tokens_per_s=res["num_real_tokens"] / step_time if step_time > 0 else float("nan"),
         recompiles=max(res["compiles"] - 1, 0),
         tol=args.tol,
+        check_dtype=args.check_dtype,
     )
     failures = []
     if out["compiled"] and out["graph_breaks"] > 0:
@@ -566,7 +617,8 @@ def format_table(res: dict) -> str:
         ("compile time", fmt(res["compile_time_s"], ".1f") + " s (step 1 - median)" if res["compiled"] else "n/a (eager)"),
         ("graph breaks", str(res["graph_breaks"]) if res["compiled"] else "n/a (eager)"),
         ("recompiles", str(res["recompiles"]) if res["compiled"] else "n/a (eager)"),
-        ("max rel error", f"{res['max_rel_error']:.2e} vs one device (tol {res['tol']:g}; {res['worst']})"
+        ("max rel error", f"{res['max_rel_error']:.2e} vs one device, step 1 in {res['check_dtype']} "
+                          f"(tol {res['tol']:g}; {res['worst']})"
          if res["worst"] else "n/a (--no-check)"),
         ("loss", f"{res['losses'][0]:.4f} -> {res['losses'][-1]:.4f}"),
         ("peak memory", fmt(res["peak_memory_mib"], ",.0f") + " MiB"
@@ -592,6 +644,20 @@ def run(argv: Sequence[str] | None = None) -> dict:
     (``torch._dynamo.reset()``) first.
     """
     args = parse_args(argv)
+    res = _run_ranks(args)
+    res = _summarise(args, res)
+    if not args.quiet:
+        print(format_table(res))
+        for failure in res["failures"]:
+            print(f"FAILED: {failure}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return res
+
+
+def _run_ranks(args: argparse.Namespace) -> dict:
+    """Train on ``args.cp_size`` ranks (this process for one); rank 0's results."""
     world = args.cp_size
     if world == 1:
         device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
@@ -606,14 +672,6 @@ def run(argv: Sequence[str] | None = None) -> dict:
             mp.spawn(_rank_entry, args=(world, free_port(), args, path), nprocs=world, join=True)
             with open(path) as f:
                 res = json.load(f)
-    res = _summarise(args, res)
-    if not args.quiet:
-        print(format_table(res))
-        for failure in res["failures"]:
-            print(f"FAILED: {failure}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
     return res
 
 

@@ -40,6 +40,17 @@ def test_one_rank_eager_in_process():
     assert res["num_targets"] == 36 + 19 + 4 and res["num_real_tokens"] == 63
 
 
+def test_float32_check_of_a_bfloat16_run():
+    """--check-dtype float32: a float32 copy runs step 1 compiled (not counted as training's
+    compile) and is checked at the float32 tolerance; training then runs in bfloat16."""
+    res = demo.run(TINY + ["--cp-size", "1", "--steps", "2", "--dtype", "bfloat16", "--check-dtype", "float32"])
+    assert res["dtype"] == "bfloat16" and res["check_dtype"] == "float32"
+    assert res["tol"] == demo.TOLERANCE["float32"]
+    assert 0 < res["max_rel_error"] < demo.TOLERANCE["float32"], res["errors"]
+    assert res["compiles"] == 1 and res["recompiles"] == 0 and res["graph_breaks"] == 0
+    assert res["ok"]
+
+
 def test_batch_labels_and_padding():
     tokens, labels, cu, cup = demo.make_batch([5, 0, 1, 3], 2, 50, seed=0)
     assert cup.tolist() == [0, 8, 8, 12, 16] and cu.tolist() == [0, 5, 5, 6, 9]
@@ -77,6 +88,9 @@ def test_bad_options_are_argparse_errors(argv, message, capsys):
 def test_defaults():
     args = demo.parse_args(["--device", "cpu"])
     assert args.cp_size == 2 and args.dtype == "float32" and args.tol == demo.TOLERANCE["float32"]
+    assert args.check_dtype == "float32"
+    args = demo.parse_args(["--device", "cpu", "--dtype", "bfloat16"])
+    assert args.check_dtype == "bfloat16" and args.tol == demo.TOLERANCE["bfloat16"]
     assert 0 in args.seqlens and 1 in args.seqlens
     assert args.gdn_k_heads % args.cp_size == 0 and args.gdn_v_heads % args.gdn_k_heads == 0
     assert demo.parse_args(["--device", "cpu", "--cp-size", "3"]).gdn_k_heads == 3
