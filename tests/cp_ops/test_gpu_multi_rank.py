@@ -118,22 +118,29 @@ def _gdn_rank(rank, world, compiled):
     x = torch.randn(num_rows, 256, device="cuda", dtype=torch.bfloat16)
     grad_out = torch.randn_like(x)
 
+    # The reference runs the same way (compiled or eager) on one rank over the global batch, so
+    # CP is the only difference: compiled bf16 and eager bf16 differ by about as much as the
+    # tolerance on their own (Inductor keeps fp32 between fused elementwise ops; 2-4e-3 on
+    # the CPU references), which would hide nothing and flag noise.
+    fn = torch.compile(layer, fullgraph=True) if compiled else layer
     x_ref = x.clone().requires_grad_()
-    out_ref = layer(x_ref, cup)
+    out_ref = fn(x_ref, cup)
     out_ref.backward(grad_out)
     ref_grads = {n: p.grad.float().clone() for n, p in layer.named_parameters()}
     layer.zero_grad()
 
     x_cp = shard_thd(x, cup, world, rank).requires_grad_()
-    fn = torch.compile(layer, fullgraph=True) if compiled else layer
     out_cp = fn(x_cp, cup, group=dist.group.WORLD)
     out_cp.backward(shard_thd(grad_out, cup, world, rank))
-    assert rel_error(out_cp, shard_thd(out_ref, cup, world, rank)) < 5e-3
-    assert rel_error(x_cp.grad, shard_thd(x_ref.grad, cup, world, rank)) < 5e-3
+    errors = {
+        "out": rel_error(out_cp, shard_thd(out_ref, cup, world, rank)),
+        "dx": rel_error(x_cp.grad, shard_thd(x_ref.grad, cup, world, rank)),
+    }
     for name, p in layer.named_parameters():
         g = p.grad.float()
         dist.all_reduce(g)
-        assert rel_error(g, ref_grads[name]) < 5e-3, name
+        errors[name] = rel_error(g, ref_grads[name])
+    assert max(errors.values()) < 5e-3, errors
 
 
 @pytest.mark.parametrize("compiled", COMPILED)
