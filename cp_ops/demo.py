@@ -74,6 +74,7 @@ import torch.nn.functional as F
 import cp_ops
 from cp_ops._local_ranks import free_port, init_local_rank
 from cp_ops.attention import RMSNorm
+from custom_ops._common import kernels_visible_to_compiler
 
 __all__ = ["HybridLM", "build_parser", "parse_args", "run", "main", "make_batch", "TOLERANCE"]
 
@@ -581,6 +582,7 @@ def _summarise(args: argparse.Namespace, res: dict) -> dict:
         device=args.device,
         dtype=args.dtype,
         compiled=not args.eager,
+        kernels_visible=kernels_visible_to_compiler(),
         seqlens=list(args.seqlens),
         step_time_s=step_time,
         compile_time_s=times[0] - step_time if len(times) > 1 else float("nan"),
@@ -609,7 +611,10 @@ def format_table(res: dict) -> str:
         ("backend", res["backend"]),
         ("device", res["device"]),
         ("dtype", res["dtype"]),
-        ("mode", "torch.compile(fullgraph=True)" if res["compiled"] else "eager"),
+        ("mode", ("torch.compile(fullgraph=True)" if res["compiled"] else "eager")
+         + ("" if not res["compiled"] else "; ops run torch references on the CPU" if res["device"] == "cpu"
+            else "; our Triton kernels in Inductor's graph" if res["kernels_visible"]
+            else "; our Triton kernels in opaque ops (triton newer than torch's pin)")),
         ("tokens / step", f"{res['num_real_tokens']} real, {res['num_rows']} rows padded"),
         ("tokens/s", fmt(res["tokens_per_s"], ",.0f") + " (real tokens of the global batch)"),
         ("step time", fmt(res["step_time_s"] * 1e3, ".1f") + " ms (median after step 1)"
