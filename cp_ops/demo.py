@@ -33,7 +33,8 @@ of percent (``benchmarks/demo_precision.py``), more than any useful tolerance.
 On GPUs a float32 check needs ``TRITON_F32_DEFAULT=ieee`` as well (Triton's
 float32 dots are TF32 by default, and this model amplifies TF32 rounding into
 errors of order 1 between any two runs) and compiles and autotunes a second set
-of kernels (FLA's included), which takes minutes on a cold cache.
+of kernels (FLA's included): on a cold cache, the one-device float32 reference
+step of a 2-GPU run did not finish within 505 s on an H200.
 
 Counting: graph breaks are ``sum(torch._dynamo.utils.counters["graph_break"].values())``
 and compiles are counted by a backend wrapper around Inductor
@@ -489,6 +490,8 @@ def _train(rank: int, world: int, group, args: argparse.Namespace, device: torch
             errors = _errors(loss, check_model, reference)
             reference = None
             del check_model
+            if device.type == "cuda":  # the peak reported is training's
+                torch.cuda.reset_peak_memory_stats(device)
 
     fn, counter = compile_fresh(model)
     say(f"training on {world} rank(s), {args.dtype}" + ("" if args.eager else "; step 1 compiles"))
@@ -649,20 +652,6 @@ def run(argv: Sequence[str] | None = None) -> dict:
     (``torch._dynamo.reset()``) first.
     """
     args = parse_args(argv)
-    res = _run_ranks(args)
-    res = _summarise(args, res)
-    if not args.quiet:
-        print(format_table(res))
-        for failure in res["failures"]:
-            print(f"FAILED: {failure}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
-    return res
-
-
-def _run_ranks(args: argparse.Namespace) -> dict:
-    """Train on ``args.cp_size`` ranks (this process for one); rank 0's results."""
     world = args.cp_size
     if world == 1:
         device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
@@ -677,6 +666,14 @@ def _run_ranks(args: argparse.Namespace) -> dict:
             mp.spawn(_rank_entry, args=(world, free_port(), args, path), nprocs=world, join=True)
             with open(path) as f:
                 res = json.load(f)
+    res = _summarise(args, res)
+    if not args.quiet:
+        print(format_table(res))
+        for failure in res["failures"]:
+            print(f"FAILED: {failure}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
     return res
 
 
