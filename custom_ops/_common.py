@@ -68,11 +68,13 @@ def kernels_visible_to_compiler() -> bool:
     ``triton_op`` to learn which arguments it writes. That analysis is written
     against the triton release a torch build pins; with a newer triton (torch
     2.11 pins 3.6; FLA's GDN backward on Hopper needs 3.7.1) it fails for every
-    kernel, torch then assumes every input is written, clones all of them at
-    each launch, and Inductor's lowering of those clones fails under dynamic
-    shapes. So when the installed triton is newer than the pinned one, the ops
+    kernel, torch then assumes every input is written and clones all of them at
+    each launch, and Inductor's lowering of those clones fails (seen on torch
+    2.11 + triton 3.7.1 compiling the GDN CP layer's backward; pytorch issue
+    181735). So when the installed triton is newer than the pinned one, the ops
     register as opaque ``custom_op``s instead: the same kernels, launched by the
-    op at run time; graphs are unchanged (one node per op, no breaks).
+    op at run time; Inductor calls each op as one extern node, and graphs still
+    have no breaks.
 
     ``CP_OPS_OPAQUE_KERNELS=1`` (or ``0``) forces the choice. Read once, when
     ``custom_ops`` is imported.
