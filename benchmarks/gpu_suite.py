@@ -87,6 +87,9 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    # Most of a cold run is Triton compiling and FLA autotuning the same kernels in every part
+    # and every rank process; keep the autotuning results on disk so later processes reuse them.
+    os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
     import torch
 
