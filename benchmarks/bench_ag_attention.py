@@ -8,6 +8,8 @@ totalling 32768 and 65536 real tokens globally, bf16, causal, H = 16 query heads
              timed on rank 0 while the other ranks wait
   W 1L       cp_ops.ag_thd_attention on each rank's shard, one launch (both local chunks)
   W 2L       the same with launches=2 (one launch per local chunk + thd_copy_valid_tokens)
+  W 1L comp  the one-launch form under torch.compile(fullgraph=True): the segment tables,
+             the K/V concatenation and the reorder fused, fewer launches than eager
   all-gather the K,V all-gather alone (the communication part of the forward)
 
 Forward (no autograd) and forward+backward times are medians over a fixed number of runs
@@ -18,6 +20,12 @@ Before timing, each CP form is checked against the one-GPU result (bf16 rel_erro
 
     python benchmarks/bench_ag_attention.py [--world W] [--gqa 1] [--out FILE]
     python benchmarks/bench_ag_attention.py --smoke     # 2 gloo ranks on the CPU, tiny shapes
+    python benchmarks/bench_ag_attention.py --work-model   # CPU only: kernel tiles per rank vs one GPU
+
+``--work-model`` counts, for the same batches, the (query tile, key tile) pairs the causal
+forward kernel visits at its D = 128 launch config on one GPU and on each rank at W = 2, 4,
+8: the share of the scaling loss that comes from the CP layout itself (shorter segments,
+more partial tiles) rather than from communication or launch overhead.
 
 spawns one process per GPU itself (W GPUs, default every visible GPU, at least 2), prints
 a markdown table and, with --out, writes it to FILE as well. ``--smoke`` runs the same
@@ -107,12 +115,13 @@ def _worker(rank: int, world: int, port: int, gqa: int, out: str | None, smoke: 
 
                 return fn
 
+            forms = {1: cp_fn(1), 2: cp_fn(2), "compiled": torch.compile(cp_fn(1), fullgraph=True)}
             with torch.no_grad():
                 want = shard_thd(one_gpu(q, k, v), cup, world, rank)
-                for launches in (1, 2):
-                    err = rel_error(cp_fn(launches)(*local[:3]), want)
+                for form, fn in forms.items():
+                    err = rel_error(fn(*local[:3]), want)
                     if err > TOLERANCE[DTYPE]:
-                        raise AssertionError(f"T={total} launches={launches}: rel_error {err:.3g} against one GPU")
+                        raise AssertionError(f"T={total} form {form}: rel_error {err:.3g} against one GPU")
 
             # one GPU: rank 0 alone; the other ranks wait at the barrier
             t1 = [0.0, 0.0]
@@ -125,9 +134,9 @@ def _worker(rank: int, world: int, port: int, gqa: int, out: str | None, smoke: 
                 torch.cuda.empty_cache()
 
             times = {}
-            for launches in (1, 2):
-                fwd, step = _fwd_and_step(cp_fn(launches), *local)
-                times[launches] = [max_over_ranks(timed(fwd)), max_over_ranks(timed(step))]
+            for form, fn in forms.items():
+                fwd, step = _fwd_and_step(fn, *local)
+                times[form] = [max_over_ranks(timed(fwd)), max_over_ranks(timed(step))]
             kv_cp = torch.cat([local[1], local[2]], dim=1)
 
             def gather():
@@ -139,9 +148,10 @@ def _worker(rank: int, world: int, port: int, gqa: int, out: str | None, smoke: 
 
             t_ag = max_over_ranks(timed(gather))
             for label, idx in (("fwd", 0), ("fwd+bwd", 1)):
-                w1, w2 = times[1][idx], times[2][idx]
+                w1, w2, wc = times[1][idx], times[2][idx], times["compiled"][idx]
                 rows.append((total, len(lens), label, t1[idx], w1, w2, t1[idx] / (world * w1),
-                             t1[idx] / (world * w2), w2 / w1, t_ag if idx == 0 else float("nan")))  # fmt: skip
+                             t1[idx] / (world * w2), w2 / w1, t_ag if idx == 0 else float("nan"),
+                             wc, t1[idx] / (world * wc)))  # fmt: skip
             del local, kv_cp
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -153,14 +163,14 @@ def _worker(rank: int, world: int, port: int, gqa: int, out: str | None, smoke: 
                 f"D = {head_dim}; T = real tokens of the global batch (packed documents); times in ms, median "
                 f"over {runs} runs, max over ranks; eff = T_1 / (W * T_W)\n",
                 f"| T | docs | pass | 1 GPU | W={world} 1 launch | W={world} 2 launches | eff 1L | eff 2L | 2L / 1L "
-                "| KV all-gather |",
-                "|---|---|---|---|---|---|---|---|---|---|",
+                f"| KV all-gather | W={world} 1L compiled | eff 1L compiled |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|",
             ]
             for r in rows:
                 ag = "" if r[9] != r[9] else f"{r[9]:.3f}"
                 lines.append(
                     f"| {r[0]} | {r[1]} | {r[2]} | {r[3]:.3f} | {r[4]:.3f} | {r[5]:.3f} | {r[6]:.2f} | {r[7]:.2f} "
-                    f"| {r[8]:.2f} | {ag} |"
+                    f"| {r[8]:.2f} | {ag} | {r[10]:.3f} | {r[11]:.2f} |"
                 )
             print("\n".join(lines), flush=True)
             if out:
@@ -168,6 +178,47 @@ def _worker(rank: int, world: int, port: int, gqa: int, out: str | None, smoke: 
                     f.write("\n".join(lines) + "\n")
     finally:
         dist.destroy_process_group()
+
+
+def tile_pairs(q_len, q_pos, k_len, block_m: int, block_n: int) -> int:
+    """(query tile, key tile) pairs the causal forward visits over segments ``[S]`` of q rows
+    (``block_m``-row tiles per segment) whose keys start at position 0 of the sequence."""
+    q_len, q_pos, k_len = (t.to(torch.int64) for t in (q_len, q_pos, k_len))
+    tiles = (q_len + block_m - 1) // block_m
+    seg = torch.repeat_interleave(torch.arange(len(q_len)), tiles)
+    first = torch.arange(len(seg)) - torch.repeat_interleave(torch.cumsum(tiles, 0) - tiles, tiles)
+    # last query position of each tile, and the keys it may see (causal)
+    last = q_pos[seg] + torch.minimum((first + 1) * block_m, q_len[seg]) - 1
+    keys = torch.minimum(k_len[seg], last + 1)
+    return int(((keys + block_n - 1) // block_n).sum())
+
+
+def work_model() -> str:
+    """The --work-model table (CPU only, no kernels run)."""
+    from cp_ops.attention import ag_thd_segments
+    from custom_ops.varlen_attention.kernels import kernel_config
+
+    cfg = kernel_config("fwd", HEAD_DIM, interpreting=False)
+    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    lines = [
+        f"causal forward, BLOCK_M = {bm}, BLOCK_N = {bn} (D = {HEAD_DIM} config); tile pairs visited; "
+        "ratio = W * (most loaded rank) / (one GPU): the kernel work CP adds, 1.00 = none\n",
+        "| T | docs | one GPU | W | per rank (min-max) | ratio |",
+        "|---|---|---|---|---|---|",
+    ]
+    for total in TOTALS:
+        lens = packed_lengths(total)
+        lt = torch.tensor(lens)
+        one = tile_pairs(lt, torch.zeros_like(lt), lt, bm, bn)
+        for world in (2, 4, 8):
+            cu, cup = pad_cu_seqlens(lens, world)
+            per = []
+            for rank in range(world):
+                _, ql, qp, _, kl = ag_thd_segments(cu, cup, world, rank, causal=True)
+                per.append(tile_pairs(ql, qp, kl, bm, bn))
+            lines.append(f"| {total} | {len(lens)} | {one} | {world} | {min(per)}-{max(per)} | "
+                         f"{world * max(per) / one:.2f} |")  # fmt: skip
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -178,7 +229,11 @@ def main() -> None:
     parser.add_argument("--gqa", type=int, default=1, help="query heads per kv head (Hkv = H / gqa)")
     parser.add_argument("--smoke", action="store_true", help="2 gloo ranks on the CPU, tiny shapes, few runs")
     parser.add_argument("--out", help="also write the table to this markdown file")
+    parser.add_argument("--work-model", action="store_true", help="print the kernel-tile work model (CPU) and exit")
     args = parser.parse_args()
+    if args.work_model:
+        print(work_model())
+        return
     heads = SMOKE_HEADS if args.smoke else HEADS
     if heads % args.gqa:
         raise SystemExit(f"--gqa must divide {heads}")
