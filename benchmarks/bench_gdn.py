@@ -25,9 +25,9 @@ One GPU: times are medians of ``triton.testing.do_bench`` in ms; prints a markdo
              per-section all-to-alls of bench_cp2hp (cp2hp_per_sequence, hp2cp_per_sequence);
              they read the layout on the host, so they cannot compile: compare with the
              eager CP layer
-  breakdown  one rank's step in pieces, fwd+bwd each: in_proj and out_proj on the local
-             rows; cp2hp and hp2cp (fused and per-sequence); conv, core and gated norm on
-             all rows for 1/W of the heads
+  breakdown  one rank's step in pieces, fwd+bwd each: in_proj, gated norm and out_proj on
+             the local rows; cp2hp and hp2cp (fused and per-sequence); conv and core on all
+             rows for 1/W of the heads
 
 Multi-rank times are medians of a fixed number of runs (CUDA events; the same count on
 every rank, since the ranks meet in every all-to-all), max over ranks. Scaling efficiency
@@ -92,9 +92,10 @@ def _fwd_bwd(fn, inputs, grad):
 def piece_steps(layer: GatedDeltaNet, x: torch.Tensor, cup: torch.Tensor, world: int = 1) -> dict:
     """Closures running the compute pieces of one rank's layer step (``world`` ranks; 1 = one GPU).
 
-    in_proj and out_proj on x's rows (``[T/W, hidden]``); conv, core and gated norm on all
-    ``T = W * x.shape[0]`` rows for 1/W of the heads (what a rank of the CP layer runs), on
-    random inputs of those shapes. fwd+bwd each, except "core fwd".
+    in_proj (the layer's two GEMMs, :meth:`GatedDeltaNet.project`), gated norm and out_proj
+    on x's rows (``[T/W, hidden]``, all heads); conv and core on all ``T = W * x.shape[0]``
+    rows for 1/W of the heads (what a rank of the CP layer runs), on random inputs of those
+    shapes. fwd+bwd each, except "core fwd".
     """
     dev, dtype = x.device, x.dtype
     local_rows, rows = x.shape[0], x.shape[0] * world
@@ -106,9 +107,9 @@ def piece_steps(layer: GatedDeltaNet, x: torch.Tensor, cup: torch.Tensor, world:
         return torch.randn(*shape, device=dev, dtype=dt)
 
     with torch.no_grad():
-        proj = layer.in_proj(x)
+        proj = torch.cat(layer.project(x), -1)
     # the conv reads a column slice of the head-parallel projection, as in the layer
-    proj_hp = randn(rows, sum(layer.sections(world))).requires_grad_()
+    proj_hp = randn(rows, sum(layer.exchanged_sections(world))).requires_grad_()
     weight = layer.conv1d.weight[:conv_w, 0, :].detach().contiguous().requires_grad_()
     q = torch.nn.functional.normalize(randn(rows, hk, dk), dim=-1).requires_grad_()
     k = torch.nn.functional.normalize(randn(rows, hk, dk), dim=-1).requires_grad_()
@@ -116,8 +117,10 @@ def piece_steps(layer: GatedDeltaNet, x: torch.Tensor, cup: torch.Tensor, world:
     g = torch.nn.functional.logsigmoid(randn(rows, hv, dt=torch.float32) + 3).requires_grad_()
     beta = torch.rand(rows, hv, device=dev).requires_grad_()
     o_grad = randn(rows, hv, dv)
-    z = randn(rows, hv, dv).requires_grad_()
-    o_in = randn(rows, hv, dv).requires_grad_()
+    # the gated norm runs on the local rows, all heads
+    z = randn(local_rows, layer.num_v_heads, dv).requires_grad_()
+    o_in = randn(local_rows, layer.num_v_heads, dv).requires_grad_()
+    norm_grad = randn(local_rows, layer.num_v_heads, dv)
     core_in = randn(local_rows, layer.value_dim).requires_grad_()
     norm_c = torch.compile(layer.norm, fullgraph=True, dynamic=True)
 
@@ -125,7 +128,9 @@ def piece_steps(layer: GatedDeltaNet, x: torch.Tensor, cup: torch.Tensor, world:
         return custom_ops.chunk_gated_delta_rule(q, k, v, g, beta, cup)
 
     return {
-        "in_proj fwd+bwd": _fwd_bwd(lambda: layer.in_proj(x), [x, layer.in_proj.weight], torch.randn_like(proj)),
+        "in_proj fwd+bwd": _fwd_bwd(
+            lambda: torch.cat(layer.project(x), -1), [x, layer.in_proj.weight], torch.randn_like(proj)
+        ),
         "conv fwd+bwd": _fwd_bwd(
             lambda: custom_ops.causal_conv1d(proj_hp[:, :conv_w], weight, None, cup, "silu"),
             [proj_hp, weight],
@@ -133,8 +138,8 @@ def piece_steps(layer: GatedDeltaNet, x: torch.Tensor, cup: torch.Tensor, world:
         ),
         "core fwd": core,
         "core fwd+bwd": _fwd_bwd(core, [q, k, v, g, beta], o_grad),
-        "gated norm fwd+bwd eager": _fwd_bwd(lambda: layer.norm(o_in, z), [o_in, z], o_grad),
-        "gated norm fwd+bwd compiled": _fwd_bwd(lambda: norm_c(o_in, z), [o_in, z], o_grad),
+        "gated norm fwd+bwd eager": _fwd_bwd(lambda: layer.norm(o_in, z), [o_in, z], norm_grad),
+        "gated norm fwd+bwd compiled": _fwd_bwd(lambda: norm_c(o_in, z), [o_in, z], norm_grad),
         "out_proj fwd+bwd": _fwd_bwd(
             lambda: layer.out_proj(core_in), [core_in, layer.out_proj.weight], randn(local_rows, layer.hidden_size)
         ),
@@ -225,18 +230,19 @@ def per_sequence_all_to_all():
 
 
 def a2a_steps(layer: GatedDeltaNet, x_cp: torch.Tensor, cup: torch.Tensor, group, cp2hp, hp2cp) -> dict:
-    """fwd+bwd closures of the layer's two all-to-alls on one rank: cp2hp of the in_proj output
-    (``[T/W, F]``, six sections) and hp2cp of the core output (``[T, Hv*dv/W]``, one section)."""
+    """fwd+bwd closures of the layer's two all-to-alls on one rank: cp2hp of the q, k, v, b, a
+    projections (``[T/W, F]``, five sections; z stays local) and hp2cp of the core output
+    (``[T, Hv*dv/W]``, one section)."""
     world = group.size()
     rows = x_cp.shape[0] * world
     with torch.no_grad():
-        proj = layer.in_proj(x_cp).requires_grad_()
+        proj = layer.project(x_cp)[0].requires_grad_()
     width = layer.value_dim // world
     core_hp = torch.randn(rows, width, device=x_cp.device, dtype=x_cp.dtype, requires_grad=True)
     grad_hp = torch.randn(rows, proj.shape[-1] // world, device=x_cp.device, dtype=x_cp.dtype)
     grad_cp = torch.randn(x_cp.shape[0], layer.value_dim, device=x_cp.device, dtype=x_cp.dtype)
     return {
-        "cp2hp": _fwd_bwd(lambda: cp2hp(proj, cup, layer.sections(), group), [proj], grad_hp),
+        "cp2hp": _fwd_bwd(lambda: cp2hp(proj, cup, layer.exchanged_sections(), group), [proj], grad_hp),
         "hp2cp": _fwd_bwd(lambda: hp2cp(core_hp, cup, [width], group), [core_hp], grad_cp),
     }
 
@@ -417,8 +423,8 @@ def _cp_table(results, cases, world, dims, dtype, runs, seq_runs, notes) -> str:
         _fla_environment(world) + "\n",
         f"times in ms: median of {runs} runs ({seq_runs} for per-seq), max over ranks; 1 GPU on rank 0 alone; "
         f"efficiency = T_1 / (W * T_W); rel error on real tokens, max over ranks; the pieces below the "
-        f"efficiency rows are one rank's share (projections on T/W rows; conv, core, norm on T rows, "
-        f"1/W of the heads)\n",
+        f"efficiency rows are one rank's share (projections and gated norm on T/W rows; conv and "
+        f"core on T rows, 1/W of the heads)\n",
     ]
     lines += [f"- {n}" for n in notes] + ([""] if notes else [])
     lines += [

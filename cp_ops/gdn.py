@@ -77,10 +77,15 @@ class GatedDeltaNet(nn.Module):
     recurrence are causal and padding sits at each sequence's tail, so the real
     tokens' outputs do not depend on the padding. ``group=None`` runs the whole
     batch on this device. With context parallelism (W ranks, x the local shard
-    ``[T/W, hidden]``): ``in_proj -> thd_cp2hp(proj, cu, sections, group)`` (this
-    rank's 1/W of every section's heads, all tokens) ``-> head_parallel_core(proj_hp,
-    cu, r*Hk/W, Hk/W) -> thd_hp2cp -> out_proj``; it needs ``Hk % W == 0`` (hence
-    ``Hv % W == 0``).
+    ``[T/W, hidden]``): ``in_proj`` on the local rows, then ``thd_cp2hp`` of the
+    q, k, v, b, a sections (:meth:`exchanged_sections`: this rank's 1/W of their
+    heads, all tokens) ``-> head_parallel_core(proj_hp, cu, r*Hk/W, Hk/W) ->
+    thd_hp2cp`` of the delta-rule output, then the gated norm with the local z and
+    ``out_proj``; it needs ``Hk % W == 0`` (hence ``Hv % W == 0``). The gate z
+    never leaves its rank: the gated norm is per token and head, so it runs after
+    the all-to-all back, on the local rows, and ``thd_cp2hp`` carries
+    ``2*Hk*dk + Hv*dv + 2*Hv`` features instead of ``2*Hk*dk + 2*Hv*dv + 2*Hv``
+    (a third less at Qwen3-Next's shapes).
     """
 
     def __init__(
@@ -117,42 +122,63 @@ class GatedDeltaNet(nn.Module):
         dk, dv = self.head_k_dim, self.head_v_dim
         return [hk * dk, hk * dk, hv * dv, hv * dv, hv, hv]
 
+    def exchanged_sections(self, cp_size: int = 1) -> list[int]:
+        """Widths of the sections q, k, v, b, a that ``thd_cp2hp`` carries (per rank when
+        ``cp_size > 1``): :meth:`sections` without z, which stays on its rank."""
+        q, k, v, _, b, a = self.sections(cp_size)
+        return [q, k, v, b, a]
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``in_proj(x)`` as ``(qkvba [R, 2*Hk*dk + Hv*dv + 2*Hv], z [R, Hv*dv])``.
+
+        Two GEMMs on row blocks of ``in_proj.weight`` (the q, k, v rows with the b, a
+        rows; then the z rows), so the sections that travel through ``thd_cp2hp`` come
+        out contiguous: the concatenation copies weight rows, not activations.
+        """
+        w = self.in_proj.weight
+        conv_w, v_w = self.conv_dim, self.value_dim
+        qkvba = F.linear(x, torch.cat([w[:conv_w], w[conv_w + v_w :]]))
+        return qkvba, F.linear(x, w[conv_w : conv_w + v_w])
+
     def forward(self, x: torch.Tensor, cu_seqlens_padded: torch.Tensor, group=None) -> torch.Tensor:
         """x ``[T/W, hidden]`` (this rank's THD shard; the whole batch when ``group`` is None)
         -> ``[T/W, hidden]``. ``cu_seqlens_padded`` is the *global* layout.
 
-        With a group of W ranks: ``in_proj`` on the local tokens, one ``thd_cp2hp``
-        (all tokens, this rank's 1/W of the heads), the head-parallel core, one
-        ``thd_hp2cp`` back to the local tokens, ``out_proj``. Parameter gradients
-        are this rank's contribution; sum them over the CP group (as data
-        parallelism does) to get the single-device gradients.
+        With a group of W ranks: the projections on the local tokens, one
+        ``thd_cp2hp`` of q, k, v, b, a (all tokens, this rank's 1/W of the heads), the
+        head-parallel core, one ``thd_hp2cp`` of its output back to the local tokens,
+        the gated norm with the local z, ``out_proj``. Parameter gradients are this
+        rank's contribution; sum them over the CP group (as data parallelism does) to
+        get the single-device gradients.
         """
-        group_name, world = resolve_group(group)
-        if world == 1:
-            proj = self.in_proj(x)
-            return self.out_proj(self.head_parallel_core(proj, cu_seqlens_padded, 0, self.num_k_heads))
+        _, world = resolve_group(group)
         if self.num_k_heads % world or self.num_v_heads % world:
             raise ValueError(
                 f"num_k_heads = {self.num_k_heads} and num_v_heads = {self.num_v_heads} must be divisible by "
                 f"the CP size {world}"
             )
-        rank = group_rank(group)
-        heads = self.num_k_heads // world
-        proj_hp = thd_cp2hp(self.in_proj(x), cu_seqlens_padded, self.sections(), group)
-        core_hp = self.head_parallel_core(proj_hp, cu_seqlens_padded, rank * heads, heads)
-        core_cp = thd_hp2cp(core_hp, cu_seqlens_padded, [core_hp.shape[-1]], group)
-        return self.out_proj(core_cp)
+        qkvba, z = self.project(x)
+        if world == 1:
+            o = self.head_parallel_core(qkvba, cu_seqlens_padded, 0, self.num_k_heads)
+        else:
+            heads = self.num_k_heads // world
+            qkvba_hp = thd_cp2hp(qkvba, cu_seqlens_padded, self.exchanged_sections(), group)
+            o_hp = self.head_parallel_core(qkvba_hp, cu_seqlens_padded, group_rank(group) * heads, heads)
+            o = thd_hp2cp(o_hp, cu_seqlens_padded, [o_hp.shape[-1]], group)
+        rows, hv, dv = x.shape[0], self.num_v_heads, self.head_v_dim
+        gated = self.norm(o.view(rows, hv, dv), z.view(rows, hv, dv))
+        return self.out_proj(gated.reshape(rows, hv * dv))
 
     def head_parallel_core(
         self, proj_hp: torch.Tensor, cu_seqlens: torch.Tensor, k_head_start: int, num_k_heads: int
     ) -> torch.Tensor:
-        """conv -> l2norm -> gates -> delta rule -> gated norm for one range of heads, all tokens.
+        """conv -> l2norm -> gates -> delta rule for one range of heads, all tokens.
 
-        proj_hp ``[T, F_r]``: in_proj output restricted to key heads
+        proj_hp ``[T, F_r]``: the q, k, v, b, a sections restricted to key heads
         ``[k_head_start, k_head_start + num_k_heads)`` and their value heads
-        ``[G*k_head_start, G*(k_head_start + num_k_heads))``, sections in the order
-        q, k, v, z, b, a (what ``thd_cp2hp`` returns with ``sections()``). Returns
-        ``[T, Hv_r * dv]``, the input of out_proj for those value heads.
+        ``[G*k_head_start, G*(k_head_start + num_k_heads))`` (what ``thd_cp2hp``
+        returns with :meth:`exchanged_sections`). Returns the delta-rule output
+        ``[T, Hv_r * dv]`` of those value heads; the gated norm comes after.
         """
         num_rows = proj_hp.shape[0]
         group = self.num_v_heads // self.num_k_heads
@@ -161,8 +187,8 @@ class GatedDeltaNet(nn.Module):
         v_start = k_head_start * group
         qk_w, v_w = hk * dk, hv * dv
         conv_w = 2 * qk_w + v_w
-        if proj_hp.shape[-1] != conv_w + v_w + 2 * hv:
-            raise ValueError(f"proj_hp has {proj_hp.shape[-1]} features, expected {conv_w + v_w + 2 * hv} for {hk} key heads")
+        if proj_hp.shape[-1] != conv_w + 2 * hv:
+            raise ValueError(f"proj_hp has {proj_hp.shape[-1]} features, expected {conv_w + 2 * hv} for {hk} key heads")
 
         # the conv channels of this head range: q, k and v blocks of the full conv weight
         weight = self.conv1d.weight[:, 0, :]
@@ -179,9 +205,8 @@ class GatedDeltaNet(nn.Module):
         q = l2norm(mixed[:, :qk_w].reshape(num_rows, hk, dk))
         k = l2norm(mixed[:, qk_w : 2 * qk_w].reshape(num_rows, hk, dk))
         v = mixed[:, 2 * qk_w :].reshape(num_rows, hv, dv)
-        z = proj_hp[:, conv_w : conv_w + v_w].reshape(num_rows, hv, dv)
-        b = proj_hp[:, conv_w + v_w : conv_w + v_w + hv]
-        a = proj_hp[:, conv_w + v_w + hv :]
+        b = proj_hp[:, conv_w : conv_w + hv]
+        a = proj_hp[:, conv_w + hv :]
 
         wide = torch.promote_types(proj_hp.dtype, torch.float32)
         a_log = self.A_log[v_start : v_start + hv].to(wide)
@@ -189,8 +214,7 @@ class GatedDeltaNet(nn.Module):
         g = -a_log.exp() * F.softplus(a.to(wide) + dt_bias)
         beta = torch.sigmoid(b.to(wide))
 
-        o = chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens)
-        return self.norm(o, z).reshape(num_rows, v_w)
+        return chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens).reshape(num_rows, v_w)
 
 
 def from_qwen3_next_state_dict(

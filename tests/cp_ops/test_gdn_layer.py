@@ -70,16 +70,27 @@ def test_head_parallel_core_is_additive_over_head_ranges():
     concatenating gives the full core: the slicing of sections, conv channels and gates."""
     layer = _layer(num_k_heads=4, num_v_heads=8)
     x, _, cup = _packed([10, 3, 7])
-    proj = layer.in_proj(x)
+    proj = layer.project(x)[0]
     full = layer.head_parallel_core(proj, cup, 0, 4)
-    widths = layer.sections()
+    widths = layer.exchanged_sections()
     parts = torch.split(proj, widths, dim=-1)
     halves = []
     for r in range(2):
         local = [p.chunk(2, dim=-1)[r] for p in parts]
         halves.append(layer.head_parallel_core(torch.cat(local, -1), cup, 2 * r, 2))
-    assert layer.sections(2) == [w // 2 for w in widths]
+    assert layer.exchanged_sections(2) == [w // 2 for w in widths]
     assert rel_error(torch.cat(halves, -1), full) < TOLERANCE[torch.float64]
+
+
+def test_project_is_in_proj_without_and_with_z():
+    """project() splits in_proj into the exchanged sections q, k, v, b, a and the local z."""
+    layer = _layer()
+    x = random_tensor((9, HIDDEN), torch.float64)
+    q, k, v, z, b, a = torch.split(layer.in_proj(x), layer.sections(), dim=-1)
+    qkvba, z_local = layer.project(x)
+    assert rel_error(qkvba, torch.cat([q, k, v, b, a], -1)) < TOLERANCE[torch.float64]
+    assert rel_error(z_local, z) < TOLERANCE[torch.float64]
+    assert sum(layer.exchanged_sections()) == qkvba.shape[-1]
 
 
 def test_from_qwen3_next_state_dict():
