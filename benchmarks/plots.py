@@ -129,11 +129,12 @@ def plot_scaling(secs, out):
     points = []  # (label, efficiency)
     gdn = section(secs, "GatedDeltaNet with CP")
     for rows in tables(gdn):
-        row = {r[""]: r for r in rows}["scaling efficiency, eager"]
-        for col, val in row.items():
-            if col:
-                w = re.search(r"W=(\d+)", "".join(r[""] for r in rows)).group(1)
-                points.append((f"GDN layer eager\nW={w}, {col}", num(val)))
+        by_name = {r[""]: r for r in rows}
+        w = re.search(r"W=(\d+)", "".join(by_name)).group(1)
+        for mode in ("eager", "compiled"):
+            for col, val in by_name.get(f"scaling efficiency, {mode}", {}).items():
+                if col and val != "nan":
+                    points.append((f"GDN layer {mode}\nW={w}, {col}", num(val)))
     ag = section(secs, "All-gather CP attention")
     for rows in (t for t in tables(ag) if "pass" in t[0]):  # the timing tables, not the work model
         world = [k for k in rows[0] if k.startswith("W=")][0].split()[0]
