@@ -117,6 +117,9 @@ def fla_dt_bias_(dt_bias: torch.Tensor, dt_min: float = 1e-3, dt_max: float = 0.
 # defaults that depend on the device: (cpu, cuda)
 DEVICE_DEFAULTS = {
     "seqlens": ("300,0,1,260,129", "8192,0,1,4093,300,12000,2047,5000"),
+    "steps": (6, 20),
+    # width 1024 in bf16 at 3e-3: the loss rose again after step 3 on H200s (docs/benchmarks.md)
+    "lr": (3e-3, 1e-3),
     "blocks": (2, 4),
     "hidden": (64, 1024),
     "mlp": (128, 2816),
@@ -259,7 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="instead of --seqlens: this many random lengths in [0, --max-len] (seeded), the first "
                         "two being 0 and 1")
     p.add_argument("--max-len", type=int, default=512, help="longest random length with --num-seqs")
-    p.add_argument("--steps", type=int, default=6, help="training steps (the first one is checked and compiles)")
+    p.add_argument("--steps", type=int, default=None,
+                   help=f"training steps; the first one is checked and compiles ({_both('steps')})")
     p.add_argument("--data", choices=["fixed", "fresh"], default="fixed",
                    help="fixed: one random batch every step (the loss falls as it is memorised); "
                         "fresh: new random tokens each step (same lengths)")
@@ -298,7 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
                         f"(default: {TOLERANCE['float32']:g} for a float32 check, {TOLERANCE['bfloat16']:g} "
                         "for bfloat16)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the data")
-    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    p.add_argument("--lr", type=float, default=None, help=f"AdamW learning rate ({_both('lr')})")
     p.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
     p.add_argument("--eager", action="store_true", help="run the model eagerly instead of torch.compile(fullgraph=True)")
     p.add_argument("--no-check", action="store_true", help="skip the step-1 check against one device")
@@ -493,9 +497,13 @@ def _train(rank: int, world: int, group, args: argparse.Namespace, device: torch
         loss.backward()
         loss = loss.detach().float()
         if world > 1:
-            # CP layer gradients are each rank's contribution, the rest each rank's tokens' share
-            for p in net.parameters():
-                dist.all_reduce(p.grad, group=group)
+            # CP layer gradients are each rank's contribution, the rest each rank's tokens' share;
+            # one all-reduce of all of them (a flat copy), as a data-parallel bucket would
+            grads = [p.grad for p in net.parameters()]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=group)
+            for g, summed in zip(grads, flat.split([g.numel() for g in grads])):
+                g.copy_(summed.view_as(g))
             dist.all_reduce(loss, group=group)
         return loss
 
@@ -533,8 +541,8 @@ def _train(rank: int, world: int, group, args: argparse.Namespace, device: torch
             errors = _errors(loss, check_model, reference)
             reference = None
             del check_model
-            if device.type == "cuda":  # the peak reported is training's
-                torch.cuda.reset_peak_memory_stats(device)
+    if device.type == "cuda":  # the peak reported is training's, not the reference's (whole batch)
+        torch.cuda.reset_peak_memory_stats(device)
 
     fn, counter = compile_fresh(model)
     say(f"training on {world} rank(s), {args.dtype}" + ("" if args.eager else "; step 1 compiles"))

@@ -108,5 +108,6 @@ def test_help_lists_options():
     for option in ("--cp-size", "--seqlens", "--steps", "--hidden", "--heads", "--dtype", "--seed", "--lr", "--eager"):
         assert option in out.stdout
     text = " ".join(out.stdout.split())
-    for default in ("(default: 0)", "(default: 0.003)", "(default: 6)", "(default: 2 on cpu", "(default: float32 on cpu"):
+    for default in ("(default: 0)", "(default: 0.003 on cpu", "(default: 6 on cpu", "(default: 2 on cpu",
+                    "(default: float32 on cpu"):
         assert default in text
