@@ -12,6 +12,12 @@ T/B (a fixed seed) and sum to T; each is padded to whole CP chunks (2W rows, 2 o
 GPU). "fwd+bwd" runs forward and backward with a fixed upstream gradient.
 
 One GPU: times are medians of ``triton.testing.do_bench`` in ms; prints a markdown table.
+``--kernel-time`` adds, for the layer and each piece, the summed device time of the kernels
+it launches (``benchmarks.common.kernel_ms``, torch.profiler): where a row's kernels take far
+less than its time, the host (Python, launches, setup ops) is the limit, not the GPU.
+``--rank-share W [W ...]`` also times, on this one GPU, the pieces one rank of a W-rank CP
+layer runs (conv and core on all rows for 1/W of the heads; projections and norm on T/W
+rows), without collectives: how each piece shrinks with W, apart from communication.
 
 ``--cp W`` (W ranks, one GPU each, NCCL; W must divide Hk), per shape:
 
@@ -58,7 +64,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import custom_ops  # noqa: E402
 import cp_ops.gdn as gdn_module  # noqa: E402
 from benchmarks.bench_cp2hp import cp2hp_per_sequence, hp2cp_per_sequence  # noqa: E402
-from benchmarks.common import environment, max_over_ranks, median_ms_counted, spawn_ranks  # noqa: E402
+from benchmarks.common import environment, kernel_ms, max_over_ranks, median_ms_counted, spawn_ranks  # noqa: E402
 from cp_ops import GatedDeltaNet, pad_cu_seqlens, shard_thd, thd_cp2hp, thd_hp2cp  # noqa: E402
 from cp_ops._local_ranks import init_local_rank  # noqa: E402
 from custom_ops.testing import rel_error  # noqa: E402
@@ -146,23 +152,32 @@ def piece_steps(layer: GatedDeltaNet, x: torch.Tensor, cup: torch.Tensor, world:
     }
 
 
-def bench_case(layer, tokens: int, num_seqs: int) -> dict[str, float]:
+def bench_case(layer, tokens: int, num_seqs: int, kernel_time: bool = False, shares=()) -> dict[str, float]:
     gen = torch.Generator().manual_seed(tokens + num_seqs)
-    _, cup = pad_cu_seqlens(_lengths(tokens, num_seqs, gen), 1, device="cuda")
+    lens = _lengths(tokens, num_seqs, gen)
+    _, cup = pad_cu_seqlens(lens, 1, device="cuda")
     tokens = int(cup[-1])  # padding to whole 2-row chunks can add a row per sequence
     dev, bf16 = "cuda", torch.bfloat16
     x = torch.randn(tokens, HIDDEN, device=dev, dtype=bf16, requires_grad=True)
     grad = torch.randn(tokens, HIDDEN, device=dev, dtype=bf16)
     params = list(layer.parameters())
     compiled = torch.compile(layer, fullgraph=True, dynamic=True)
-    res = {}
-    res["layer fwd eager"] = do_bench(lambda: layer(x, cup))
-    res["layer fwd+bwd eager"] = do_bench(_fwd_bwd(lambda: layer(x, cup), [x] + params, grad))
-    res["layer fwd compiled"] = do_bench(lambda: compiled(x, cup))
-    res["layer fwd+bwd compiled"] = do_bench(_fwd_bwd(lambda: compiled(x, cup), [x] + params, grad))
-    # the pieces (fwd+bwd each)
-    for name, fn in piece_steps(layer, x, cup).items():
-        res[name] = do_bench(fn)
+    steps = {
+        "layer fwd eager": lambda: layer(x, cup),
+        "layer fwd+bwd eager": _fwd_bwd(lambda: layer(x, cup), [x] + params, grad),
+        "layer fwd compiled": lambda: compiled(x, cup),
+        "layer fwd+bwd compiled": _fwd_bwd(lambda: compiled(x, cup), [x] + params, grad),
+    }
+    steps.update(piece_steps(layer, x, cup))  # the pieces (fwd+bwd each)
+    for world in shares:  # one rank's pieces of a W-rank CP layer (its padded layout), on this GPU
+        if layer.num_k_heads % world:
+            raise SystemExit(f"--rank-share {world}: W must divide Hk = {layer.num_k_heads}")
+        _, cup_w = pad_cu_seqlens(lens, world, device=dev)
+        local = torch.randn(int(cup_w[-1]) // world, HIDDEN, device=dev, dtype=bf16, requires_grad=True)
+        steps.update({f"W={world} share: {k}": fn for k, fn in piece_steps(layer, local, cup_w, world).items()})
+    res = {name: do_bench(fn) for name, fn in steps.items()}
+    if kernel_time:
+        res.update({f"{name}: kernels": kernel_ms(fn) for name, fn in steps.items()})
     return res
 
 
@@ -454,6 +469,10 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="with --cp: gloo ranks on the CPU, tiny layer, few runs")
     parser.add_argument("--eager-only", action="store_true", help="with --cp: skip the compiled layer (eager rows only)")
     parser.add_argument("--out", help="also write the table to this markdown file")
+    parser.add_argument("--kernel-time", action="store_true",
+                        help="one GPU: also the summed kernel time of each row (torch.profiler)")
+    parser.add_argument("--rank-share", type=int, nargs="+", default=[], metavar="W",
+                        help="one GPU: also time one rank's pieces of a W-rank CP layer, no collectives")
     args = parser.parse_args()
     if args.smoke:
         world = args.cp or 2
@@ -476,7 +495,7 @@ def main() -> None:
     torch.manual_seed(0)
     layer = GatedDeltaNet(HIDDEN, HK, HV, DK, DV).to("cuda", torch.bfloat16)
     cases = [(t, b) for t in tokens for b in seqs]
-    results = {case: bench_case(layer, *case) for case in cases}
+    results = {case: bench_case(layer, *case, args.kernel_time, args.rank_share) for case in cases}
 
     lines = [
         f"## GatedDeltaNet (hidden {HIDDEN}, Hk {HK}, Hv {HV}, dk = dv = {DK}), bf16, median ms\n",

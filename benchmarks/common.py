@@ -48,6 +48,32 @@ def median_ms_counted(fn, warmup: int = 5, runs: int = 30, device: torch.device 
     return statistics.median(times)
 
 
+def kernel_ms(fn, runs: int = 5, warmup: int = 2, device: torch.device | str = "cuda") -> float:
+    """Device time of the kernels one ``fn()`` launches, in ms: the profiler's self device time
+    of every event, summed and divided by ``runs`` (on the CPU: self CPU time of the ops).
+
+    Against a wall-clock time of the same ``fn`` it tells whether the GPU or the host is the
+    limit: a step whose kernels take far less than its wall time waits on the host (Python,
+    launches, small setup ops). Kernels that wait for other ranks (collectives) count their
+    waiting as device time.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.device(device).type == "cuda"
+    for _ in range(warmup):
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        for _ in range(runs):
+            fn()
+        if cuda:
+            torch.cuda.synchronize()
+    events = prof.key_averages()
+    total_us = sum(e.self_device_time_total if cuda else e.self_cpu_time_total for e in events)
+    return total_us / runs / 1e3
+
+
 def max_over_ranks(value: float) -> float:
     """The largest ``value`` over the default process group (a step is as slow as its slowest rank)."""
     import torch.distributed as dist

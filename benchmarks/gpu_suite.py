@@ -8,7 +8,8 @@ PARTS (default: every part that fits the visible GPUs):
   attention       benchmarks/bench_varlen_attention.py       (if present)
   attention-tune  the same with --tune: kernel configs
   attention-profile  the same with --profile: CUDA time per kernel
-  gdn             benchmarks/bench_gdn.py: the layer on one GPU, T = 32768 and 65536
+  gdn             benchmarks/bench_gdn.py: the layer on one GPU, T = 32768 and 65536, with kernel
+                  times and the pieces one rank runs at W = 2 and 4
   demo            python -m cp_ops demo --cp-size 1 (the hybrid stack on one GPU)
   a2a             benchmarks/bench_cp2hp.py --world W                  multi-rank, >= 2 GPUs
   ag-attention    benchmarks/bench_ag_attention.py --world W           multi-rank, >= 2 GPUs
@@ -43,7 +44,10 @@ PARTS = {
     "attention": (1, [sys.executable, "benchmarks/bench_varlen_attention.py"]),
     "attention-tune": (1, [sys.executable, "benchmarks/bench_varlen_attention.py", "--tune"]),
     "attention-profile": (1, [sys.executable, "benchmarks/bench_varlen_attention.py", "--profile"]),
-    "gdn": (1, [sys.executable, "benchmarks/bench_gdn.py", "--out", "{out}/gdn.md"]),
+    "gdn": (
+        1,
+        [sys.executable, "benchmarks/bench_gdn.py", "--kernel-time", "--rank-share", "2", "4", "--out", "{out}/gdn.md"],
+    ),
     "demo": (1, [sys.executable, "-m", "cp_ops", "demo", "--cp-size", "1"]),
     # multi-rank: {world} is the CP size, {name} the part's name with it (a2a-w8)
     "a2a": (2, [sys.executable, "benchmarks/bench_cp2hp.py", "--world", "{world}", "--out", "{out}/{name}.md"]),
