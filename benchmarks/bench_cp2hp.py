@@ -11,12 +11,15 @@ For each shape (Qwen3-Next GDN in_proj sections, bf16):
 Each time is the median over a fixed number of runs after warm-up, timed with CUDA events,
 and the maximum of that median over the ranks (the slower rank sets the pace).
 
-    python benchmarks/bench_cp2hp.py [--world W] [--out FILE]
+    python benchmarks/bench_cp2hp.py [--world W] [--out FILE] [--profile]
     python benchmarks/bench_cp2hp.py --smoke       # 2 gloo ranks on the CPU, tiny shapes
 
 spawns one process per GPU itself (W GPUs, default every visible GPU, at least 2), prints a
 markdown table and, with --out, writes it to FILE as well. W must divide every section.
 ``--smoke`` runs the same code path (checks included) on the CPU, with wall-clock timing.
+``--profile`` adds, per shape, the kernels of one bare all-to-all, one cp2hp and one hp2cp
+on rank 0 with their device times (torch.profiler, mean of 5 calls): where cp2hp's time
+goes beyond the exchange (the section-permutation and reorder passes, anything else).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import cp_ops  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     default_world,
     environment,
+    kernel_breakdown,
     max_over_ranks,
     median_ms_counted,
     spawn_ranks,
@@ -120,7 +124,7 @@ def hp2cp_per_sequence(y_hp: torch.Tensor, cu_seqlens_padded: torch.Tensor, sect
     return torch.cat(seqs)
 
 
-def _worker(rank: int, world: int, port: int, out: str | None, smoke: bool) -> None:
+def _worker(rank: int, world: int, port: int, out: str | None, smoke: bool, profile: bool = False) -> None:
     device = init_local_rank(rank, world, port, "cpu" if smoke else "cuda")
     group = dist.group.WORLD
     sections, shapes = (SMOKE_SECTIONS, SMOKE_SHAPES) if smoke else (SECTIONS, SHAPES)
@@ -131,7 +135,7 @@ def _worker(rank: int, world: int, port: int, out: str | None, smoke: bool) -> N
             return max_over_ranks(median_ms_counted(fn, seq_warmup, seq_runs, device))
         return max_over_ranks(median_ms_counted(fn, warmup, runs, device))
 
-    rows = []
+    rows, kernels = [], []
     try:
         features = sum(sections)
         local_sections = [s // world for s in sections]
@@ -156,6 +160,15 @@ def _worker(rank: int, world: int, port: int, out: str | None, smoke: bool) -> N
             t_hp2cp = timed(lambda: cp_ops.thd_hp2cp(x_hp, cup, local_sections, group))
             t_seq = timed(lambda: cp2hp_per_sequence(x_cp, cup, sections, group), per_sequence=True)
             t_seq_back = timed(lambda: hp2cp_per_sequence(x_hp, cup, local_sections, group), per_sequence=True)
+            if profile:  # every rank profiles (the calls meet in the all-to-all); rank 0 reports
+                for name, fn in (
+                    ("bare a2a", lambda: dist.all_to_all_single(flat_out, flat, group=group)),
+                    ("cp2hp", lambda: cp_ops.thd_cp2hp(x_cp, cup, sections, group)),
+                    ("hp2cp", lambda: cp_ops.thd_hp2cp(x_hp, cup, local_sections, group)),
+                ):
+                    parts = kernel_breakdown(fn, runs=5, warmup=1, device=device)
+                    listed = "; ".join(f"{k[:50]} {ms:.3f}" for k, ms in parts[:6])
+                    kernels.append(f"- T={total} B={num_seqs} {name}: {sum(ms for _, ms in parts):.3f} ms: {listed}")
             mb = x_cp.numel() * x_cp.element_size() / 2**20
             rows.append((total, num_seqs, mb, t_bare, t_cp2hp, t_hp2cp, t_seq, t_seq_back, t_cp2hp / t_bare,
                          t_seq / t_cp2hp))  # fmt: skip
@@ -175,6 +188,8 @@ def _worker(rank: int, world: int, port: int, out: str | None, smoke: bool) -> N
                 "| {} | {} | {:.0f} | {:.3f} | {:.3f} | {:.3f} | {:.3f} | {:.3f} | {:.2f} | {:.1f} |".format(*r)
                 for r in rows
             ]
+            if kernels:
+                lines += ["", "kernels per call on rank 0 (device ms, mean of 5 calls; slowest first):", *kernels]
             print("\n".join(lines), flush=True)
             if out:
                 with open(out, "w") as f:
@@ -190,12 +205,13 @@ def main() -> None:
     )
     parser.add_argument("--smoke", action="store_true", help="2 gloo ranks on the CPU, tiny shapes, few runs")
     parser.add_argument("--out", help="also write the table to this markdown file")
+    parser.add_argument("--profile", action="store_true", help="also list the kernels of each op per shape")
     args = parser.parse_args()
     world = args.world or (2 if args.smoke else default_world())
     bad = [s for s in (SMOKE_SECTIONS if args.smoke else SECTIONS) if s % world]
     if bad:
         raise SystemExit(f"--world {world} must divide every section width, not {bad}")
-    spawn_ranks(_worker, world, args.out, args.smoke, device="cpu" if args.smoke else "cuda")
+    spawn_ranks(_worker, world, args.out, args.smoke, args.profile, device="cpu" if args.smoke else "cuda")
 
 
 if __name__ == "__main__":

@@ -18,15 +18,20 @@ from __future__ import annotations
 import argparse
 import datetime
 import itertools
+import os
+import sys
 
 import torch
 import torch.nn.functional as F
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-import custom_ops
-from custom_ops.testing import TOLERANCE, rel_error
-from custom_ops.varlen_attention import kernels
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import custom_ops  # noqa: E402
+from benchmarks.common import kernel_breakdown  # noqa: E402
+from custom_ops.testing import TOLERANCE, rel_error  # noqa: E402
+from custom_ops.varlen_attention import kernels  # noqa: E402
 
 DTYPE = torch.bfloat16
 TOTAL_TOKENS = 32768
@@ -302,16 +307,9 @@ def profile(gqa: int = 1) -> None:
                 torch.ops.cp_ops.varlen_attention(q, k, v, *seg, True)
                 torch.ops.cp_ops.varlen_attention_backward(dout, dlse, q, k, v, out, lse, *seg, True)
 
-            step()
-            torch.cuda.synchronize()
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-                for _ in range(5):
-                    step()
-                torch.cuda.synchronize()
             print(f"{case}, D = {d}: CUDA ms per call")
-            for evt in sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total):
-                if evt.self_device_time_total > 0:
-                    print(f"  {evt.key[:60]:60s} {evt.self_device_time_total / 1e3 / 5:.3f}")
+            for name, ms in kernel_breakdown(step, runs=5, warmup=1):
+                print(f"  {name[:60]:60s} {ms:.3f}")
 
 
 def _fmt(cfg):

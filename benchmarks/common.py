@@ -48,15 +48,12 @@ def median_ms_counted(fn, warmup: int = 5, runs: int = 30, device: torch.device 
     return statistics.median(times)
 
 
-def kernel_ms(fn, runs: int = 5, warmup: int = 2, device: torch.device | str = "cuda") -> float:
-    """Device time of the kernels one ``fn()`` launches, in ms: the profiler's self device time
-    of every event, summed and divided by ``runs`` (on the CPU: self CPU time of the ops).
-
-    Against a wall-clock time of the same ``fn`` it tells whether the GPU or the host is the
-    limit: a step whose kernels take far less than its wall time waits on the host (Python,
-    launches, small setup ops). Kernels that wait for other ranks (collectives) count their
-    waiting as device time.
-    """
+def kernel_breakdown(
+    fn, runs: int = 5, warmup: int = 2, device: torch.device | str = "cuda"
+) -> list[tuple[str, float]]:
+    """``(name, ms)`` of every kernel one ``fn()`` launches, slowest first: the profiler's self
+    device time per event name, divided by ``runs`` (on the CPU: self CPU time of the ops).
+    Kernels that wait for other ranks (collectives) count their waiting as device time."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = torch.device(device).type == "cuda"
@@ -69,9 +66,20 @@ def kernel_ms(fn, runs: int = 5, warmup: int = 2, device: torch.device | str = "
             fn()
         if cuda:
             torch.cuda.synchronize()
-    events = prof.key_averages()
-    total_us = sum(e.self_device_time_total if cuda else e.self_cpu_time_total for e in events)
-    return total_us / runs / 1e3
+    rows = [
+        (e.key, (e.self_device_time_total if cuda else e.self_cpu_time_total) / runs / 1e3) for e in prof.key_averages()
+    ]
+    return sorted((r for r in rows if r[1] > 0), key=lambda r: -r[1])
+
+
+def kernel_ms(fn, runs: int = 5, warmup: int = 2, device: torch.device | str = "cuda") -> float:
+    """Device time of the kernels one ``fn()`` launches, in ms (:func:`kernel_breakdown`, summed).
+
+    Against a wall-clock time of the same ``fn`` it tells whether the GPU or the host is the
+    limit: a step whose kernels take far less than its wall time waits on the host (Python,
+    launches, small setup ops).
+    """
+    return sum(ms for _, ms in kernel_breakdown(fn, runs, warmup, device))
 
 
 def max_over_ranks(value: float) -> float:

@@ -11,7 +11,7 @@ PARTS (default: every part that fits the visible GPUs):
   gdn             benchmarks/bench_gdn.py: the layer on one GPU, T = 32768 and 65536, with kernel
                   times and the pieces one rank runs at W = 2 and 4
   demo            python -m cp_ops demo --cp-size 1 (the hybrid stack on one GPU)
-  a2a             benchmarks/bench_cp2hp.py --world W                  multi-rank, >= 2 GPUs
+  a2a             benchmarks/bench_cp2hp.py --world W --profile        multi-rank, >= 2 GPUs
   ag-attention    benchmarks/bench_ag_attention.py --world W           multi-rank, >= 2 GPUs
   gdn-cp          benchmarks/bench_gdn.py --cp W                        multi-rank, >= 2 GPUs
   demo-cp         python -m cp_ops demo --cp-size W                     multi-rank, >= 2 GPUs
@@ -50,7 +50,7 @@ PARTS = {
     ),
     "demo": (1, [sys.executable, "-m", "cp_ops", "demo", "--cp-size", "1"]),
     # multi-rank: {world} is the CP size, {name} the part's name with it (a2a-w8)
-    "a2a": (2, [sys.executable, "benchmarks/bench_cp2hp.py", "--world", "{world}", "--out", "{out}/{name}.md"]),
+    "a2a": (2, [sys.executable, "benchmarks/bench_cp2hp.py", "--world", "{world}", "--profile", "--out", "{out}/{name}.md"]),
     "ag-attention": (
         2,
         [sys.executable, "benchmarks/bench_ag_attention.py", "--world", "{world}", "--out", "{out}/{name}.md"],
