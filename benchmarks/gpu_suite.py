@@ -50,7 +50,10 @@ PARTS = {
     ),
     "demo": (1, [sys.executable, "-m", "cp_ops", "demo", "--cp-size", "1"]),
     # multi-rank: {world} is the CP size, {name} the part's name with it (a2a-w8)
-    "a2a": (2, [sys.executable, "benchmarks/bench_cp2hp.py", "--world", "{world}", "--profile", "--out", "{out}/{name}.md"]),
+    "a2a": (
+        2,
+        [sys.executable, "benchmarks/bench_cp2hp.py", "--world", "{world}", "--profile", "--out", "{out}/{name}.md"],
+    ),
     "ag-attention": (
         2,
         [sys.executable, "benchmarks/bench_ag_attention.py", "--world", "{world}", "--out", "{out}/{name}.md"],
