@@ -113,7 +113,7 @@ def piece_steps(layer: GatedDeltaNet, x: torch.Tensor, cup: torch.Tensor, world:
         return torch.randn(*shape, device=dev, dtype=dt)
 
     with torch.no_grad():
-        proj = torch.cat(layer.project(x), -1)
+        proj_grads = tuple(torch.randn_like(t) for t in layer.project(x))  # qkvba, z
     # the conv reads a column slice of the head-parallel projection, as in the layer
     proj_hp = randn(rows, sum(layer.exchanged_sections(world))).requires_grad_()
     weight = layer.conv1d.weight[:conv_w, 0, :].detach().contiguous().requires_grad_()
@@ -133,10 +133,12 @@ def piece_steps(layer: GatedDeltaNet, x: torch.Tensor, cup: torch.Tensor, world:
     def core():
         return custom_ops.chunk_gated_delta_rule(q, k, v, g, beta, cup)
 
+    def in_proj():
+        x.grad = layer.in_proj.weight.grad = None
+        torch.autograd.backward(layer.project(x), proj_grads)
+
     return {
-        "in_proj fwd+bwd": _fwd_bwd(
-            lambda: torch.cat(layer.project(x), -1), [x, layer.in_proj.weight], torch.randn_like(proj)
-        ),
+        "in_proj fwd+bwd": in_proj,
         "conv fwd+bwd": _fwd_bwd(
             lambda: custom_ops.causal_conv1d(proj_hp[:, :conv_w], weight, None, cup, "silu"),
             [proj_hp, weight],
