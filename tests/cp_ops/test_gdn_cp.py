@@ -61,3 +61,38 @@ def test_cp_layer_matches_one_rank(world, heads):
 @pytest.mark.dist
 def test_cp_layer_compiled_matches_one_rank():
     run_ranks(2, _compare_rank, [9, 0, 1, 23, 6], (2, 4), True)
+
+
+def _record_exchanges(rank, world):
+    """The widths the layer hands to the two all-to-alls: q, k, v, b, a out (z stays), the
+    delta-rule output back."""
+    import cp_ops.gdn as gdn_module
+
+    layer = GatedDeltaNet(HIDDEN, 2, 4, DK, DV).double()
+    _, cup = pad_cu_seqlens([9, 0, 1, 23, 6], world)
+    x_cp = shard_thd(torch.randn(int(cup[-1]), HIDDEN, dtype=torch.float64), cup, world, rank)
+    seen = []
+    saved = gdn_module.thd_cp2hp, gdn_module.thd_hp2cp
+
+    def recording(name, op):
+        def call(x, cu, sections, group):
+            seen.append((name, x.shape[-1], list(sections)))
+            return op(x, cu, sections, group)
+
+        return call
+
+    gdn_module.thd_cp2hp, gdn_module.thd_hp2cp = recording("cp2hp", saved[0]), recording("hp2cp", saved[1])
+    try:
+        layer(x_cp, cup, group=dist.group.WORLD)
+    finally:
+        gdn_module.thd_cp2hp, gdn_module.thd_hp2cp = saved
+    q, k, v, z, b, a = layer.sections()
+    assert seen == [
+        ("cp2hp", q + k + v + b + a, [q, k, v, b, a]),
+        ("hp2cp", v // world, [v // world]),
+    ]
+
+
+@pytest.mark.dist
+def test_the_gate_z_is_not_exchanged():
+    run_ranks(2, _record_exchanges)
