@@ -86,11 +86,13 @@ def _lengths(total: int, num_seqs: int, generator: torch.Generator) -> list[int]
 
 
 def _fwd_bwd(fn, inputs, grad):
+    """A closure running ``fn()`` and its backward with ``grad`` (a tensor, or a tuple for a
+    tuple of outputs), clearing the grads of ``inputs`` first."""
+
     def run():
         for t in inputs:
             t.grad = None
-        out = fn()
-        out.backward(grad)
+        torch.autograd.backward(fn(), grad)
 
     return run
 
@@ -133,12 +135,8 @@ def piece_steps(layer: GatedDeltaNet, x: torch.Tensor, cup: torch.Tensor, world:
     def core():
         return custom_ops.chunk_gated_delta_rule(q, k, v, g, beta, cup)
 
-    def in_proj():
-        x.grad = layer.in_proj.weight.grad = None
-        torch.autograd.backward(layer.project(x), proj_grads)
-
     return {
-        "in_proj fwd+bwd": in_proj,
+        "in_proj fwd+bwd": _fwd_bwd(lambda: layer.project(x), [x, layer.in_proj.weight], proj_grads),
         "conv fwd+bwd": _fwd_bwd(
             lambda: custom_ops.causal_conv1d(proj_hp[:, :conv_w], weight, None, cup, "silu"),
             [proj_hp, weight],
