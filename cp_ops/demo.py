@@ -459,11 +459,16 @@ def _errors(loss: torch.Tensor, model: nn.Module, reference) -> dict:
     return errors
 
 
+def reference_is_eager(args: argparse.Namespace) -> bool:
+    """Whether the one-device reference of the step-1 check runs eagerly."""
+    return args.eager or args.reference == "eager"
+
+
 def check_skipped(args: argparse.Namespace) -> str | None:
     """Why step 1 is not checked, or None when it is."""
     if args.no_check:
         return "--no-check"
-    if args.cp_size == 1 and (args.eager or args.reference == "same"):
+    if args.cp_size == 1 and reference_is_eager(args) == args.eager:
         return "W = 1: the run is the one-device run"
     return None
 
@@ -522,7 +527,7 @@ def _train(rank: int, world: int, group, args: argparse.Namespace, device: torch
             print(f"[{time.perf_counter() - t_start:6.1f} s] {text}", file=sys.stderr, flush=True)
 
     reference, errors = None, {}
-    ref_eager = args.eager or args.reference == "eager"
+    ref_eager = reference_is_eager(args)
     if check_skipped(args) is None:
         say(f"step 1 on one device, {'eager' if ref_eager else 'compiling'}, {args.check_dtype} (the reference)")
         # the same model in the check dtype, one device, the whole batch, no group
@@ -646,7 +651,7 @@ def _summarise(args: argparse.Namespace, res: dict) -> dict:
         recompiles=max(res["compiles"] - 1, 0),
         tol=args.tol,
         check_dtype=args.check_dtype,
-        reference="eager" if args.eager or args.reference == "eager" else "compiled",
+        reference="eager" if reference_is_eager(args) else "compiled",
         check_skipped=check_skipped(args),
     )
     failures = []
