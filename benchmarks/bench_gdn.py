@@ -34,6 +34,10 @@ rows), without collectives: how each piece shrinks with W, apart from communicat
   breakdown  one rank's step in pieces, fwd+bwd each: in_proj, gated norm and out_proj on
              the local rows; cp2hp and hp2cp (fused and per-sequence); conv and core on all
              rows for 1/W of the heads
+  profile    with --profile: rank 0's compiled step, one GPU and W GPUs, from torch.profiler's
+             kernel timeline (benchmarks.common.profile_timeline): wall time, GPU busy and idle
+             time, time when only a collective runs, and kernel time per class (collectives,
+             GEMMs, FLA, our kernels, Inductor-fused, other)
 
 Multi-rank times are medians of a fixed number of runs (CUDA events; the same count on
 every rank, since the ranks meet in every all-to-all), max over ranks. Scaling efficiency
@@ -64,7 +68,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import custom_ops  # noqa: E402
 import cp_ops.gdn as gdn_module  # noqa: E402
 from benchmarks.bench_cp2hp import cp2hp_per_sequence, hp2cp_per_sequence  # noqa: E402
-from benchmarks.common import environment, kernel_ms, max_over_ranks, median_ms_counted, spawn_ranks  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    KERNEL_CLASSES,
+    environment,
+    kernel_ms,
+    max_over_ranks,
+    median_ms_counted,
+    profile_timeline,
+    spawn_ranks,
+)
 from cp_ops import GatedDeltaNet, pad_cu_seqlens, shard_thd, thd_cp2hp, thd_hp2cp  # noqa: E402
 from cp_ops._local_ranks import init_local_rank  # noqa: E402
 from custom_ops.testing import rel_error  # noqa: E402
@@ -271,7 +283,7 @@ def _set_recompile_limit(n: int) -> None:
             pass
 
 
-def _cp_worker(rank, world, port, tokens, seqs, out, smoke, eager_only=False) -> None:
+def _cp_worker(rank, world, port, tokens, seqs, out, smoke, eager_only=False, profile=False) -> None:
     device = init_local_rank(rank, world, port, "cpu" if smoke else "cuda")
     group = dist.group.WORLD
     hidden, hk, hv, dk, dv = SMOKE_DIMS if smoke else (HIDDEN, HK, HV, DK, DV)
@@ -339,6 +351,8 @@ def _cp_worker(rank, world, port, tokens, seqs, out, smoke, eager_only=False) ->
                 res["W per-seq eager"] = timed(cp_step(layer), per_sequence=True)
             res["W compiled"] = math.nan if eager_only else timed(cp_step(compiled["fn"]))
             res["W eager"] = timed(cp_step(layer))
+            if profile:  # every rank runs the profiled steps (they meet in the all-to-alls); rank 0's figures
+                res.update({f"prof W {k}": v for k, v in profile_timeline(cp_step(compiled["fn"])).items()})
 
             # one device: rank 0 alone, the whole batch, the same (compiled) layer; the others wait
             res["1 compiled"] = res["1 eager"] = math.nan
@@ -351,6 +365,9 @@ def _cp_worker(rank, world, port, tokens, seqs, out, smoke, eager_only=False) ->
                 res["1 eager"] = median_ms_counted(
                     _fwd_bwd(lambda: layer(x_all, cup), [x_all] + params, grad), warmup, runs, device
                 )
+                if profile:
+                    one = _fwd_bwd(lambda: compiled["fn"](x_all, cup), [x_all] + params, grad)
+                    res.update({f"prof 1 {k}": v for k, v in profile_timeline(one).items()})
                 del x_all
             dist.barrier()
             del x, grad
@@ -446,8 +463,13 @@ def _cp_table(results, cases, world, dims, dtype, runs, seq_runs, notes) -> str:
         "| | " + " | ".join(f"T={t} B={b}" for t, b in cases) + " |",
         "|---" * (len(cases) + 1) + "|",
     ]
+    if "prof W wall" in results[cases[0]]:  # --profile: rank 0's compiled steps by kernel class
+        for who, label in (("1", "1 GPU"), ("W", w)):
+            for k in ["wall", "GPU busy", "idle", "compute busy", "collectives only"] + [c for c, _ in KERNEL_CLASSES]:
+                table.append((f"profile, compiled {label}: {k}", f"prof {who} {k}", t))
+            table.append((f"profile, compiled {label}: other", f"prof {who} other", t))
     for label, key, fmt in table:
-        lines.append(f"| {label} | " + " | ".join(fmt.format(results[c][key]) for c in cases) + " |")
+        lines.append(f"| {label} | " + " | ".join(fmt.format(results[c].get(key, math.nan)) for c in cases) + " |")
     return "\n".join(lines)
 
 
@@ -471,6 +493,9 @@ def main() -> None:
     parser.add_argument("--out", help="also write the table to this markdown file")
     parser.add_argument("--kernel-time", action="store_true",
                         help="one GPU: also the summed kernel time of each row (torch.profiler)")
+    parser.add_argument("--profile", action="store_true",
+                        help="with --cp: also split rank 0's compiled step (1 GPU and W GPUs) by kernel class "
+                        "and GPU idle time (torch.profiler)")
     parser.add_argument("--rank-share", type=int, nargs="+", default=[], metavar="W",
                         help="one GPU: also time one rank's pieces of a W-rank CP layer, no collectives")
     args = parser.parse_args()
@@ -485,7 +510,7 @@ def main() -> None:
     if args.cp:
         if args.cp < 2 or HK % args.cp:
             raise SystemExit(f"--cp must be at least 2 and divide Hk = {HK}, got {args.cp}")
-        spawn_ranks(_cp_worker, args.cp, tokens, seqs, args.out, False, args.eager_only, device="cuda")
+        spawn_ranks(_cp_worker, args.cp, tokens, seqs, args.out, False, args.eager_only, args.profile, device="cuda")
         return
     if not torch.cuda.is_available():
         raise SystemExit("bench_gdn needs a CUDA device (or --cp 2 --smoke on the CPU)")
@@ -494,22 +519,23 @@ def main() -> None:
 
     torch.manual_seed(0)
     layer = GatedDeltaNet(HIDDEN, HK, HV, DK, DV).to("cuda", torch.bfloat16)
-    cases = [(t, b) for t in tokens for b in seqs]
-    results = {case: bench_case(layer, *case, args.kernel_time, args.rank_share) for case in cases}
-
-    lines = [
-        f"## GatedDeltaNet (hidden {HIDDEN}, Hk {HK}, Hv {HV}, dk = dv = {DK}), bf16, median ms\n",
-        f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
-        f"fla {getattr(fla, '__version__', '?')}, {datetime.date.today().isoformat()}\n",
-        "| | " + " | ".join(f"T={t} B={b}" for t, b in cases) + " |",
-        "|---" * (len(cases) + 1) + "|",
-    ]
-    for name in results[cases[0]]:
-        lines.append(f"| {name} | " + " | ".join(f"{results[c][name]:.3f}" for c in cases) + " |")
-    print("\n".join(lines))
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
+    results = {}
+    for case in [(t, b) for t in tokens for b in seqs]:
+        results[case] = bench_case(layer, *case, args.kernel_time, args.rank_share)
+        # the table so far after every case, so a run cut by a time limit still leaves one
+        lines = [
+            f"## GatedDeltaNet (hidden {HIDDEN}, Hk {HK}, Hv {HV}, dk = dv = {DK}), bf16, median ms\n",
+            f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
+            f"fla {getattr(fla, '__version__', '?')}, {datetime.date.today().isoformat()}\n",
+            "| | " + " | ".join(f"T={t} B={b}" for t, b in results) + " |",
+            "|---" * (len(results) + 1) + "|",
+        ]
+        for name in results[case]:
+            lines.append(f"| {name} | " + " | ".join(f"{r[name]:.3f}" for r in results.values()) + " |")
+        print("\n".join(lines), flush=True)
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

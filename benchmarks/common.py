@@ -82,6 +82,80 @@ def kernel_ms(fn, runs: int = 5, warmup: int = 2, device: torch.device | str = "
     return sum(ms for _, ms in kernel_breakdown(fn, runs, warmup, device))
 
 
+# Kernel classes of a training step, by kernel name (first match wins); the rest is "other".
+KERNEL_CLASSES = (
+    ("collectives", ("nccl",)),
+    ("GEMMs", ("gemm", "cutlass", "xmma", "nvjet", "cublas")),
+    ("FLA", ("chunk_", "causal_conv1d", "solve_tril", "merge_16x16", "recompute_w_u", "prepare_wy", "l2norm")),
+    ("our layout kernels", ("permute_sections", "thd_reorder", "thd_copy_valid")),
+    ("our attention kernels", ("varlen_attn",)),
+    ("Inductor-fused", ("triton_",)),
+)
+
+
+def kernel_class(name: str) -> str:
+    """The :data:`KERNEL_CLASSES` class of a kernel name ("other" when none matches)."""
+    low = name.lower()
+    for label, keys in KERNEL_CLASSES:
+        if any(key in low for key in keys):
+            return label
+    return "other"
+
+
+def covered_us(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of ``(start, end)`` intervals."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+def timeline_summary(kernels: list[tuple[str, float, float]], runs: int) -> dict[str, float]:
+    """Per-step figures in ms from the ``(name, start_us, end_us)`` of every kernel of ``runs`` steps.
+
+    ``wall``: first kernel start to last kernel end; ``GPU busy``: time some kernel runs;
+    ``compute busy``: time some non-collective kernel runs; ``idle`` = wall - GPU busy
+    (the GPU waits for the host); ``collectives only`` = busy - compute busy (a collective
+    runs and nothing else: communication not hidden); then the summed kernel time of each
+    :data:`KERNEL_CLASSES` class (classes may overlap in time: collectives on their own stream).
+    """
+    if not kernels:
+        raise ValueError("no kernels were recorded")
+    wall = max(e for _, _, e in kernels) - min(s for _, s, _ in kernels)
+    busy = covered_us([(s, e) for _, s, e in kernels])
+    compute = covered_us([(s, e) for n, s, e in kernels if kernel_class(n) != "collectives"])
+    out = {"wall": wall, "GPU busy": busy, "idle": wall - busy, "compute busy": compute,
+           "collectives only": busy - compute}  # fmt: skip
+    for label in [c for c, _ in KERNEL_CLASSES] + ["other"]:
+        out[label] = sum(e - s for n, s, e in kernels if kernel_class(n) == label)
+    return {k: v / runs / 1e3 for k, v in out.items()}
+
+
+def profile_timeline(fn, runs: int = 5, warmup: int = 2) -> dict[str, float]:
+    """:func:`timeline_summary` of ``runs`` calls of ``fn()`` on the current CUDA device (torch.profiler).
+
+    With collectives every rank of the group must call it (the same number of calls)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(runs):
+            fn()
+        torch.cuda.synchronize()
+    kernels = [
+        (e.name, e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        # kernels, copies and memsets; not the ranges of annotations projected onto the GPU
+        if e.device_type == DeviceType.CUDA and not e.is_user_annotation and e.time_range.end > e.time_range.start
+    ]
+    return timeline_summary(kernels, runs)
+
+
 def max_over_ranks(value: float) -> float:
     """The largest ``value`` over the default process group (a step is as slow as its slowest rank)."""
     import torch.distributed as dist

@@ -1,8 +1,10 @@
-"""benchmarks.common.kernel_ms and kernel_breakdown: the profiler's op times, on the CPU (self CPU time)."""
+"""benchmarks.common: the profiler's op times on the CPU (self CPU time), and the step-timeline arithmetic."""
 
 import torch
 
-from benchmarks.common import kernel_breakdown, kernel_ms
+import pytest
+
+from benchmarks.common import covered_us, kernel_breakdown, kernel_class, kernel_ms, timeline_summary
 
 
 def test_kernel_ms_counts_the_work_of_one_call():
@@ -18,3 +20,41 @@ def test_kernel_breakdown_names_the_ops():
     names = [name for name, _ in rows]
     assert any("mm" in n for n in names) and any("relu" in n for n in names)
     assert all(ms > 0 for _, ms in rows) and [ms for _, ms in rows] == sorted((ms for _, ms in rows), reverse=True)
+
+
+def test_covered_us_merges_overlaps_and_keeps_gaps():
+    assert covered_us([]) == 0
+    assert covered_us([(0, 10), (5, 12), (20, 25), (21, 22)]) == 17
+    assert covered_us([(20, 25), (0, 10)]) == 15
+
+
+def test_kernel_class_by_name():
+    assert kernel_class("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)") == "collectives"
+    assert kernel_class("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64") == "GEMMs"
+    assert kernel_class("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTN") == "GEMMs"
+    assert kernel_class("chunk_gated_delta_rule_fwd_kernel_h_blockdim64") == "FLA"
+    assert kernel_class("causal_conv1d_fwd_kernel") == "FLA"
+    assert kernel_class("thd_reorder_kernel") == "our layout kernels"
+    assert kernel_class("varlen_attn_fwd_kernel") == "our attention kernels"
+    assert kernel_class("triton_per_fused_add_mul_0") == "Inductor-fused"
+    assert kernel_class("Memcpy DtoD (Device -> Device)") == "other"
+
+
+def test_timeline_summary_splits_wall_time():
+    # two steps (us): compute 0-40 and 60-100; a collective 30-70 overlaps both; a gap 100-150
+    kernels = [
+        ("sm90_xmma_gemm", 0, 40),
+        ("ncclDevKernel_AllToAll", 30, 70),
+        ("triton_poi_fused_0", 60, 100),
+        ("sm90_xmma_gemm", 150, 200),
+    ]
+    out = timeline_summary(kernels, runs=2)
+    assert out["wall"] == pytest.approx(0.1)  # 200 us over 2 steps, in ms
+    assert out["GPU busy"] == pytest.approx(0.075)  # 0-100 and 150-200
+    assert out["idle"] == pytest.approx(0.025)
+    assert out["compute busy"] == pytest.approx(0.065)  # 0-40, 60-100, 150-200
+    assert out["collectives only"] == pytest.approx(0.01)  # 40-60
+    assert out["GEMMs"] == pytest.approx(0.045) and out["collectives"] == pytest.approx(0.02)
+    assert out["Inductor-fused"] == pytest.approx(0.02) and out["other"] == 0
+    with pytest.raises(ValueError, match="no kernels"):
+        timeline_summary([], runs=1)
