@@ -1,5 +1,5 @@
-"""Triton kernel for the head-section permutation: a column gather/scatter whose column map is
-computed in the kernel from the section boundaries (compile-time constants)."""
+"""Triton kernel for the head-section permutation: each program moves contiguous runs (one
+rank's slice of a section) between the plain and the rank-blocked layout."""
 
 import triton
 import triton.language as tl
@@ -14,44 +14,41 @@ def permute_sections_kernel(
     blocked_stride_d,
     blocked_stride_r,
     LOFF: tl.constexpr,  # tuple: cumulative local section widths (in words), LOFF[0] = 0
+    BLOCKS: tl.constexpr,  # tuple: column tile (a power of 2) of each section
     TO_BLOCKS: tl.constexpr,  # True: plain -> blocked (permute); False: blocked -> plain
     BLOCK_R: tl.constexpr,
-    BLOCK_C: tl.constexpr,
 ):
-    """Moves a ``[BLOCK_R, BLOCK_C]`` tile between the plain and the rank-blocked layout.
+    """Moves rows ``[BLOCK_R * pid0, +BLOCK_R)`` of rank ``d = pid1``'s slice of every section,
+    column tile ``pid2`` of each (sections narrower than that tile have none).
 
-    Plain column c lies in section b when ``W*LOFF[b] <= c < W*LOFF[b+1]``; with
-    ``w_b = LOFF[b+1] - LOFF[b]`` (the local width) and ``u = c - W*LOFF[b]`` it belongs to
-    rank ``d = u // w_b`` at column ``j = LOFF[b] + u mod w_b`` of that rank's block:
-        TO_BLOCKS:      blocked[d, r, j] = plain[r, c]
-        not TO_BLOCKS:  plain[r, c] = blocked[d, r, j]
-    The tile is indexed by plain columns in both directions, so the plain side is
-    read or written contiguously and the blocked side in runs of w_b words.
-    The section loop is unrolled at compile time (a handful of sections), so the
-    divisions are by constants and no boundary table is loaded.
+    Section b has local width ``w_b = LOFF[b+1] - LOFF[b]``; rank d's slice of it is plain
+    columns ``[W*LOFF[b] + d*w_b, +w_b)`` and columns ``[LOFF[b], LOFF[b+1])`` of block d:
+        TO_BLOCKS:      blocked[d, r, LOFF[b] + j] = plain[r, W*LOFF[b] + d*w_b + j]
+        not TO_BLOCKS:  the reverse.
+    Both sides of every tile are contiguous runs, so loads and stores vectorise (a
+    per-column map computed in the kernel, as an earlier version did, left the
+    compiler unable to prove the blocked side contiguous: scalar stores, about half the
+    copy bandwidth on an H200). The section loop is unrolled at compile time.
     """
     pid_r = tl.program_id(0)
-    pid_c = tl.program_id(1)
+    d = tl.program_id(1)
+    pid_c = tl.program_id(2)
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
-    num_cols = LOFF[len(LOFF) - 1] * cp_size
-    d = tl.zeros_like(cols)
-    j = tl.zeros_like(cols)
-    for b in tl.static_range(len(LOFF) - 1):
-        if LOFF[b + 1] > LOFF[b]:  # zero-width sections own no column
-            lo = LOFF[b] * cp_size
-            u = cols - lo
-            in_b = (u >= 0) & (u < (LOFF[b + 1] - LOFF[b]) * cp_size)
-            d_b = u // (LOFF[b + 1] - LOFF[b])
-            d = tl.where(in_b, d_b, d)
-            j = tl.where(in_b, LOFF[b] + u - d_b * (LOFF[b + 1] - LOFF[b]), j)
-    mask = (rows < num_rows)[:, None] & (cols < num_cols)[None, :]
+    row_ok = (rows < num_rows)[:, None]
     rows64 = rows.to(tl.int64)
-    plain_offs = rows64[:, None] * num_cols + cols[None, :]
-    blocked_offs = d.to(tl.int64)[None, :] * blocked_stride_d + rows64[:, None] * blocked_stride_r + j[None, :]
-    if TO_BLOCKS:
-        vals = tl.load(plain_ptr + plain_offs, mask=mask)
-        tl.store(blocked_ptr + blocked_offs, vals, mask=mask)
-    else:
-        vals = tl.load(blocked_ptr + blocked_offs, mask=mask)
-        tl.store(plain_ptr + plain_offs, vals, mask=mask)
+    plain_row = rows64[:, None] * (LOFF[len(LOFF) - 1] * cp_size)
+    blocked_row = d.to(tl.int64) * blocked_stride_d + rows64[:, None] * blocked_stride_r
+    for b in tl.static_range(len(LOFF) - 1):
+        width = LOFF[b + 1] - LOFF[b]
+        if width > 0:  # zero-width sections own no column
+            if pid_c * BLOCKS[b] < width:
+                cols = pid_c * BLOCKS[b] + tl.arange(0, BLOCKS[b])
+                mask = row_ok & (cols < width)[None, :]
+                plain_offs = plain_row + (LOFF[b] * cp_size + d * width) + cols[None, :]
+                blocked_offs = blocked_row + LOFF[b] + cols[None, :]
+                if TO_BLOCKS:
+                    vals = tl.load(plain_ptr + plain_offs, mask=mask)
+                    tl.store(blocked_ptr + blocked_offs, vals, mask=mask)
+                else:
+                    vals = tl.load(blocked_ptr + blocked_offs, mask=mask)
+                    tl.store(plain_ptr + plain_offs, vals, mask=mask)

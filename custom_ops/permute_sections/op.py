@@ -14,7 +14,7 @@ import torch
 import triton
 from torch.library import wrap_triton
 
-from custom_ops._common import NAMESPACE, kernel_op, check_cp_size, from_words, row_tile, to_words, use_triton, word_dtype
+from custom_ops._common import NAMESPACE, kernel_op, check_cp_size, from_words, to_words, use_triton, word_dtype
 from custom_ops.permute_sections.kernels import permute_sections_kernel
 from custom_ops.permute_sections.reference import permute_sections_reference, unpermute_sections_reference
 
@@ -63,15 +63,37 @@ def _words(x: torch.Tensor, num_cols: int) -> tuple[torch.Tensor, int]:
     return to_words(x.contiguous().reshape(math.prod(x.shape[:-1]), num_cols))
 
 
+# Column tile of the section-permutation kernel: up to this many bytes of one section's run
+# per row; rows per program so that the widest tile holds about TILE_BYTES.
+SECTION_TILE = {"max_run_bytes": 4096, "tile_bytes": 16384, "num_warps": 4}
+
+
+def section_tiles(local_widths: list[int], word_bytes: int) -> tuple[tuple[int, ...], int, int]:
+    """(column tile of each section, rows per program, column tiles of the widest section)
+    for :func:`permute_sections_kernel` over local section widths in words."""
+    from triton import next_power_of_2
+
+    cap = max(1, SECTION_TILE["max_run_bytes"] // word_bytes)
+    blocks = tuple(min(next_power_of_2(max(w, 1)), cap) for w in local_widths)
+    block_r = max(1, min(64, SECTION_TILE["tile_bytes"] // (max(blocks) * word_bytes)))
+    tiles = max(triton.cdiv(w, bc) for w, bc in zip(local_widths, blocks))
+    return blocks, block_r, tiles
+
+
 def _launch(plain: torch.Tensor, blocked: torch.Tensor, local_widths, cp_size: int, k: int, blocked_strides, to_blocks):
     rows, cols = plain.shape
     if rows == 0 or cols == 0:
         return
+    words = [w * k for w in local_widths]
     loff = [0]
-    for w in local_widths:
-        loff.append(loff[-1] + w * k)
-    block_r, block_c, num_warps = row_tile(cols, plain.element_size())
-    grid = (triton.cdiv(rows, block_r), triton.cdiv(cols, block_c))
+    for w in words:
+        loff.append(loff[-1] + w)
+    if plain.device.type == "cpu":  # Triton's interpreter: small tiles, several per section in CPU tests
+        blocks, block_r = tuple(min(triton.next_power_of_2(max(w, 1)), 4) for w in words), 2
+        tiles = max(triton.cdiv(w, bc) for w, bc in zip(words, blocks))
+    else:
+        blocks, block_r, tiles = section_tiles(words, plain.element_size())
+    grid = (triton.cdiv(rows, block_r), cp_size, tiles)
     wrap_triton(permute_sections_kernel)[grid](
         plain,
         blocked,
@@ -80,10 +102,10 @@ def _launch(plain: torch.Tensor, blocked: torch.Tensor, local_widths, cp_size: i
         blocked_strides[0],
         blocked_strides[1],
         LOFF=tuple(loff),
+        BLOCKS=blocks,
         TO_BLOCKS=to_blocks,
         BLOCK_R=block_r,
-        BLOCK_C=block_c,
-        num_warps=num_warps,
+        num_warps=SECTION_TILE["num_warps"],
     )
 
 
