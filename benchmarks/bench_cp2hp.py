@@ -3,6 +3,8 @@ per-sequence, per-section scheme and against a bare all-to-all of the same bytes
 
 For each shape (Qwen3-Next GDN in_proj sections, bf16):
   bare           dist.all_to_all_single on an already-contiguous [T, F/W] send buffer: the floor
+  bare, no self  the same without the block a rank sends to itself (split sizes 0 for it):
+                 what NCCL's exchange costs for the bytes that cross between GPUs
   cp2hp          cp_ops.thd_cp2hp (section permutation fused into the send buffer, one
                  all-to-all, rank -> sequence order on the receive side)
   hp2cp          cp_ops.thd_hp2cp, the inverse
@@ -156,6 +158,10 @@ def _worker(rank: int, world: int, port: int, out: str | None, smoke: bool, prof
                 raise AssertionError(f"per-sequence hp2cp and thd_hp2cp disagree at T={total}, B={num_seqs}")
 
             t_bare = timed(lambda: dist.all_to_all_single(flat_out, flat, group=group))
+            block = rows_global // world
+            peers = [0 if d == rank else block for d in range(world)]
+            flat_peers, peers_out = flat[: block * (world - 1)], flat_out[: block * (world - 1)]
+            t_peers = timed(lambda: dist.all_to_all_single(peers_out, flat_peers, peers, peers, group=group))
             t_cp2hp = timed(lambda: cp_ops.thd_cp2hp(x_cp, cup, sections, group))
             t_hp2cp = timed(lambda: cp_ops.thd_hp2cp(x_hp, cup, local_sections, group))
             t_seq = timed(lambda: cp2hp_per_sequence(x_cp, cup, sections, group), per_sequence=True)
@@ -170,7 +176,7 @@ def _worker(rank: int, world: int, port: int, out: str | None, smoke: bool, prof
                     listed = "; ".join(f"{k[:50]} {ms:.3f}" for k, ms in parts[:6])
                     kernels.append(f"- T={total} B={num_seqs} {name}: {sum(ms for _, ms in parts):.3f} ms: {listed}")
             mb = x_cp.numel() * x_cp.element_size() / 2**20
-            rows.append((total, num_seqs, mb, t_bare, t_cp2hp, t_hp2cp, t_seq, t_seq_back, t_cp2hp / t_bare,
+            rows.append((total, num_seqs, mb, t_bare, t_peers, t_cp2hp, t_hp2cp, t_seq, t_seq_back, t_cp2hp / t_bare,
                          t_seq / t_cp2hp))  # fmt: skip
             del x_cp, flat, flat_out, x_hp
             if device.type == "cuda":
@@ -180,12 +186,12 @@ def _worker(rank: int, world: int, port: int, out: str | None, smoke: bool, prof
                 environment(world),
                 f"sections {sections} bf16, equal-length sequences; times in ms (median of {runs} runs, "
                 f"{seq_runs} for per-seq; max over ranks)\n",
-                "| T | seqs | MiB/rank | bare a2a | cp2hp | hp2cp | per-seq cp2hp | per-seq hp2cp | cp2hp / bare "
-                "| per-seq / cp2hp |",
-                "|---|---|---|---|---|---|---|---|---|---|",
+                "| T | seqs | MiB/rank | bare a2a | bare a2a, no self block | cp2hp | hp2cp | per-seq cp2hp "
+                "| per-seq hp2cp | cp2hp / bare | per-seq / cp2hp |",
+                "|---|---|---|---|---|---|---|---|---|---|---|",
             ]
             lines += [
-                "| {} | {} | {:.0f} | {:.3f} | {:.3f} | {:.3f} | {:.3f} | {:.3f} | {:.2f} | {:.1f} |".format(*r)
+                "| {} | {} | {:.0f} | {:.3f} | {:.3f} | {:.3f} | {:.3f} | {:.3f} | {:.3f} | {:.2f} | {:.1f} |".format(*r)
                 for r in rows
             ]
             if kernels:
