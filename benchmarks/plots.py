@@ -82,12 +82,12 @@ def plot_layout(secs, out):
 
 
 def plot_a2a(secs, out):
-    series = [("W = 2", tables(section(secs, "Fused CP <-> head-parallel all-to-all"))[0], "per-seq"),
-              ("W = 4", tables(section(secs, "W = 4"))[0], "per-seq cp2hp")]  # fmt: skip
+    series = [("W = 2", tables(section(secs, "Fused CP <-> head-parallel all-to-all"))[0]),
+              ("W = 4 (earlier section-permutation kernel)", tables(section(secs, "W = 4"))[0])]  # fmt: skip
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    for name, rows, per_seq in series:
+    for name, rows in series:
         labels = [f"T={r['T']}\n{r['seqs']} seqs" for r in rows]
-        ax1.plot(labels, [num(r[per_seq]) / num(r["cp2hp"]) for r in rows], "o-", label=name)
+        ax1.plot(labels, [num(r["per-seq cp2hp"]) / num(r["cp2hp"]) for r in rows], "o-", label=name)
         ax2.plot(labels, [num(r["cp2hp / bare"]) for r in rows], "o-", label=name)
     ax1.axhline(20, color="gray", ls="--", lw=0.8, label="target 20x at 64 seqs")
     ax1.set_ylabel("per-sequence time / fused time")
@@ -125,6 +125,11 @@ def plot_attention(secs, out):
     plt.close(fig)
 
 
+def _short(case: str) -> str:
+    """``T=32768 B=8`` -> ``T=32k B=8``: tick labels that fit under a bar."""
+    return re.sub(r"T=(\d+)", lambda m: f"T={int(m.group(1)) // 1024}k", case)
+
+
 def plot_scaling(secs, out):
     points = []  # (label, efficiency)
     gdn = section(secs, "GatedDeltaNet with CP")
@@ -134,16 +139,18 @@ def plot_scaling(secs, out):
         for mode in ("eager", "compiled"):
             for col, val in by_name.get(f"scaling efficiency, {mode}", {}).items():
                 if col and val != "nan":
-                    points.append((f"GDN layer {mode}\nW={w}, {col}", num(val)))
+                    points.append((f"GDN {mode}, W={w}\n{_short(col)}", num(val)))
     ag = section(secs, "All-gather CP attention")
     for rows in (t for t in tables(ag) if "pass" in t[0]):  # the timing tables, not the work model
         world = [k for k in rows[0] if k.startswith("W=")][0].split()[0]
         for r in rows:
             if r["pass"] == "fwd+bwd":
-                points.append((f"AG attention fwd+bwd\n{world}, T={r['T']}", num(r["eff 1L"])))
-    fig, ax = plt.subplots(figsize=(11, 4))
+                points.append((f"AG attn eager, {world}\n{_short('T=' + r['T'])}", num(r["eff 1L"])))
+                if r.get("eff 1L compiled"):
+                    points.append((f"AG attn compiled, {world}\n{_short('T=' + r['T'])}", num(r["eff 1L compiled"])))
+    fig, ax = plt.subplots(figsize=(12, 5))
     ax.bar(range(len(points)), [p[1] for p in points], color=["C0" if "GDN" in p[0] else "C1" for p in points])
-    ax.set_xticks(range(len(points)), [p[0] for p in points], fontsize=7)
+    ax.set_xticks(range(len(points)), [p[0] for p in points], fontsize=7, rotation=45, ha="right")
     ax.axhline(0.85, color="gray", ls="--", lw=0.8, label="target 0.85 (W = 2)")
     ax.set_ylim(0, 1)
     ax.set_ylabel("T_1 / (W * T_W)")
