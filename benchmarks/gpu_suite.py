@@ -13,7 +13,7 @@ PARTS (default: every part that fits the visible GPUs):
   demo            python -m cp_ops demo --cp-size 1 (the hybrid stack on one GPU)
   a2a             benchmarks/bench_cp2hp.py --world W --profile        multi-rank, >= 2 GPUs
   ag-attention    benchmarks/bench_ag_attention.py --world W           multi-rank, >= 2 GPUs
-  gdn-cp          benchmarks/bench_gdn.py --cp W                        multi-rank, >= 2 GPUs
+  gdn-cp          benchmarks/bench_gdn.py --cp W --profile              multi-rank, >= 2 GPUs
   demo-cp         python -m cp_ops demo --cp-size W                     multi-rank, >= 2 GPUs
   tests-dist      pytest -m "gpu and dist" -k W<W> (NCCL tests at W)   multi-rank, >= 2 GPUs
                   ("tests-2gpu" is accepted as its old name)
@@ -58,7 +58,10 @@ PARTS = {
         2,
         [sys.executable, "benchmarks/bench_ag_attention.py", "--world", "{world}", "--out", "{out}/{name}.md"],
     ),
-    "gdn-cp": (2, [sys.executable, "benchmarks/bench_gdn.py", "--cp", "{world}", "--out", "{out}/{name}.md"]),
+    "gdn-cp": (
+        2,
+        [sys.executable, "benchmarks/bench_gdn.py", "--cp", "{world}", "--profile", "--out", "{out}/{name}.md"],
+    ),
     "demo-cp": (2, [sys.executable, "-m", "cp_ops", "demo", "--cp-size", "{world}"]),
     "tests-dist": (
         2,
