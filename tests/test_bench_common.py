@@ -1,8 +1,7 @@
 """benchmarks.common: the profiler's op times on the CPU (self CPU time), and the step-timeline arithmetic."""
 
-import torch
-
 import pytest
+import torch
 
 from benchmarks.common import covered_us, kernel_breakdown, kernel_class, kernel_ms, timeline_summary
 

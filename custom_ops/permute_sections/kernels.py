@@ -18,8 +18,8 @@ def permute_sections_kernel(
     TO_BLOCKS: tl.constexpr,  # True: plain -> blocked (permute); False: blocked -> plain
     BLOCK_R: tl.constexpr,
 ):
-    """Moves rows ``[BLOCK_R * pid0, +BLOCK_R)`` of rank ``d = pid1``'s slice of every section,
-    column tile ``pid2`` of each (sections narrower than that tile have none).
+    """Moves rows ``[BLOCK_R * pid0, +BLOCK_R)`` of rank ``d = pid1``'s slice of every section:
+    column tile ``pid2`` of each section that has that many tiles (``BLOCKS[b]`` words each).
 
     Section b has local width ``w_b = LOFF[b+1] - LOFF[b]``; rank d's slice of it is plain
     columns ``[W*LOFF[b] + d*w_b, +w_b)`` and columns ``[LOFF[b], LOFF[b+1])`` of block d:

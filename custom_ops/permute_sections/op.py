@@ -63,19 +63,22 @@ def _words(x: torch.Tensor, num_cols: int) -> tuple[torch.Tensor, int]:
     return to_words(x.contiguous().reshape(math.prod(x.shape[:-1]), num_cols))
 
 
-# Column tile of the section-permutation kernel: up to this many bytes of one section's run
-# per row; rows per program so that the widest tile holds about TILE_BYTES.
+# Tiles of the section-permutation kernel: a column tile covers up to max_run_bytes of one
+# section's run per row; a program takes as many rows as make its widest tile about tile_bytes.
 SECTION_TILE = {"max_run_bytes": 4096, "tile_bytes": 16384, "num_warps": 4}
 
 
-def section_tiles(local_widths: list[int], word_bytes: int) -> tuple[tuple[int, ...], int, int]:
-    """(column tile of each section, rows per program, column tiles of the widest section)
-    for :func:`permute_sections_kernel` over local section widths in words."""
+def section_tiles(
+    local_widths: list[int], word_bytes: int, interpreting: bool = False
+) -> tuple[tuple[int, ...], int, int]:
+    """(column tile of each section, rows per program, column tiles of the widest section) for
+    :func:`permute_sections_kernel` over local section widths in words. Under Triton's
+    interpreter the tiles are tiny, so CPU tests run several column tiles per section."""
     from triton import next_power_of_2
 
-    cap = max(1, SECTION_TILE["max_run_bytes"] // word_bytes)
+    cap = 4 if interpreting else max(1, SECTION_TILE["max_run_bytes"] // word_bytes)
     blocks = tuple(min(next_power_of_2(max(w, 1)), cap) for w in local_widths)
-    block_r = max(1, min(64, SECTION_TILE["tile_bytes"] // (max(blocks) * word_bytes)))
+    block_r = 2 if interpreting else max(1, min(64, SECTION_TILE["tile_bytes"] // (max(blocks) * word_bytes)))
     tiles = max(triton.cdiv(w, bc) for w, bc in zip(local_widths, blocks))
     return blocks, block_r, tiles
 
@@ -88,11 +91,8 @@ def _launch(plain: torch.Tensor, blocked: torch.Tensor, local_widths, cp_size: i
     loff = [0]
     for w in words:
         loff.append(loff[-1] + w)
-    if plain.device.type == "cpu":  # Triton's interpreter: small tiles, several per section in CPU tests
-        blocks, block_r = tuple(min(triton.next_power_of_2(max(w, 1)), 4) for w in words), 2
-        tiles = max(triton.cdiv(w, bc) for w, bc in zip(words, blocks))
-    else:
-        blocks, block_r, tiles = section_tiles(words, plain.element_size())
+    # CPU tensors reach the kernel only under Triton's interpreter
+    blocks, block_r, tiles = section_tiles(words, plain.element_size(), interpreting=plain.device.type == "cpu")
     grid = (triton.cdiv(rows, block_r), cp_size, tiles)
     wrap_triton(permute_sections_kernel)[grid](
         plain,

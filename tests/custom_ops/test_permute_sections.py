@@ -197,7 +197,7 @@ def _global_access_bytes(ptx: str, op: str) -> dict[bool, int]:
     import re
 
     out = {True: 0, False: 0}
-    for vec, bits in re.findall(rf"{op}\.global(?:\.\w+)*?(?:\.v(\d))?\.b(\d+)", ptx):
+    for vec, bits in re.findall(rf"{op}\.global(?:\.[\w:]+)*?(?:\.v(\d))?\.b(\d+)", ptx):
         out[bool(vec)] += int(vec or 1) * int(bits) // 8
     return out
 
