@@ -57,3 +57,17 @@ def test_timeline_summary_splits_wall_time():
     assert out["Inductor-fused"] == pytest.approx(0.02) and out["other"] == 0
     with pytest.raises(ValueError, match="no kernels"):
         timeline_summary([], runs=1)
+
+
+@pytest.mark.gpu
+def test_profile_timeline_on_the_gpu():
+    from benchmarks.common import KERNEL_CLASSES, profile_timeline
+
+    a = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
+    out = profile_timeline(lambda: (a @ a).relu_(), runs=3, warmup=1)
+    assert out["GEMMs"] > 0 and out["collectives"] == 0 and out["collectives only"] == 0
+    assert 0 < out["GPU busy"] <= out["wall"] and out["idle"] >= 0
+    assert out["compute busy"] == pytest.approx(out["GPU busy"])
+    # nothing overlaps on one stream: the classes add up to the busy time
+    classes = sum(out[c] for c, _ in KERNEL_CLASSES) + out["other"]
+    assert classes == pytest.approx(out["GPU busy"], rel=1e-6)
