@@ -232,6 +232,10 @@ DKDV_CANDIDATES = [
         (64, 128, 8, 2), (32, 128, 8, 2), (32, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 2),
         (64, 64, 4, 3), (64, 64, 8, 3), (32, 64, 4, 3), (64, 128, 8, 3), (16, 128, 4, 3),
     ]
+] + [
+    # one masked query loop instead of three phases: fewer spills (see the kernel's docstring)
+    dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s, SPLIT_PHASES=False)
+    for bm, bn, w, s in [(64, 64, 4, 2), (64, 64, 4, 3), (32, 128, 8, 2), (32, 128, 8, 3), (64, 128, 8, 2)]
 ]  # fmt: skip
 DQ_CANDIDATES = [
     dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)

@@ -631,6 +631,7 @@ def varlen_attn_bwd_dkdv_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    SPLIT_PHASES: tl.constexpr = True,
 ):
     """(segment, key tile) work items x one kv head:
     ``dv_b = sum_a P_ab dout_a``, ``dk_b = scale * sum_a P_ab (dP_ab - delta_a) q_a``
@@ -640,6 +641,14 @@ def varlen_attn_bwd_dkdv_kernel(
     segments over one key range), so results are atomically added into fp32
     buffers. Programs stride over the work items: the total (read on the device)
     may exceed the grid, which is sized from shapes.
+
+    SPLIT_PHASES: the query loop runs in three phases (masked boundary tiles, unmasked
+    middle, masked boundary tiles) as in the other kernels; without it, one masked loop
+    over the visible range. Compiled for sm_90 (triton 3.9, on a CPU machine; registers
+    and stack read with cuobjdump) the three phases spill at every D = 128 tile shape
+    tried (255 registers and a 256-424 byte stack); one loop spills less (40 bytes at
+    64 x 64 with 4 warps, none at 32 x 128 with 8) but masks every tile. Which is faster
+    is for the tuner (``bench_varlen_attention.py --tune``) to say; not yet timed.
     """
     # fp32 scales, as in the forward
     sm_scale = tl.cast(sm_scale, tl.float32)
@@ -679,18 +688,25 @@ def varlen_attn_bwd_dkdv_kernel(
                 do_base = DO + q_start.to(tl.int64) * stride_dot + h * stride_doh
                 lse_base = LSE + h * stride_lh + q_start
                 delta_base = DELTA + h * stride_lh + q_start
-                dk, dv = _dkdv_inner(
-                    dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, b, offs_d,
-                    q_pos, q_len, k_len, left, right, qk_scale, lo, mid_lo, True, CAUSAL, EVEN_D, HEAD_DIM, BLOCK_M,
-                )
-                dk, dv = _dkdv_inner(
-                    dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, b, offs_d,
-                    q_pos, q_len, k_len, left, right, qk_scale, mid_lo, mid_hi, False, CAUSAL, EVEN_D, HEAD_DIM, BLOCK_M,
-                )
-                dk, dv = _dkdv_inner(
-                    dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, b, offs_d,
-                    q_pos, q_len, k_len, left, right, qk_scale, mid_hi, hi, True, CAUSAL, EVEN_D, HEAD_DIM, BLOCK_M,
-                )
+                if SPLIT_PHASES:
+                    dk, dv = _dkdv_inner(
+                        dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, b, offs_d,
+                        q_pos, q_len, k_len, left, right, qk_scale, lo, mid_lo, True, CAUSAL, EVEN_D, HEAD_DIM, BLOCK_M,
+                    )
+                    dk, dv = _dkdv_inner(
+                        dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, b, offs_d,
+                        q_pos, q_len, k_len, left, right, qk_scale, mid_lo, mid_hi, False, CAUSAL, EVEN_D, HEAD_DIM,
+                        BLOCK_M,
+                    )
+                    dk, dv = _dkdv_inner(
+                        dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, b, offs_d,
+                        q_pos, q_len, k_len, left, right, qk_scale, mid_hi, hi, True, CAUSAL, EVEN_D, HEAD_DIM, BLOCK_M,
+                    )
+                else:
+                    dk, dv = _dkdv_inner(
+                        dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, b, offs_d,
+                        q_pos, q_len, k_len, left, right, qk_scale, lo, hi, True, CAUSAL, EVEN_D, HEAD_DIM, BLOCK_M,
+                    )
             out_off = kv_rows[:, None] * stride_dkt + kvh * stride_dkh + offs_d[None, :]
             tl.atomic_add(DK + out_off, dk * sm_scale, mask=kv_mask)
             tl.atomic_add(DV + out_off, dv, mask=kv_mask)
