@@ -176,6 +176,8 @@ def _worker(rank: int, world: int, port: int, gqa: int, out: str | None, smoke: 
             if out:
                 with open(out, "w") as f:
                     f.write("\n".join(lines) + "\n")
+        # no rank tears down before all are done (gloo can abort a rank whose peer left first), as in tests/_dist.py
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

@@ -200,6 +200,8 @@ def _worker(rank: int, world: int, port: int, out: str | None, smoke: bool, prof
             if out:
                 with open(out, "w") as f:
                     f.write("\n".join(lines) + "\n")
+        # no rank tears down before all are done (gloo can abort a rank whose peer left first), as in tests/_dist.py
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
