@@ -337,6 +337,15 @@ def test_kernel_all_gather_cp_layout(causal, window):
     _kernel_vs_reference(q, k, v, seg, causal, window)
 
 
+def _tile_boundary_layout():
+    """Sixteen segments over one shared 96-row key range, q_pos = 16..31, q_len = 33..48 in
+    scrambled order: every residue modulo the 16-row interpreter tiles."""
+    n_seg = 16
+    lens = [33 + (7 * s) % 16 for s in range(n_seg)]
+    starts = [sum(lens[:s]) for s in range(n_seg)]
+    return (starts, lens, [16 + s for s in range(n_seg)], [0] * n_seg, [96] * n_seg, sum(lens), 96)
+
+
 @pytest.mark.interpret
 @pytest.mark.parametrize(
     "causal,window",
@@ -349,11 +358,7 @@ def test_kernel_tile_boundaries_at_every_offset(causal, window, k_rows, monkeypa
     in scrambled order: every residue of the query positions and of the last tile's row count
     modulo the 16-row tiles, and windows wider than two tiles. An off-by-one in any loop-phase
     bound (a boundary tile run without its mask, or a visible tile skipped) changes a result."""
-    n_seg = 16
-    lens = [33 + (7 * s) % 16 for s in range(n_seg)]
-    starts = [sum(lens[:s]) for s in range(n_seg)]
-    layout = (starts, lens, [16 + s for s in range(n_seg)], [0] * n_seg, [96] * n_seg, sum(lens), 96)
-    q, k, v, seg = _tensors(layout, (1, 1), 16, torch.float32)
+    q, k, v, seg = _tensors(_tile_boundary_layout(), (1, 1), 16, torch.float32)
     monkeypatch.setitem(kernels_mod.INTERPRET_CONFIGS, "fwd", dict(kernels_mod.INTERPRET_CONFIGS["fwd"], K_ROWS=k_rows))
     _kernel_vs_reference(q, k, v, seg, causal, window)
 
@@ -363,11 +368,7 @@ def test_kernel_tile_boundaries_at_every_offset(causal, window, k_rows, monkeypa
 def test_dkdv_kernel_in_one_masked_loop(causal, window, monkeypatch):
     """The dk/dv kernel with SPLIT_PHASES=False (one masked query loop, a tuning choice) gives
     the same gradients: the tile-boundary layout of the test above, GQA group 2."""
-    n_seg = 16
-    lens = [33 + (7 * s) % 16 for s in range(n_seg)]
-    starts = [sum(lens[:s]) for s in range(n_seg)]
-    layout = (starts, lens, [16 + s for s in range(n_seg)], [0] * n_seg, [96] * n_seg, sum(lens), 96)
-    q, k, v, seg = _tensors(layout, (2, 1), 16, torch.float32)
+    q, k, v, seg = _tensors(_tile_boundary_layout(), (2, 1), 16, torch.float32)
     one_loop = dict(kernels_mod.INTERPRET_CONFIGS["bwd_dkdv"], SPLIT_PHASES=False)
     monkeypatch.setitem(kernels_mod.INTERPRET_CONFIGS, "bwd_dkdv", one_loop)
     _kernel_vs_reference(q, k, v, seg, causal, window)
