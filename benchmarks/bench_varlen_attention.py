@@ -4,6 +4,8 @@
     python benchmarks/bench_varlen_attention.py --gqa 4    # the same with Hkv = H / 4
     python benchmarks/bench_varlen_attention.py --tune     # time kernel configs, print the best per kernel and head_dim
     python benchmarks/bench_varlen_attention.py --profile  # CUDA time per kernel of one forward and one backward
+    python benchmarks/bench_varlen_attention.py --tune --kinds bwd_dkdv --save tuned.json
+    python benchmarks/bench_varlen_attention.py --configs tuned.json   # the table with the tuned entries
 
 Cases: (i) packed documents of mixed lengths totalling 32768 tokens, (ii) dense
 B = 8 x S = 4096 (eight segments); H = 16 query heads, D = 128 and 64.
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import itertools
+import json
 import os
 import sys
 
@@ -232,10 +235,6 @@ DKDV_CANDIDATES = [
         (64, 128, 8, 2), (32, 128, 8, 2), (32, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 2),
         (64, 64, 4, 3), (64, 64, 8, 3), (32, 64, 4, 3), (64, 128, 8, 3), (16, 128, 4, 3),
     ]
-] + [
-    # one masked query loop instead of three phases: fewer spills (see the kernel's docstring)
-    dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s, SPLIT_PHASES=False)
-    for bm, bn, w, s in [(64, 64, 4, 2), (64, 64, 4, 3), (32, 128, 8, 2), (32, 128, 8, 3), (64, 128, 8, 2)]
 ]  # fmt: skip
 DQ_CANDIDATES = [
     dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)
@@ -263,8 +262,9 @@ def _time_kernel(kind, cfg, bucket, q, k, v, seg, out, lse, dout, dlse):
         kernels.CONFIGS[kind][bucket] = saved
 
 
-def tune(gqa: int = 1, kinds=("fwd", "bwd_dkdv", "bwd_dq")) -> None:
-    """Time the candidate configs of each kernel on both cases, D = 128 and 64; print the best.
+def tune(gqa: int = 1, kinds=("fwd", "bwd_dkdv", "bwd_dq"), save: str | None = None) -> None:
+    """Time the candidate configs of each kernel on both cases, D = 128 and 64; print the best
+    (and write them to ``save`` as JSON, for ``--configs``).
 
     The backward is timed as the whole backward op while one of its kernels varies
     (the others keep their table entries), so its numbers include the preprocess.
@@ -295,6 +295,21 @@ def tune(gqa: int = 1, kinds=("fwd", "bwd_dkdv", "bwd_dq")) -> None:
     print("\n# paste into CONFIGS in custom_ops/varlen_attention/kernels.py")
     for kind in kinds:
         print(f'"{kind}": {{' + ", ".join(f"{d}: dict({_fmt(best[(kind, d)])})" for d in (64, 128)) + "},")
+    if save:
+        with open(save, "w") as f:
+            json.dump({kind: {str(d): best[(kind, d)] for d in (64, 128)} for kind in kinds}, f, indent=1)
+
+
+def load_configs(path: str) -> None:
+    """Overwrite entries of ``kernels.CONFIGS`` with those of a ``--tune --save`` file."""
+    with open(path) as f:
+        tuned = json.load(f)
+    for kind, entries in tuned.items():
+        for bucket, cfg in entries.items():
+            if int(bucket) not in kernels.CONFIGS[kind]:
+                raise SystemExit(f"{path}: {kind} has no head-dim bucket {bucket} in CONFIGS")
+            kernels.CONFIGS[kind][int(bucket)] = cfg
+            print(f"config {kind} D<={bucket}: {_fmt(cfg)}")
 
 
 def profile(gqa: int = 1) -> None:
@@ -326,11 +341,15 @@ if __name__ == "__main__":
     parser.add_argument("--profile", action="store_true", help="CUDA time per kernel instead of the table")
     parser.add_argument("--kinds", nargs="+", default=["fwd", "bwd_dkdv", "bwd_dq"], help="kernels to tune")
     parser.add_argument("--gqa", type=int, default=1, help="query heads per kv head (default 1)")
+    parser.add_argument("--save", help="with --tune: write the best configs to this JSON file")
+    parser.add_argument("--configs", help="JSON from --tune --save: use these configs instead of the table's")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA device")
+    if args.configs:
+        load_configs(args.configs)
     if args.tune:
-        tune(args.gqa, args.kinds)
+        tune(args.gqa, args.kinds, args.save)
     elif args.profile:
         profile(args.gqa)
     else:

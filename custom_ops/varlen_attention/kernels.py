@@ -32,14 +32,15 @@ from custom_ops._triton_utils import search_sorted_right
 CONFIGS = {
     # D = 64 and 128: the best of benchmarks/bench_varlen_attention.py --tune on one H100
     # (torch 2.11, triton 3.7.1, 2026-11-22, after the tile -> segment table made the key
-    # loops pipeline); K_ROWS picks how the forward loads K tiles.
+    # loops pipeline; dk/dv at D = 64 re-tuned on triton 3.6.0 the same day); K_ROWS picks
+    # how the forward loads K tiles.
     "fwd": {
         64: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, K_ROWS=False),
         128: dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, K_ROWS=True),
         256: dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2, K_ROWS=False),
     },
     "bwd_dkdv": {
-        64: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
+        64: dict(BLOCK_M=32, BLOCK_N=128, num_warps=4, num_stages=3),
         128: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
         256: dict(BLOCK_M=32, BLOCK_N=64, num_warps=8, num_stages=1),
     },
@@ -631,7 +632,6 @@ def varlen_attn_bwd_dkdv_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    SPLIT_PHASES: tl.constexpr = True,
 ):
     """(segment, key tile) work items x one kv head:
     ``dv_b = sum_a P_ab dout_a``, ``dk_b = scale * sum_a P_ab (dP_ab - delta_a) q_a``
@@ -642,13 +642,10 @@ def varlen_attn_bwd_dkdv_kernel(
     buffers. Programs stride over the work items: the total (read on the device)
     may exceed the grid, which is sized from shapes.
 
-    SPLIT_PHASES: the query loop runs in three phases (masked boundary tiles, unmasked
-    middle, masked boundary tiles) as in the other kernels; without it, one masked loop
-    over the visible range. Compiled for sm_90 (triton 3.9, on a CPU machine; registers
-    and stack read with cuobjdump) the three phases spill at every D = 128 tile shape
-    tried (255 registers and a 256-424 byte stack); one loop spills less (40 bytes at
-    64 x 64 with 4 warps, none at 32 x 128 with 8) but masks every tile. Which is faster
-    is for the tuner (``bench_varlen_attention.py --tune``) to say; not yet timed.
+    The query loop runs in three phases like the other kernels' key loops. On sm_90 it
+    spills (255 registers and a 256-424 byte stack at every D = 128 tile shape tried,
+    read from the cubin); one masked loop spills less but masked every tile and measured
+    slower on the H100 at every shape (docs/benchmarks.md).
     """
     # fp32 scales, as in the forward
     sm_scale = tl.cast(sm_scale, tl.float32)
@@ -688,25 +685,19 @@ def varlen_attn_bwd_dkdv_kernel(
                 do_base = DO + q_start.to(tl.int64) * stride_dot + h * stride_doh
                 lse_base = LSE + h * stride_lh + q_start
                 delta_base = DELTA + h * stride_lh + q_start
-                if SPLIT_PHASES:
-                    dk, dv = _dkdv_inner(
-                        dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, b, offs_d,
-                        q_pos, q_len, k_len, left, right, qk_scale, lo, mid_lo, True, CAUSAL, EVEN_D, HEAD_DIM, BLOCK_M,
-                    )
-                    dk, dv = _dkdv_inner(
-                        dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, b, offs_d,
-                        q_pos, q_len, k_len, left, right, qk_scale, mid_lo, mid_hi, False, CAUSAL, EVEN_D, HEAD_DIM,
-                        BLOCK_M,
-                    )
-                    dk, dv = _dkdv_inner(
-                        dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, b, offs_d,
-                        q_pos, q_len, k_len, left, right, qk_scale, mid_hi, hi, True, CAUSAL, EVEN_D, HEAD_DIM, BLOCK_M,
-                    )
-                else:
-                    dk, dv = _dkdv_inner(
-                        dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, b, offs_d,
-                        q_pos, q_len, k_len, left, right, qk_scale, lo, hi, True, CAUSAL, EVEN_D, HEAD_DIM, BLOCK_M,
-                    )
+                dk, dv = _dkdv_inner(
+                    dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, b, offs_d,
+                    q_pos, q_len, k_len, left, right, qk_scale, lo, mid_lo, True, CAUSAL, EVEN_D, HEAD_DIM, BLOCK_M,
+                )
+                dk, dv = _dkdv_inner(
+                    dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, b, offs_d,
+                    q_pos, q_len, k_len, left, right, qk_scale, mid_lo, mid_hi, False, CAUSAL, EVEN_D, HEAD_DIM,
+                    BLOCK_M,
+                )
+                dk, dv = _dkdv_inner(
+                    dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, b, offs_d,
+                    q_pos, q_len, k_len, left, right, qk_scale, mid_hi, hi, True, CAUSAL, EVEN_D, HEAD_DIM, BLOCK_M,
+                )
             out_off = kv_rows[:, None] * stride_dkt + kvh * stride_dkh + offs_d[None, :]
             tl.atomic_add(DK + out_off, dk * sm_scale, mask=kv_mask)
             tl.atomic_add(DV + out_off, dv, mask=kv_mask)

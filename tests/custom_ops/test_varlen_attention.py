@@ -364,17 +364,6 @@ def test_kernel_tile_boundaries_at_every_offset(causal, window, k_rows, monkeypa
 
 
 @pytest.mark.interpret
-@pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (False, (19, 22)), (True, (29, 3))])
-def test_dkdv_kernel_in_one_masked_loop(causal, window, monkeypatch):
-    """The dk/dv kernel with SPLIT_PHASES=False (one masked query loop, a tuning choice) gives
-    the same gradients: the tile-boundary layout of the test above, GQA group 2."""
-    q, k, v, seg = _tensors(_tile_boundary_layout(), (2, 1), 16, torch.float32)
-    one_loop = dict(kernels_mod.INTERPRET_CONFIGS["bwd_dkdv"], SPLIT_PHASES=False)
-    monkeypatch.setitem(kernels_mod.INTERPRET_CONFIGS, "bwd_dkdv", one_loop)
-    _kernel_vs_reference(q, k, v, seg, causal, window)
-
-
-@pytest.mark.interpret
 def test_kernel_padded_head_dim_and_other_tiles(monkeypatch):
     """head_dim 24 (a padded 32-wide tile), GQA group 3, and asymmetric tile sizes."""
     for name in ("fwd", "bwd_dq"):
