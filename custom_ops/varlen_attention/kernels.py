@@ -5,16 +5,15 @@ Notation (see reference.py): segment s has query rows ``q_start + a`` at positio
 (``0 <= b < k_len``). Scores are kept in base 2: ``x = s * log2(e)``, so
 ``exp(s - lse) = exp2(x - lse * log2(e))``.
 
-Work is cut into tiles per segment (query tiles of BLOCK_M rows for the forward
-and dq, key tiles of BLOCK_N rows for dk/dv). The launcher computes, on the
-device, the inclusive cumulative tile count per segment, so grids depend on shapes
-only. The forward and dq programs (one per query tile of the grid) read their
-segment from a tile -> segment table the launcher also builds on the device
-(``torch.searchsorted``); a binary-search loop in the kernel instead stops
-Triton's software pipeliner from pipelining the key loops that follow it (no
-async copies in the TTGIR, checked for sm_90 with triton 3.7), which costs the
-forward most of its speed. The dk/dv programs stride over a work list longer than
-their grid and keep the in-kernel search; their loops pipeline either way.
+The forward and dq cut each segment's queries into tiles of BLOCK_M rows; the
+launcher computes, on the device, the inclusive cumulative tile count per segment
+and a tile -> segment table (``torch.searchsorted``), so grids depend on shapes
+only. A binary-search loop in the kernel instead stops Triton's software
+pipeliner from pipelining the key loops that follow it (no async copies in the
+TTGIR, checked for sm_90 with triton 3.7), which costs the forward most of its
+speed. dk/dv runs one program per BLOCK_N-row tile of the key tensor, over the
+segments whose key ranges reach it (a slice of the segments sorted by key
+start, also built on the device).
 
 For each tile the visible range of the other side is computed from the mask
 bounds; tiles entirely inside the mask run without the elementwise mask, only the
@@ -23,8 +22,6 @@ boundary tiles apply it.
 
 import triton
 import triton.language as tl
-
-from custom_ops._triton_utils import search_sorted_right
 
 # Launch configurations, one table so they can be tuned on the GPU (the benchmark
 # overwrites entries). Per kernel: {largest BLOCK_D served: config}; the first
@@ -100,25 +97,13 @@ def kernel_config(kernel: str, block_d: int, interpreting: bool, element_size: i
 
 
 @triton.jit
-def _tile_owner(cum_ptr, n_seg, tile):
-    """(s, j): tile ``tile`` is tile j of segment s, where segment s owns tiles
-    ``[cum[s-1], cum[s])`` (``cum`` = inclusive cumulative tile counts). s == n_seg
-    when ``tile`` is past the last tile. Empty segments own no tile and are skipped."""
-    below = search_sorted_right(cum_ptr, n_seg, tl.zeros([1], dtype=tl.int32) + tile)
-    s = tl.sum(below, axis=0) + 1  # number of cum entries <= tile
-    first = tl.load(cum_ptr + s - 1, mask=s > 0, other=0)
-    return s, tile - first
-
-
-@triton.jit
 def _tile_owner_from_table(owner_ptr, cum_ptr, n_seg, tile):
     """(s, j) from ``owner[tile]`` (the number of ``cum`` entries <= tile, built by the
     launcher): two loads and no loop, so the loops after it pipeline.
 
-    Unlike :func:`_tile_owner`, a segment's tiles are handed out last first (the
-    segment's first program gets its last query tile): under a causal mask the last
-    tiles see the most keys, and starting the longest work first shortens the tail
-    of the launch.
+    A segment's tiles are handed out last first (the segment's first program gets
+    its last query tile): under a causal mask the last tiles see the most keys, and
+    starting the longest work first shortens the tail of the launch.
     """
     s = tl.load(owner_ptr + tile)
     last = tl.load(cum_ptr + s, mask=s < n_seg, other=0) - 1  # the segment's last tile index
@@ -594,7 +579,7 @@ def _dkdv_inner(
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["n_seg", "left", "right"])
+@triton.jit(do_not_specialize=["num_k_rows", "left", "right"])
 def varlen_attn_bwd_dkdv_kernel(
     Q,
     K,
@@ -602,15 +587,17 @@ def varlen_attn_bwd_dkdv_kernel(
     DO,
     LSE,
     DELTA,
-    DK,  # fp32 accumulation buffers, zero-initialised
+    DK,  # [Tk, Hkv, D] in k's dtype: every row is written (zero where no segment reads it)
     DV,
     q_start_ptr,
     q_len_ptr,
     q_pos_ptr,
     k_start_ptr,
     k_len_ptr,
-    tile_cum_ptr,  # inclusive cumsum of key tiles per segment
-    n_seg,
+    order_ptr,  # segments sorted by key start
+    first_ptr,  # [grid]: the range [first, last) of ``order`` that can reach each key tile
+    last_ptr,
+    num_k_rows,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -633,52 +620,62 @@ def varlen_attn_bwd_dkdv_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """(segment, key tile) work items x one kv head:
+    """One tile of BLOCK_N rows of the key tensor x one kv head:
     ``dv_b = sum_a P_ab dout_a``, ``dk_b = scale * sum_a P_ab (dP_ab - delta_a) q_a``
-    over the query heads of the kv group and the queries of the segment that see the tile.
+    over every segment whose key range reaches the tile, the query heads of the kv
+    group, and the queries of the segment that see the tile.
 
     Key ranges of different segments may overlap (all-gather CP runs two query
-    segments over one key range), so results are atomically added into fp32
-    buffers. Programs stride over the work items: the total (read on the device)
-    may exceed the grid, which is sized from shapes.
+    segments over one key range) or share a tile (short documents): one program
+    sums all of them in registers and stores the tile once, so there are no
+    atomics, no fp32 buffers to zero and cast, and the result does not depend on
+    the order programs run in. The launcher sorts the segments by key start and
+    gives each tile the slice of that order that can reach it (segments before
+    ``first`` end at or before the tile, those from ``last`` on start after it);
+    a segment in the slice that misses the tile is skipped.
 
-    The query loop runs in three phases like the other kernels' key loops. On sm_90 it
-    spills (255 registers and a 256-424 byte stack at every D = 128 tile shape tried,
-    read from the cubin); one masked loop spills less but masked every tile and measured
-    slower on the H100 at every shape (docs/benchmarks.md).
+    The query loop runs in three phases like the other kernels' key loops: only
+    a tile wholly inside the segment's key range has an unmasked middle phase.
+    On sm_90 it spills at D = 128 (255 registers and a 256-424 byte stack at
+    every tile shape tried, read from the cubin); one masked loop spills less
+    but masks every tile, and measured slower on the H100 at every tile shape
+    (docs/benchmarks.md).
     """
     # fp32 scales, as in the forward
     sm_scale = tl.cast(sm_scale, tl.float32)
     qk_scale = tl.cast(qk_scale, tl.float32)
-    pid = tl.program_id(0)
+    tile = tl.program_id(0)
     kvh = tl.program_id(1)
-    n_prog = tl.num_programs(0)
-    total = tl.load(tile_cum_ptr + n_seg - 1)
-    offs_n = tl.arange(0, BLOCK_N)
+    t0 = tile * BLOCK_N
+    rows = t0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
-    for item in range(pid, total, n_prog):
-        s, j = _tile_owner(tile_cum_ptr, n_seg, item)
+    rows64 = rows.to(tl.int64)
+    kv_mask = (rows < num_k_rows)[:, None] & d_ok[None, :]
+    k = tl.load(K + rows64[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(V + rows64[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    first = tl.load(first_ptr + tile)
+    last = tl.load(last_ptr + tile)
+    for i in range(first, last):
+        s = tl.load(order_ptr + i)
         q_start = tl.load(q_start_ptr + s)
         q_len = tl.load(q_len_ptr + s)
         q_pos = tl.load(q_pos_ptr + s)
         k_start = tl.load(k_start_ptr + s)
         k_len = tl.load(k_len_ptr + s)
-
-        b = j * BLOCK_N + offs_n
-        col_ok = b < k_len
-        b_lo = j * BLOCK_N
-        b_hi = tl.minimum(j * BLOCK_N + BLOCK_N, k_len) - 1
+        # the tile's keys as offsets into the segment's key range (negative before it)
+        b = rows - k_start
+        b_lo = tl.maximum(t0 - k_start, 0)
+        b_hi = tl.minimum(t0 + BLOCK_N - k_start, k_len) - 1
         lo, mid_lo, mid_hi, hi = _query_range(b_lo, b_hi, q_pos, q_len, left, right, CAUSAL, BLOCK_M)
-
-        kv_rows = (k_start + b).to(tl.int64)
-        kv_mask = col_ok[:, None] & d_ok[None, :]
-        k = tl.load(K + kv_rows[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(V + kv_rows[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
-        dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-        dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-        if lo < hi:
+        # keys of the tile outside the segment are never visible: mask every query tile
+        inside = (t0 >= k_start) & (t0 + BLOCK_N <= k_start + k_len)
+        mid_lo = tl.where(inside, mid_lo, hi)
+        mid_hi = tl.where(inside, mid_hi, hi)
+        if (b_lo <= b_hi) & (lo < hi):
             for g in range(0, group):
                 h = kvh * group + g
                 q_base = Q + q_start.to(tl.int64) * stride_qt + h * stride_qh
@@ -698,6 +695,6 @@ def varlen_attn_bwd_dkdv_kernel(
                     dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, b, offs_d,
                     q_pos, q_len, k_len, left, right, qk_scale, mid_hi, hi, True, CAUSAL, EVEN_D, HEAD_DIM, BLOCK_M,
                 )
-            out_off = kv_rows[:, None] * stride_dkt + kvh * stride_dkh + offs_d[None, :]
-            tl.atomic_add(DK + out_off, dk * sm_scale, mask=kv_mask)
-            tl.atomic_add(DV + out_off, dv, mask=kv_mask)
+    out_off = rows64[:, None] * stride_dkt + kvh * stride_dkh + offs_d[None, :]
+    tl.store(DK + out_off, (dk * sm_scale).to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(DV + out_off, dv.to(DV.dtype.element_ty), mask=kv_mask)

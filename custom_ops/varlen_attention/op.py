@@ -92,12 +92,9 @@ def _segments(q_start, q_len, q_pos, k_start, k_len, num_q_rows, num_k_rows):
     return qs.int(), ql.int(), q_pos.int(), ks.int(), kl.int()
 
 
-def _tile_cumsum(lengths: torch.Tensor, block: int, gate: torch.Tensor | None = None) -> torch.Tensor:
+def _tile_cumsum(lengths: torch.Tensor, block: int) -> torch.Tensor:
     """Inclusive cumulative count of ``block``-row tiles per segment (int32, on the device)."""
-    tiles = (lengths + (block - 1)) // block
-    if gate is not None:
-        tiles = torch.where(gate, tiles, 0)
-    return torch.cumsum(tiles, 0, dtype=torch.int32)
+    return torch.cumsum((lengths + (block - 1)) // block, 0, dtype=torch.int32)
 
 
 def _tile_table(lengths: torch.Tensor, block: int, num_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,6 +105,29 @@ def _tile_table(lengths: torch.Tensor, block: int, num_tiles: int) -> tuple[torc
     cum = _tile_cumsum(lengths, block)
     tiles = torch.arange(num_tiles, dtype=torch.int32, device=lengths.device)
     return cum, torch.searchsorted(cum, tiles, right=True, out_int32=True)
+
+
+def _key_tile_segments(qs, ql, ks, kl, block: int, num_tiles: int, num_k_rows: int):
+    """``(order, first, last)`` for the dk/dv kernel, on the device and sized from shapes.
+
+    ``order``: the segments sorted by key start, those with no query or no key
+    last (and in no tile's slice). Key tile t (rows ``[t*block, (t+1)*block)``) can only be reached by
+    ``order[first[t]:last[t]]``: ``last[t]`` counts the sorted segments that start
+    before the tile ends, ``first[t]`` those whose running maximum of key ends is at
+    or before the tile's start (so they and every segment before them end there).
+    Disjoint and identical key ranges (self-attention, all-gather CP) make the slice
+    exactly the segments that reach the tile; other overlaps may add some that
+    miss it, which the kernel skips.
+    """
+    live = (ql > 0) & (kl > 0)
+    start = torch.where(live, ks, num_k_rows + block)  # past every tile's end
+    end = torch.where(live, ks + kl, 0)
+    order = torch.argsort(start, stable=True)
+    reach = torch.cummax(end[order], 0).values.contiguous()
+    tile_start = torch.arange(num_tiles, dtype=torch.int32, device=ks.device) * block
+    first = torch.searchsorted(reach, tile_start, right=True, out_int32=True)
+    last = torch.searchsorted(start[order].contiguous(), tile_start + block, out_int32=True)
+    return order.int(), first, last
 
 
 def _block_d(head_dim) -> int:
@@ -150,10 +170,8 @@ def _backward_kernel(dout, dlse, q, k, v, out, lse, seg, causal, left, right, sc
     tk, hkv, _ = k.shape
     n_seg = seg[0].shape[0]
     dq = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
-    dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
-    dv = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
     if n_seg == 0 or tq == 0 or hq == 0 or tk == 0:
-        return dq, dk.to(k.dtype), dv.to(v.dtype)
+        return dq, torch.zeros_like(k), torch.zeros_like(v)
     q, k, v, out, dout = q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(), dout.contiguous()
     lse = lse.contiguous()
     dlse = dlse.to(torch.float32).contiguous()
@@ -182,18 +200,20 @@ def _backward_kernel(dout, dlse, q, k, v, out, lse, seg, causal, left, right, sc
     )  # fmt: skip
 
     cfg = kernel_config("bwd_dkdv", block_d, interpreting, q.element_size())
-    # segments without queries own no key tile; the grid has one program per key tile
-    # of the key tensor (plus one per segment for partial tiles) and strides over the rest
-    cum = _tile_cumsum(kl, cfg["BLOCK_N"], gate=ql > 0)
-    wrap_triton(varlen_attn_bwd_dkdv_kernel)[(triton.cdiv(tk, cfg["BLOCK_N"]) + n_seg, hkv)](
+    # one program per key tile of the key tensor: it writes every row, so no zero fill
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    grid = (triton.cdiv(tk, cfg["BLOCK_N"]), hkv)
+    order, first, last = _key_tile_segments(qs, ql, ks, kl, cfg["BLOCK_N"], grid[0], tk)
+    wrap_triton(varlen_attn_bwd_dkdv_kernel)[grid](
         q, k, v, dout, lse, delta, dk, dv,
-        qs, ql, qp, ks, kl, cum, n_seg,
+        qs, ql, qp, ks, kl, order, first, last, tk,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         dout.stride(0), dout.stride(1), dk.stride(0), dk.stride(1), lse.stride(0),
         hq // hkv, scale, scale * _LOG2E, left, right,
         CAUSAL=causal, HEAD_DIM=d, BLOCK_D=block_d, **cfg,
     )  # fmt: skip
-    return dq, dk.to(k.dtype), dv.to(v.dtype)
+    return dq, dk, dv
 
 
 @kernel_op(f"{NAMESPACE}::varlen_attention", mutates_args=())

@@ -374,6 +374,34 @@ def test_kernel_padded_head_dim_and_other_tiles(monkeypatch):
     _kernel_vs_reference(q, k, v, seg, True, (17, 2))
 
 
+@st.composite
+def crossing_key_ranges(draw, max_segs=5, max_rows=40):
+    """Segments whose key ranges start anywhere, in any order: nested, partly overlapping,
+    identical and disjoint ranges, empty ones, and key rows no segment reads."""
+    tk = draw(st.integers(1, max_rows))
+    n = draw(st.integers(1, max_segs))
+    qs, ql, qp, ks, kl, row = [], [], [], [], [], 0
+    for _ in range(n):
+        k_start = draw(st.integers(0, tk - 1))
+        k_len = draw(st.integers(0, tk - k_start))
+        q_len = draw(st.integers(0, 20))
+        qs.append(row), ql.append(q_len), ks.append(k_start), kl.append(k_len)
+        qp.append(draw(st.integers(-2, k_len + 2)))
+        row += q_len
+    return qs, ql, qp, ks, kl, row, tk
+
+
+@pytest.mark.interpret
+@settings(max_examples=12)
+@given(crossing_key_ranges(), st.sampled_from([(2, 1), (1, 1)]), st.booleans(), st.sampled_from(WINDOWS))
+def test_kernel_crossing_key_ranges(layout, heads, causal, window):
+    """dk/dv runs one program per key tile over every segment that reaches it: key ranges
+    that cross each other and tile edges, in scrambled order, sum into the right rows, and
+    rows no segment reads get zero gradients (the outputs start unwritten and poisoned)."""
+    q, k, v, seg = _tensors(layout, heads, 16, torch.float32, seed=len(layout[0]))
+    _kernel_vs_reference(q, k, v, seg, causal, window)
+
+
 @pytest.mark.interpret
 def test_kernel_rows_without_keys():
     q, k, v, seg = _empty_rows_case(torch.float32)
