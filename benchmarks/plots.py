@@ -135,6 +135,8 @@ def plot_scaling(secs, out):
     gdn = section(secs, "GatedDeltaNet with CP")
     for rows in tables(gdn):
         by_name = {r[""]: r for r in rows}
+        if "1 GPU fwd+bwd compiled" not in by_name:  # an excerpt of an earlier run, not a benchmark table
+            continue
         w = re.search(r"W=(\d+)", "".join(by_name)).group(1)
         for mode in ("eager", "compiled"):
             for col, val in by_name.get(f"scaling efficiency, {mode}", {}).items():
