@@ -77,7 +77,7 @@ from benchmarks.common import (  # noqa: E402
     profile_timeline,
     spawn_ranks,
 )
-from cp_ops import GatedDeltaNet, pad_cu_seqlens, shard_thd, thd_cp2hp, thd_hp2cp  # noqa: E402
+from cp_ops import COMPILE_OPTIONS, GatedDeltaNet, pad_cu_seqlens, shard_thd, thd_cp2hp, thd_hp2cp  # noqa: E402
 from cp_ops._local_ranks import init_local_rank  # noqa: E402
 from custom_ops.testing import rel_error  # noqa: E402
 from custom_ops.thd_copy_valid_tokens.reference import valid_token_mask  # noqa: E402
@@ -235,25 +235,38 @@ def per_sequence_hp2cp(y_hp, cu_seqlens_padded, sections, group):
 
 
 @contextlib.contextmanager
-def per_sequence_all_to_all():
-    """Inside, GatedDeltaNet's all-to-alls are the per-sequence baseline. Yields a one-item list
-    counting the baseline's calls, so a caller can tell that the swap took effect."""
+def _layer_all_to_alls(cp2hp, hp2cp):
+    """Inside, GatedDeltaNet runs ``cp2hp`` (thd_cp2hp's signature; the z projection after it)
+    and ``hp2cp``. Yields a one-item list counting their calls, so a caller can tell that the
+    swap took effect."""
     calls = [0]
 
-    def cp2hp(*args):
+    def cp2hp_then(x, cu, sections, group, overlap):
         calls[0] += 1
-        return per_sequence_cp2hp(*args)
+        return cp2hp(x, cu, sections, group), overlap()
 
-    def hp2cp(*args):
+    def counted_hp2cp(*args):
         calls[0] += 1
-        return per_sequence_hp2cp(*args)
+        return hp2cp(*args)
 
-    saved = gdn_module.thd_cp2hp, gdn_module.thd_hp2cp
-    gdn_module.thd_cp2hp, gdn_module.thd_hp2cp = cp2hp, hp2cp
+    saved = gdn_module.thd_cp2hp_overlap, gdn_module.thd_hp2cp
+    gdn_module.thd_cp2hp_overlap, gdn_module.thd_hp2cp = cp2hp_then, counted_hp2cp
     try:
         yield calls
     finally:
-        gdn_module.thd_cp2hp, gdn_module.thd_hp2cp = saved
+        gdn_module.thd_cp2hp_overlap, gdn_module.thd_hp2cp = saved
+
+
+def per_sequence_all_to_all():
+    """Inside, GatedDeltaNet's all-to-alls are the per-sequence baseline (a context manager
+    yielding the call count, as :func:`_layer_all_to_alls`)."""
+    return _layer_all_to_alls(per_sequence_cp2hp, per_sequence_hp2cp)
+
+
+def unoverlapped_all_to_all():
+    """Inside, GatedDeltaNet converts with the one-op ``thd_cp2hp`` and computes the z projection
+    after it (no overlap): the layer as it was before ``thd_cp2hp_overlap``."""
+    return _layer_all_to_alls(thd_cp2hp, thd_hp2cp)
 
 
 def a2a_steps(layer: GatedDeltaNet, x_cp: torch.Tensor, cup: torch.Tensor, group, cp2hp, hp2cp) -> dict:
@@ -298,7 +311,9 @@ def _cp_worker(rank, world, port, tokens, seqs, out, smoke, eager_only=False, pr
     torch.manual_seed(0)  # the same weights on every rank
     layer = GatedDeltaNet(hidden, hk, hv, dk, dv).to(device, dtype)
     params = list(layer.parameters())
-    compiled = {"fn": torch.compile(layer, fullgraph=True, dynamic=True), "dynamic": True}
+    compiled = {"fn": torch.compile(layer, fullgraph=True, dynamic=True, options=COMPILE_OPTIONS), "dynamic": True}
+    # the layer with thd_cp2hp as one op and the z projection after it, compiled as before the overlap
+    unoverlapped = torch.compile(layer, fullgraph=True, dynamic=True)
     notes = []
     cases = [(t, b) for t in tokens for b in seqs]
     results = {}
@@ -341,7 +356,11 @@ def _cp_worker(rank, world, port, tokens, seqs, out, smoke, eager_only=False, pr
                 msg = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                 print(f"rank {rank}: torch.compile(dynamic=True) failed ({msg}); using dynamic=False", flush=True)
                 torch._dynamo.reset()
-                compiled = {"fn": torch.compile(layer, fullgraph=True, dynamic=False), "dynamic": False}
+                compiled = {
+                    "fn": torch.compile(layer, fullgraph=True, dynamic=False, options=COMPILE_OPTIONS),
+                    "dynamic": False,
+                }
+                unoverlapped = torch.compile(layer, fullgraph=True, dynamic=False)
                 notes.append(f"compiled with dynamic=False (dynamic=True failed: {msg[:200]})")
                 res["err compiled"] = check(compiled["fn"])
             with per_sequence_all_to_all() as calls:
@@ -351,6 +370,12 @@ def _cp_worker(rank, world, port, tokens, seqs, out, smoke, eager_only=False, pr
                 res["W per-seq eager"] = timed(cp_step(layer), per_sequence=True)
             res["W compiled"] = math.nan if eager_only else timed(cp_step(compiled["fn"]))
             res["W eager"] = timed(cp_step(layer))
+            with unoverlapped_all_to_all() as calls:
+                res["err compiled unoverlapped"] = math.nan if eager_only else check(unoverlapped)
+                res["W compiled unoverlapped"] = math.nan if eager_only else timed(cp_step(unoverlapped))
+                res["W eager unoverlapped"] = timed(cp_step(layer))
+                if calls[0] < 2:
+                    raise RuntimeError("GatedDeltaNet did not call the swapped thd_cp2hp_overlap / thd_hp2cp")
             if profile:  # every rank runs the profiled steps (they meet in the all-to-alls); rank 0's figures
                 res.update({f"prof W {k}": v for k, v in profile_timeline(cp_step(compiled["fn"])).items()})
 
@@ -398,7 +423,9 @@ def _cp_worker(rank, world, port, tokens, seqs, out, smoke, eager_only=False, pr
         dist.barrier()
     finally:
         dist.destroy_process_group()
-    errors = [r[k] for r in results.values() for k in ("err eager", "err compiled", "err per-seq")]
+    errors = [
+        r[k] for r in results.values() for k in ("err eager", "err compiled", "err per-seq", "err compiled unoverlapped")
+    ]
     worst = max(e for e in errors if not math.isnan(e))  # err compiled is nan with --eager-only
     if not worst < CP_TOLERANCE:
         raise AssertionError(f"CP output off by rel_error {worst:.3g} >= {CP_TOLERANCE} against one device")
@@ -415,6 +442,8 @@ def _cp_table(results, cases, world, dims, dtype, runs, seq_runs, notes) -> str:
     for r in results.values():
         r["eff compiled"] = r["1 compiled"] / (world * r["W compiled"])
         r["eff eager"] = r["1 eager"] / (world * r["W eager"])
+        r["eff compiled unoverlapped"] = r["1 compiled"] / (world * r["W compiled unoverlapped"])
+        r["eff eager unoverlapped"] = r["1 eager"] / (world * r["W eager unoverlapped"])
         r["per-seq / fused"] = r["W per-seq eager"] / r["W eager"]
         r["a2a"] = r["cp2hp fwd+bwd"] + r["hp2cp fwd+bwd"]
         r["per-seq a2a"] = r["per-seq cp2hp fwd+bwd"] + r["per-seq hp2cp fwd+bwd"]
@@ -428,12 +457,17 @@ def _cp_table(results, cases, world, dims, dtype, runs, seq_runs, notes) -> str:
         ("rel error vs 1 GPU: CP eager", "err eager", e),
         ("rel error vs 1 GPU: CP compiled", "err compiled", e),
         ("rel error vs 1 GPU: CP eager, per-seq a2a", "err per-seq", e),
+        ("rel error vs 1 GPU: CP compiled, not overlapped", "err compiled unoverlapped", e),
         ("1 GPU fwd+bwd compiled", "1 compiled", t),
         (f"{w} fwd+bwd compiled", "W compiled", t),
         ("scaling efficiency, compiled", "eff compiled", x),
+        (f"{w} fwd+bwd compiled, not overlapped", "W compiled unoverlapped", t),
+        ("scaling efficiency, compiled, not overlapped", "eff compiled unoverlapped", x),
         ("1 GPU fwd+bwd eager", "1 eager", t),
         (f"{w} fwd+bwd eager", "W eager", t),
         ("scaling efficiency, eager", "eff eager", x),
+        (f"{w} fwd+bwd eager, not overlapped", "W eager unoverlapped", t),
+        ("scaling efficiency, eager, not overlapped", "eff eager unoverlapped", x),
         (f"{w} fwd+bwd eager, per-seq a2a", "W per-seq eager", t),
         ("per-seq a2a / fused a2a (eager layer)", "per-seq / fused", x),
         ("in_proj fwd+bwd", "in_proj fwd+bwd", t),

@@ -8,6 +8,7 @@ the torch.library ops it builds on live in ``custom_ops`` and are registered as
 import custom_ops  # noqa: F401  (registers torch.ops.cp_ops.*)
 from cp_ops.attention import Attention, ag_thd_attention, ag_thd_attention_reference, ag_thd_segments
 from cp_ops.comm import (
+    COMPILE_OPTIONS,
     all_gather_rows,
     all_to_all_rows,
     group_rank,
@@ -15,6 +16,7 @@ from cp_ops.comm import (
     reduce_scatter_rows,
     resolve_group,
     thd_cp2hp,
+    thd_cp2hp_overlap,
     thd_cp2hp_reference,
     thd_hp2cp,
     thd_hp2cp_reference,
@@ -53,6 +55,8 @@ __all__ = [
     "reduce_scatter_rows",
     "all_to_all_rows",
     "thd_cp2hp",
+    "thd_cp2hp_overlap",
+    "COMPILE_OPTIONS",
     "thd_hp2cp",
     "thd_cp2hp_reference",
     "thd_hp2cp_reference",

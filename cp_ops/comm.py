@@ -23,7 +23,8 @@ values on the host, so one compiled graph serves every packing.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -41,10 +42,14 @@ __all__ = [
     "reduce_scatter_rows",
     "all_to_all_rows",
     "thd_cp2hp",
+    "thd_cp2hp_overlap",
+    "COMPILE_OPTIONS",
     "thd_hp2cp",
     "thd_cp2hp_reference",
     "thd_hp2cp_reference",
 ]
+
+T = TypeVar("T")
 
 # --- shims over names that moved between torch releases ----------------------------------------
 
@@ -120,15 +125,50 @@ def reduce_scatter_rows(x: torch.Tensor, group_name: str) -> torch.Tensor:
     return _reduce_scatter_autograd(x.contiguous(), "sum", 0, group_name)
 
 
+def _start_all_to_all(x: torch.Tensor, group_name: str, world: int) -> torch.Tensor:
+    """Issue the all-to-all of :func:`all_to_all_rows` and return its output still in flight:
+    read it only after ``torch.ops._c10d_functional.wait_tensor``."""
+    rows = x.shape[0] // world
+    splits = [rows] * world
+    return torch.ops._c10d_functional.all_to_all_single(x.contiguous(), splits, splits, group_name)
+
+
 def all_to_all_rows(x: torch.Tensor, group_name: str, world: int) -> torch.Tensor:
     """``[W*R, ...]`` -> ``[W*R, ...]``: rows ``[d*R, (d+1)*R)`` go to rank d; the result holds
     rank s's block for this rank at rows ``[s*R, (s+1)*R)``. Not differentiable by itself;
     meant for op bodies, which own their autograd. Blocks until the data has arrived
     (on CUDA: until the exchange is ordered on the current stream)."""
-    rows = x.shape[0] // world
-    splits = [rows] * world
-    out = torch.ops._c10d_functional.all_to_all_single(x.contiguous(), splits, splits, group_name)
-    return torch.ops._c10d_functional.wait_tensor(out)
+    return torch.ops._c10d_functional.wait_tensor(_start_all_to_all(x, group_name, world))
+
+
+class _ExchangeStart(torch.autograd.Function):
+    """The first half of a differentiable :func:`all_to_all_rows`: issues the exchange and
+    returns its output in flight. Its backward waits for the gradient's exchange, which
+    :class:`_ExchangeWait`'s backward issued, so in the backward pass too the work recorded
+    between the two halves (whatever autograd runs between their nodes) can overlap it."""
+
+    @staticmethod
+    def forward(ctx, send, group_name, world):
+        ctx.group_name, ctx.world = group_name, world
+        return _start_all_to_all(send, group_name, world)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return torch.ops._c10d_functional.wait_tensor(grad), None, None
+
+
+class _ExchangeWait(torch.autograd.Function):
+    """The second half: waits for the exchange :class:`_ExchangeStart` issued; its backward
+    issues the exchange of the gradient (an all-to-all of equal blocks is its own adjoint)."""
+
+    @staticmethod
+    def forward(ctx, recv, group_name, world):
+        ctx.group_name, ctx.world = group_name, world
+        return torch.ops._c10d_functional.wait_tensor(recv)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _start_all_to_all(grad, ctx.group_name, ctx.world), None, None
 
 
 # --- the ops --------------------------------------------------------------------------------------
@@ -252,6 +292,49 @@ def thd_cp2hp(
         _check_cp2hp(x_cp, cu_seqlens_padded, sections, world)
         return custom_ops.permute_sections(x_cp, sections, 1)
     return _thd_cp2hp(x_cp, cu_seqlens_padded, sections, group_name, world)
+
+
+def thd_cp2hp_overlap(
+    x_cp: torch.Tensor, cu_seqlens_padded: torch.Tensor, sections: Sequence[int], group, overlap: Callable[[], T]
+) -> tuple[torch.Tensor, T]:
+    """:func:`thd_cp2hp`, running ``overlap()`` while the all-to-all is in flight.
+
+    Returns ``(x_hp, overlap())``. ``overlap`` is work that does not need ``x_hp``
+    (in :class:`cp_ops.GatedDeltaNet`: the gate projection). The conversion runs as
+    three graph nodes instead of one op: ``sections_to_rank_blocks`` (the send
+    buffer), one all-to-all issued before ``overlap()`` and waited for after it,
+    and ``thd_rank_to_seq_order``. Same values and gradients as :func:`thd_cp2hp`,
+    still one all-to-all per direction. In the backward pass the gradient's
+    exchange is issued where the wait was and waited for where the exchange was
+    issued, so the backward of ``overlap``'s work runs during it too.
+
+    Eager on CUDA, the overlap happens as written (NCCL runs on its own stream).
+    Under ``torch.compile``, Inductor's peak-memory reordering moves the wait up to
+    the exchange; compile with :data:`COMPILE_OPTIONS` to keep the overlap.
+    """
+    group_name, world = resolve_group(group)
+    sections = [int(s) for s in sections]
+    if group_name is None:
+        return thd_cp2hp(x_cp, cu_seqlens_padded, sections, None), overlap()
+    _check_cp2hp(x_cp, cu_seqlens_padded, sections, world)
+    send = custom_ops.sections_to_rank_blocks(x_cp, sections, world)  # [W, T/W, ..., F/W]
+    recv = _ExchangeStart.apply(send.flatten(0, 1), group_name, world)
+    extra = overlap()
+    recv = _ExchangeWait.apply(recv, group_name, world)  # [T, ..., F/W], rank order
+    return custom_ops.thd_rank_to_seq_order(recv, cu_seqlens_padded, world), extra
+
+
+# Inductor options that keep the all-to-all of thd_cp2hp_overlap overlapped under torch.compile:
+# sink_waits moves each wait down to the first use of the exchanged data (without it, the
+# peak-memory reordering moves the wait up to the exchange, before the work recorded in between);
+# raise_comms then issues each exchange as soon as its input is ready (in the backward pass,
+# Inductor schedules the weight gradient of the overlapped GEMM first otherwise). Checked on the
+# code Inductor generates (tests/cp_ops/test_comm.py). Pass as torch.compile(model,
+# options=COMPILE_OPTIONS); they apply to that compile only.
+COMPILE_OPTIONS = {
+    "reorder_for_compute_comm_overlap": True,
+    "reorder_for_compute_comm_overlap_passes": ["sink_waits", "raise_comms"],
+}
 
 
 def thd_hp2cp(

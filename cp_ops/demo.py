@@ -608,16 +608,19 @@ def _reduce_results(res: dict, group, device: torch.device) -> dict:
 
 
 def _rank_entry(rank: int, world: int, port: int, args: argparse.Namespace, result_path: str) -> None:
+    import torch._inductor.config
+
     if "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
         # W ranks compile at once: share the cores instead of W pools of cpu_count workers each
         # (on 2 cores with 2 ranks this cuts the cold compile of the defaults by about a quarter)
-        import torch._inductor.config
-
         torch._inductor.config.compile_threads = max(1, (os.cpu_count() or 1) // world)
     device = init_local_rank(rank, world, port, args.device)
     try:
         group = dist.group.WORLD
-        res = _reduce_results(_train(rank, world, group, args, device), group, device)
+        # the GDN layers overlap their all-to-all with the gate projection; these Inductor options
+        # keep that overlap in the compiled graphs (cp_ops.COMPILE_OPTIONS)
+        with torch._inductor.config.patch(cp_ops.COMPILE_OPTIONS):
+            res = _reduce_results(_train(rank, world, group, args, device), group, device)
         res["backend"] = dist.get_backend(group)
         if rank == 0:
             with open(result_path, "w") as f:

@@ -6,9 +6,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-# forward() looks thd_cp2hp / thd_hp2cp up in this module when it runs, so a benchmark can swap
-# in another all-to-all scheme (benchmarks/bench_gdn.py: per_sequence_all_to_all)
-from cp_ops.comm import group_rank, resolve_group, thd_cp2hp, thd_hp2cp
+# forward() looks thd_cp2hp_overlap / thd_hp2cp up in this module when it runs, so a benchmark can
+# swap in another all-to-all scheme (benchmarks/bench_gdn.py: per_sequence_all_to_all)
+from cp_ops.comm import group_rank, resolve_group, thd_cp2hp_overlap, thd_hp2cp
 from custom_ops.gdn.op import causal_conv1d, chunk_gated_delta_rule
 
 # FLA's and Qwen3-Next's epsilon for the q/k l2 normalisation
@@ -135,19 +135,26 @@ class GatedDeltaNet(nn.Module):
         rows; then the z rows), so the sections that travel through ``thd_cp2hp`` come
         out contiguous: the concatenation copies weight rows, not activations.
         """
+        return self._project_qkvba(x), self._project_z(x)
+
+    def _project_qkvba(self, x: torch.Tensor) -> torch.Tensor:
         w = self.in_proj.weight
-        conv_w, v_w = self.conv_dim, self.value_dim
-        qkvba = F.linear(x, torch.cat([w[:conv_w], w[conv_w + v_w :]]))
-        return qkvba, F.linear(x, w[conv_w : conv_w + v_w])
+        return F.linear(x, torch.cat([w[: self.conv_dim], w[self.conv_dim + self.value_dim :]]))
+
+    def _project_z(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.in_proj.weight[self.conv_dim : self.conv_dim + self.value_dim])
 
     def forward(self, x: torch.Tensor, cu_seqlens_padded: torch.Tensor, group=None) -> torch.Tensor:
         """x ``[T/W, hidden]`` (this rank's THD shard; the whole batch when ``group`` is None)
         -> ``[T/W, hidden]``. ``cu_seqlens_padded`` is the *global* layout.
 
         With a group of W ranks: the projections on the local tokens, one
-        ``thd_cp2hp`` of q, k, v, b, a (all tokens, this rank's 1/W of the heads), the
-        head-parallel core, one ``thd_hp2cp`` of its output back to the local tokens,
-        the gated norm with the local z, ``out_proj``. Parameter gradients are this
+        ``thd_cp2hp`` of q, k, v, b, a (all tokens, this rank's 1/W of the heads;
+        :func:`cp_ops.thd_cp2hp_overlap`, with the z projection computed while the
+        exchange is in flight), the head-parallel core, one ``thd_hp2cp`` of its
+        output back to the local tokens, the gated norm with the local z,
+        ``out_proj``. Under ``torch.compile``, pass ``options=cp_ops.COMPILE_OPTIONS``
+        to keep that overlap. Parameter gradients are this
         rank's contribution; sum them over the CP group (as data parallelism does) to
         get the single-device gradients.
         """
@@ -157,12 +164,16 @@ class GatedDeltaNet(nn.Module):
                 f"num_k_heads = {self.num_k_heads} and num_v_heads = {self.num_v_heads} must be divisible by "
                 f"the CP size {world}"
             )
-        qkvba, z = self.project(x)
         if world == 1:
+            qkvba, z = self.project(x)
             o = self.head_parallel_core(qkvba, cu_seqlens_padded, 0, self.num_k_heads)
         else:
             heads = self.num_k_heads // world
-            qkvba_hp = thd_cp2hp(qkvba, cu_seqlens_padded, self.exchanged_sections(), group)
+            # the z projection runs while q, k, v, b, a are exchanged (and its backward while
+            # their gradients are)
+            qkvba_hp, z = thd_cp2hp_overlap(
+                self._project_qkvba(x), cu_seqlens_padded, self.exchanged_sections(), group, lambda: self._project_z(x)
+            )
             o_hp = self.head_parallel_core(qkvba_hp, cu_seqlens_padded, group_rank(group) * heads, heads)
             o = thd_hp2cp(o_hp, cu_seqlens_padded, [o_hp.shape[-1]], group)
         rows, hv, dv = x.shape[0], self.num_v_heads, self.head_v_dim

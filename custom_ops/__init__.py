@@ -6,7 +6,12 @@ and ``torch.ops.cp_ops.<name>``. Each op folder holds ``kernels.py`` (Triton),
 (registration, fake, autograd).
 """
 
-from custom_ops.permute_sections.op import permute_sections, unpermute_sections
+from custom_ops.permute_sections.op import (
+    permute_sections,
+    rank_blocks_to_sections,
+    sections_to_rank_blocks,
+    unpermute_sections,
+)
 from custom_ops.permute_sections.reference import permute_sections_reference, unpermute_sections_reference
 from custom_ops.gdn.op import causal_conv1d, chunk_gated_delta_rule
 from custom_ops.gdn.reference import causal_conv1d_reference, chunk_gated_delta_rule_reference
@@ -28,6 +33,8 @@ __all__ = [
     "thd_copy_valid_tokens_reference",
     "permute_sections",
     "unpermute_sections",
+    "sections_to_rank_blocks",
+    "rank_blocks_to_sections",
     "permute_sections_reference",
     "unpermute_sections_reference",
     "causal_conv1d",

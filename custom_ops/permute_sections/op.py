@@ -1,7 +1,7 @@
 """Head-section permutation for CP <-> head-parallel conversions, as torch.library ops.
 
-Also home of the two fused layout steps of the all-to-all in :mod:`cp_ops.comm`
-(:func:`sections_to_rank_blocks`, :func:`rank_blocks_to_sections`): the same
+Also the two fused layout steps of the all-to-all in :mod:`cp_ops.comm`, ops of
+their own (``sections_to_rank_blocks``, ``rank_blocks_to_sections``): the same
 kernel writing or reading the rank-blocked ``[W, rows, F/W]`` layout directly,
 so the all-to-all send buffer is built in one pass with no separate transpose.
 """
@@ -55,6 +55,15 @@ def _check(x: torch.Tensor, sections, cp_size: int) -> list[int]:
     if x.dim() < 1:
         raise ValueError("x must have a feature dimension (last dim), got a 0-d tensor")
     return check_sections("x", x.shape[-1], sections, cp_size)
+
+
+def _check_rank_blocks(blocks: torch.Tensor, sections, cp_size: int) -> None:
+    check_cp_size(cp_size)
+    if not isinstance(blocks, torch.Tensor):
+        raise TypeError(f"blocks must be a torch.Tensor, got {type(blocks).__name__}")
+    if blocks.dim() < 2 or blocks.shape[0] != cp_size:
+        raise ValueError(f"rank blocks must be [cp_size = {cp_size}, ..., F/cp_size], got {tuple(blocks.shape)}")
+    check_sections("blocks (cp_size x last dim)", blocks.shape[-1] * cp_size, sections, cp_size)
 
 
 def _words(x: torch.Tensor, num_cols: int) -> tuple[torch.Tensor, int]:
@@ -140,10 +149,8 @@ def _unpermute(x: torch.Tensor, sections, cp_size: int, rank_blocks: bool) -> to
     """``rank_blocks``: x is ``[W, ..., F/W]`` and the result ``[..., F]``; else both ``[..., F]``."""
     cp_size = _concrete(cp_size)
     if rank_blocks:
-        if not isinstance(x, torch.Tensor) or x.dim() < 2 or x.shape[0] != cp_size:
-            raise ValueError(f"rank blocks must be [cp_size = {cp_size}, ..., F/cp_size], got {tuple(x.shape)}")
+        _check_rank_blocks(x, sections, cp_size)
         num_cols = x.shape[-1] * cp_size
-        check_sections("the rank blocks", num_cols, sections, cp_size)
         lead = tuple(x.shape[1:-1])
     else:
         _check(x, sections, cp_size)
@@ -170,16 +177,32 @@ def _unpermute(x: torch.Tensor, sections, cp_size: int, rank_blocks: bool) -> to
     return from_words(out, x.dtype, lead + (num_cols,))
 
 
+@kernel_op(f"{NAMESPACE}::sections_to_rank_blocks", mutates_args=())
 def sections_to_rank_blocks(x: torch.Tensor, sections: list[int], cp_size: int) -> torch.Tensor:
     """``[..., F]`` -> ``[W, ..., F/W]``: block d is rank d's slice of every section, in section
-    order (``permute_sections`` with the rank blocks moved to the front), in one kernel pass.
-    Not an op: called inside the CP <-> head-parallel ops, which own the autograd."""
+    order (``permute_sections`` with the rank blocks moved to the front), in one kernel pass:
+    the send buffer of the CP -> head-parallel all-to-all. Differentiable (the gradient is
+    :func:`rank_blocks_to_sections`)."""
     return _permute(x, sections, cp_size, rank_blocks=True)
 
 
+@sections_to_rank_blocks.register_fake
+def _(x, sections, cp_size):
+    _check(x, sections, cp_size)
+    return x.new_empty((cp_size,) + tuple(x.shape[:-1]) + (x.shape[-1] // cp_size,))
+
+
+@kernel_op(f"{NAMESPACE}::rank_blocks_to_sections", mutates_args=())
 def rank_blocks_to_sections(blocks: torch.Tensor, sections: list[int], cp_size: int) -> torch.Tensor:
-    """The inverse of :func:`sections_to_rank_blocks`: ``[W, ..., F/W]`` -> ``[..., F]``."""
+    """The inverse of :func:`sections_to_rank_blocks`: ``[W, ..., F/W]`` -> ``[..., F]``
+    (``sections`` are the global widths)."""
     return _unpermute(blocks, sections, cp_size, rank_blocks=True)
+
+
+@rank_blocks_to_sections.register_fake
+def _(blocks, sections, cp_size):
+    _check_rank_blocks(blocks, sections, cp_size)
+    return blocks.new_empty(tuple(blocks.shape[1:-1]) + (blocks.shape[-1] * cp_size,))
 
 
 @kernel_op(f"{NAMESPACE}::permute_sections", mutates_args=())
@@ -225,5 +248,15 @@ def _unpermute_backward(ctx, grad):
     return permute_sections(grad, ctx.sections, ctx.cp_size), None, None
 
 
+def _to_blocks_backward(ctx, grad):
+    return rank_blocks_to_sections(grad, ctx.sections, ctx.cp_size), None, None
+
+
+def _from_blocks_backward(ctx, grad):
+    return sections_to_rank_blocks(grad, ctx.sections, ctx.cp_size), None, None
+
+
 permute_sections.register_autograd(_permute_backward, setup_context=_setup_context)
 unpermute_sections.register_autograd(_unpermute_backward, setup_context=_setup_context)
+sections_to_rank_blocks.register_autograd(_to_blocks_backward, setup_context=_setup_context)
+rank_blocks_to_sections.register_autograd(_from_blocks_backward, setup_context=_setup_context)

@@ -17,12 +17,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cp_ops import (
+    COMPILE_OPTIONS,
     all_gather_rows,
     pad_cu_seqlens,
     reduce_scatter_rows,
     resolve_group,
     shard_thd,
     thd_cp2hp,
+    thd_cp2hp_overlap,
     thd_cp2hp_reference,
     thd_hp2cp,
     thd_hp2cp_reference,
@@ -31,7 +33,7 @@ from cp_ops import (
 from cp_ops import comm
 from custom_ops._common import kernels_visible_to_compiler
 from custom_ops.testing import random_tensor
-from tests._dist import run_ranks
+from tests._dist import exchange_windows, run_ranks
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float64, torch.int64)
 
@@ -80,6 +82,16 @@ def _check_cases(rank, world, cases, group):
         y_in = y_all[rank].double().requires_grad_()
         thd_hp2cp(y_in, cup, local, group).backward(shard_thd(grad_x, cup, world, rank))
         assert torch.equal(y_in.grad, thd_cp2hp_reference(grad_x, sections, world, rank)), case
+
+        # the overlapped form: same values; the gradient sums both paths (exchange and overlap work)
+        x_in = x_cp.detach().to(torch.float64, copy=True).requires_grad_()  # a leaf of its own
+        x_hp, extra = thd_cp2hp_overlap(x_in, cup, sections, group, lambda: x_in * 3)
+        assert torch.equal(x_hp, thd_cp2hp_reference(x, sections, world, rank).double()), case
+        assert torch.equal(extra, x_in.detach() * 3), case
+        grad_cp = shard_thd(grad_x, cup, world, rank)
+        torch.autograd.backward((x_hp, extra), (grads_hp[rank], grad_cp))
+        want = thd_hp2cp_reference(grads_hp, cup, local, world, rank) + 3 * grad_cp
+        assert torch.equal(x_in.grad, want), case
 
 
 CP_SIZES = (1, 2, 3, 4)
@@ -176,6 +188,8 @@ def _check_compiled_and_extras(rank, world):
         else:  # opaque ops: the collective runs inside them
             assert counts == [0, 0] and len(calls) == 2, (counts, calls)
 
+    _check_overlap_compiled(group, cup, sections, x_cp, x_hp_ref, gen)
+
     # Inductor, fullgraph: same values and gradients as eager
     def step(a):
         hp = thd_cp2hp(a * 2, cup, sections, group)
@@ -241,6 +255,41 @@ def _check_compiled_and_extras(rank, world):
         validate_thd(cup, cup, world, (x_cp.shape[0] + 2) * world)
 
 
+def _check_overlap_compiled(group, cup, sections, x_cp, x_hp_ref, gen):
+    """thd_cp2hp_overlap compiled: the exchange is a graph node (one per direction, whether the
+    layout ops are opaque or not), values and gradients match eager, and with COMPILE_OPTIONS
+    the overlap work (a GEMM) sits between the exchange and its wait in the code Inductor
+    generates, forward and backward."""
+    from torch._inductor.utils import run_and_get_code
+
+    weight = random_tensor((x_cp.shape[-1], 8), torch.float32, generator=gen)
+    grad_hp = random_tensor(x_hp_ref.shape, torch.float32, generator=gen)
+    grad_z = random_tensor((x_cp.shape[0], 8), torch.float32, generator=gen)
+
+    def step(a, w):
+        return thd_cp2hp_overlap(a, cup, sections, group, lambda: a @ w)
+
+    def run(fn):
+        a, w = x_cp.clone().requires_grad_(), weight.clone().requires_grad_()
+        hp, z = fn(a, w)
+        torch.autograd.backward((hp, z), (grad_hp, grad_z))
+        return hp.detach(), z.detach(), a.grad, w.grad
+
+    counts = []
+    run(torch.compile(step, backend=_all_to_all_counting_backend(counts), fullgraph=True))
+    assert counts == [1, 1], counts
+    eager = run(step)
+    assert torch.equal(eager[0], x_hp_ref)
+    compiled = torch.compile(step, fullgraph=True, options=COMPILE_OPTIONS)
+    got, codes = run_and_get_code(lambda: run(compiled))
+    for a, b in zip(got, eager):
+        torch.testing.assert_close(a, b)
+    assert len(codes) == 2, len(codes)  # forward and backward
+    for code in codes:
+        (window,) = exchange_windows(code)
+        assert "mm(" in window, f"no GEMM between the exchange and its wait:\n{window}"
+
+
 @pytest.mark.dist
 @pytest.mark.parametrize("world", [2])
 def test_compiled_single_all_to_all_groups_baseline_shims_bad_input(world):
@@ -263,6 +312,8 @@ def test_no_group_is_the_identity_permutation():
     assert resolve_group(None) == (None, 1)
     with pytest.raises(ValueError, match="sum to"):
         thd_cp2hp(x, cup, [4, 4], None)
+    y2, extra = thd_cp2hp_overlap(x, cup, sections, None, lambda: "ran")
+    assert torch.equal(y2, x.detach()) and extra == "ran"
 
 
 # --- the GPU path's Triton kernels inside a real all-to-all (CPU tensors, TRITON_INTERPRET=1) --------

@@ -9,10 +9,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cp_ops import GatedDeltaNet, pad_cu_seqlens, shard_thd
+from torch._inductor.utils import run_and_get_code
+
+from cp_ops import COMPILE_OPTIONS, GatedDeltaNet, pad_cu_seqlens, shard_thd
 from custom_ops.testing import rel_error
 from custom_ops.thd_copy_valid_tokens.reference import valid_token_mask
-from tests._dist import run_ranks
+from tests._dist import exchange_windows, run_ranks
 
 HIDDEN, DK, DV = 12, 8, 4
 
@@ -34,9 +36,23 @@ def _compare_rank(rank, world, seqlens, heads, compiled):
     layer.zero_grad()
 
     x_cp = shard_thd(x, cup, world, rank).requires_grad_()
-    fn = torch.compile(layer, fullgraph=True) if compiled else layer
-    out_cp = fn(x_cp, cup, group=dist.group.WORLD)
-    out_cp.backward(shard_thd(grad_out, cup, world, rank))
+    fn = torch.compile(layer, fullgraph=True, options=COMPILE_OPTIONS) if compiled else layer
+
+    def step():
+        out = fn(x_cp, cup, group=dist.group.WORLD)
+        out.backward(shard_thd(grad_out, cup, world, rank))
+        return out
+
+    if compiled:
+        # a GEMM (the z projection, forward and backward) runs while an all-to-all is in flight;
+        # which one depends on whether thd_hp2cp's exchange is visible to Inductor (it is not
+        # when the layout ops are opaque, as on the GPU image: then it is thd_cp2hp's)
+        out_cp, codes = run_and_get_code(step)
+        assert len(codes) == 2, len(codes)  # forward, backward
+        for code in codes:
+            assert any("mm(" in w for w in exchange_windows(code)), "no GEMM overlaps an all-to-all"
+    else:
+        out_cp = step()
 
     assert rel_error(out_cp, shard_thd(out_ref, cup, world, rank)) < 1e-7
     assert rel_error(x_cp.grad, shard_thd(x_ref.grad, cup, world, rank)) < 1e-7
@@ -72,20 +88,21 @@ def _record_exchanges(rank, world):
     _, cup = pad_cu_seqlens([9, 0, 1, 23, 6], world)
     x_cp = shard_thd(torch.randn(int(cup[-1]), HIDDEN, dtype=torch.float64), cup, world, rank)
     seen = []
-    saved = gdn_module.thd_cp2hp, gdn_module.thd_hp2cp
+    saved = gdn_module.thd_cp2hp_overlap, gdn_module.thd_hp2cp
 
     def recording(name, op):
-        def call(x, cu, sections, group):
+        def call(x, cu, sections, group, *overlap):
             seen.append((name, x.shape[-1], list(sections)))
-            return op(x, cu, sections, group)
+            return op(x, cu, sections, group, *overlap)
 
         return call
 
-    gdn_module.thd_cp2hp, gdn_module.thd_hp2cp = recording("cp2hp", saved[0]), recording("hp2cp", saved[1])
+    gdn_module.thd_cp2hp_overlap = recording("cp2hp", saved[0])
+    gdn_module.thd_hp2cp = recording("hp2cp", saved[1])
     try:
         layer(x_cp, cup, group=dist.group.WORLD)
     finally:
-        gdn_module.thd_cp2hp, gdn_module.thd_hp2cp = saved
+        gdn_module.thd_cp2hp_overlap, gdn_module.thd_hp2cp = saved
     q, k, v, z, b, a = layer.sections()
     assert seen == [
         ("cp2hp", q + k + v + b + a, [q, k, v, b, a]),

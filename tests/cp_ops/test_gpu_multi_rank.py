@@ -15,12 +15,13 @@ differs more: 1e-2, TOLERANCE[bf16].
 import pytest
 import torch
 import torch.distributed as dist
+from torch._inductor.utils import run_and_get_code
 
 import cp_ops
 import custom_ops
 from cp_ops import Attention, GatedDeltaNet, ag_thd_attention, local_cu_seqlens, pad_cu_seqlens, shard_thd, unshard_thd
 from custom_ops.testing import TOLERANCE, rel_error
-from tests._dist import run_ranks
+from tests._dist import exchange_windows, run_ranks
 
 pytestmark = [
     pytest.mark.gpu,
@@ -122,7 +123,7 @@ def _gdn_rank(rank, world, compiled):
     # CP is the only difference: compiled bf16 and eager bf16 differ by about as much as the
     # tolerance on their own (Inductor keeps fp32 between fused elementwise ops; 2-4e-3 on
     # the CPU references), which would hide nothing and flag noise.
-    fn = torch.compile(layer, fullgraph=True) if compiled else layer
+    fn = torch.compile(layer, fullgraph=True, options=cp_ops.COMPILE_OPTIONS) if compiled else layer
     x_ref = x.clone().requires_grad_()
     out_ref = fn(x_ref, cup)
     out_ref.backward(grad_out)
@@ -130,8 +131,17 @@ def _gdn_rank(rank, world, compiled):
     layer.zero_grad()
 
     x_cp = shard_thd(x, cup, world, rank).requires_grad_()
-    out_cp = fn(x_cp, cup, group=dist.group.WORLD)
-    out_cp.backward(shard_thd(grad_out, cup, world, rank))
+
+    def step():
+        out = fn(x_cp, cup, group=dist.group.WORLD)
+        out.backward(shard_thd(grad_out, cup, world, rank))
+        return out
+
+    if compiled:  # a GEMM (the z projection, forward and backward) runs while an all-to-all is in flight
+        out_cp, codes = run_and_get_code(step)
+        assert len(codes) == 2 and all(any("mm(" in w for w in exchange_windows(c)) for c in codes)
+    else:
+        out_cp = step()
     errors = {
         "out": rel_error(out_cp, shard_thd(out_ref, cup, world, rank)),
         "dx": rel_error(x_cp.grad, shard_thd(x_ref.grad, cup, world, rank)),

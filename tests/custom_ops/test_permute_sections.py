@@ -50,11 +50,11 @@ def test_rank_blocks_are_the_permutation_with_blocks_in_front(case):
     # the send-buffer layout of the all-to-all: [W, ..., F/W], block d = output block d
     cp_size, sections, lead = case
     x = _case(cp_size, sections, lead, torch.float32)
-    blocks = sections_to_rank_blocks(x, sections, cp_size)
+    blocks = torch.ops.cp_ops.sections_to_rank_blocks(x, sections, cp_size)
     width = sum(sections) // cp_size
     expect = permute_sections_loop(x, sections, cp_size).unflatten(-1, (cp_size, width)).movedim(-2, 0)
     assert torch.equal(blocks, expect)
-    assert torch.equal(rank_blocks_to_sections(blocks, sections, cp_size), x)
+    assert torch.equal(torch.ops.cp_ops.rank_blocks_to_sections(blocks, sections, cp_size), x)
 
 
 def test_known_small_layout():
@@ -85,10 +85,16 @@ def _opcheck_samples():
     yield x.clone().requires_grad_(), [2, 4, 12], 2
 
 
-@pytest.mark.parametrize("op", [custom_ops.permute_sections, custom_ops.unpermute_sections])
+@pytest.mark.parametrize("op", [custom_ops.permute_sections, custom_ops.unpermute_sections, sections_to_rank_blocks])
 def test_opcheck(op):
     for args in _opcheck_samples():
         torch.library.opcheck(op, args)
+
+
+def test_opcheck_rank_blocks_to_sections():
+    for x, sections, cp_size in _opcheck_samples():
+        blocks = sections_to_rank_blocks(x.detach(), sections, cp_size).requires_grad_(x.requires_grad)
+        torch.library.opcheck(rank_blocks_to_sections, (blocks, sections, cp_size))
 
 
 # --- gradients --------------------------------------------------------------------------------
@@ -104,6 +110,9 @@ def test_gradcheck(cp_size, sections):
         unpermute_sections_reference,
     ):
         assert torch.autograd.gradcheck(lambda t, fn=fn: fn(t, sections, cp_size), (x,))
+    assert torch.autograd.gradcheck(lambda t: sections_to_rank_blocks(t, sections, cp_size), (x,))
+    blocks = sections_to_rank_blocks(x.detach(), sections, cp_size).requires_grad_()
+    assert torch.autograd.gradcheck(lambda t: rank_blocks_to_sections(t, sections, cp_size), (blocks,))
 
 
 def test_backward_is_the_inverse_permutation():
@@ -256,3 +265,13 @@ def test_bad_input(op):
         op(x, [16, -4], 2)
     with pytest.raises(ValueError, match="0-d tensor"):
         op(x[0, 0], [], 1)
+
+
+def test_bad_rank_blocks():
+    blocks = random_tensor((2, 4, 6), torch.float32)
+    with pytest.raises(ValueError, match=r"rank blocks must be \[cp_size = 3, ..., F/cp_size\], got \(2, 4, 6\)"):
+        rank_blocks_to_sections(blocks, [9, 9], 3)
+    with pytest.raises(ValueError, match=r"sum to 10, but blocks \(cp_size x last dim\) has 12 features"):
+        rank_blocks_to_sections(blocks, [6, 4], 2)
+    with pytest.raises(ValueError, match=r"sections\[0\] = 9 is not divisible by cp_size = 2"):
+        sections_to_rank_blocks(random_tensor((4, 12), torch.float32), [9, 3], 2)
