@@ -267,7 +267,7 @@ def tune(gqa: int = 1, kinds=("fwd", "bwd_dkdv", "bwd_dq"), save: str | None = N
     (and write them to ``save`` as JSON, for ``--configs``).
 
     The backward is timed as the whole backward op while one of its kernels varies
-    (the others keep their table entries), so its numbers include the preprocess.
+    (the others keep their table entries).
     """
     device = torch.device("cuda")
     cases = [("packed 32k", packed_lengths()), ("dense B8 x 4096", [4096] * 8)]

@@ -46,9 +46,6 @@ CONFIGS = {
         128: dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=4),
         256: dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=1),
     },
-    "bwd_pre": {
-        256: dict(BLOCK_M=64, num_warps=4, num_stages=1),
-    },
 }
 
 # float32 inputs: the tables above are tuned for 2-byte elements, and at 4 bytes their
@@ -69,9 +66,6 @@ WIDE_CONFIGS = {
         128: dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
         256: dict(BLOCK_M=32, BLOCK_N=32, num_warps=8, num_stages=1),
     },
-    "bwd_pre": {
-        256: dict(BLOCK_M=64, num_warps=4, num_stages=1),
-    },
 }
 
 # Under TRITON_INTERPRET=1 the kernels run in numpy: small tiles keep CPU tests
@@ -80,7 +74,6 @@ INTERPRET_CONFIGS = {
     "fwd": dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1, K_ROWS=True),
     "bwd_dkdv": dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1),
     "bwd_dq": dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1),
-    "bwd_pre": dict(BLOCK_M=16, num_warps=1, num_stages=1),
 }
 
 
@@ -315,36 +308,6 @@ def varlen_attn_fwd_kernel(
     tl.store(LSE + h * stride_lh + rows, lse, mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["num_rows"])
-def varlen_attn_bwd_preprocess_kernel(
-    O,
-    DO,
-    DLSE,
-    DELTA,
-    num_rows,
-    stride_ot,
-    stride_oh,
-    stride_dot,
-    stride_doh,
-    stride_lh,  # DLSE and DELTA: [Hq, Tq], contiguous
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-):
-    """``delta[h, t] = <dout[t, h], out[t, h]> - dlse[h, t]`` (fp32), for every row."""
-    h = tl.program_id(1)
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    row_ok = rows < num_rows
-    mask = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
-    r64 = rows.to(tl.int64)
-    o = tl.load(O + r64[:, None] * stride_ot + h * stride_oh + offs_d[None, :], mask=mask, other=0.0)
-    do = tl.load(DO + r64[:, None] * stride_dot + h * stride_doh + offs_d[None, :], mask=mask, other=0.0)
-    dlse = tl.load(DLSE + h * stride_lh + r64, mask=row_ok, other=0.0)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1) - dlse
-    tl.store(DELTA + h * stride_lh + r64, delta, mask=row_ok)
-
-
 @triton.jit
 def _dq_inner(
     dq,
@@ -400,9 +363,11 @@ def varlen_attn_bwd_dq_kernel(
     Q,
     K,
     V,
+    O,
     DO,
     LSE,
-    DELTA,
+    DLSE,  # [Hq, Tq] fp32, as LSE
+    DELTA,  # [Hq, Tq] fp32, written here for the rows of every segment (the dk/dv kernel reads it)
     DQ,
     q_start_ptr,
     q_len_ptr,
@@ -418,6 +383,8 @@ def varlen_attn_bwd_dq_kernel(
     stride_kh,
     stride_vt,
     stride_vh,
+    stride_ot,
+    stride_oh,
     stride_dot,
     stride_doh,
     stride_dqt,
@@ -435,7 +402,11 @@ def varlen_attn_bwd_dq_kernel(
     BLOCK_N: tl.constexpr,
 ):
     """One query tile x one query head: ``dq = scale * sum_b P (dP - delta) k_b``,
-    P recomputed from the saved lse, over the same key phases as the forward."""
+    P recomputed from the saved lse, over the same key phases as the forward.
+
+    ``delta = <dout, out> - dlse`` per row is computed here from the tile's out and dout
+    and stored for the dk/dv kernel, which runs after this one: no separate pass over
+    out and dout."""
     # fp32 scales, as in the forward
     sm_scale = tl.cast(sm_scale, tl.float32)
     qk_scale = tl.cast(qk_scale, tl.float32)
@@ -462,10 +433,13 @@ def varlen_attn_bwd_dq_kernel(
     mask = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
     q = tl.load(Q + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=mask, other=0.0)
     do = tl.load(DO + rows[:, None] * stride_dot + h * stride_doh + offs_d[None, :], mask=mask, other=0.0)
+    o = tl.load(O + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :], mask=mask, other=0.0)
     lse = tl.load(LSE + h * stride_lh + rows, mask=row_ok, other=float("-inf"))
     # rows with no visible key (lse = -inf) must get P = 0: shift them by +inf
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-    delta = tl.load(DELTA + h * stride_lh + rows, mask=row_ok, other=0.0)
+    dlse = tl.load(DLSE + h * stride_lh + rows, mask=row_ok, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1) - dlse
+    tl.store(DELTA + h * stride_lh + rows, delta, mask=row_ok)
     kvh = h // group
     k_base = K + k_start.to(tl.int64) * stride_kt + kvh * stride_kh
     v_base = V + k_start.to(tl.int64) * stride_vt + kvh * stride_vh

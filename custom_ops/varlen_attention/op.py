@@ -20,7 +20,6 @@ from custom_ops.varlen_attention.kernels import (
     kernel_config,
     varlen_attn_bwd_dkdv_kernel,
     varlen_attn_bwd_dq_kernel,
-    varlen_attn_bwd_preprocess_kernel,
     varlen_attn_fwd_kernel,
 )
 from custom_ops.varlen_attention.reference import (
@@ -179,22 +178,16 @@ def _backward_kernel(dout, dlse, q, k, v, out, lse, seg, causal, left, right, sc
     block_d = _block_d(d)
     interpreting = triton_interpreting()
 
+    # written by the dq kernel for the rows of every segment, read by the dk/dv kernel after it
     delta = torch.empty((hq, tq), dtype=torch.float32, device=q.device)
-    cfg = kernel_config("bwd_pre", block_d, interpreting, q.element_size())
-    wrap_triton(varlen_attn_bwd_preprocess_kernel)[(triton.cdiv(tq, cfg["BLOCK_M"]), hq)](
-        out, dout, dlse, delta, tq,
-        out.stride(0), out.stride(1), dout.stride(0), dout.stride(1), delta.stride(0),
-        HEAD_DIM=d, BLOCK_D=block_d, **cfg,
-    )  # fmt: skip
-
     cfg = kernel_config("bwd_dq", block_d, interpreting, q.element_size())
     grid = (triton.cdiv(tq, cfg["BLOCK_M"]) + n_seg, hq)
     cum, owner = _tile_table(ql, cfg["BLOCK_M"], grid[0])
     wrap_triton(varlen_attn_bwd_dq_kernel)[grid](
-        q, k, v, dout, lse, delta, dq,
+        q, k, v, out, dout, lse, dlse, delta, dq,
         qs, ql, qp, ks, kl, cum, owner, n_seg,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), lse.stride(0),
+        out.stride(0), out.stride(1), dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), lse.stride(0),
         hq // hkv, scale, scale * _LOG2E, left, right,
         CAUSAL=causal, HEAD_DIM=d, BLOCK_D=block_d, **cfg,
     )  # fmt: skip

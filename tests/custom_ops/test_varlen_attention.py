@@ -529,9 +529,9 @@ def _compile_for_sm90(kernel, config: dict, head_dim: int = 128, float_type: str
     for name in kernel.arg_names:
         if name in constants:
             signature[name] = "constexpr"
-        elif name in ("Q", "K", "V", "O", "DO", "DQ"):
+        elif name in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV"):
             signature[name] = element
-        elif name in ("LSE", "DELTA", "DK", "DV"):
+        elif name in ("LSE", "DLSE", "DELTA"):
             signature[name] = "*fp32"
         elif name.endswith("_ptr"):
             signature[name] = "*i32"
