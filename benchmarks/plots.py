@@ -131,7 +131,7 @@ def _short(case: str) -> str:
 
 
 def plot_scaling(secs, out):
-    points = []  # (label, efficiency)
+    points = {}  # label -> efficiency; a later table (a newer run) replaces an earlier one's point
     gdn = section(secs, "GatedDeltaNet with CP")
     for rows in tables(gdn):
         by_name = {r[""]: r for r in rows}
@@ -141,15 +141,16 @@ def plot_scaling(secs, out):
         for mode in ("eager", "compiled"):
             for col, val in by_name.get(f"scaling efficiency, {mode}", {}).items():
                 if col and val != "nan":
-                    points.append((f"GDN {mode}, W={w}\n{_short(col)}", num(val)))
+                    points[f"GDN {mode}, W={w}\n{_short(col)}"] = num(val)
     ag = section(secs, "All-gather CP attention")
     for rows in (t for t in tables(ag) if "pass" in t[0]):  # the timing tables, not the work model
         world = [k for k in rows[0] if k.startswith("W=")][0].split()[0]
         for r in rows:
             if r["pass"] == "fwd+bwd":
-                points.append((f"AG attn eager, {world}\n{_short('T=' + r['T'])}", num(r["eff 1L"])))
+                points[f"AG attn eager, {world}\n{_short('T=' + r['T'])}"] = num(r["eff 1L"])
                 if r.get("eff 1L compiled"):
-                    points.append((f"AG attn compiled, {world}\n{_short('T=' + r['T'])}", num(r["eff 1L compiled"])))
+                    points[f"AG attn compiled, {world}\n{_short('T=' + r['T'])}"] = num(r["eff 1L compiled"])
+    points = list(points.items())
     fig, ax = plt.subplots(figsize=(12, 5))
     ax.bar(range(len(points)), [p[1] for p in points], color=["C0" if "GDN" in p[0] else "C1" for p in points])
     ax.set_xticks(range(len(points)), [p[0] for p in points], fontsize=7, rotation=45, ha="right")
