@@ -109,11 +109,11 @@ def _tile_table(lengths: torch.Tensor, block: int, num_tiles: int) -> tuple[torc
 def _key_tile_segments(qs, ql, ks, kl, block: int, num_tiles: int, num_k_rows: int):
     """``(order, first, last)`` for the dk/dv kernel, on the device and sized from shapes.
 
-    ``order``: the segments sorted by key start, those with no query or no key
-    last (and in no tile's slice). Key tile t (rows ``[t*block, (t+1)*block)``) can only be reached by
-    ``order[first[t]:last[t]]``: ``last[t]`` counts the sorted segments that start
-    before the tile ends, ``first[t]`` those whose running maximum of key ends is at
-    or before the tile's start (so they and every segment before them end there).
+    ``order``: the segments sorted by key start, those with no query or no key last
+    (and in no tile's slice). Key tile t (rows ``[t*block, (t+1)*block)``) can only be
+    reached by ``order[first[t]:last[t]]``: ``last[t]`` counts the sorted segments that
+    start before the tile ends, ``first[t]`` those whose running maximum of key ends is
+    at or before the tile's start (so they and every segment before them end there).
     Disjoint and identical key ranges (self-attention, all-gather CP) make the slice
     exactly the segments that reach the tile; other overlaps may add some that
     miss it, which the kernel skips.
