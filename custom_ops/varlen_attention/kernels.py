@@ -23,6 +23,8 @@ boundary tiles apply it.
 import triton
 import triton.language as tl
 
+from custom_ops._triton_utils import search_sorted_right
+
 # Launch configurations, one table so they can be tuned on the GPU (the benchmark
 # overwrites entries). Per kernel: {largest BLOCK_D served: config}; the first
 # entry whose key is >= BLOCK_D is used.
@@ -87,6 +89,60 @@ def kernel_config(kernel: str, block_d: int, interpreting: bool, element_size: i
         if block_d <= bound:
             return dict(table[bound])
     return dict(table[max(table)])
+
+
+# Segments handled per step of the segment-table kernel's loops (any count of segments is served
+# by looping, so the kernel is compiled once whatever the packing).
+TABLE_BLOCK = 1024
+
+
+@triton.jit(do_not_specialize=["n_seg", "num_q_rows", "num_k_rows", "num_tiles"])
+def segment_tables_kernel(
+    q_start_ptr,
+    q_len_ptr,
+    q_pos_ptr,
+    k_start_ptr,
+    k_len_ptr,
+    tab_ptr,  # [5, n_seg] int32: q_start, q_len, q_pos, k_start, k_len, clamped into the tensors
+    cum_ptr,  # [n_seg] int32: inclusive cumulative count of TILE-row query tiles per segment
+    owner_ptr,  # [num_tiles] int32: the number of cum entries <= t, for every tile t of the grid
+    n_seg,
+    num_q_rows,
+    num_k_rows,
+    num_tiles,
+    TILE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Every table a segment-attention launch needs, in one program: one launch where the
+    torch ops building them took about twenty small kernels.
+
+    Starts and lengths are clamped so that an invalid layout gives wrong rows but never
+    an out-of-bounds access: ``start`` into ``[0, rows]``, ``len`` into
+    ``[0, rows - start]``. Index tensors may be int32 or int64.
+    """
+    carry = tl.full([], 0, tl.int32)
+    for c in range(0, n_seg, BLOCK):
+        i = c + tl.arange(0, BLOCK)
+        m = i < n_seg
+        qs = tl.minimum(tl.maximum(tl.load(q_start_ptr + i, mask=m, other=0).to(tl.int64), 0), num_q_rows)
+        ql = tl.minimum(tl.maximum(tl.load(q_len_ptr + i, mask=m, other=0).to(tl.int64), 0), num_q_rows - qs)
+        ks = tl.minimum(tl.maximum(tl.load(k_start_ptr + i, mask=m, other=0).to(tl.int64), 0), num_k_rows)
+        kl = tl.minimum(tl.maximum(tl.load(k_len_ptr + i, mask=m, other=0).to(tl.int64), 0), num_k_rows - ks)
+        qp = tl.load(q_pos_ptr + i, mask=m, other=0)
+        tl.store(tab_ptr + i, qs.to(tl.int32), mask=m)
+        tl.store(tab_ptr + n_seg + i, ql.to(tl.int32), mask=m)
+        tl.store(tab_ptr + 2 * n_seg + i, qp.to(tl.int32), mask=m)
+        tl.store(tab_ptr + 3 * n_seg + i, ks.to(tl.int32), mask=m)
+        tl.store(tab_ptr + 4 * n_seg + i, kl.to(tl.int32), mask=m)
+        tiles = ((ql + TILE - 1) // TILE).to(tl.int32)  # 0 past n_seg (ql = 0 there)
+        tl.store(cum_ptr + i, tl.cumsum(tiles, 0) + carry, mask=m)
+        carry += tl.sum(tiles, 0)
+    # the loop below reads cum back: the whole program's stores first
+    tl.debug_barrier()
+    for c in range(0, num_tiles, BLOCK):
+        t = c + tl.arange(0, BLOCK)
+        below = search_sorted_right(cum_ptr, n_seg, t) + 1
+        tl.store(owner_ptr + t, below.to(tl.int32), mask=t < num_tiles)
 
 
 @triton.jit

@@ -17,7 +17,9 @@ from torch.library import wrap_triton
 
 from custom_ops._common import NAMESPACE, kernel_op, check_index_tensor, triton_interpreting, use_triton
 from custom_ops.varlen_attention.kernels import (
+    TABLE_BLOCK,
     kernel_config,
+    segment_tables_kernel,
     varlen_attn_bwd_dkdv_kernel,
     varlen_attn_bwd_dq_kernel,
     varlen_attn_fwd_kernel,
@@ -81,29 +83,23 @@ def _use_kernel(q: torch.Tensor) -> bool:
     return True
 
 
-def _segments(q_start, q_len, q_pos, k_start, k_len, num_q_rows, num_k_rows):
-    """int32 segment tables, clamped into the tensors so an invalid layout gives wrong
-    rows but never an out-of-bounds access (validate with validate_varlen_segments)."""
-    qs = q_start.long().clamp(0, num_q_rows)
-    ql = torch.minimum(q_len.long().clamp(min=0), num_q_rows - qs)
-    ks = k_start.long().clamp(0, num_k_rows)
-    kl = torch.minimum(k_len.long().clamp(min=0), num_k_rows - ks)
-    return qs.int(), ql.int(), q_pos.int(), ks.int(), kl.int()
-
-
-def _tile_cumsum(lengths: torch.Tensor, block: int) -> torch.Tensor:
-    """Inclusive cumulative count of ``block``-row tiles per segment (int32, on the device)."""
-    return torch.cumsum((lengths + (block - 1)) // block, 0, dtype=torch.int32)
-
-
-def _tile_table(lengths: torch.Tensor, block: int, num_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(cum, owner)`` for a grid of ``num_tiles`` programs over ``block``-row tiles:
-    ``cum`` as :func:`_tile_cumsum`, ``owner[t]`` = the segment that owns tile t (the
-    number of ``cum`` entries <= t; ``len(lengths)`` past the last tile). On the device,
-    sized from shapes only."""
-    cum = _tile_cumsum(lengths, block)
-    tiles = torch.arange(num_tiles, dtype=torch.int32, device=lengths.device)
-    return cum, torch.searchsorted(cum, tiles, right=True, out_int32=True)
+def _segment_tables(seg, num_q_rows: int, num_k_rows: int, block: int, num_tiles: int, chunk: int = TABLE_BLOCK):
+    """``((q_start, q_len, q_pos, k_start, k_len), cum, owner)``, int32 on the device, from one
+    launch of :func:`segment_tables_kernel`: the segment tables clamped into the tensors (an
+    invalid layout gives wrong rows but never an out-of-bounds access; validate with
+    validate_varlen_segments), ``cum`` the inclusive cumulative count of ``block``-row query
+    tiles per segment, ``owner[t]`` the segment owning tile t of a ``num_tiles`` grid (the
+    number of ``cum`` entries <= t; ``len(cum)`` past the last tile). Sized from shapes only."""
+    seg = [t.contiguous() for t in seg]  # the kernel reads them with unit stride
+    n_seg = seg[0].shape[0]
+    dev = seg[0].device
+    tab = torch.empty((5, n_seg), dtype=torch.int32, device=dev)
+    cum = torch.empty(n_seg, dtype=torch.int32, device=dev)
+    owner = torch.empty(num_tiles, dtype=torch.int32, device=dev)
+    wrap_triton(segment_tables_kernel)[(1,)](
+        *seg, tab, cum, owner, n_seg, num_q_rows, num_k_rows, num_tiles, TILE=block, BLOCK=chunk, num_warps=4
+    )
+    return tab.unbind(0), cum, owner
 
 
 def _key_tile_segments(qs, ql, ks, kl, block: int, num_tiles: int, num_k_rows: int):
@@ -148,11 +144,10 @@ def _forward_kernel(q, k, v, seg, causal, left, right, scale):
     if n_seg == 0 or tq == 0 or hq == 0:
         return out, lse
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    qs, ql, qp, ks, kl = _segments(*seg, tq, k.shape[0])
     block_d = _block_d(d)
     cfg = kernel_config("fwd", block_d, triton_interpreting(), q.element_size())
     grid = (triton.cdiv(tq, cfg["BLOCK_M"]) + n_seg, hq)
-    cum, owner = _tile_table(ql, cfg["BLOCK_M"], grid[0])
+    (qs, ql, qp, ks, kl), cum, owner = _segment_tables(seg, tq, k.shape[0], cfg["BLOCK_M"], grid[0])
     wrap_triton(varlen_attn_fwd_kernel)[grid](
         q, k, v, out, lse,
         qs, ql, qp, ks, kl, cum, owner, n_seg,
@@ -174,7 +169,6 @@ def _backward_kernel(dout, dlse, q, k, v, out, lse, seg, causal, left, right, sc
     q, k, v, out, dout = q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(), dout.contiguous()
     lse = lse.contiguous()
     dlse = dlse.to(torch.float32).contiguous()
-    qs, ql, qp, ks, kl = _segments(*seg, tq, tk)
     block_d = _block_d(d)
     interpreting = triton_interpreting()
 
@@ -182,7 +176,7 @@ def _backward_kernel(dout, dlse, q, k, v, out, lse, seg, causal, left, right, sc
     delta = torch.empty((hq, tq), dtype=torch.float32, device=q.device)
     cfg = kernel_config("bwd_dq", block_d, interpreting, q.element_size())
     grid = (triton.cdiv(tq, cfg["BLOCK_M"]) + n_seg, hq)
-    cum, owner = _tile_table(ql, cfg["BLOCK_M"], grid[0])
+    (qs, ql, qp, ks, kl), cum, owner = _segment_tables(seg, tq, tk, cfg["BLOCK_M"], grid[0])
     wrap_triton(varlen_attn_bwd_dq_kernel)[grid](
         q, k, v, out, dout, lse, dlse, delta, dq,
         qs, ql, qp, ks, kl, cum, owner, n_seg,

@@ -6,6 +6,7 @@ inputs; float64 paths agree to rounding).
 """
 
 import inspect
+import sys
 
 import pytest
 import torch
@@ -408,6 +409,46 @@ def test_kernel_rows_without_keys():
     _check_empty_rows(*_kernel_vs_reference(q, k, v, seg, True, (-1, -1)))
 
 
+def _tables_oracle(seg, num_q_rows, num_k_rows, block, num_tiles):
+    """What the segment-table kernel computes, in torch ops (the launchers' former code)."""
+    q_start, q_len, q_pos, k_start, k_len = (t.long() for t in seg)
+    qs = q_start.clamp(0, num_q_rows)
+    ql = torch.minimum(q_len.clamp(min=0), num_q_rows - qs)
+    ks = k_start.clamp(0, num_k_rows)
+    kl = torch.minimum(k_len.clamp(min=0), num_k_rows - ks)
+    cum = torch.cumsum((ql + block - 1) // block, 0)
+    owner = torch.searchsorted(cum, torch.arange(num_tiles), right=True)
+    return [t.int() for t in (qs, ql, q_pos, ks, kl)], cum.int(), owner.int()
+
+
+@st.composite
+def raw_segment_tables(draw):
+    """Segment tables as a caller may pass them, invalid ones included: negative and oversized
+    starts and lengths, int32 or int64, up to 40 segments (several chunks of 16)."""
+    n = draw(st.integers(0, 40))
+    tq, tk = draw(st.integers(0, 300)), draw(st.integers(0, 300))
+    ints = st.integers(-20, 320)
+    dtype = draw(st.sampled_from([torch.int32, torch.int64]))
+    seg = [torch.tensor(draw(st.lists(ints, min_size=n, max_size=n)), dtype=dtype) for _ in range(5)]
+    return seg, tq, tk, draw(st.sampled_from([1, 16, 64])), draw(st.integers(0, 60))
+
+
+@pytest.mark.interpret
+@settings(max_examples=25)
+@given(raw_segment_tables())
+def test_segment_table_kernel_matches_torch(case):
+    """One launch builds the clamped tables, the tile counts and the tile -> segment table as the
+    torch ops did; chunks of 16 segments make the running count cross chunk boundaries."""
+    seg, tq, tk, block, num_tiles = case
+    op_mod = sys.modules["custom_ops.varlen_attention.op"]
+    with poisoned_allocations():
+        tables, cum, owner = op_mod._segment_tables(seg, tq, tk, block, num_tiles, chunk=16)
+    want_tables, want_cum, want_owner = _tables_oracle(seg, tq, tk, block, num_tiles)
+    for got, want in zip(tables, want_tables):
+        assert torch.equal(got, want)
+    assert torch.equal(cum, want_cum) and torch.equal(owner, want_owner)
+
+
 # --- the kernels on a GPU ------------------------------------------------------------------------
 
 
@@ -548,7 +589,7 @@ def _compile_for_sm90(kernel, config: dict, head_dim: int = 128, float_type: str
     source = ASTSource(
         fn=kernel,
         signature=signature,
-        constexprs={(names.index(k),): v for k, v in constants.items()},
+        constexprs={(names.index(k),): v for k, v in constants.items() if k in names},
         attrs=aligned,
     )
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
@@ -578,6 +619,18 @@ def test_key_and_query_loops_pipeline_on_hopper(kind):
     assert "ttng.warp_group_dot" in ttgir, "no wgmma: the dots are not on Hopper's matrix path"
     # three loop phases (masked, unmasked, masked), each with at least its K (or Q) tile async
     assert ttgir.count("async_copy_global_to_local") >= 6, "the inner loops are not pipelined"
+
+
+def test_segment_table_kernel_compiles_for_hopper():
+    """The table kernel runs only in the interpreter on CPU machines: compile it for sm_90 with
+    the launch parameters of the op, so a construct the GPU compiler refuses fails here."""
+    pytest.importorskip("triton.backends.nvidia")
+    config = dict(TILE=128, BLOCK=kernels_mod.TABLE_BLOCK, num_warps=4, num_stages=1)
+    try:
+        compiled = _compile_for_sm90(kernels_mod.segment_tables_kernel, config)
+    except (ImportError, TypeError, AttributeError) as e:  # compile API of another triton release
+        pytest.skip(f"cannot compile for sm_90 with triton {triton.__version__}: {e}")
+    assert "tt.scan" in compiled.asm["ttir"]  # the running tile count is a scan, not a serial loop
 
 
 @pytest.mark.parametrize("kind", list(_KERNELS))
