@@ -241,6 +241,13 @@ def _check_compiled_and_extras(rank, world):
         thd_hp2cp(x_hp_ref[: 2 * world - 2], cup, local, group)  # e.g. a layout built for another W
     with pytest.raises(ValueError, match="even number"):
         thd_cp2hp(x_cp[:-1], cup, sections, group)
+    # the overlapped form checks the same things, before the overlap work and any collective
+    ran = []
+    with pytest.raises(ValueError, match="sum to"):
+        thd_cp2hp_overlap(x_cp, cup, sections + [world], group, lambda: ran.append(1))
+    with pytest.raises(ValueError, match="even number"):
+        thd_cp2hp_overlap(x_cp[:-1], cup, sections, group, lambda: ran.append(1))
+    assert not ran
     with pytest.raises(TypeError, match="must be int32 or int64"):
         thd_cp2hp(x_cp, cup.float(), sections, group)
     with pytest.raises(TypeError, match="ProcessGroup, a 1-D DeviceMesh or None"):
