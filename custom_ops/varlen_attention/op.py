@@ -112,7 +112,8 @@ def _key_tile_segments(qs, ql, ks, kl, block: int, num_tiles: int, num_k_rows: i
     at or before the tile's start (so they and every segment before them end there).
     Disjoint and identical key ranges (self-attention, all-gather CP) make the slice
     exactly the segments that reach the tile; other overlaps may add some that
-    miss it, which the kernel skips.
+    miss it, which the kernel skips (a few scalar loads each: one wide key range
+    that spans many short ones makes every tile under it scan all of them).
     """
     live = (ql > 0) & (kl > 0)
     start = torch.where(live, ks, num_k_rows + block)  # past every tile's end
