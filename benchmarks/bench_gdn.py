@@ -26,7 +26,10 @@ rows), without collectives: how each piece shrinks with W, apart from communicat
              (each rank runs it eagerly), rel_error on real tokens; printed, max over ranks
   1 GPU      the same layer, compiled and eager, fwd+bwd on the whole global batch with
              group=None, timed on rank 0 while the other ranks wait
-  W GPUs     the CP layer fwd+bwd on each rank's shard, compiled and eager
+  W GPUs     the CP layer fwd+bwd on each rank's shard, compiled (options=cp_ops.COMPILE_OPTIONS)
+             and eager; "not overlapped": the same with the one-op thd_cp2hp and the z
+             projection after it, compiled without the options (the layer before
+             thd_cp2hp_overlap)
   per-seq    the eager CP layer with thd_cp2hp / thd_hp2cp swapped for the per-sequence,
              per-section all-to-alls of bench_cp2hp (cp2hp_per_sequence, hp2cp_per_sequence);
              they read the layout on the host, so they cannot compile: compare with the
@@ -45,8 +48,9 @@ every rank, since the ranks meet in every all-to-all), max over ranks. Scaling e
 then the run fails. ``--smoke`` runs the multi-rank path on 2 gloo ranks on the CPU with a
 tiny layer in float32 and wall-clock timing (checks and compile included).
 
-The per-sequence layer works by swapping ``cp_ops.gdn.thd_cp2hp`` / ``thd_hp2cp`` (the
-names the layer calls at run time) inside :func:`per_sequence_all_to_all`.
+The per-sequence and unoverlapped layers work by swapping ``cp_ops.gdn.thd_cp2hp_overlap`` /
+``thd_hp2cp`` (the names the layer calls at run time) inside :func:`per_sequence_all_to_all`
+and :func:`unoverlapped_all_to_all`.
 """
 
 from __future__ import annotations
