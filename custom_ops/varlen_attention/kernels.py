@@ -5,13 +5,13 @@ Notation (see reference.py): segment s has query rows ``q_start + a`` at positio
 (``0 <= b < k_len``). Scores are kept in base 2: ``x = s * log2(e)``, so
 ``exp(s - lse) = exp2(x - lse * log2(e))``.
 
-The forward and dq cut each segment's queries into tiles of BLOCK_M rows; the
-launcher computes, on the device, the inclusive cumulative tile count per segment
-and a tile -> segment table (``torch.searchsorted``), so grids depend on shapes
-only. A binary-search loop in the kernel instead stops Triton's software
-pipeliner from pipelining the key loops that follow it (no async copies in the
-TTGIR, checked for sm_90 with triton 3.7), which costs the forward most of its
-speed. dk/dv runs one program per BLOCK_N-row tile of the key tensor, over the
+The forward and dq cut each segment's queries into tiles of BLOCK_M rows; a
+small kernel launched before them (:func:`segment_tables_kernel`) computes, on the
+device, the inclusive cumulative tile count per segment and a tile -> segment
+table, so grids depend on shapes only. A binary-search loop in the attention
+kernels themselves stops Triton's software pipeliner from pipelining the key
+loops that follow it (no async copies in the TTGIR, checked for sm_90 with
+triton 3.7), which costs the forward most of its speed. dk/dv runs one program per BLOCK_N-row tile of the key tensor, over the
 segments whose key ranges reach it (a slice of the segments sorted by key
 start, also built on the device).
 
