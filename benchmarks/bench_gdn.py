@@ -321,9 +321,14 @@ def _cp_worker(rank, world, port, tokens, seqs, out, smoke, eager_only=False, pr
     torch.manual_seed(0)  # the same weights on every rank
     layer = GatedDeltaNet(hidden, hk, hv, dk, dv).to(device, dtype)
     params = list(layer.parameters())
-    compiled = {"fn": torch.compile(layer, fullgraph=True, dynamic=True, options=COMPILE_OPTIONS), "dynamic": True}
-    # the layer with thd_cp2hp as one op and the z projection after it, compiled as before the overlap
-    unoverlapped = torch.compile(layer, fullgraph=True, dynamic=True)
+
+    def compile_layer(dynamic: bool):
+        """The layer compiled as recommended, and compiled as before the overlap (run it inside
+        unoverlapped_all_to_all(): thd_cp2hp as one op, the z projection after it)."""
+        fn = torch.compile(layer, fullgraph=True, dynamic=dynamic, options=COMPILE_OPTIONS)
+        return {"fn": fn, "dynamic": dynamic}, torch.compile(layer, fullgraph=True, dynamic=dynamic)
+
+    compiled, unoverlapped = compile_layer(dynamic=True)
     notes = []
     cases = [(t, b) for t in tokens for b in seqs]
     results = {}
@@ -366,11 +371,7 @@ def _cp_worker(rank, world, port, tokens, seqs, out, smoke, eager_only=False, pr
                 msg = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                 print(f"rank {rank}: torch.compile(dynamic=True) failed ({msg}); using dynamic=False", flush=True)
                 torch._dynamo.reset()
-                compiled = {
-                    "fn": torch.compile(layer, fullgraph=True, dynamic=False, options=COMPILE_OPTIONS),
-                    "dynamic": False,
-                }
-                unoverlapped = torch.compile(layer, fullgraph=True, dynamic=False)
+                compiled, unoverlapped = compile_layer(dynamic=False)
                 notes.append(f"compiled with dynamic=False (dynamic=True failed: {msg[:200]})")
                 res["err compiled"] = check(compiled["fn"])
             with per_sequence_all_to_all() as calls:
