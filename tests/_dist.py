@@ -42,3 +42,8 @@ def exchange_windows(code: str) -> list[str]:
         windows.append(code[start : end if end >= 0 else len(code)])
         start = code.find(_EXCHANGE, start + 1)
     return windows
+
+
+def gemm_overlaps_an_exchange(code: str) -> bool:
+    """Whether a GEMM runs in Inductor-generated ``code`` while some all-to-all is in flight."""
+    return any("mm(" in w for w in exchange_windows(code))
