@@ -27,10 +27,11 @@ rows), without collectives: how each piece shrinks with W, apart from communicat
   1 GPU      the same layer, compiled and eager, fwd+bwd on the whole global batch with
              group=None, timed on rank 0 while the other ranks wait
   W GPUs     the CP layer fwd+bwd on each rank's shard, compiled (options=cp_ops.COMPILE_OPTIONS)
-             and eager; "not overlapped": the same with the one-op thd_cp2hp and the z
-             projection after it, compiled without the options (the layer before
-             thd_cp2hp_overlap)
-  per-seq    the eager CP layer with thd_cp2hp / thd_hp2cp swapped for the per-sequence,
+             and eager; "unfused": the layer's section-layout form (sections_form:
+             GatedDeltaNet.forward_sections with the one-op thd_cp2hp / thd_hp2cp, a layout
+             pass on each side of each exchange, the z projection after it), compiled without
+             the options: the layer before the fused layouts and the overlap
+  per-seq    the eager section-layout form with thd_cp2hp / thd_hp2cp replaced by the per-sequence,
              per-section all-to-alls of bench_cp2hp (cp2hp_per_sequence, hp2cp_per_sequence);
              they read the layout on the host, so they cannot compile: compare with the
              eager CP layer
@@ -48,15 +49,12 @@ every rank, since the ranks meet in every all-to-all), max over ranks. Scaling e
 then the run fails. ``--smoke`` runs the multi-rank path on 2 gloo ranks on the CPU with a
 tiny layer in float32 and wall-clock timing (checks and compile included).
 
-The per-sequence and unoverlapped layers work by swapping ``cp_ops.gdn.thd_cp2hp_overlap`` /
-``thd_hp2cp`` (the names the layer calls at run time) inside :func:`per_sequence_all_to_all`
-and :func:`unoverlapped_all_to_all`.
+The per-sequence and unfused layers are :func:`sections_form` with the conversions to compare.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import math
 import os
@@ -70,7 +68,6 @@ from triton.testing import do_bench
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import custom_ops  # noqa: E402
-import cp_ops.gdn as gdn_module  # noqa: E402
 from benchmarks.bench_cp2hp import cp2hp_per_sequence, hp2cp_per_sequence  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     KERNEL_CLASSES,
@@ -197,7 +194,7 @@ def bench_case(layer, tokens: int, num_seqs: int, kernel_time: bool = False, sha
     return res
 
 
-# --- context parallelism: the per-sequence all-to-all baseline swapped into the layer ------------
+# --- context parallelism: the per-sequence all-to-all baseline and the section-layout form --------
 
 
 class _PerSequenceCp2hp(torch.autograd.Function):
@@ -238,45 +235,21 @@ def per_sequence_hp2cp(y_hp, cu_seqlens_padded, sections, group):
     return _PerSequenceHp2cp.apply(y_hp, cu_seqlens_padded, sections, group)
 
 
-@contextlib.contextmanager
-def _layer_all_to_alls(cp2hp, hp2cp):
-    """Inside, GatedDeltaNet runs ``cp2hp`` (thd_cp2hp's signature; the z projection after it)
-    and ``hp2cp``. Yields a one-item list counting their calls, so a caller can tell that the
-    swap took effect."""
-    calls = [0]
+def sections_form(layer: GatedDeltaNet, cp2hp=thd_cp2hp, hp2cp=thd_hp2cp):
+    """The CP layer converting section-layout tensors with ``cp2hp`` / ``hp2cp``
+    (:meth:`GatedDeltaNet.forward_sections`: a pass over the activations on each side of each
+    exchange, the z projection after it, nothing overlapped), as a module ``torch.compile``
+    can wrap: with the defaults, the layer as it was before the fused layouts and the overlap."""
 
-    def count():
-        # eager calls only: a counter mutated in traced code makes a guard of its value, and
-        # every later call recompiles (seen timing the compiled unoverlapped layer: 378 ms a step)
-        if not torch.compiler.is_compiling():
-            calls[0] += 1
+    class SectionsForm(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = layer
 
-    def cp2hp_then(x, cu, sections, group, overlap):
-        count()
-        return cp2hp(x, cu, sections, group), overlap()
+        def forward(self, x, cu_seqlens_padded, group=None):
+            return self.layer.forward_sections(x, cu_seqlens_padded, group, cp2hp, hp2cp)
 
-    def counted_hp2cp(*args):
-        count()
-        return hp2cp(*args)
-
-    saved = gdn_module.thd_cp2hp_overlap, gdn_module.thd_hp2cp
-    gdn_module.thd_cp2hp_overlap, gdn_module.thd_hp2cp = cp2hp_then, counted_hp2cp
-    try:
-        yield calls
-    finally:
-        gdn_module.thd_cp2hp_overlap, gdn_module.thd_hp2cp = saved
-
-
-def per_sequence_all_to_all():
-    """Inside, GatedDeltaNet's all-to-alls are the per-sequence baseline (a context manager
-    yielding the call count, as :func:`_layer_all_to_alls`)."""
-    return _layer_all_to_alls(per_sequence_cp2hp, per_sequence_hp2cp)
-
-
-def unoverlapped_all_to_all():
-    """Inside, GatedDeltaNet converts with the one-op ``thd_cp2hp`` and computes the z projection
-    after it (no overlap): the layer as it was before ``thd_cp2hp_overlap``."""
-    return _layer_all_to_alls(thd_cp2hp, thd_hp2cp)
+    return SectionsForm()
 
 
 def a2a_steps(layer: GatedDeltaNet, x_cp: torch.Tensor, cup: torch.Tensor, group, cp2hp, hp2cp) -> dict:
@@ -322,13 +295,17 @@ def _cp_worker(rank, world, port, tokens, seqs, out, smoke, eager_only=False, pr
     layer = GatedDeltaNet(hidden, hk, hv, dk, dv).to(device, dtype)
     params = list(layer.parameters())
 
-    def compile_layer(dynamic: bool):
-        """The layer compiled as recommended, and compiled as before the overlap (run it inside
-        unoverlapped_all_to_all(): thd_cp2hp as one op, the z projection after it)."""
-        fn = torch.compile(layer, fullgraph=True, dynamic=dynamic, options=COMPILE_OPTIONS)
-        return {"fn": fn, "dynamic": dynamic}, torch.compile(layer, fullgraph=True, dynamic=dynamic)
+    unfused = sections_form(layer)
+    per_sequence = sections_form(layer, per_sequence_cp2hp, per_sequence_hp2cp)
 
-    compiled, unoverlapped = compile_layer(dynamic=True)
+    def compile_layer(dynamic: bool):
+        """The layer compiled as recommended, and its section-layout form compiled as the layer
+        was compiled before the fused layouts (thd_cp2hp / thd_hp2cp as one op each, the z
+        projection after the exchange, default options)."""
+        fn = torch.compile(layer, fullgraph=True, dynamic=dynamic, options=COMPILE_OPTIONS)
+        return {"fn": fn, "dynamic": dynamic}, torch.compile(unfused, fullgraph=True, dynamic=dynamic)
+
+    compiled, compiled_unfused = compile_layer(dynamic=True)
     notes = []
     cases = [(t, b) for t in tokens for b in seqs]
     results = {}
@@ -371,22 +348,16 @@ def _cp_worker(rank, world, port, tokens, seqs, out, smoke, eager_only=False, pr
                 msg = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                 print(f"rank {rank}: torch.compile(dynamic=True) failed ({msg}); using dynamic=False", flush=True)
                 torch._dynamo.reset()
-                compiled, unoverlapped = compile_layer(dynamic=False)
+                compiled, compiled_unfused = compile_layer(dynamic=False)
                 notes.append(f"compiled with dynamic=False (dynamic=True failed: {msg[:200]})")
                 res["err compiled"] = check(compiled["fn"])
-            with per_sequence_all_to_all() as calls:
-                res["err per-seq"] = check(layer)
-                if calls[0] < 2:
-                    raise RuntimeError("GatedDeltaNet did not call the swapped thd_cp2hp / thd_hp2cp of cp_ops.gdn")
-                res["W per-seq eager"] = timed(cp_step(layer), per_sequence=True)
+            res["err per-seq"] = check(per_sequence)
+            res["W per-seq eager"] = timed(cp_step(per_sequence), per_sequence=True)
             res["W compiled"] = math.nan if eager_only else timed(cp_step(compiled["fn"]))
             res["W eager"] = timed(cp_step(layer))
-            with unoverlapped_all_to_all() as calls:
-                res["W eager unoverlapped"] = timed(cp_step(layer))
-                if calls[0] < 2:
-                    raise RuntimeError("GatedDeltaNet did not call the swapped thd_cp2hp_overlap / thd_hp2cp")
-                res["err compiled unoverlapped"] = math.nan if eager_only else check(unoverlapped)
-                res["W compiled unoverlapped"] = math.nan if eager_only else timed(cp_step(unoverlapped))
+            res["W eager unfused"] = timed(cp_step(unfused))
+            res["err compiled unfused"] = math.nan if eager_only else check(compiled_unfused)
+            res["W compiled unfused"] = math.nan if eager_only else timed(cp_step(compiled_unfused))
             if profile:  # every rank runs the profiled steps (they meet in the all-to-alls); rank 0's figures
                 res.update({f"prof W {k}": v for k, v in profile_timeline(cp_step(compiled["fn"])).items()})
 
@@ -435,7 +406,7 @@ def _cp_worker(rank, world, port, tokens, seqs, out, smoke, eager_only=False, pr
     finally:
         dist.destroy_process_group()
     errors = [
-        r[k] for r in results.values() for k in ("err eager", "err compiled", "err per-seq", "err compiled unoverlapped")
+        r[k] for r in results.values() for k in ("err eager", "err compiled", "err per-seq", "err compiled unfused")
     ]
     worst = max(e for e in errors if not math.isnan(e))  # err compiled is nan with --eager-only
     if not worst < CP_TOLERANCE:
@@ -453,8 +424,8 @@ def _cp_table(results, cases, world, dims, dtype, runs, seq_runs, notes) -> str:
     for r in results.values():
         r["eff compiled"] = r["1 compiled"] / (world * r["W compiled"])
         r["eff eager"] = r["1 eager"] / (world * r["W eager"])
-        r["eff compiled unoverlapped"] = r["1 compiled"] / (world * r["W compiled unoverlapped"])
-        r["eff eager unoverlapped"] = r["1 eager"] / (world * r["W eager unoverlapped"])
+        r["eff compiled unfused"] = r["1 compiled"] / (world * r["W compiled unfused"])
+        r["eff eager unfused"] = r["1 eager"] / (world * r["W eager unfused"])
         r["per-seq / fused"] = r["W per-seq eager"] / r["W eager"]
         r["a2a"] = r["cp2hp fwd+bwd"] + r["hp2cp fwd+bwd"]
         r["per-seq a2a"] = r["per-seq cp2hp fwd+bwd"] + r["per-seq hp2cp fwd+bwd"]
@@ -468,17 +439,17 @@ def _cp_table(results, cases, world, dims, dtype, runs, seq_runs, notes) -> str:
         ("rel error vs 1 GPU: CP eager", "err eager", e),
         ("rel error vs 1 GPU: CP compiled", "err compiled", e),
         ("rel error vs 1 GPU: CP eager, per-seq a2a", "err per-seq", e),
-        ("rel error vs 1 GPU: CP compiled, not overlapped", "err compiled unoverlapped", e),
+        ("rel error vs 1 GPU: CP compiled, unfused", "err compiled unfused", e),
         ("1 GPU fwd+bwd compiled", "1 compiled", t),
         (f"{w} fwd+bwd compiled", "W compiled", t),
         ("scaling efficiency, compiled", "eff compiled", x),
-        (f"{w} fwd+bwd compiled, not overlapped", "W compiled unoverlapped", t),
-        ("scaling efficiency, compiled, not overlapped", "eff compiled unoverlapped", x),
+        (f"{w} fwd+bwd compiled, unfused", "W compiled unfused", t),
+        ("scaling efficiency, compiled, unfused", "eff compiled unfused", x),
         ("1 GPU fwd+bwd eager", "1 eager", t),
         (f"{w} fwd+bwd eager", "W eager", t),
         ("scaling efficiency, eager", "eff eager", x),
-        (f"{w} fwd+bwd eager, not overlapped", "W eager unoverlapped", t),
-        ("scaling efficiency, eager, not overlapped", "eff eager unoverlapped", x),
+        (f"{w} fwd+bwd eager, unfused", "W eager unfused", t),
+        ("scaling efficiency, eager, unfused", "eff eager unfused", x),
         (f"{w} fwd+bwd eager, per-seq a2a", "W per-seq eager", t),
         ("per-seq a2a / fused a2a (eager layer)", "per-seq / fused", x),
         ("in_proj fwd+bwd", "in_proj fwd+bwd", t),

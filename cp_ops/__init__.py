@@ -16,9 +16,11 @@ from cp_ops.comm import (
     reduce_scatter_rows,
     resolve_group,
     thd_cp2hp,
+    thd_cp2hp_blocks,
     thd_cp2hp_overlap,
     thd_cp2hp_reference,
     thd_hp2cp,
+    thd_hp2cp_blocks,
     thd_hp2cp_reference,
 )
 from cp_ops.gdn import GatedDeltaNet, from_qwen3_next_state_dict
@@ -56,8 +58,10 @@ __all__ = [
     "all_to_all_rows",
     "thd_cp2hp",
     "thd_cp2hp_overlap",
+    "thd_cp2hp_blocks",
     "COMPILE_OPTIONS",
     "thd_hp2cp",
+    "thd_hp2cp_blocks",
     "thd_cp2hp_reference",
     "thd_hp2cp_reference",
     "GatedDeltaNet",

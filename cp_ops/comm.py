@@ -43,6 +43,8 @@ __all__ = [
     "all_to_all_rows",
     "thd_cp2hp",
     "thd_cp2hp_overlap",
+    "thd_cp2hp_blocks",
+    "thd_hp2cp_blocks",
     "COMPILE_OPTIONS",
     "thd_hp2cp",
     "thd_cp2hp_reference",
@@ -199,7 +201,8 @@ def _check_hp2cp(y_hp: torch.Tensor, cu_seqlens_padded: torch.Tensor, sections, 
             f"y_hp has {y_hp.shape[0]} rows, not a multiple of 2*W = {2 * world} for a CP group of {world} "
             "ranks; y_hp must hold all T rows of the batch (is the group the one the layout was built for?)"
         )
-    check_sections("y_hp", y_hp.shape[-1], sections, 1)
+    if sections is not None:  # None: no sections to check (the blocks keep the features as they are)
+        check_sections("y_hp", y_hp.shape[-1], sections, 1)
 
 
 def _group_world(group_name: str, cp_size: int) -> int:
@@ -294,16 +297,66 @@ def thd_cp2hp(
     return _thd_cp2hp(x_cp, cu_seqlens_padded, sections, group_name, world)
 
 
+def _check_send_blocks(send: torch.Tensor, cu_seqlens_padded: torch.Tensor, world: int) -> None:
+    if not isinstance(send, torch.Tensor):
+        raise TypeError(f"send must be a torch.Tensor, got {type(send).__name__}")
+    if send.dim() < 3 or send.shape[0] != world:
+        raise ValueError(
+            f"send must be [W, T/W, ..., F/W] with W = {world} (the CP group size) blocks, got shape "
+            f"{tuple(send.shape)}"
+        )
+    check_index_tensor("cu_seqlens_padded", cu_seqlens_padded, send.device)
+    if send.shape[1] % 2:
+        raise ValueError(
+            f"send has {send.shape[1]} rows a block; a local shard has T/W rows, two chunks per sequence, "
+            "so an even number"
+        )
+
+
+def _overlapped_exchange(
+    send: torch.Tensor, group_name: str, world: int, overlap: Callable[[], T] | None
+) -> tuple[torch.Tensor, T | None]:
+    """One differentiable all-to-all of ``send`` (``[W*R, ...]``) with ``overlap()`` run while it is
+    in flight, in the forward pass and (for the work autograd runs between the two halves) in
+    the backward pass."""
+    recv = _ExchangeStart.apply(send, group_name, world)
+    extra = overlap() if overlap is not None else None
+    return _ExchangeWait.apply(recv, group_name, world), extra
+
+
+def thd_cp2hp_blocks(
+    send: torch.Tensor, cu_seqlens_padded: torch.Tensor, group, overlap: Callable[[], T] | None = None
+) -> tuple[torch.Tensor, T | None]:
+    """:func:`thd_cp2hp` from a send buffer the caller has already laid out.
+
+    send: ``[W, T/W, ..., F/W]``; block d holds rank d's slice of every section of this
+    rank's local rows, what ``sections_to_rank_blocks(x_cp, sections, W)`` returns (a
+    producer can write this layout itself: :class:`cp_ops.GatedDeltaNet` computes it as
+    W GEMMs on row blocks of its projection weight, so no pass over the activations
+    builds it). Returns ``(x_hp, overlap())`` (``None`` for no ``overlap``): ``x_hp
+    [T, ..., F/W]`` in sequence order, as :func:`thd_cp2hp` returns it, with ``overlap()``
+    run while the all-to-all is in flight (see :func:`thd_cp2hp_overlap`). Differentiable;
+    the gradient of ``send`` comes back in the same block layout. ``group=None``: W = 1,
+    ``x_hp = send[0]``.
+    """
+    group_name, world = resolve_group(group)
+    _check_send_blocks(send, cu_seqlens_padded, world)
+    if group_name is None:
+        return send[0], (overlap() if overlap is not None else None)
+    recv, extra = _overlapped_exchange(send.flatten(0, 1), group_name, world, overlap)  # rank order
+    return custom_ops.thd_rank_to_seq_order(recv, cu_seqlens_padded, world), extra
+
+
 def thd_cp2hp_overlap(
     x_cp: torch.Tensor, cu_seqlens_padded: torch.Tensor, sections: Sequence[int], group, overlap: Callable[[], T]
 ) -> tuple[torch.Tensor, T]:
     """:func:`thd_cp2hp`, running ``overlap()`` while the all-to-all is in flight.
 
-    Returns ``(x_hp, overlap())``. ``overlap`` is work that does not need ``x_hp``
-    (in :class:`cp_ops.GatedDeltaNet`: the gate projection). The conversion runs as
-    three graph nodes instead of one op: ``sections_to_rank_blocks`` (the send
-    buffer), one all-to-all issued before ``overlap()`` and waited for after it,
-    and ``thd_rank_to_seq_order``. Same values and gradients as :func:`thd_cp2hp`,
+    Returns ``(x_hp, overlap())``. ``overlap`` is work that does not need ``x_hp``.
+    The conversion runs as three graph nodes instead of one op:
+    ``sections_to_rank_blocks`` (the send buffer), one all-to-all issued before
+    ``overlap()`` and waited for after it, and ``thd_rank_to_seq_order``
+    (:func:`thd_cp2hp_blocks`). Same values and gradients as :func:`thd_cp2hp`,
     still one all-to-all per direction. In the backward pass the gradient's
     exchange is issued where the wait was and waited for where the exchange was
     issued, so the backward of ``overlap``'s work runs during it too.
@@ -318,22 +371,102 @@ def thd_cp2hp_overlap(
         return thd_cp2hp(x_cp, cu_seqlens_padded, sections, None), overlap()
     _check_cp2hp(x_cp, cu_seqlens_padded, sections, world)
     send = custom_ops.sections_to_rank_blocks(x_cp, sections, world)  # [W, T/W, ..., F/W]
-    recv = _ExchangeStart.apply(send.flatten(0, 1), group_name, world)
-    extra = overlap()
-    recv = _ExchangeWait.apply(recv, group_name, world)  # [T, ..., F/W], rank order
-    return custom_ops.thd_rank_to_seq_order(recv, cu_seqlens_padded, world), extra
+    return thd_cp2hp_blocks(send, cu_seqlens_padded, group, overlap)
 
 
-# Inductor options that keep the all-to-all of thd_cp2hp_overlap overlapped under torch.compile:
-# sink_waits moves each wait down to the first use of the exchanged data (without it, the
-# peak-memory reordering moves the wait up to the exchange, before the work recorded in between);
-# raise_comms then issues each exchange as soon as its input is ready (in the backward pass,
-# Inductor schedules the weight gradient of the overlapped GEMM first otherwise). Checked on the
-# code Inductor generates (tests/cp_ops/test_comm.py). Pass as torch.compile(model,
-# options=COMPILE_OPTIONS); they apply to that compile only.
+def thd_hp2cp_blocks(
+    y_hp: torch.Tensor, cu_seqlens_padded: torch.Tensor, group, overlap: Callable[[], T] | None = None
+) -> tuple[torch.Tensor, T | None]:
+    """:func:`thd_hp2cp` without its last pass: the received blocks as they arrive.
+
+    y_hp: ``[T, ..., F/W]`` in sequence order, as for :func:`thd_hp2cp`. Returns
+    ``(blocks, overlap())``: ``blocks [W, T/W, ..., F/W]``, block s holding rank s's
+    features (its slice of every section) of this rank's local rows, so that
+    ``rank_blocks_to_sections(blocks, sections, W)`` is :func:`thd_hp2cp`'s result. A
+    consumer that reads the blocks where they are saves that pass:
+    :class:`cp_ops.GatedDeltaNet` runs its gated norm on them and writes the norm's
+    output in the section layout. The exchange runs as two graph nodes with
+    ``overlap()`` between them, as in :func:`thd_cp2hp_blocks`. Differentiable.
+    ``group=None``: W = 1, ``blocks = y_hp[None]``.
+    """
+    group_name, world = resolve_group(group)
+    _check_hp2cp(y_hp, cu_seqlens_padded, None, world)
+    if group_name is None:
+        return y_hp.unsqueeze(0), (overlap() if overlap is not None else None)
+    send = custom_ops.thd_seq_to_rank_order(y_hp, cu_seqlens_padded, world)  # [T, ..., F/W], rank order
+    recv, extra = _overlapped_exchange(send, group_name, world, overlap)
+    return recv.unflatten(0, (world, recv.shape[0] // world)), extra
+
+
+def issue_early_wait_late(snodes: list) -> list:
+    """An Inductor scheduling pass: collectives as early as their inputs allow, waits as late as
+    possible, the other nodes in their order.
+
+    A list scheduler over the nodes' data dependencies. Of the nodes whose inputs are ready,
+    a wait goes only when nothing else is ready; of the others, first a collective or a node
+    a collective needs (the earliest collective first), then the rest in their original
+    order. Inductor's ``raise_comms`` and ``sink_waits`` passes together rank the same
+    criteria the other way round: a wait that a later collective needs goes ahead of work
+    no collective needs, so with two exchanges in a graph (the layer's
+    ``thd_cp2hp_blocks`` and ``thd_hp2cp_blocks``) the first wait went ahead of the z
+    projection recorded between that exchange and its wait.
+    """
+    import heapq
+    import sys
+    from collections import defaultdict
+
+    from torch._inductor.comms import contains_collective, contains_wait
+
+    index = {id(s): i for i, s in enumerate(snodes)}
+    fused = {}
+    for s in snodes:
+        for name in s.get_operation_names():
+            fused[name] = s
+        fused[s.get_name()] = s
+    first_comm = {id(s): sys.maxsize for s in snodes}  # the earliest collective the node is needed by
+    comm_idx = 0
+    for s in snodes:
+        if contains_collective(s):
+            first_comm[id(s)] = comm_idx
+            for name in s.ancestors:
+                anc = fused[name]
+                first_comm[id(anc)] = min(first_comm[id(anc)], comm_idx)
+            comm_idx += 1
+    unmet = {id(s): {dep.name for dep in s.unmet_dependencies} for s in snodes}
+    users = defaultdict(list)
+    for s in snodes:
+        for name in unmet[id(s)]:
+            users[name].append(s)
+
+    def entry(s):
+        return (int(contains_wait(s)), first_comm[id(s)], index[id(s)], s)
+
+    ready = [entry(s) for s in snodes if not unmet[id(s)]]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        s = heapq.heappop(ready)[-1]
+        order.append(s)
+        for name in s.get_buffer_names():
+            for user in users[name]:
+                deps = unmet[id(user)]
+                if name in deps:
+                    deps.discard(name)
+                    if not deps:
+                        heapq.heappush(ready, entry(user))
+    if len(order) != len(snodes):
+        raise RuntimeError(f"issue_early_wait_late scheduled {len(order)} of {len(snodes)} nodes: a dependency is unmet")
+    return order
+
+
+# Inductor options that keep the exchanges of thd_cp2hp_blocks / thd_hp2cp_blocks overlapped under
+# torch.compile: without them, the peak-memory reordering moves each wait up to its exchange,
+# before the work recorded in between. Checked on the code Inductor generates
+# (tests/cp_ops/test_comm.py, test_gdn_cp.py). Pass as torch.compile(model, options=COMPILE_OPTIONS);
+# they apply to that compile only.
 COMPILE_OPTIONS = {
     "reorder_for_compute_comm_overlap": True,
-    "reorder_for_compute_comm_overlap_passes": ["sink_waits", "raise_comms"],
+    "reorder_for_compute_comm_overlap_passes": [issue_early_wait_late],
 }
 
 

@@ -6,9 +6,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-# forward() looks thd_cp2hp_overlap / thd_hp2cp up in this module when it runs, so a benchmark can
-# swap in another all-to-all scheme (benchmarks/bench_gdn.py: per_sequence_all_to_all)
-from cp_ops.comm import group_rank, resolve_group, thd_cp2hp_overlap, thd_hp2cp
+from cp_ops.comm import group_rank, resolve_group, thd_cp2hp, thd_cp2hp_blocks, thd_hp2cp, thd_hp2cp_blocks
 from custom_ops.gdn.op import causal_conv1d, chunk_gated_delta_rule
 
 # FLA's and Qwen3-Next's epsilon for the q/k l2 normalisation
@@ -81,7 +79,10 @@ class GatedDeltaNet(nn.Module):
     q, k, v, b, a sections (:meth:`exchanged_sections`: this rank's 1/W of their
     heads, all tokens) ``-> head_parallel_core(proj_hp, cu, r*Hk/W, Hk/W) ->
     thd_hp2cp`` of the delta-rule output, then the gated norm with the local z and
-    ``out_proj``; it needs ``Hk % W == 0`` (hence ``Hv % W == 0``). The gate z
+    ``out_proj``; it needs ``Hk % W == 0`` (hence ``Hv % W == 0``). The layouts on
+    both sides of the exchanges are fused into their neighbours (:meth:`forward`):
+    ``in_proj`` writes the all-to-all's send buffer itself, and the gated norm reads
+    the received blocks in place. The gate z
     never leaves its rank: the gated norm is per token and head, so it runs after
     the all-to-all back, on the local rows, and ``thd_cp2hp`` carries
     ``2*Hk*dk + Hv*dv + 2*Hv`` features instead of ``2*Hk*dk + 2*Hv*dv + 2*Hv``
@@ -135,11 +136,23 @@ class GatedDeltaNet(nn.Module):
         rows; then the z rows), so the sections that travel through ``thd_cp2hp`` come
         out contiguous: the concatenation copies weight rows, not activations.
         """
-        return self._project_qkvba(x), self._project_z(x)
-
-    def _project_qkvba(self, x: torch.Tensor) -> torch.Tensor:
         w = self.in_proj.weight
-        return F.linear(x, torch.cat([w[: self.conv_dim], w[self.conv_dim + self.value_dim :]]))
+        return F.linear(x, torch.cat([w[: self.conv_dim], w[self.conv_dim + self.value_dim :]])), self._project_z(x)
+
+    def project_send_blocks(self, x: torch.Tensor, cp_size: int) -> torch.Tensor:
+        """The q, k, v, b, a projections in ``thd_cp2hp``'s send layout ``[W, R, F/W]``.
+
+        Block d holds rank d's slice of each of the five sections, what
+        ``sections_to_rank_blocks(project(x)[0], exchanged_sections(), W)`` returns, but
+        computed as W GEMMs on row blocks of ``in_proj.weight`` (regrouped: a copy of
+        weight rows). Compiled, Inductor writes each GEMM straight into its block of the
+        send buffer, so no pass over the activations lays it out; the backward sums W
+        GEMMs for the input gradient.
+        """
+        w = self.in_proj.weight
+        q, k, v, _, b, a = torch.split(w, self.sections())
+        blocks = torch.cat([s.view(cp_size, s.shape[0] // cp_size, w.shape[1]) for s in (q, k, v, b, a)], dim=1)
+        return torch.stack([F.linear(x, blocks[d]) for d in range(cp_size)])
 
     def _project_z(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.in_proj.weight[self.conv_dim : self.conv_dim + self.value_dim])
@@ -148,37 +161,67 @@ class GatedDeltaNet(nn.Module):
         """x ``[T/W, hidden]`` (this rank's THD shard; the whole batch when ``group`` is None)
         -> ``[T/W, hidden]``. ``cu_seqlens_padded`` is the *global* layout.
 
-        With a group of W ranks: the projections on the local tokens, one
-        ``thd_cp2hp`` of q, k, v, b, a (all tokens, this rank's 1/W of the heads;
-        :func:`cp_ops.thd_cp2hp_overlap`, with the z projection computed while the
-        exchange is in flight), the head-parallel core, one ``thd_hp2cp`` of its
-        output back to the local tokens, the gated norm with the local z,
-        ``out_proj``. Under ``torch.compile``, pass ``options=cp_ops.COMPILE_OPTIONS``
-        to keep that overlap. Parameter gradients are this
-        rank's contribution; sum them over the CP group (as data parallelism does) to
-        get the single-device gradients.
+        With a group of W ranks: the q, k, v, b, a projections of the local tokens in
+        the all-to-all's send layout (:meth:`project_send_blocks`), one exchange to all
+        tokens and this rank's 1/W of the heads (:func:`cp_ops.thd_cp2hp_blocks`, with
+        the z projection computed while it is in flight), the head-parallel core, one
+        exchange of its output back to the local tokens (:func:`cp_ops.thd_hp2cp_blocks`:
+        the gated norm reads the received blocks where they are and writes its output
+        in the section layout ``out_proj`` reads), the gated norm with the local z,
+        ``out_proj``. The result equals :meth:`forward_sections`' (the same layer
+        converting with ``thd_cp2hp`` / ``thd_hp2cp`` on section-layout tensors).
+        Under ``torch.compile``, pass ``options=cp_ops.COMPILE_OPTIONS`` to keep the
+        overlap. Parameter gradients are this rank's contribution; sum them over the
+        CP group (as data parallelism does) to get the single-device gradients.
         """
+        world = self._cp_size(group)
+        rows, hv, dv = x.shape[0], self.num_v_heads, self.head_v_dim
+        if world == 1:
+            qkvba, z = self.project(x)
+            o = self.head_parallel_core(qkvba, cu_seqlens_padded, 0, self.num_k_heads)
+            return self.out_proj(self.norm(o.view(rows, hv, dv), z.view(rows, hv, dv)).reshape(rows, hv * dv))
+        heads = self.num_k_heads // world
+        # the z projection runs while q, k, v, b, a are exchanged (and its backward while their
+        # gradients are)
+        qkvba_hp, z = thd_cp2hp_blocks(
+            self.project_send_blocks(x, world), cu_seqlens_padded, group, lambda: self._project_z(x)
+        )
+        o_hp = self.head_parallel_core(qkvba_hp, cu_seqlens_padded, group_rank(group) * heads, heads)
+        o_blocks, _ = thd_hp2cp_blocks(o_hp, cu_seqlens_padded, group)  # [W, rows, Hv/W * dv]
+        # [rows, W, Hv/W, dv] is a view of the blocks: the norm reads them in place and its
+        # output is [rows, Hv * dv], the layout out_proj reads
+        o = o_blocks.view(world, rows, hv // world, dv).transpose(0, 1)
+        gated = self.norm(o, z.view(rows, world, hv // world, dv))
+        return self.out_proj(gated.reshape(rows, hv * dv))
+
+    def forward_sections(
+        self, x: torch.Tensor, cu_seqlens_padded: torch.Tensor, group, cp2hp=thd_cp2hp, hp2cp=thd_hp2cp
+    ) -> torch.Tensor:
+        """:meth:`forward` converting section-layout tensors with ``cp2hp`` and ``hp2cp``
+        (:func:`cp_ops.thd_cp2hp`'s and :func:`cp_ops.thd_hp2cp`'s signatures, and by
+        default those): ``in_proj`` as :meth:`project`, ``cp2hp`` of q, k, v, b, a, the
+        core, ``hp2cp`` of its output, the gated norm, ``out_proj``; the z projection after
+        the exchange, nothing overlapped. The same values as :meth:`forward`, with a pass
+        over the activations on each side of each exchange: the form to compare other
+        exchange schemes with (``benchmarks/bench_gdn.py``).
+        """
+        world = self._cp_size(group)
+        rows, hv, dv = x.shape[0], self.num_v_heads, self.head_v_dim
+        heads = self.num_k_heads // world
+        qkvba, z = self.project(x)
+        qkvba_hp = cp2hp(qkvba, cu_seqlens_padded, self.exchanged_sections(), group)
+        o_hp = self.head_parallel_core(qkvba_hp, cu_seqlens_padded, group_rank(group) * heads, heads)
+        o = hp2cp(o_hp, cu_seqlens_padded, [o_hp.shape[-1]], group)
+        return self.out_proj(self.norm(o.view(rows, hv, dv), z.view(rows, hv, dv)).reshape(rows, hv * dv))
+
+    def _cp_size(self, group) -> int:
         _, world = resolve_group(group)
         if self.num_k_heads % world or self.num_v_heads % world:
             raise ValueError(
                 f"num_k_heads = {self.num_k_heads} and num_v_heads = {self.num_v_heads} must be divisible by "
                 f"the CP size {world}"
             )
-        if world == 1:
-            qkvba, z = self.project(x)
-            o = self.head_parallel_core(qkvba, cu_seqlens_padded, 0, self.num_k_heads)
-        else:
-            heads = self.num_k_heads // world
-            # the z projection runs while q, k, v, b, a are exchanged (and its backward while
-            # their gradients are)
-            qkvba_hp, z = thd_cp2hp_overlap(
-                self._project_qkvba(x), cu_seqlens_padded, self.exchanged_sections(), group, lambda: self._project_z(x)
-            )
-            o_hp = self.head_parallel_core(qkvba_hp, cu_seqlens_padded, group_rank(group) * heads, heads)
-            o = thd_hp2cp(o_hp, cu_seqlens_padded, [o_hp.shape[-1]], group)
-        rows, hv, dv = x.shape[0], self.num_v_heads, self.head_v_dim
-        gated = self.norm(o.view(rows, hv, dv), z.view(rows, hv, dv))
-        return self.out_proj(gated.reshape(rows, hv * dv))
+        return world
 
     def head_parallel_core(
         self, proj_hp: torch.Tensor, cu_seqlens: torch.Tensor, k_head_start: int, num_k_heads: int

@@ -24,12 +24,15 @@ from cp_ops import (
     resolve_group,
     shard_thd,
     thd_cp2hp,
+    thd_cp2hp_blocks,
     thd_cp2hp_overlap,
     thd_cp2hp_reference,
     thd_hp2cp,
+    thd_hp2cp_blocks,
     thd_hp2cp_reference,
     validate_thd,
 )
+from custom_ops import rank_blocks_to_sections, sections_to_rank_blocks
 from cp_ops import comm
 from custom_ops._common import kernels_visible_to_compiler
 from custom_ops.testing import random_tensor
@@ -92,6 +95,21 @@ def _check_cases(rank, world, cases, group):
         torch.autograd.backward((x_hp, extra), (grads_hp[rank], grad_cp))
         want = thd_hp2cp_reference(grads_hp, cup, local, world, rank) + 3 * grad_cp
         assert torch.equal(x_in.grad, want), case
+
+        # the block forms: cp2hp from a send buffer laid out by the caller, hp2cp to the blocks
+        # as received; values and gradients through the section <-> block passes
+        x_in = x_cp.detach().to(torch.float64, copy=True).requires_grad_()
+        x_hp, none = thd_cp2hp_blocks(sections_to_rank_blocks(x_in, sections, world), cup, group)
+        assert none is None and torch.equal(x_hp, thd_cp2hp_reference(x, sections, world, rank).double()), case
+        x_hp.backward(grads_hp[rank])
+        assert torch.equal(x_in.grad, thd_hp2cp_reference(grads_hp, cup, local, world, rank)), case
+        y_in = y_all[rank].detach().to(torch.float64, copy=True).requires_grad_()  # a leaf of its own
+        blocks, extra = thd_hp2cp_blocks(y_in, cup, group, lambda: "ran")
+        assert extra == "ran" and blocks.shape == (world, x_cp.shape[0]) + y_in.shape[1:], case
+        y_cp = rank_blocks_to_sections(blocks, sections, world)
+        assert torch.equal(y_cp, thd_hp2cp_reference(y_all, cup, local, world, rank).double()), case
+        y_cp.backward(shard_thd(grad_x, cup, world, rank))
+        assert torch.equal(y_in.grad, thd_cp2hp_reference(grad_x, sections, world, rank)), case
 
 
 CP_SIZES = (1, 2, 3, 4)
@@ -248,6 +266,16 @@ def _check_compiled_and_extras(rank, world):
     with pytest.raises(ValueError, match="even number"):
         thd_cp2hp_overlap(x_cp[:-1], cup, sections, group, lambda: ran.append(1))
     assert not ran
+    send = sections_to_rank_blocks(x_cp, sections, world)
+    with pytest.raises(ValueError, match=f"with W = {world} \\(the CP group size\\) blocks"):
+        thd_cp2hp_blocks(x_cp, cup, group)  # the section layout, not the send buffer
+    with pytest.raises(ValueError, match="even number"):
+        thd_cp2hp_blocks(send[:, :-1], cup, group, lambda: ran.append(1))
+    with pytest.raises(ValueError, match=f"not a multiple of 2\\*W = {2 * world}"):
+        thd_hp2cp_blocks(x_hp_ref[: 2 * world - 2], cup, group, lambda: ran.append(1))
+    with pytest.raises(TypeError, match="send must be a torch.Tensor"):
+        thd_cp2hp_blocks(x_cp.tolist(), cup, group)
+    assert not ran
     with pytest.raises(TypeError, match="must be int32 or int64"):
         thd_cp2hp(x_cp, cup.float(), sections, group)
     with pytest.raises(TypeError, match="ProcessGroup, a 1-D DeviceMesh or None"):
@@ -321,6 +349,10 @@ def test_no_group_is_the_identity_permutation():
         thd_cp2hp(x, cup, [4, 4], None)
     y2, extra = thd_cp2hp_overlap(x, cup, sections, None, lambda: "ran")
     assert torch.equal(y2, x.detach()) and extra == "ran"
+    y3, extra = thd_cp2hp_blocks(x[None], cup, None, lambda: "ran")
+    assert torch.equal(y3, x.detach()) and extra == "ran"
+    blocks, extra = thd_hp2cp_blocks(x, cup, None)
+    assert blocks.shape == (1,) + x.shape and torch.equal(blocks[0], x.detach()) and extra is None
 
 
 # --- the GPU path's Triton kernels inside a real all-to-all (CPU tensors, TRITON_INTERPRET=1) --------

@@ -80,36 +80,41 @@ def test_cp_layer_compiled_matches_one_rank():
 
 
 def _record_exchanges(rank, world):
-    """The widths the layer hands to the two all-to-alls: q, k, v, b, a out (z stays), the
-    delta-rule output back."""
+    """What the layer hands to the two exchanges: q, k, v, b, a out in the send layout (z
+    stays), the delta-rule output back; and the send layout is sections_to_rank_blocks of the
+    section-layout projection. The section-layout form of the layer gives the same result."""
     import cp_ops.gdn as gdn_module
+    from custom_ops import sections_to_rank_blocks
 
+    torch.manual_seed(0)  # the same weights on every rank
     layer = GatedDeltaNet(HIDDEN, 2, 4, DK, DV).double()
     _, cup = pad_cu_seqlens([9, 0, 1, 23, 6], world)
     x_cp = shard_thd(torch.randn(int(cup[-1]), HIDDEN, dtype=torch.float64), cup, world, rank)
     seen = []
-    saved = gdn_module.thd_cp2hp_overlap, gdn_module.thd_hp2cp
+    saved = gdn_module.thd_cp2hp_blocks, gdn_module.thd_hp2cp_blocks
 
     def recording(name, op):
-        def call(x, cu, sections, group, *overlap):
-            seen.append((name, x.shape[-1], list(sections)))
-            return op(x, cu, sections, group, *overlap)
+        def call(x, cu, group, *overlap):
+            seen.append((name, tuple(x.shape)))
+            return op(x, cu, group, *overlap)
 
         return call
 
-    gdn_module.thd_cp2hp_overlap = recording("cp2hp", saved[0])
-    gdn_module.thd_hp2cp = recording("hp2cp", saved[1])
+    gdn_module.thd_cp2hp_blocks = recording("cp2hp", saved[0])
+    gdn_module.thd_hp2cp_blocks = recording("hp2cp", saved[1])
     try:
-        layer(x_cp, cup, group=dist.group.WORLD)
+        out = layer(x_cp, cup, group=dist.group.WORLD)
     finally:
-        gdn_module.thd_cp2hp_overlap, gdn_module.thd_hp2cp = saved
+        gdn_module.thd_cp2hp_blocks, gdn_module.thd_hp2cp_blocks = saved
     q, k, v, z, b, a = layer.sections()
-    assert seen == [
-        ("cp2hp", q + k + v + b + a, [q, k, v, b, a]),
-        ("hp2cp", v // world, [v // world]),
-    ]
+    rows = x_cp.shape[0]
+    assert seen == [("cp2hp", (world, rows, (q + k + v + b + a) // world)), ("hp2cp", (rows * world, v // world))]
+
+    want = sections_to_rank_blocks(layer.project(x_cp)[0], layer.exchanged_sections(), world)
+    assert rel_error(layer.project_send_blocks(x_cp, world), want) < 1e-12
+    assert rel_error(layer.forward_sections(x_cp, cup, dist.group.WORLD), out) < 1e-12
 
 
 @pytest.mark.dist
-def test_the_gate_z_is_not_exchanged():
+def test_the_gate_z_is_not_exchanged_and_the_send_layout():
     run_ranks(2, _record_exchanges)
