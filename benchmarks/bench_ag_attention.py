@@ -18,9 +18,13 @@ meet in every all-gather), and the maximum of that median over the ranks. Scalin
 efficiency = T_1 / (W * T_W): 1.0 when W GPUs run W times faster than one.
 Before timing, each CP form is checked against the one-GPU result (bf16 rel_error).
 
-    python benchmarks/bench_ag_attention.py [--world W] [--gqa 1] [--out FILE]
+    python benchmarks/bench_ag_attention.py [--world W] [--gqa 1] [--profile] [--out FILE]
     python benchmarks/bench_ag_attention.py --smoke     # 2 gloo ranks on the CPU, tiny shapes
     python benchmarks/bench_ag_attention.py --work-model   # CPU only: kernel tiles per rank vs one GPU
+
+``--profile`` adds a table of where one fwd+bwd step's GPU time goes (torch.profiler's
+kernel timeline): on one GPU, and for the compiled CP form on rank 0 (wall, busy, idle,
+time when only NCCL runs, kernel time per class and per attention kernel).
 
 ``--work-model`` counts, for the same batches, the (query tile, key tile) pairs the causal
 forward kernel visits at its D = 128 launch config on one GPU and on each rank at W = 2, 4,
@@ -51,7 +55,9 @@ from benchmarks.common import (  # noqa: E402
     environment,
     max_over_ranks,
     median_ms_counted,
+    profile_kernels,
     spawn_ranks,
+    timeline_summary,
 )
 from cp_ops import ag_thd_attention, all_gather_rows, pad_cu_seqlens, resolve_group, shard_thd  # noqa: E402
 from cp_ops._local_ranks import init_local_rank  # noqa: E402
@@ -78,7 +84,20 @@ def _fwd_and_step(fn, q, k, v, dout):
     return fwd, step
 
 
-def _worker(rank: int, world: int, port: int, gqa: int, out: str | None, smoke: bool) -> None:
+PROFILE_RUNS = 5
+
+
+def _profile_rows(step) -> dict[str, float]:
+    """Where one fwd+bwd step's GPU time goes: :func:`benchmarks.common.timeline_summary` of
+    its kernels, and the kernel time of each attention kernel and of NCCL, per step (ms)."""
+    kernels = profile_kernels(step, PROFILE_RUNS)
+    out = timeline_summary(kernels, PROFILE_RUNS)
+    for name in ("varlen_attn_fwd", "varlen_attn_bwd_dq", "varlen_attn_bwd_dkdv", "nccl"):
+        out[f"{name} kernels"] = sum(e - s for n, s, e in kernels if name in n.lower()) / PROFILE_RUNS / 1e3
+    return out
+
+
+def _worker(rank: int, world: int, port: int, gqa: int, out: str | None, smoke: bool, profile: bool) -> None:
     device = init_local_rank(rank, world, port, "cpu" if smoke else "cuda")
     group = dist.group.WORLD
     group_name, _ = resolve_group(group)
@@ -90,6 +109,7 @@ def _worker(rank: int, world: int, port: int, gqa: int, out: str | None, smoke: 
 
     kv_heads = heads // gqa
     rows = []
+    profiles = {}
     try:
         for total in totals:
             lens = packed_lengths(total)
@@ -128,6 +148,8 @@ def _worker(rank: int, world: int, port: int, gqa: int, out: str | None, smoke: 
             if rank == 0:
                 fwd, step = _fwd_and_step(one_gpu, q, k, v, dout)
                 t1 = [timed(fwd), timed(step)]
+                if profile:
+                    profiles[(total, "1 GPU")] = _profile_rows(step)
             dist.barrier()
             del q, k, v, dout
             if device.type == "cuda":
@@ -147,6 +169,8 @@ def _worker(rank: int, world: int, port: int, gqa: int, out: str | None, smoke: 
                     gathered.wait()
 
             t_ag = max_over_ranks(timed(gather))
+            if profile:  # every rank runs the profiled steps (they meet in the all-gathers); rank 0's figures
+                profiles[(total, f"W={world} compiled, rank 0")] = _profile_rows(_fwd_and_step(forms["compiled"], *local)[1])
             for label, idx in (("fwd", 0), ("fwd+bwd", 1)):
                 w1, w2, wc = times[1][idx], times[2][idx], times["compiled"][idx]
                 rows.append((total, len(lens), label, t1[idx], w1, w2, t1[idx] / (world * w1),
@@ -172,6 +196,16 @@ def _worker(rank: int, world: int, port: int, gqa: int, out: str | None, smoke: 
                     f"| {r[0]} | {r[1]} | {r[2]} | {r[3]:.3f} | {r[4]:.3f} | {r[5]:.3f} | {r[6]:.2f} | {r[7]:.2f} "
                     f"| {r[8]:.2f} | {ag} | {r[10]:.3f} | {r[11]:.2f} |"
                 )
+            if profiles:
+                keys = list(next(iter(profiles.values())))
+                lines += [
+                    "",
+                    f"Profile of one compiled fwd+bwd step (--profile; kernel timeline, mean of {PROFILE_RUNS} steps, ms)",
+                    "",
+                    "| | " + " | ".join(f"T={t} {who}" for t, who in profiles) + " |",
+                    "|---" * (len(profiles) + 1) + "|",
+                ]
+                lines += [f"| {k} | " + " | ".join(f"{p[k]:.3f}" for p in profiles.values()) + " |" for k in keys]
             print("\n".join(lines), flush=True)
             if out:
                 with open(out, "w") as f:
@@ -232,6 +266,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="2 gloo ranks on the CPU, tiny shapes, few runs")
     parser.add_argument("--out", help="also write the table to this markdown file")
     parser.add_argument("--work-model", action="store_true", help="print the kernel-tile work model (CPU) and exit")
+    parser.add_argument("--profile", action="store_true", help="also profile one fwd+bwd step: one GPU, compiled CP")
     args = parser.parse_args()
     if args.work_model:
         print(work_model())
@@ -240,7 +275,9 @@ def main() -> None:
     if heads % args.gqa:
         raise SystemExit(f"--gqa must divide {heads}")
     world = args.world or (2 if args.smoke else default_world())
-    spawn_ranks(_worker, world, args.gqa, args.out, args.smoke, device="cpu" if args.smoke else "cuda")
+    if args.profile and args.smoke:
+        raise SystemExit("--profile needs GPUs")
+    spawn_ranks(_worker, world, args.gqa, args.out, args.smoke, args.profile, device="cpu" if args.smoke else "cuda")
 
 
 if __name__ == "__main__":

@@ -133,8 +133,9 @@ def timeline_summary(kernels: list[tuple[str, float, float]], runs: int) -> dict
     return {k: v / runs / 1e3 for k, v in out.items()}
 
 
-def profile_timeline(fn, runs: int = 5, warmup: int = 2) -> dict[str, float]:
-    """:func:`timeline_summary` of ``runs`` calls of ``fn()`` on the current CUDA device (torch.profiler).
+def profile_kernels(fn, runs: int = 5, warmup: int = 2) -> list[tuple[str, float, float]]:
+    """``(name, start_us, end_us)`` of every GPU kernel, copy and memset of ``runs`` calls of
+    ``fn()`` on the current CUDA device (torch.profiler).
 
     With collectives every rank of the group must call it (the same number of calls)."""
     from torch.autograd import DeviceType
@@ -147,13 +148,17 @@ def profile_timeline(fn, runs: int = 5, warmup: int = 2) -> dict[str, float]:
         for _ in range(runs):
             fn()
         torch.cuda.synchronize()
-    kernels = [
+    return [
         (e.name, e.time_range.start, e.time_range.end)
         for e in prof.events()
         # kernels, copies and memsets; not the ranges of annotations projected onto the GPU
         if e.device_type == DeviceType.CUDA and not e.is_user_annotation and e.time_range.end > e.time_range.start
     ]
-    return timeline_summary(kernels, runs)
+
+
+def profile_timeline(fn, runs: int = 5, warmup: int = 2) -> dict[str, float]:
+    """:func:`timeline_summary` of :func:`profile_kernels` (``runs`` calls of ``fn()``)."""
+    return timeline_summary(profile_kernels(fn, runs, warmup), runs)
 
 
 def max_over_ranks(value: float) -> float:
