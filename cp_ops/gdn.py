@@ -6,7 +6,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from cp_ops.comm import group_rank, resolve_group, thd_cp2hp, thd_cp2hp_blocks, thd_hp2cp, thd_hp2cp_blocks
+from cp_ops.comm import (
+    group_rank,
+    resolve_group,
+    thd_cp2hp,
+    thd_cp2hp_blocks,
+    thd_cp2hp_overlap,
+    thd_hp2cp,
+    thd_hp2cp_blocks,
+)
 from custom_ops.gdn.op import causal_conv1d, chunk_gated_delta_rule
 
 # FLA's and Qwen3-Next's epsilon for the q/k l2 normalisation
@@ -89,6 +97,16 @@ class GatedDeltaNet(nn.Module):
     (a third less at Qwen3-Next's shapes).
     """
 
+    #: The layouts of the CP exchanges. True: fused into their neighbours (in_proj writes the
+    #: all-to-all's send buffer as W GEMMs, the gated norm reads the received blocks in place:
+    #: :func:`cp_ops.thd_cp2hp_blocks`, :func:`cp_ops.thd_hp2cp_blocks`). False: section-layout
+    #: tensors through :func:`cp_ops.thd_cp2hp_overlap` and :func:`cp_ops.thd_hp2cp`, a layout
+    #: kernel on each side of each exchange. None (the default): fused under ``torch.compile``,
+    #: where Inductor folds the layouts into the GEMM outputs and the norm's kernels, and
+    #: sections in eager mode, where the stacked GEMM outputs and the norm on strided blocks are
+    #: separate copies and measured slower (docs/benchmarks.md). Same values either way.
+    fused_layouts: bool | None = None
+
     def __init__(
         self,
         hidden_size: int,
@@ -136,8 +154,7 @@ class GatedDeltaNet(nn.Module):
         rows; then the z rows), so the sections that travel through ``thd_cp2hp`` come
         out contiguous: the concatenation copies weight rows, not activations.
         """
-        w = self.in_proj.weight
-        return F.linear(x, torch.cat([w[: self.conv_dim], w[self.conv_dim + self.value_dim :]])), self._project_z(x)
+        return self._project_qkvba(x), self._project_z(x)
 
     def project_send_blocks(self, x: torch.Tensor, cp_size: int) -> torch.Tensor:
         """The q, k, v, b, a projections in ``thd_cp2hp``'s send layout ``[W, R, F/W]``.
@@ -154,6 +171,10 @@ class GatedDeltaNet(nn.Module):
         blocks = torch.cat([s.view(cp_size, s.shape[0] // cp_size, w.shape[1]) for s in (q, k, v, b, a)], dim=1)
         return torch.stack([F.linear(x, blocks[d]) for d in range(cp_size)])
 
+    def _project_qkvba(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.in_proj.weight
+        return F.linear(x, torch.cat([w[: self.conv_dim], w[self.conv_dim + self.value_dim :]]))
+
     def _project_z(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.in_proj.weight[self.conv_dim : self.conv_dim + self.value_dim])
 
@@ -161,15 +182,17 @@ class GatedDeltaNet(nn.Module):
         """x ``[T/W, hidden]`` (this rank's THD shard; the whole batch when ``group`` is None)
         -> ``[T/W, hidden]``. ``cu_seqlens_padded`` is the *global* layout.
 
-        With a group of W ranks: the q, k, v, b, a projections of the local tokens in
-        the all-to-all's send layout (:meth:`project_send_blocks`), one exchange to all
-        tokens and this rank's 1/W of the heads (:func:`cp_ops.thd_cp2hp_blocks`, with
-        the z projection computed while it is in flight), the head-parallel core, one
-        exchange of its output back to the local tokens (:func:`cp_ops.thd_hp2cp_blocks`:
-        the gated norm reads the received blocks where they are and writes its output
-        in the section layout ``out_proj`` reads), the gated norm with the local z,
-        ``out_proj``. The result equals :meth:`forward_sections`' (the same layer
-        converting with ``thd_cp2hp`` / ``thd_hp2cp`` on section-layout tensors).
+        With a group of W ranks: the q, k, v, b, a projections of the local tokens, one
+        exchange to all tokens and this rank's 1/W of the heads (with the z projection
+        computed while it is in flight), the head-parallel core, one exchange of its
+        output back to the local tokens, the gated norm with the local z, ``out_proj``.
+        With fused layouts (:attr:`fused_layouts`; under ``torch.compile`` by default)
+        the projections come out in the all-to-all's send layout
+        (:meth:`project_send_blocks`, :func:`cp_ops.thd_cp2hp_blocks`) and the gated norm
+        reads the received blocks where they are (:func:`cp_ops.thd_hp2cp_blocks`),
+        writing its output in the section layout ``out_proj`` reads. The result equals
+        :meth:`forward_sections`' (the same layer converting with ``thd_cp2hp`` /
+        ``thd_hp2cp`` on section-layout tensors, nothing overlapped).
         Under ``torch.compile``, pass ``options=cp_ops.COMPILE_OPTIONS`` to keep the
         overlap. Parameter gradients are this rank's contribution; sum them over the
         CP group (as data parallelism does) to get the single-device gradients.
@@ -179,14 +202,23 @@ class GatedDeltaNet(nn.Module):
         if world == 1:
             qkvba, z = self.project(x)
             o = self.head_parallel_core(qkvba, cu_seqlens_padded, 0, self.num_k_heads)
-            return self.out_proj(self.norm(o.view(rows, hv, dv), z.view(rows, hv, dv)).reshape(rows, hv * dv))
+            return self._gate_and_project_out(o, z)
         heads = self.num_k_heads // world
+        head_start = group_rank(group) * heads
+        fused = torch.compiler.is_compiling() if self.fused_layouts is None else self.fused_layouts
         # the z projection runs while q, k, v, b, a are exchanged (and its backward while their
         # gradients are)
+        if not fused:
+            qkvba_hp, z = thd_cp2hp_overlap(
+                self._project_qkvba(x), cu_seqlens_padded, self.exchanged_sections(), group, lambda: self._project_z(x)
+            )
+            o_hp = self.head_parallel_core(qkvba_hp, cu_seqlens_padded, head_start, heads)
+            o = thd_hp2cp(o_hp, cu_seqlens_padded, [o_hp.shape[-1]], group)
+            return self._gate_and_project_out(o, z)
         qkvba_hp, z = thd_cp2hp_blocks(
             self.project_send_blocks(x, world), cu_seqlens_padded, group, lambda: self._project_z(x)
         )
-        o_hp = self.head_parallel_core(qkvba_hp, cu_seqlens_padded, group_rank(group) * heads, heads)
+        o_hp = self.head_parallel_core(qkvba_hp, cu_seqlens_padded, head_start, heads)
         o_blocks, _ = thd_hp2cp_blocks(o_hp, cu_seqlens_padded, group)  # [W, rows, Hv/W * dv]
         # [rows, W, Hv/W, dv] is a view of the blocks: the norm reads them in place and its
         # output is [rows, Hv * dv], the layout out_proj reads
@@ -206,12 +238,16 @@ class GatedDeltaNet(nn.Module):
         exchange schemes with (``benchmarks/bench_gdn.py``).
         """
         world = self._cp_size(group)
-        rows, hv, dv = x.shape[0], self.num_v_heads, self.head_v_dim
         heads = self.num_k_heads // world
         qkvba, z = self.project(x)
         qkvba_hp = cp2hp(qkvba, cu_seqlens_padded, self.exchanged_sections(), group)
         o_hp = self.head_parallel_core(qkvba_hp, cu_seqlens_padded, group_rank(group) * heads, heads)
         o = hp2cp(o_hp, cu_seqlens_padded, [o_hp.shape[-1]], group)
+        return self._gate_and_project_out(o, z)
+
+    def _gate_and_project_out(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """``out_proj(norm(o, z))`` on section-layout rows ``o``, ``z [R, Hv*dv]``."""
+        rows, hv, dv = o.shape[0], self.num_v_heads, self.head_v_dim
         return self.out_proj(self.norm(o.view(rows, hv, dv), z.view(rows, hv, dv)).reshape(rows, hv * dv))
 
     def _cp_size(self, group) -> int:

@@ -19,10 +19,11 @@ from tests._dist import gemm_overlaps_an_exchange, run_ranks
 HIDDEN, DK, DV = 12, 8, 4
 
 
-def _compare_rank(rank, world, seqlens, heads, compiled):
+def _compare_rank(rank, world, seqlens, heads, compiled, fused_layouts=None):
     torch.manual_seed(0)  # every rank builds the same weights and global batch
     hk, hv = heads
     layer = GatedDeltaNet(HIDDEN, hk, hv, DK, DV).double()
+    layer.fused_layouts = fused_layouts
     cu, cup = pad_cu_seqlens(seqlens, world)
     num_rows = int(cup[-1])
     x = torch.randn(num_rows, HIDDEN, dtype=torch.float64)
@@ -75,6 +76,12 @@ def test_cp_layer_matches_one_rank(world, heads):
 
 
 @pytest.mark.dist
+def test_cp_layer_fused_layouts_eager_matches_one_rank():
+    """The fused-layout form (the compiled default) run eagerly, W = 3: values and gradients."""
+    run_ranks(3, _compare_rank, [9, 0, 1, 23, 6], (3, 6), False, True)
+
+
+@pytest.mark.dist
 def test_cp_layer_compiled_matches_one_rank():
     run_ranks(2, _compare_rank, [9, 0, 1, 23, 6], (2, 4), True)
 
@@ -102,10 +109,12 @@ def _record_exchanges(rank, world):
 
     gdn_module.thd_cp2hp_blocks = recording("cp2hp", saved[0])
     gdn_module.thd_hp2cp_blocks = recording("hp2cp", saved[1])
+    layer.fused_layouts = True  # eager runs the section-layout form by default
     try:
         out = layer(x_cp, cup, group=dist.group.WORLD)
     finally:
         gdn_module.thd_cp2hp_blocks, gdn_module.thd_hp2cp_blocks = saved
+        layer.fused_layouts = None
     q, k, v, z, b, a = layer.sections()
     rows = x_cp.shape[0]
     assert seen == [("cp2hp", (world, rows, (q + k + v + b + a) // world)), ("hp2cp", (rows * world, v // world))]
@@ -113,6 +122,7 @@ def _record_exchanges(rank, world):
     want = sections_to_rank_blocks(layer.project(x_cp)[0], layer.exchanged_sections(), world)
     assert rel_error(layer.project_send_blocks(x_cp, world), want) < 1e-12
     assert rel_error(layer.forward_sections(x_cp, cup, dist.group.WORLD), out) < 1e-12
+    assert rel_error(layer(x_cp, cup, group=dist.group.WORLD), out) < 1e-12  # eager default: sections
 
 
 @pytest.mark.dist
