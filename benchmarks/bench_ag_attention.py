@@ -6,12 +6,10 @@ totalling 32768 and 65536 real tokens globally, bf16, causal, H = 16 query heads
 
   1 GPU      custom_ops.varlen_attention over the whole global batch (q_pos = 0 segments),
              timed on rank 0 while the other ranks wait
-  W 1L       cp_ops.ag_thd_attention on each rank's shard, its default form: the local chunks'
-             diagonal blocks while K/V are gathered, the rest in one launch after (overlap=True)
+  W 1L       cp_ops.ag_thd_attention on each rank's shard, one launch (both local chunks)
   W 2L       the same with launches=2 (one launch per local chunk + thd_copy_valid_tokens)
-  W 1L comp  the default form under torch.compile(fullgraph=True, options=COMPILE_OPTIONS):
-             the segment tables, the K/V concatenation and the reorder fused
-  no overlap the one-launch form without the overlap (overlap=False), eager and compiled
+  W 1L comp  the one-launch form under torch.compile(fullgraph=True): the segment tables,
+             the K/V concatenation and the reorder fused, fewer launches than eager
   all-gather the K,V all-gather alone (the communication part of the forward)
 
 Forward (no autograd) and forward+backward times are medians over a fixed number of runs
@@ -55,14 +53,13 @@ from benchmarks.bench_varlen_attention import packed_lengths  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     default_world,
     environment,
-    kernel_class,
     max_over_ranks,
     median_ms_counted,
     profile_kernels,
     spawn_ranks,
     timeline_summary,
 )
-from cp_ops import COMPILE_OPTIONS, ag_thd_attention, all_gather_rows, pad_cu_seqlens, resolve_group, shard_thd  # noqa: E402
+from cp_ops import ag_thd_attention, all_gather_rows, pad_cu_seqlens, resolve_group, shard_thd  # noqa: E402
 from cp_ops._local_ranks import init_local_rank  # noqa: E402
 from custom_ops.testing import TOLERANCE, rel_error  # noqa: E402
 
@@ -97,12 +94,6 @@ def _profile_rows(step) -> dict[str, float]:
     out = timeline_summary(kernels, PROFILE_RUNS)
     for name in ("varlen_attn_fwd", "varlen_attn_bwd_dq", "varlen_attn_bwd_dkdv", "nccl"):
         out[f"{name} kernels"] = sum(e - s for n, s, e in kernels if name in n.lower()) / PROFILE_RUNS / 1e3
-    other = {}
-    for n, s, e in kernels:
-        if kernel_class(n) == "other":
-            other[n] = other.get(n, 0.0) + (e - s) / PROFILE_RUNS / 1e3
-    top = sorted(other.items(), key=lambda kv: -kv[1])[:6]
-    print("  largest 'other' kernels (ms per step): " + "; ".join(f"{n[:70]} {t:.3f}" for n, t in top), flush=True)
     return out
 
 
@@ -138,21 +129,13 @@ def _worker(rank: int, world: int, port: int, gqa: int, out: str | None, smoke: 
 
             local = [shard_thd(t, cup, world, rank) for t in (q, k, v, dout)]
 
-            def cp_fn(launches, overlap=True):
+            def cp_fn(launches):
                 def fn(q_, k_, v_):
-                    return ag_thd_attention(
-                        q_, k_, v_, cu, cup, causal=True, group=group, launches=launches, overlap=overlap
-                    )
+                    return ag_thd_attention(q_, k_, v_, cu, cup, causal=True, group=group, launches=launches)
 
                 return fn
 
-            forms = {
-                1: cp_fn(1),
-                2: cp_fn(2),
-                "compiled": torch.compile(cp_fn(1), fullgraph=True, options=COMPILE_OPTIONS),
-                "1 no overlap": cp_fn(1, overlap=False),
-                "compiled no overlap": torch.compile(cp_fn(1, overlap=False), fullgraph=True),
-            }
+            forms = {1: cp_fn(1), 2: cp_fn(2), "compiled": torch.compile(cp_fn(1), fullgraph=True)}
             with torch.no_grad():
                 want = shard_thd(one_gpu(q, k, v), cup, world, rank)
                 for form, fn in forms.items():
@@ -190,11 +173,9 @@ def _worker(rank: int, world: int, port: int, gqa: int, out: str | None, smoke: 
                 profiles[(total, f"W={world} compiled, rank 0")] = _profile_rows(_fwd_and_step(forms["compiled"], *local)[1])
             for label, idx in (("fwd", 0), ("fwd+bwd", 1)):
                 w1, w2, wc = times[1][idx], times[2][idx], times["compiled"][idx]
-                wn, wcn = times["1 no overlap"][idx], times["compiled no overlap"][idx]
                 rows.append((total, len(lens), label, t1[idx], w1, w2, t1[idx] / (world * w1),
                              t1[idx] / (world * w2), w2 / w1, t_ag if idx == 0 else float("nan"),
-                             wc, t1[idx] / (world * wc), wn, t1[idx] / (world * wn),
-                             wcn, t1[idx] / (world * wcn)))  # fmt: skip
+                             wc, t1[idx] / (world * wc)))  # fmt: skip
             del local, kv_cp
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -206,16 +187,14 @@ def _worker(rank: int, world: int, port: int, gqa: int, out: str | None, smoke: 
                 f"D = {head_dim}; T = real tokens of the global batch (packed documents); times in ms, median "
                 f"over {runs} runs, max over ranks; eff = T_1 / (W * T_W)\n",
                 f"| T | docs | pass | 1 GPU | W={world} 1 launch | W={world} 2 launches | eff 1L | eff 2L | 2L / 1L "
-                f"| KV all-gather | W={world} 1L compiled | eff 1L compiled | W={world} 1L no overlap | eff "
-                f"| W={world} 1L compiled, no overlap | eff |",
-                "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+                f"| KV all-gather | W={world} 1L compiled | eff 1L compiled |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|",
             ]
             for r in rows:
                 ag = "" if r[9] != r[9] else f"{r[9]:.3f}"
                 lines.append(
                     f"| {r[0]} | {r[1]} | {r[2]} | {r[3]:.3f} | {r[4]:.3f} | {r[5]:.3f} | {r[6]:.2f} | {r[7]:.2f} "
-                    f"| {r[8]:.2f} | {ag} | {r[10]:.3f} | {r[11]:.2f} | {r[12]:.3f} | {r[13]:.2f} | {r[14]:.3f} "
-                    f"| {r[15]:.2f} |"
+                    f"| {r[8]:.2f} | {ag} | {r[10]:.3f} | {r[11]:.2f} |"
                 )
             if profiles:
                 keys = list(next(iter(profiles.values())))

@@ -37,14 +37,6 @@ the graph. The CP size W sets shapes and must be known when tracing. The group n
 does not encode it (the default group is called "0" whatever its size), so W is an
 argument of the op (``cp_size``, checked against the group) and so part of the key.
 
-With ``overlap=True`` (the default; causal masks, W > 1) step 3 is split in two
-(:func:`ag_thd_split_segments`): each local chunk's queries against its own keys (the
-diagonal blocks, read from the local K and V) run while the all-gather is in flight,
-and against the keys before the chunk (from the gathered K and V) after it; the two
-results are merged by their log-sum-exps (:func:`merge_attention`). The backward
-follows the same split, so the diagonal blocks' gradients are computed while the
-reduce-scatter of the gathered keys' gradients runs.
-
 ``launches=2`` runs TransformerEngine's form instead: one ``varlen_attention``
 launch per local chunk (segments of chunk r, then of chunk 2W-1-r), the second
 chunk's rows copied into the first output with ``thd_copy_valid_tokens``. Same
@@ -65,10 +57,7 @@ from custom_ops._common import NAMESPACE, check_index_tensor
 __all__ = [
     "ag_thd_attention",
     "ag_thd_attention_reference",
-    "ag_thd_segments",
-    "ag_thd_split_segments",
-    "merge_attention",
-    "group_rank_tensor",
+    "ag_thd_segments",     "group_rank_tensor",
     "Attention",
     "RMSNorm",
     "apply_rotary",
@@ -124,58 +113,6 @@ def ag_thd_segments(
     return tuple(torch.stack(parts, dim=1).flatten().to(torch.int32) for parts in zip(*cols))
 
 
-def ag_thd_split_segments(
-    cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor, cp_size: int, rank: int | torch.Tensor
-) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-    """The causal attention of rank ``rank``'s local chunks in two parts: ``(local, remote)``,
-    each ``(q_start, q_len, q_pos, k_start, k_len)`` (int32, ``[2B]``, interleaved as
-    :func:`ag_thd_segments`).
-
-    ``local``: each chunk's queries against the chunk's own keys (the diagonal blocks of the
-    causal mask), keys read from the local shard, positions counted from the chunk start
-    (``q_pos = 0``, ``k_start = q_start``, ``k_len = q_len``): no collective needed.
-    ``remote``: each chunk's queries against the keys of its sequence *before* the chunk
-    (``q_pos = j*c_i``, ``k_start = cup[i]`` in the gathered sequence-order keys,
-    ``k_len = min(L_i, j*c_i)``). A query's visible keys are the disjoint union of its two
-    parts' (causal, with any left window: both keep every query-key distance), so the two
-    softmax results merge exactly by their log-sum-exps.
-    """
-    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64)
-    local, remote = [], []
-    for h, chunk in enumerate((rank, 2 * cp_size - 1 - rank)):
-        q_start, q_len, q_pos, k_start, _ = _chunk_segments(cu_seqlens, cu_seqlens_padded, cp_size, chunk, h == 1, True, -1)
-        local.append((q_start, q_len, torch.zeros_like(q_len), q_start, q_len))
-        remote.append((q_start, q_len, q_pos, k_start, torch.minimum(lens, q_pos)))
-    return tuple(
-        tuple(torch.stack(parts, dim=1).flatten().to(torch.int32) for parts in zip(*cols)) for cols in (local, remote)
-    )
-
-
-def merge_attention(
-    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention over the union of two disjoint key sets from the results over each:
-    ``lse = logaddexp(lse_a, lse_b)``, ``out = exp(lse_a - lse) out_a + exp(lse_b - lse) out_b``.
-
-    out ``[T, H, D]``, lse ``[H, T]`` (float32, ``-inf`` for a row with no visible key, which
-    then contributes nothing; a row with none in either part gets out = 0, lse = -inf).
-    Computed in at least float32; out keeps out_a's dtype. Differentiable.
-    """
-    # shifted by the larger lse (detached: the weights and lse do not depend on the shift), so that
-    # rows with -inf on one side or both have finite weights and finite gradients
-    top = torch.maximum(lse_a, lse_b).detach()
-    top = torch.where(torch.isinf(top), torch.zeros_like(top), top)
-    e_a, e_b = torch.exp(lse_a - top), torch.exp(lse_b - top)
-    total = e_a + e_b
-    seen = total > 0
-    total = torch.where(seen, total, torch.ones_like(total))
-    lse = torch.where(seen, top + torch.log(total), torch.full_like(total, float("-inf")))
-    wide = torch.promote_types(out_a.dtype, torch.float32)
-    w_a = (e_a / total).transpose(0, 1).unsqueeze(-1)
-    w_b = (e_b / total).transpose(0, 1).unsqueeze(-1)
-    return (w_a * out_a.to(wide) + w_b * out_b.to(wide)).to(out_a.dtype), lse
-
-
 # --- the op ---------------------------------------------------------------------------------------
 
 
@@ -220,11 +157,10 @@ def _(like, group_name):
 
 
 def _ag_thd_attention(q, k, v, cu_seqlens, cu_seqlens_padded, causal, window_left, window_right, scale, group_name,
-                      cp_size=1, launches=1, overlap=True):  # fmt: skip
-    """The decomposition: one collective, one reorder, then the segment-attention launches."""
+                      cp_size=1, launches=1):  # fmt: skip
+    """The decomposition: one collective, one reorder, one (or two) segment-attention launches."""
     _check(q, k, v, cu_seqlens, cu_seqlens_padded, launches)
     window = (window_left, window_right)
-    local_out = None
     if group_name is None:
         if cp_size != 1:
             raise ValueError(f"cp_size = {cp_size} needs a process group (group_name is None)")
@@ -236,17 +172,9 @@ def _ag_thd_attention(q, k, v, cu_seqlens, cu_seqlens_padded, causal, window_lef
             raise ValueError(f"cp_size = {cp_size} but the process group {group_name!r} has {world} ranks")
         hkv = k.shape[1]
         # K and V travel together: one all-gather forward, one reduce-scatter backward
-        gathered = all_gather_rows(torch.cat([k, v], dim=1), group_name)  # [T, 2*Hkv, D], rank order, in flight
-        if overlap and causal and launches == 1:
-            # the diagonal blocks need only the local keys: computed while K and V are gathered
-            # (and in the backward pass, while their gradients are reduce-scattered)
-            seg_local, seg_remote = ag_thd_split_segments(cu_seqlens, cu_seqlens_padded, world, rank)
-            local_out = custom_ops.varlen_attention(q, k, v, *seg_local, causal=True, window=window, scale=scale)
-        kv = custom_ops.thd_rank_to_seq_order(gathered, cu_seqlens_padded, world)
+        kv = all_gather_rows(torch.cat([k, v], dim=1), group_name)  # [T, 2*Hkv, D], rank order
+        kv = custom_ops.thd_rank_to_seq_order(kv, cu_seqlens_padded, world)
         k_seq, v_seq = kv[:, :hkv], kv[:, hkv:]
-    if local_out is not None:
-        out, lse = custom_ops.varlen_attention(q, k_seq, v_seq, *seg_remote, causal=True, window=window, scale=scale)
-        return merge_attention(*local_out, out, lse)[0]
     if launches == 1:
         seg = ag_thd_segments(cu_seqlens, cu_seqlens_padded, world, rank, causal, window_right)
         return custom_ops.varlen_attention(q, k_seq, v_seq, *seg, causal=causal, window=window, scale=scale)[0]
@@ -263,8 +191,7 @@ def _ag_thd_attention(q, k, v, cu_seqlens, cu_seqlens_padded, causal, window_lef
 torch.library.define(
     f"{NAMESPACE}::ag_thd_attention",
     "(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, Tensor cu_seqlens_padded, bool causal=True, "
-    "SymInt window_left=-1, SymInt window_right=-1, float? scale=None, str? group_name=None, int cp_size=1, "
-    "bool overlap=True) -> Tensor",
+    "SymInt window_left=-1, SymInt window_right=-1, float? scale=None, str? group_name=None, int cp_size=1) -> Tensor",
 )
 
 
@@ -275,10 +202,9 @@ torch.library.define(
 # group names repeat across runs of different sizes.
 @torch.library.impl(f"{NAMESPACE}::ag_thd_attention", "CompositeImplicitAutograd")
 def _ag_thd_attention_composite(q, k, v, cu_seqlens, cu_seqlens_padded, causal=True, window_left=-1, window_right=-1,
-                                scale=None, group_name=None, cp_size=1, overlap=True):  # fmt: skip
+                                scale=None, group_name=None, cp_size=1):  # fmt: skip
     return _ag_thd_attention(
-        q, k, v, cu_seqlens, cu_seqlens_padded, causal, window_left, window_right, scale, group_name, cp_size, 1,
-        overlap,
+        q, k, v, cu_seqlens, cu_seqlens_padded, causal, window_left, window_right, scale, group_name, cp_size
     )
 
 
@@ -294,7 +220,6 @@ def ag_thd_attention(
     scale: float | None = None,
     group=None,
     launches: int = 1,
-    overlap: bool = True,
 ) -> torch.Tensor:
     """All-gather CP attention on this rank's THD shard: ``out [T/W, Hq, D]``.
 
@@ -314,25 +239,16 @@ def ag_thd_attention(
     over the packed batch, no collective). Differentiable in q, k, v: the
     gradients of k and v are this rank's shard of the global ones (reduce-scattered).
     ``launches=2``: one launch per local chunk (TransformerEngine's form), same result.
-    ``overlap`` (causal, one-launch form, W > 1): the diagonal blocks of each local chunk
-    (its queries against its own keys, :func:`ag_thd_split_segments`) are computed from
-    the local K and V while the all-gather is in flight, the rest after it, and the two
-    merged by their log-sum-exps (:func:`merge_attention`); in the backward pass the
-    diagonal blocks' gradients are computed while the K/V gradients are reduce-scattered.
-    Under ``torch.compile``, pass ``options=cp_ops.COMPILE_OPTIONS`` to keep the waits
-    after that work. ``overlap=False``, or a non-causal mask (the keys outside a chunk are
-    not one range there), runs one launch after the all-gather.
 
     Also ``torch.ops.cp_ops.ag_thd_attention(q, k, v, cu_seqlens, cu_seqlens_padded,
-    causal, window_left, window_right, scale, group_name, cp_size, overlap)`` (the
-    one-launch forms).
+    causal, window_left, window_right, scale, group_name, cp_size)`` (the one-launch form).
     """
     group_name, world = resolve_group(group)
     if not isinstance(window, (tuple, list)) or len(window) != 2:
         raise TypeError(f"window must be a pair (left, right) of ints, got {window!r}")
     if launches == 1:
         return torch.ops.cp_ops.ag_thd_attention(
-            q, k, v, cu_seqlens, cu_seqlens_padded, causal, window[0], window[1], scale, group_name, world, overlap
+            q, k, v, cu_seqlens, cu_seqlens_padded, causal, window[0], window[1], scale, group_name, world
         )
     return _ag_thd_attention(
         q, k, v, cu_seqlens, cu_seqlens_padded, causal, window[0], window[1], scale, group_name, world, launches

@@ -29,25 +29,19 @@ def run_ranks(world_size: int, fn, *args, backend: str = "gloo") -> None:
     mp.spawn(_entry, args=(world_size, free_port(), backend, fn, args), nprocs=world_size, join=True)
 
 
+_EXCHANGE = "_c10d_functional.all_to_all_single.default("
 _WAIT = "_c10d_functional.wait_tensor.default("
 
 
-def collective_windows(code: str, collective: str = "all_to_all_single") -> list[str]:
-    """The stretches of Inductor-generated ``code`` between each call of the functional
-    collective ``collective`` (``all_to_all_single``, ``all_gather_into_tensor``,
-    ``reduce_scatter_tensor``) and the next wait after it: what runs while it is in flight."""
-    marker = f"_c10d_functional.{collective}.default("
-    windows, start = [], code.find(marker)
+def exchange_windows(code: str) -> list[str]:
+    """The stretches of Inductor-generated ``code`` between each all-to-all and the next wait
+    after it: what runs while an exchange is in flight."""
+    windows, start = [], code.find(_EXCHANGE)
     while start >= 0:
         end = code.find(_WAIT, start)
         windows.append(code[start : end if end >= 0 else len(code)])
-        start = code.find(marker, start + 1)
+        start = code.find(_EXCHANGE, start + 1)
     return windows
-
-
-def exchange_windows(code: str) -> list[str]:
-    """:func:`collective_windows` of the all-to-alls."""
-    return collective_windows(code, "all_to_all_single")
 
 
 def gemm_overlaps_an_exchange(code: str) -> bool:

@@ -27,10 +27,9 @@ from hypothesis import strategies as st
 import cp_ops
 import custom_ops
 from cp_ops import Attention, ag_thd_attention, ag_thd_attention_reference, ag_thd_segments, pad_cu_seqlens, shard_thd
-from cp_ops.attention import ag_thd_split_segments, merge_attention
 from custom_ops.testing import TOLERANCE, random_seqlens, rel_error, thd_layouts
 from custom_ops.thd_copy_valid_tokens.reference import valid_token_mask
-from tests._dist import collective_windows, run_ranks
+from tests._dist import run_ranks
 
 TOL = TOLERANCE[torch.float64]
 HIDDEN = 24
@@ -97,62 +96,6 @@ def test_segments_give_global_attention(layout, causal, window):
         custom_ops.validate_varlen_segments(*seg, q.shape[0] // world, q.shape[0])
         got, _ = custom_ops.varlen_attention(shard_thd(q, cup, world, rank), k, v, *seg, causal=causal, window=window)
         assert rel_error(got, shard_thd(want, cup, world, rank)) < TOL
-
-
-@given(thd_layouts(max_seqs=5, max_len=30, cp_sizes=(1, 2, 3, 4)), st.sampled_from([-1, 0, 3, 11]))
-def test_split_segments_merge_to_global_attention(layout, left):
-    """For every rank r (causal, left window or none): the diagonal blocks on the local shard and
-    the keys before each chunk on the gathered keys, merged by merge_attention, give shard_r of
-    the global attention and its gradients (what the op's overlapped form computes)."""
-    world, seqlens = layout
-    window = (left, -1)
-    cu, cup, q, k, v, dout = _global_case(seqlens, (4, 2), 4, world, seed=len(seqlens))
-    want = _reference(q, k, v, dout, cu, cup, True, window)
-    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
-    for rank in range(world):
-        local, remote = ag_thd_split_segments(cu, cup, world, rank)
-        custom_ops.validate_varlen_segments(*local, q.shape[0] // world, q.shape[0] // world)
-        custom_ops.validate_varlen_segments(*remote, q.shape[0] // world, q.shape[0])
-        q_cp, k_cp, v_cp = (shard_thd(t, cup, world, rank).requires_grad_() for t in (q, k, v))
-        k_all, v_all = k.clone().requires_grad_(), v.clone().requires_grad_()
-        a = custom_ops.varlen_attention(q_cp, k_cp, v_cp, *local, causal=True, window=window)
-        b = custom_ops.varlen_attention(q_cp, k_all, v_all, *remote, causal=True, window=window)
-        out, _ = merge_attention(*a, *b)
-        out.backward(shard_thd(dout, cup, world, rank))
-        assert rel_error(out.detach(), shard_thd(want[0], cup, world, rank)) < TOL
-        assert rel_error(q_cp.grad, shard_thd(want[1], cup, world, rank)) < TOL
-        # the gradients of the gathered keys sum over ranks (the reduce-scatter); the local ones
-        # add to this rank's rows
-        dk += k_all.grad + _unshard_rows(k_cp.grad, cup, world, rank)
-        dv += v_all.grad + _unshard_rows(v_cp.grad, cup, world, rank)
-    assert rel_error(dk, want[2]) < TOL and rel_error(dv, want[3]) < TOL
-
-
-def _unshard_rows(local, cup, world, rank):
-    """Rank ``rank``'s shard rows put back at their global rows, zeros elsewhere."""
-    shards = [torch.zeros_like(local) for _ in range(world)]
-    shards[rank] = local
-    return cp_ops.unshard_thd(shards, cup, world)
-
-
-def test_merge_attention_edges_and_gradcheck():
-    """Rows with no key on one side, on both (out 0, lse -inf, finite gradients), and gradcheck."""
-    gen = torch.Generator().manual_seed(0)
-    out_a, out_b = (torch.randn(5, 2, 3, dtype=torch.float64, generator=gen) for _ in range(2))
-    lse_a, lse_b = (torch.randn(2, 5, dtype=torch.float64, generator=gen) for _ in range(2))
-    lse_a[:, 1] = float("-inf")  # row 1: keys only in b
-    lse_a[:, 2] = lse_b[:, 2] = float("-inf")  # row 2: no key at all
-    out_a[1], out_a[2], out_b[2] = 0, 0, 0  # as varlen_attention returns such rows
-    out, lse = merge_attention(out_a, lse_a, out_b, lse_b)
-    assert torch.equal(out[1], out_b[1]) and torch.equal(lse[:, 1], lse_b[:, 1])
-    assert torch.equal(out[2], torch.zeros_like(out[2])) and torch.isneginf(lse[:, 2]).all()
-    assert torch.allclose(lse[:, [0, 3, 4]], torch.logaddexp(lse_a, lse_b)[:, [0, 3, 4]], rtol=1e-14, atol=0)
-    inputs = [t.clone().requires_grad_() for t in (out_a, lse_a, out_b, lse_b)]
-    out, lse = merge_attention(*inputs)
-    loss = out.sum() + torch.where(torch.isinf(lse), torch.zeros_like(lse), lse).sum()
-    assert all(torch.isfinite(g).all() for g in torch.autograd.grad(loss, inputs))
-    finite = [t.clone().requires_grad_() for t in (out_a, lse_a.nan_to_num(neginf=-3.0), out_b, lse_b.nan_to_num(neginf=-1.0))]
-    assert torch.autograd.gradcheck(merge_attention, finite)
 
 
 def test_segment_formulas():
@@ -282,8 +225,6 @@ def _op_rank(rank, world, compiled):
         _assert_close(got, want, TOL, f"W={world} rank {rank} case {i}")
         two = _cp_run(ag_thd_attention, q_cp, k_cp, v_cp, dout_cp, cu, cup, causal, window, group=group, launches=2)
         _assert_close(two, got, TOL, f"launches=2 W={world} rank {rank} case {i}")
-        one = _cp_run(ag_thd_attention, q_cp, k_cp, v_cp, dout_cp, cu, cup, causal, window, group=group, overlap=False)
-        _assert_close(one, got, TOL, f"overlap=False W={world} rank {rank} case {i}")
 
     group_name, _ = cp_ops.resolve_group(group)
     rank_t = torch.ops.cp_ops.group_rank_tensor(torch.zeros(3, dtype=torch.int32), group_name)
@@ -343,24 +284,6 @@ def _compiled_op_rank(rank, world, group):
     everyone = [None] * world
     dist.all_gather_object(everyone, codes)
     assert len(codes) == 2 and all(c == codes for c in everyone), "the compiled graphs differ between ranks"
-    _check_overlap_windows(step, q_cp, k_cp, v_cp, dout_cp, cu, cup)
-
-
-def _check_overlap_windows(step, q, k, v, dout, cu, cup):
-    """Inductor with COMPILE_OPTIONS: the local diagonal blocks are computed while the K/V
-    all-gather is in flight, and their backward while the K/V gradients are reduce-scattered."""
-    from torch._inductor.utils import run_and_get_code
-
-    torch._dynamo.reset()
-    compiled = torch.compile(step, fullgraph=True, options=cp_ops.COMPILE_OPTIONS)
-    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
-    _, (forward, backward) = run_and_get_code(lambda: compiled(q, k, v, cu, cup).backward(dout))
-    (gather,) = collective_windows(forward, "all_gather_into_tensor")
-    (scatter,) = collective_windows(backward, "reduce_scatter_tensor")
-    # the local attention in the windows: the op itself where it stays opaque, or on the CPU its
-    # reference's batched products
-    for window in (gather, scatter):
-        assert "varlen_attention" in window or "bmm(" in window, window
 
 
 def _aot_graph_codes(step, q, k, v, dout, cu, cup):
