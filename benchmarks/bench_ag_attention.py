@@ -53,6 +53,7 @@ from benchmarks.bench_varlen_attention import packed_lengths  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     default_world,
     environment,
+    kernel_class,
     max_over_ranks,
     median_ms_counted,
     profile_kernels,
@@ -94,6 +95,12 @@ def _profile_rows(step) -> dict[str, float]:
     out = timeline_summary(kernels, PROFILE_RUNS)
     for name in ("varlen_attn_fwd", "varlen_attn_bwd_dq", "varlen_attn_bwd_dkdv", "nccl"):
         out[f"{name} kernels"] = sum(e - s for n, s, e in kernels if name in n.lower()) / PROFILE_RUNS / 1e3
+    other = {}
+    for n, s, e in kernels:
+        if kernel_class(n) == "other":
+            other[n] = other.get(n, 0.0) + (e - s) / PROFILE_RUNS / 1e3
+    top = sorted(other.items(), key=lambda kv: -kv[1])[:6]
+    print("  largest 'other' kernels (ms per step): " + "; ".join(f"{n[:70]} {t:.3f}" for n, t in top), flush=True)
     return out
 
 
