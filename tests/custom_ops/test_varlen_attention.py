@@ -338,6 +338,41 @@ def test_kernel_all_gather_cp_layout(causal, window):
     _kernel_vs_reference(q, k, v, seg, causal, window)
 
 
+@pytest.mark.interpret
+@pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (False, (5, 3))])
+def test_kernel_reads_strided_rows_and_heads_in_place(causal, window, monkeypatch):
+    """q every other head of a wider tensor, k and v head slices of one [T, 2*Hkv, D] tensor
+    (as in all-gather CP): the kernels read them with their strides, without copying them, and
+    agree with the reference, values and gradients."""
+    layout = ([0, 20], [20, 17], [0, 5], [0, 0], [24, 24], 37, 24)
+    gen = torch.Generator().manual_seed(4)
+    wide_q = random_tensor((37, 4, 16), torch.float32, generator=gen)
+    kv = random_tensor((24, 2, 16), torch.float32, generator=gen)
+    seg = [torch.tensor(x, dtype=torch.int32) for x in layout[:5]]
+    dout, dlse = _cotangents(wide_q[:, ::2], 4)
+
+    def run(fn, wq, wkv):
+        wq, wkv = wq.detach().clone().requires_grad_(), wkv.detach().clone().requires_grad_()
+        out, lse = fn(wq[:, ::2], wkv[:, :1], wkv[:, 1:], *seg, causal=causal, window=window)
+        grads = torch.autograd.grad(_loss(out, lse, dout, dlse), (wq, wkv))
+        return out.detach(), lse.detach(), list(grads)
+
+    copied = []
+    contiguous = torch.Tensor.contiguous
+
+    def spy(self, *args, **kwargs):
+        if self.dim() == 3 and not self.is_contiguous():
+            copied.append(tuple(self.shape))
+        return contiguous(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "contiguous", spy)
+    got = run(custom_ops.varlen_attention, wide_q, kv)
+    monkeypatch.undo()
+    assert not copied, copied
+    want = run(varlen_attention_reference, wide_q.double(), kv.double())
+    _assert_agree(got, want, TOLERANCE[torch.float32])
+
+
 def _tile_boundary_layout():
     """Sixteen segments over one shared 96-row key range, q_pos = 16..31, q_len = 33..48 in
     scrambled order: every residue modulo the 16-row interpreter tiles."""
