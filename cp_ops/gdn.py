@@ -87,10 +87,10 @@ class GatedDeltaNet(nn.Module):
     q, k, v, b, a sections (:meth:`exchanged_sections`: this rank's 1/W of their
     heads, all tokens) ``-> head_parallel_core(proj_hp, cu, r*Hk/W, Hk/W) ->
     thd_hp2cp`` of the delta-rule output, then the gated norm with the local z and
-    ``out_proj``; it needs ``Hk % W == 0`` (hence ``Hv % W == 0``). The layouts on
-    both sides of the exchanges are fused into their neighbours (:meth:`forward`):
-    ``in_proj`` writes the all-to-all's send buffer itself, and the gated norm reads
-    the received blocks in place. The gate z
+    ``out_proj``; it needs ``Hk % W == 0`` (hence ``Hv % W == 0``). Under
+    ``torch.compile`` the layouts on both sides of the exchanges are fused into their
+    neighbours (:attr:`fused_layouts`): ``in_proj`` writes the all-to-all's send buffer
+    itself, and the gated norm reads the received blocks in place. The gate z
     never leaves its rank: the gated norm is per token and head, so it runs after
     the all-to-all back, on the local rows, and ``thd_cp2hp`` carries
     ``2*Hk*dk + Hv*dv + 2*Hv`` features instead of ``2*Hk*dk + 2*Hv*dv + 2*Hv``
