@@ -106,7 +106,8 @@ def plot_a2a(secs, out):
 
 
 def plot_attention(secs, out):
-    rows = tables(section(secs, "Segment attention"))[0]
+    # the latest full table of the section (later runs are appended below earlier ones)
+    rows = [t for t in tables(section(secs, "Segment attention")) if "implementation" in t[0]][-1]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
     for ax, case in zip(axes, ("dense B8 x 4096", "packed 32k")):
         sel = [r for r in rows if r["case"] == case and r["D"] == "128"]
@@ -143,7 +144,8 @@ def plot_scaling(secs, out):
                 if col and val != "nan":
                     points[f"GDN {mode}, W={w}\n{_short(col)}"] = num(val)
     ag = section(secs, "All-gather CP attention")
-    for rows in (t for t in tables(ag) if "pass" in t[0]):  # the timing tables, not the work model
+    # the benchmark's timing tables (not the work model, not the table of the removed overlap)
+    for rows in (t for t in tables(ag) if "pass" in t[0] and "eff 1L" in t[0]):
         world = [k for k in rows[0] if k.startswith("W=")][0].split()[0]
         for r in rows:
             if r["pass"] == "fwd+bwd":
