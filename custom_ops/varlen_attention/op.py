@@ -175,7 +175,6 @@ def _forward_kernel(q, k, v, seg, causal, left, right, scale):
     cfg = kernel_config("fwd", block_d, triton_interpreting(), q.element_size())
     grid = (triton.cdiv(tq, cfg["BLOCK_M"]) + n_seg, hq)
     (qs, ql, qp, ks, kl), cum, owner = _segment_tables(seg, tq, k.shape[0], cfg["BLOCK_M"], grid[0])
-    _zero_uncovered_rows(out, qs, ql)
     wrap_triton(varlen_attn_fwd_kernel)[grid](
         q, k, v, out, lse,
         qs, ql, qp, ks, kl, cum, owner, n_seg,
@@ -184,6 +183,8 @@ def _forward_kernel(q, k, v, seg, causal, left, right, scale):
         hq // hkv, scale * _LOG2E, left, right,
         CAUSAL=causal, HEAD_DIM=d, BLOCK_D=block_d, **cfg,
     )  # fmt: skip
+    # after the attention kernel: its launch is not delayed by this one's host-side work
+    _zero_uncovered_rows(out, qs, ql)
     return out, lse
 
 
@@ -193,7 +194,7 @@ def _backward_kernel(dout, dlse, q, k, v, out, lse, seg, causal, left, right, sc
     n_seg = seg[0].shape[0]
     if n_seg == 0 or tq == 0 or hq == 0 or tk == 0:
         return torch.zeros(q.shape, dtype=q.dtype, device=q.device), torch.zeros_like(k), torch.zeros_like(v)
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # rows in no segment: zeros below
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # rows in no segment: zeros at the end
     q, k, v, out, dout = (_unit_last(t) for t in (q, k, v, out, dout))
     lse = lse.contiguous()
     dlse = dlse.to(torch.float32).contiguous()
@@ -205,7 +206,6 @@ def _backward_kernel(dout, dlse, q, k, v, out, lse, seg, causal, left, right, sc
     cfg = kernel_config("bwd_dq", block_d, interpreting, q.element_size())
     grid = (triton.cdiv(tq, cfg["BLOCK_M"]) + n_seg, hq)
     (qs, ql, qp, ks, kl), cum, owner = _segment_tables(seg, tq, tk, cfg["BLOCK_M"], grid[0])
-    _zero_uncovered_rows(dq, qs, ql)
     wrap_triton(varlen_attn_bwd_dq_kernel)[grid](
         q, k, v, out, dout, lse, dlse, delta, dq,
         qs, ql, qp, ks, kl, cum, owner, n_seg,
@@ -229,6 +229,7 @@ def _backward_kernel(dout, dlse, q, k, v, out, lse, seg, causal, left, right, sc
         hq // hkv, scale, scale * _LOG2E, left, right,
         CAUSAL=causal, HEAD_DIM=d, BLOCK_D=block_d, **cfg,
     )  # fmt: skip
+    _zero_uncovered_rows(dq, qs, ql)  # last, as in the forward
     return dq, dk, dv
 
 
