@@ -145,43 +145,6 @@ def segment_tables_kernel(
         tl.store(owner_ptr + t, below.to(tl.int32), mask=t < num_tiles)
 
 
-@triton.jit(do_not_specialize=["n_seg", "num_rows", "row_width"])
-def zero_uncovered_rows_kernel(
-    x_ptr,  # [num_rows, row_width] contiguous rows (out or dq viewed per row)
-    q_start_ptr,  # [n_seg] int32, clamped (segment_tables_kernel's table)
-    q_len_ptr,
-    n_seg,
-    num_rows,
-    row_width,
-    ROWS: tl.constexpr,
-    SEG_BLOCK: tl.constexpr,
-    COL_BLOCK: tl.constexpr,
-):
-    """Zeros in the rows of ``x`` that no segment's query range covers, nothing written elsewhere.
-
-    The attention kernels write every row of every segment; this fills the rest, so the
-    output needs no zero fill of its own (a pass over the whole tensor). Each program takes
-    ROWS rows, tests them against every segment (SEG_BLOCK at a time) and stores zeros only
-    in the uncovered ones: where segments cover every row it reads the tables and writes
-    nothing.
-    """
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    covered = tl.zeros([ROWS], dtype=tl.int32)
-    for c in range(0, n_seg, SEG_BLOCK):
-        i = c + tl.arange(0, SEG_BLOCK)
-        m = i < n_seg
-        start = tl.load(q_start_ptr + i, mask=m, other=0)
-        length = tl.load(q_len_ptr + i, mask=m, other=0)
-        inside = (rows[:, None] >= start[None, :]) & (rows[:, None] < (start + length)[None, :])
-        covered = tl.maximum(covered, tl.max(inside.to(tl.int32), 1))
-    gap = (covered == 0) & (rows < num_rows)
-    base = x_ptr + rows.to(tl.int64)[:, None] * row_width
-    for c0 in range(0, row_width, COL_BLOCK):
-        cols = c0 + tl.arange(0, COL_BLOCK)
-        zero = tl.zeros([ROWS, COL_BLOCK], dtype=x_ptr.dtype.element_ty)
-        tl.store(base + cols[None, :], zero, mask=gap[:, None] & (cols < row_width)[None, :])
-
-
 @triton.jit
 def _tile_owner_from_table(owner_ptr, cum_ptr, n_seg, tile):
     """(s, j) from ``owner[tile]`` (the number of ``cum`` entries <= tile, built by the

@@ -23,7 +23,6 @@ from custom_ops.varlen_attention.kernels import (
     varlen_attn_bwd_dkdv_kernel,
     varlen_attn_bwd_dq_kernel,
     varlen_attn_fwd_kernel,
-    zero_uncovered_rows_kernel,
 )
 from custom_ops.varlen_attention.reference import (
     _attention,
@@ -103,23 +102,6 @@ def _segment_tables(seg, num_q_rows: int, num_k_rows: int, block: int, num_tiles
     return tab.unbind(0), cum, owner
 
 
-# zero_uncovered_rows_kernel: rows a program, segments tested at a time, elements stored at a time
-_GAP_ROWS, _GAP_SEGS, _GAP_COLS = 16, 256, 512
-
-
-def _zero_uncovered_rows(x: torch.Tensor, qs: torch.Tensor, ql: torch.Tensor) -> None:
-    """Zeros in the rows of the fresh, contiguous ``x [T, ...]`` outside every query range
-    ``[qs, qs + ql)`` (clamped tables); the other rows are left as they are."""
-    rows = x.shape[0]
-    width = x[0].numel() if rows else 0
-    if rows == 0 or width == 0:
-        return
-    grid = (triton.cdiv(rows, _GAP_ROWS),)
-    wrap_triton(zero_uncovered_rows_kernel)[grid](
-        x, qs, ql, qs.shape[0], rows, width, ROWS=_GAP_ROWS, SEG_BLOCK=_GAP_SEGS, COL_BLOCK=_GAP_COLS, num_warps=4
-    )
-
-
 def _key_tile_segments(qs, ql, ks, kl, block: int, num_tiles: int, num_k_rows: int):
     """``(order, first, last)`` for the dk/dv kernel, on the device and sized from shapes.
 
@@ -164,12 +146,11 @@ def _forward_kernel(q, k, v, seg, causal, left, right, scale):
     tq, hq, d = q.shape
     hkv = k.shape[1]
     n_seg = seg[0].shape[0]
+    # rows in no segment are never visited by a program: they stay out = 0, lse = -inf
+    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.full((hq, tq), float("-inf"), dtype=torch.float32, device=q.device)
     if n_seg == 0 or tq == 0 or hq == 0:
-        return torch.zeros(q.shape, dtype=q.dtype, device=q.device), lse
-    # the attention kernel writes the rows of every segment; the rows in none get zeros from a
-    # small kernel (and keep lse = -inf), so out needs no fill of its own
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        return out, lse
     q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
     block_d = _block_d(d)
     cfg = kernel_config("fwd", block_d, triton_interpreting(), q.element_size())
@@ -183,8 +164,6 @@ def _forward_kernel(q, k, v, seg, causal, left, right, scale):
         hq // hkv, scale * _LOG2E, left, right,
         CAUSAL=causal, HEAD_DIM=d, BLOCK_D=block_d, **cfg,
     )  # fmt: skip
-    # after the attention kernel: its launch is not delayed by this one's host-side work
-    _zero_uncovered_rows(out, qs, ql)
     return out, lse
 
 
@@ -192,9 +171,9 @@ def _backward_kernel(dout, dlse, q, k, v, out, lse, seg, causal, left, right, sc
     tq, hq, d = q.shape
     tk, hkv, _ = k.shape
     n_seg = seg[0].shape[0]
+    dq = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
     if n_seg == 0 or tq == 0 or hq == 0 or tk == 0:
-        return torch.zeros(q.shape, dtype=q.dtype, device=q.device), torch.zeros_like(k), torch.zeros_like(v)
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # rows in no segment: zeros at the end
+        return dq, torch.zeros_like(k), torch.zeros_like(v)
     q, k, v, out, dout = (_unit_last(t) for t in (q, k, v, out, dout))
     lse = lse.contiguous()
     dlse = dlse.to(torch.float32).contiguous()
@@ -229,7 +208,6 @@ def _backward_kernel(dout, dlse, q, k, v, out, lse, seg, causal, left, right, sc
         hq // hkv, scale, scale * _LOG2E, left, right,
         CAUSAL=causal, HEAD_DIM=d, BLOCK_D=block_d, **cfg,
     )  # fmt: skip
-    _zero_uncovered_rows(dq, qs, ql)  # last, as in the forward
     return dq, dk, dv
 
 
