@@ -375,3 +375,89 @@ def _check_kernel_path(rank, num_ranks, cases):
 @pytest.mark.interpret
 def test_kernel_path_matches_reference():
     run_ranks(3, _check_kernel_path, _drawn_cases(limit=12))
+
+
+# --- the scheduling pass of COMPILE_OPTIONS, on a hand-built node list -------------------------------
+
+
+class _Dep:
+    def __init__(self, name):
+        self.name = name
+
+
+class _Node:
+    """The parts of an Inductor scheduler node the pass reads; ``kind`` is "comm", "wait" or ""."""
+
+    def __init__(self, name, reads, kind=""):
+        self.name, self.kind = name, kind
+        self.unmet_dependencies = {_Dep(r) for r in reads}
+        self.ancestors = set()
+
+    def get_name(self):
+        return self.name
+
+    def get_operation_names(self):
+        return {self.name}
+
+    def get_buffer_names(self):
+        return {self.name}
+
+
+def _schedule(nodes, monkeypatch):
+    import torch._inductor.comms as comms
+
+    by_name = {n.name: n for n in nodes}
+    for n in nodes:  # ancestors: everything a node reads, transitively
+        todo = [d.name for d in n.unmet_dependencies]
+        while todo:
+            a = todo.pop()
+            if a not in n.ancestors:
+                n.ancestors.add(a)
+                todo += [d.name for d in by_name[a].unmet_dependencies]
+    monkeypatch.setattr(comms, "contains_collective", lambda s: s.kind == "comm")
+    monkeypatch.setattr(comms, "contains_wait", lambda s: s.kind == "wait")
+    return [n.name for n in comm.issue_early_wait_late(nodes)]
+
+
+def test_scheduling_pass_keeps_work_between_an_exchange_and_its_wait(monkeypatch):
+    """Forward of the GDN layer in miniature: the z projection recorded between the first
+    exchange and its wait stays there, though that wait feeds the second exchange (Inductor's
+    raise_comms would move the wait, an ancestor of a collective, ahead of z)."""
+    nodes = [
+        _Node("send", []),
+        _Node("a2a0", ["send"], "comm"),
+        _Node("z", []),
+        _Node("wait0", ["a2a0"], "wait"),
+        _Node("core", ["wait0"]),
+        _Node("a2a1", ["core"], "comm"),
+        _Node("wait1", ["a2a1"], "wait"),
+        _Node("norm", ["wait1", "z"]),
+    ]
+    assert _schedule(nodes, monkeypatch) == ["send", "a2a0", "z", "wait0", "core", "a2a1", "wait1", "norm"]
+
+
+def test_scheduling_pass_issues_the_exchange_before_independent_work(monkeypatch):
+    """Backward in miniature: weight-gradient GEMMs that no collective needs come first in the
+    original order, but the exchange and the work it needs go first, and the GEMMs run while
+    it is in flight; the wait goes last among what is ready."""
+    nodes = [
+        _Node("dw1", []),
+        _Node("dw2", []),
+        _Node("grad", []),
+        _Node("a2a", ["grad"], "comm"),
+        _Node("wait", ["a2a"], "wait"),
+        _Node("dx", ["wait", "dw1"]),
+    ]
+    assert _schedule(nodes, monkeypatch) == ["grad", "a2a", "dw1", "dw2", "wait", "dx"]
+
+
+def test_scheduling_pass_refuses_a_cycle(monkeypatch):
+    nodes = [_Node("a", ["b"]), _Node("b", ["a"])]
+    for n in nodes:
+        n.ancestors = {"a", "b"} - {n.name}
+    import torch._inductor.comms as comms
+
+    monkeypatch.setattr(comms, "contains_collective", lambda s: False)
+    monkeypatch.setattr(comms, "contains_wait", lambda s: False)
+    with pytest.raises(RuntimeError, match="scheduled 0 of 2 nodes"):
+        comm.issue_early_wait_late(nodes)
