@@ -47,3 +47,21 @@ def exchange_windows(code: str) -> list[str]:
 def gemm_overlaps_an_exchange(code: str) -> bool:
     """Whether a GEMM runs in Inductor-generated ``code`` while some all-to-all is in flight."""
     return any("mm(" in w for w in exchange_windows(code))
+
+
+def gemms_write_the_first_send_buffer(code: str) -> bool:
+    """Whether, in Inductor-generated ``code``, the input of the first all-to-all is written by
+    GEMMs alone: each of its blocks is an alias of the buffer that a GEMM writes into with
+    ``out=``, and no other kernel takes the buffer (no pass over the activations lays it out)."""
+    import re
+
+    call = re.search(r"all_to_all_single\.default\((\w+),", code)
+    if call is None:
+        return False
+    send = call.group(1)
+    head = code[: call.start()]
+    blocks = re.findall(rf"(\w+) = reinterpret_tensor\({send}\b", head)
+    gemm_outs = set(re.findall(r"mm\([^\n]*out=(\w+)\)", head))
+    writers = [line for line in head.splitlines() if re.search(rf"\b{send}\b", line) and "mm(" not in line]
+    others = [w for w in writers if not re.search(rf"^\s*({send} = empty_strided|\w+ = reinterpret_tensor\({send}\b|#)", w)]
+    return bool(blocks) and all(b in gemm_outs for b in blocks) and not others

@@ -14,7 +14,7 @@ from torch._inductor.utils import run_and_get_code
 from cp_ops import COMPILE_OPTIONS, GatedDeltaNet, pad_cu_seqlens, shard_thd
 from custom_ops.testing import rel_error
 from custom_ops.thd_copy_valid_tokens.reference import valid_token_mask
-from tests._dist import gemm_overlaps_an_exchange, run_ranks
+from tests._dist import gemm_overlaps_an_exchange, gemms_write_the_first_send_buffer, run_ranks
 
 HIDDEN, DK, DV = 12, 8, 4
 
@@ -52,6 +52,8 @@ def _compare_rank(rank, world, seqlens, heads, compiled, fused_layouts=None):
         assert len(codes) == 2, len(codes)  # forward, backward
         for code in codes:
             assert gemm_overlaps_an_exchange(code), "no GEMM overlaps an all-to-all"
+        # the fused layouts: in_proj's GEMMs write the send buffer, no copy lays it out
+        assert gemms_write_the_first_send_buffer(codes[0]), "the send buffer is not written by the GEMMs"
     else:
         out_cp = step()
 
