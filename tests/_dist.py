@@ -6,6 +6,8 @@ The rank function must be a module-level function (it is pickled by name):
 that rank's traceback. Ports are taken free from the OS, never fixed.
 """
 
+import re
+
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -53,8 +55,6 @@ def gemms_write_the_first_send_buffer(code: str) -> bool:
     """Whether, in Inductor-generated ``code``, the input of the first all-to-all is written by
     GEMMs alone: each of its blocks is an alias of the buffer that a GEMM writes into with
     ``out=``, and no other kernel takes the buffer (no pass over the activations lays it out)."""
-    import re
-
     call = re.search(r"all_to_all_single\.default\((\w+),", code)
     if call is None:
         return False
@@ -63,5 +63,6 @@ def gemms_write_the_first_send_buffer(code: str) -> bool:
     blocks = re.findall(rf"(\w+) = reinterpret_tensor\({send}\b", head)
     gemm_outs = set(re.findall(r"mm\([^\n]*out=(\w+)\)", head))
     writers = [line for line in head.splitlines() if re.search(rf"\b{send}\b", line) and "mm(" not in line]
-    others = [w for w in writers if not re.search(rf"^\s*({send} = empty_strided|\w+ = reinterpret_tensor\({send}\b|#)", w)]
+    allowed = rf"^\s*({send} = empty_strided|\w+ = reinterpret_tensor\({send}\b|#)"  # allocation, aliases, comments
+    others = [w for w in writers if not re.search(allowed, w)]
     return bool(blocks) and all(b in gemm_outs for b in blocks) and not others
