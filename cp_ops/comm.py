@@ -398,18 +398,61 @@ def thd_hp2cp_blocks(
     return recv.unflatten(0, (world, recv.shape[0] // world)), extra
 
 
+# Work is weighed as FLOPs plus this many FLOPs per byte a node reads and writes: about the ratio
+# of bf16 tensor-core throughput to memory bandwidth on H100 / H200 (989 TFLOP/s / 3.35-4.8 TB/s).
+# Only the ratio between the work items matters (which ones share a window), never a clock.
+_FLOPS_PER_BYTE = 250
+
+
+def _node_work(snode) -> float:
+    """What a scheduler node costs, in FLOPs with memory traffic converted (0 where unknown)."""
+    try:
+        flops = snode.estimate_flops() or 0
+    except Exception:  # nodes without an origin node, ops the FLOP counter does not know
+        flops = 0
+    try:
+        nbytes = snode.get_read_write_buffers_sizes() or 0
+    except Exception:
+        nbytes = 0
+    return float(flops) + _FLOPS_PER_BYTE * float(nbytes)
+
+
+def _exchange_bytes(snode) -> float:
+    """The bytes a collective node sends (its inputs); 1 where they cannot be read, so that
+    windows then weigh alike."""
+    try:
+        from torch._inductor.comm_analysis import get_collective_input_size_bytes
+
+        return float(get_collective_input_size_bytes(snode.node)) or 1.0
+    except Exception:
+        return 1.0
+
+
 def issue_early_wait_late(snodes: list) -> list:
     """An Inductor scheduling pass: collectives as early as their inputs allow, waits as late as
-    possible, the other nodes in their order.
+    their work allows, and work no collective needs spread over the exchange windows.
 
-    A list scheduler over the nodes' data dependencies. Of the nodes whose inputs are ready,
-    a wait goes only when nothing else is ready; of the others, first a collective or a node
-    a collective needs (the earliest collective first), then the rest in their original
-    order. Inductor's ``raise_comms`` and ``sink_waits`` passes together rank the same
-    criteria the other way round: a wait that a later collective needs goes ahead of work
-    no collective needs, so with two exchanges in a graph (the layer's
-    ``thd_cp2hp_blocks`` and ``thd_hp2cp_blocks``) the first wait went ahead of the z
-    projection recorded between that exchange and its wait.
+    A list scheduler over the nodes' data dependencies. Of the nodes whose inputs are ready:
+
+    1. first a collective or a node some collective needs (the earliest collective first);
+    2. then, while an exchange is in flight, *filler* work (nodes no collective needs, such as
+       weight-gradient GEMMs) up to that exchange's share, then its wait;
+    3. with no exchange in flight, fillers in their original order.
+
+    An exchange's share of the filler work not yet placed that it could overlap (fillers not
+    downstream of its wait or a later one) is in proportion to its bytes among the bytes of
+    it and the exchanges after it; the last exchange takes all that is left. Placing every
+    filler in the first window, as a greedy scheduler does, leaves the later ones empty: the
+    GDN layer's backward pass ran its three independent GEMMs (out_proj's weight gradient,
+    the z projection's two gradients) during the small exchange of the output gradient,
+    and the larger exchange of the q, k, v, b, a gradients after it ran alone. Work is weighed
+    by :func:`_node_work`, exchanges by their bytes; neither needs a clock, only a ratio.
+
+    Inductor's ``raise_comms`` and ``sink_waits`` passes together rank criterion 1 the other
+    way round: a wait that a later collective needs goes ahead of work no collective needs,
+    so with two exchanges in a graph (the layer's ``thd_cp2hp_blocks`` and
+    ``thd_hp2cp_blocks``) the first wait went ahead of the z projection recorded between
+    that exchange and its wait.
     """
     import heapq
     import sys
@@ -418,34 +461,74 @@ def issue_early_wait_late(snodes: list) -> list:
     from torch._inductor.comms import contains_collective, contains_wait
 
     index = {id(s): i for i, s in enumerate(snodes)}
-    fused = {}
+    fused = {}  # operation and buffer names -> the (possibly fused) node
     for s in snodes:
-        for name in s.get_operation_names():
+        for name in (*s.get_operation_names(), *s.get_buffer_names(), s.get_name()):
             fused[name] = s
-        fused[s.get_name()] = s
+    comms = [s for s in snodes if contains_collective(s)]
+    comm_of = {id(s): i for i, s in enumerate(comms)}
     first_comm = {id(s): sys.maxsize for s in snodes}  # the earliest collective the node is needed by
-    comm_idx = 0
-    for s in snodes:
-        if contains_collective(s):
-            first_comm[id(s)] = comm_idx
-            for name in s.ancestors:
-                anc = fused[name]
-                first_comm[id(anc)] = min(first_comm[id(anc)], comm_idx)
-            comm_idx += 1
+    for i, s in enumerate(comms):
+        first_comm[id(s)] = i
+        for name in s.ancestors:
+            anc = fused[name]
+            first_comm[id(anc)] = min(first_comm[id(anc)], i)
     unmet = {id(s): {dep.name for dep in s.unmet_dependencies} for s in snodes}
     users = defaultdict(list)
     for s in snodes:
         for name in unmet[id(s)]:
             users[name].append(s)
 
-    def entry(s):
-        return (int(contains_wait(s)), first_comm[id(s)], index[id(s)], s)
+    waits = [s for s in snodes if contains_wait(s)]
+    wait_of = {}  # wait node -> the index of the collective it waits for
+    for w in waits:
+        found = [comm_of[id(fused[n])] for n in unmet[id(w)] if id(fused.get(n)) in comm_of]
+        wait_of[id(w)] = min(found) if found else len(comms) - 1
 
-    ready = [entry(s) for s in snodes if not unmet[id(s)]]
-    heapq.heapify(ready)
+    def after_wait(s):  # the latest exchange whose wait the node is downstream of (-1: none)
+        ups = (fused.get(n) for n in s.ancestors)
+        return max((wait_of[id(a)] for a in ups if a is not None and id(a) in wait_of), default=-1)
+
+    fillers = {id(s) for s in snodes if first_comm[id(s)] == sys.maxsize and not contains_wait(s)}
+    work = {i: _node_work(s) for s in snodes if (i := id(s)) in fillers}
+    opens_after = {i: after_wait(s) for s in snodes if (i := id(s)) in fillers}
+    sizes = [_exchange_bytes(s) for s in comms]
+    share = {}  # exchange index -> [filler work placed in its window, its share]
+    in_flight = []  # exchanges issued, not yet waited for, in issue order
+
+    def open_window(c):
+        placeable = sum(w for i, w in work.items() if opens_after[i] < c)
+        share[c] = [0.0, placeable * sizes[c] / sum(sizes[c:])]
+
+    main, filler, wait_q = [], [], []
+
+    def push(s):  # indices are unique, so a heap never compares two nodes
+        if contains_wait(s):
+            heapq.heappush(wait_q, (wait_of[id(s)], index[id(s)], s))
+        elif id(s) in fillers:
+            heapq.heappush(filler, (index[id(s)], s))
+        else:
+            heapq.heappush(main, (first_comm[id(s)], index[id(s)], s))
+
+    for s in snodes:
+        if not unmet[id(s)]:
+            push(s)
     order = []
-    while ready:
-        s = heapq.heappop(ready)[-1]
+    while main or filler or wait_q:
+        if main:
+            s = heapq.heappop(main)[-1]
+        elif filler and (not in_flight or share[in_flight[0]][0] < share[in_flight[0]][1] or not wait_q):
+            s = heapq.heappop(filler)[-1]
+            if in_flight:
+                share[in_flight[0]][0] += work[id(s)]
+        else:
+            s = heapq.heappop(wait_q)[-1]
+            if wait_of[id(s)] in in_flight:
+                in_flight.remove(wait_of[id(s)])
+        if id(s) in comm_of:
+            in_flight.append(comm_of[id(s)])
+            open_window(comm_of[id(s)])
+        work.pop(id(s), None)
         order.append(s)
         for name in s.get_buffer_names():
             for user in users[name]:
@@ -453,7 +536,7 @@ def issue_early_wait_late(snodes: list) -> list:
                 if name in deps:
                     deps.discard(name)
                     if not deps:
-                        heapq.heappush(ready, entry(user))
+                        push(user)
     if len(order) != len(snodes):
         raise RuntimeError(f"issue_early_wait_late scheduled {len(order)} of {len(snodes)} nodes: a dependency is unmet")
     return order

@@ -51,6 +51,24 @@ def gemm_overlaps_an_exchange(code: str) -> bool:
     return any("mm(" in w for w in exchange_windows(code))
 
 
+def gemms_overlap_every_exchange(code: str) -> bool:
+    """Whether, in Inductor-generated ``code``, a GEMM runs while each all-to-all is in flight."""
+    windows = exchange_windows(code)
+    return bool(windows) and all("mm(" in w for w in windows)
+
+
+def check_gdn_overlap(codes: list[str]) -> None:
+    """The compiled GDN layer's graphs (forward, backward) overlap GEMMs with the exchanges:
+    the z projection with the forward's first, the weight and z gradients with both of the
+    backward's (the scheduling pass spreads them by the exchanges' bytes)."""
+    assert len(codes) == 2, len(codes)
+    assert gemm_overlaps_an_exchange(codes[0]), "no GEMM overlaps a forward all-to-all"
+    windows = exchange_windows(codes[1])
+    assert len(windows) == 2 and gemms_overlap_every_exchange(codes[1]), [
+        [line.strip() for line in w.splitlines() if "mm(" in line] for w in windows
+    ]
+
+
 def gemms_write_the_first_send_buffer(code: str) -> bool:
     """Whether, in Inductor-generated ``code``, the input of the first all-to-all is written by
     GEMMs alone: each of its blocks is an alias of the buffer that a GEMM writes into with

@@ -388,8 +388,8 @@ class _Dep:
 class _Node:
     """The parts of an Inductor scheduler node the pass reads; ``kind`` is "comm", "wait" or ""."""
 
-    def __init__(self, name, reads, kind=""):
-        self.name, self.kind = name, kind
+    def __init__(self, name, reads, kind="", size=1.0):
+        self.name, self.kind, self.size = name, kind, size  # size: FLOPs of work, bytes of an exchange
         self.unmet_dependencies = {_Dep(r) for r in reads}
         self.ancestors = set()
 
@@ -416,6 +416,8 @@ def _schedule(nodes, monkeypatch):
                 todo += [d.name for d in by_name[a].unmet_dependencies]
     monkeypatch.setattr(comms, "contains_collective", lambda s: s.kind == "comm")
     monkeypatch.setattr(comms, "contains_wait", lambda s: s.kind == "wait")
+    monkeypatch.setattr(comm, "_node_work", lambda s: s.size)
+    monkeypatch.setattr(comm, "_exchange_bytes", lambda s: s.size)
     return [n.name for n in comm.issue_early_wait_late(nodes)]
 
 
@@ -449,6 +451,46 @@ def test_scheduling_pass_issues_the_exchange_before_independent_work(monkeypatch
         _Node("dx", ["wait", "dw1"]),
     ]
     assert _schedule(nodes, monkeypatch) == ["grad", "a2a", "dw1", "dw2", "wait", "dx"]
+
+
+def test_scheduling_pass_spreads_independent_work_over_the_windows(monkeypatch):
+    """The GDN layer's backward in miniature: three weight-gradient GEMMs no collective needs,
+    a small exchange (1 byte) and one twice its size. The first window gets a third of the
+    GEMMs, the second the rest (a greedy scheduler put all three in the first and left the
+    second exchange alone). The input gradient, downstream of the last wait, neither counts
+    towards a share nor moves into a window."""
+    nodes = [
+        _Node("dwo", []),
+        _Node("grad_o", []),
+        _Node("a2a0", ["grad_o"], "comm", 1.0),
+        _Node("dwz", []),
+        _Node("dxz", []),
+        _Node("wait0", ["a2a0"], "wait"),
+        _Node("core", ["wait0"]),
+        _Node("a2a1", ["core"], "comm", 2.0),
+        _Node("wait1", ["a2a1"], "wait"),
+        _Node("dx", ["wait1", "dxz"], "", 5.0),
+    ]
+    want = ["grad_o", "a2a0", "dwo", "wait0", "core", "a2a1", "dwz", "dxz", "wait1", "dx"]
+    assert _schedule(nodes, monkeypatch) == want
+
+
+def test_scheduling_pass_weighs_the_work(monkeypatch):
+    """Shares count work, not nodes: the first window's share is a third of the work (2 of 6,
+    the exchanges weighing 1 and 2), so both small GEMMs run there and the large one in the
+    second window (a share of a third of the nodes would be one small GEMM)."""
+    nodes = [
+        _Node("small1", [], "", 1.0),
+        _Node("small2", [], "", 1.0),
+        _Node("grad", []),
+        _Node("a2a0", ["grad"], "comm", 1.0),
+        _Node("big", [], "", 4.0),
+        _Node("wait0", ["a2a0"], "wait"),
+        _Node("a2a1", ["wait0"], "comm", 2.0),
+        _Node("wait1", ["a2a1"], "wait"),
+    ]
+    got = _schedule(nodes, monkeypatch)
+    assert got == ["grad", "a2a0", "small1", "small2", "wait0", "a2a1", "big", "wait1"], got
 
 
 def test_scheduling_pass_refuses_a_cycle(monkeypatch):
