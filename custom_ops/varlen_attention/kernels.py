@@ -160,6 +160,17 @@ def _tile_owner_from_table(owner_ptr, cum_ptr, n_seg, tile):
 
 
 @triton.jit
+def _heavy_first(pid, num_programs, HEAVY_FIRST: tl.constexpr):
+    """The query tile a program takes. Tiles are numbered by segment and, within one, by
+    position, so in a causal segment the work grows with the number: with HEAVY_FIRST the
+    grid runs them last to first, and the programs left for the end of the launch (its tail,
+    where SMs run idle while the last programs finish) are the short ones."""
+    if HEAVY_FIRST:
+        return num_programs - 1 - pid
+    return pid
+
+
+@triton.jit
 def _key_range(pos_lo, pos_hi, k_len, left, right, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr):
     """Key loop phases for the query positions [pos_lo, pos_hi].
 
@@ -297,6 +308,7 @@ def varlen_attn_fwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     K_ROWS: tl.constexpr = True,
+    HEAVY_FIRST: tl.constexpr = True,
 ):
     """One query tile x one query head: online softmax over the visible key tiles.
 
@@ -307,7 +319,7 @@ def varlen_attn_fwd_kernel(
     # a float argument can arrive as an fp64 scalar (seen from Inductor's launcher, torch 2.11):
     # fp32 keeps every tensor of the kernel in fp32 (loop-carried types must not change)
     qk_scale = tl.cast(qk_scale, tl.float32)
-    tile = tl.program_id(0)
+    tile = _heavy_first(tl.program_id(0), tl.num_programs(0), HEAVY_FIRST)
     h = tl.program_id(1)
     s, j = _tile_owner_from_table(tile_owner_ptr, tile_cum_ptr, n_seg, tile)
     if s >= n_seg:
@@ -456,6 +468,7 @@ def varlen_attn_bwd_dq_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    HEAVY_FIRST: tl.constexpr = True,
 ):
     """One query tile x one query head: ``dq = scale * sum_b P (dP - delta) k_b``,
     P recomputed from the saved lse, over the same key phases as the forward.
@@ -466,7 +479,7 @@ def varlen_attn_bwd_dq_kernel(
     # fp32 scales, as in the forward
     sm_scale = tl.cast(sm_scale, tl.float32)
     qk_scale = tl.cast(qk_scale, tl.float32)
-    tile = tl.program_id(0)
+    tile = _heavy_first(tl.program_id(0), tl.num_programs(0), HEAVY_FIRST)
     h = tl.program_id(1)
     s, j = _tile_owner_from_table(tile_owner_ptr, tile_cum_ptr, n_seg, tile)
     if s >= n_seg:
