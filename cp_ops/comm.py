@@ -375,26 +375,33 @@ def thd_cp2hp_overlap(
 
 
 def thd_hp2cp_blocks(
-    y_hp: torch.Tensor, cu_seqlens_padded: torch.Tensor, group, overlap: Callable[[], T] | None = None
+    y_hp: torch.Tensor,
+    cu_seqlens_padded: torch.Tensor,
+    group,
+    overlap: Callable[[torch.Tensor], T] | None = None,
 ) -> tuple[torch.Tensor, T | None]:
     """:func:`thd_hp2cp` without its last pass: the received blocks as they arrive.
 
     y_hp: ``[T, ..., F/W]`` in sequence order, as for :func:`thd_hp2cp`. Returns
-    ``(blocks, overlap())``: ``blocks [W, T/W, ..., F/W]``, block s holding rank s's
+    ``(blocks, overlap(own))``: ``blocks [W, T/W, ..., F/W]``, block s holding rank s's
     features (its slice of every section) of this rank's local rows, so that
     ``rank_blocks_to_sections(blocks, sections, W)`` is :func:`thd_hp2cp`'s result. A
     consumer that reads the blocks where they are saves that pass:
     :class:`cp_ops.GatedDeltaNet` runs its gated norm on them and writes the norm's
     output in the section layout. The exchange runs as two graph nodes with
-    ``overlap()`` between them, as in :func:`thd_cp2hp_blocks`. Differentiable.
-    ``group=None``: W = 1, ``blocks = y_hp[None]``.
+    ``overlap(own)`` between them, as in :func:`thd_cp2hp_blocks`; ``own`` is this
+    rank's block (``blocks[rank]``, the part of the result that never leaves the rank)
+    taken from the send buffer, so work on it can run while the other blocks are in
+    flight. Differentiable (through ``own`` too). ``group=None``: W = 1,
+    ``blocks = y_hp[None]`` and ``own = y_hp``.
     """
     group_name, world = resolve_group(group)
     _check_hp2cp(y_hp, cu_seqlens_padded, None, world)
     if group_name is None:
-        return y_hp.unsqueeze(0), (overlap() if overlap is not None else None)
+        return y_hp.unsqueeze(0), (overlap(y_hp) if overlap is not None else None)
     send = custom_ops.thd_seq_to_rank_order(y_hp, cu_seqlens_padded, world)  # [T, ..., F/W], rank order
-    recv, extra = _overlapped_exchange(send, group_name, world, overlap)
+    own = send.unflatten(0, (world, send.shape[0] // world))[group_rank(group)]
+    recv, extra = _overlapped_exchange(send, group_name, world, None if overlap is None else lambda: overlap(own))
     return recv.unflatten(0, (world, recv.shape[0] // world)), extra
 
 
@@ -544,12 +551,17 @@ def issue_early_wait_late(snodes: list) -> list:
 
 # Inductor options that keep the exchanges of thd_cp2hp_blocks / thd_hp2cp_blocks overlapped under
 # torch.compile: without them, the peak-memory reordering moves each wait up to its exchange,
-# before the work recorded in between. Checked on the code Inductor generates
-# (tests/cp_ops/test_comm.py, test_gdn_cp.py). Pass as torch.compile(model, options=COMPILE_OPTIONS);
-# they apply to that compile only.
+# before the work recorded in between. Horizontal fusion (two kernels with no data between them
+# made one because they read some of the same data) needs a shared read of 64 KiB here instead
+# of 10 bytes: the gated norm of the GDN layer's own block, computed before the exchange back
+# completes, shares only the norm's weight with the norm of the received blocks, and fused with
+# it, it waited for the exchange. Checked on the code Inductor generates (tests/cp_ops/
+# test_comm.py, test_gdn_cp.py). Pass as torch.compile(model, options=COMPILE_OPTIONS); they
+# apply to that compile only.
 COMPILE_OPTIONS = {
     "reorder_for_compute_comm_overlap": True,
     "reorder_for_compute_comm_overlap_passes": [issue_early_wait_late],
+    "score_fusion_memory_threshold": 1 << 16,
 }
 
 

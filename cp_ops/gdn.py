@@ -219,12 +219,22 @@ class GatedDeltaNet(nn.Module):
             self.project_send_blocks(x, world), cu_seqlens_padded, group, lambda: self._project_z(x)
         )
         o_hp = self.head_parallel_core(qkvba_hp, cu_seqlens_padded, head_start, heads)
-        o_blocks, _ = thd_hp2cp_blocks(o_hp, cu_seqlens_padded, group)  # [W, rows, Hv/W * dv]
-        # [rows, W, Hv/W, dv] is a view of the blocks: the norm reads them in place and its
-        # output is [rows, Hv * dv], the layout out_proj reads
-        o = o_blocks.view(world, rows, hv // world, dv).transpose(0, 1)
-        gated = self.norm(o, z.view(rows, world, hv // world, dv))
-        return self.out_proj(gated.reshape(rows, hv * dv))
+        # out_proj is a sum over the value heads, so it splits by the blocks of the exchange
+        # back: this rank's heads of its own rows (which never leave it) are normed and
+        # projected while the other blocks are in flight, each other block when it is in
+        # (the norm reads the received block where it is)
+        rank, width = group_rank(group), hv // world * dv
+        z_blocks, w_out = z.view(rows, world, width), self.out_proj.weight  # w_out columns by rank blocks too
+
+        def project_block(o_block: torch.Tensor, s: int) -> torch.Tensor:  # rank s's heads -> [rows, hidden]
+            gated = self.norm(o_block.view(rows, hv // world, dv), z_blocks[:, s].view(rows, hv // world, dv))
+            return F.linear(gated.reshape(rows, width), w_out[:, s * width : (s + 1) * width])
+
+        o_blocks, out = thd_hp2cp_blocks(o_hp, cu_seqlens_padded, group, lambda own: project_block(own, rank))
+        for s in range(world):
+            if s != rank:
+                out = out + project_block(o_blocks[s], s)
+        return out
 
     def forward_sections(
         self, x: torch.Tensor, cu_seqlens_padded: torch.Tensor, group, cp2hp=thd_cp2hp, hp2cp=thd_hp2cp

@@ -104,12 +104,18 @@ def _check_cases(rank, world, cases, group):
         x_hp.backward(grads_hp[rank])
         assert torch.equal(x_in.grad, thd_hp2cp_reference(grads_hp, cup, local, world, rank)), case
         y_in = y_all[rank].detach().to(torch.float64, copy=True).requires_grad_()  # a leaf of its own
-        blocks, extra = thd_hp2cp_blocks(y_in, cup, group, lambda: "ran")
-        assert extra == "ran" and blocks.shape == (world, x_cp.shape[0]) + y_in.shape[1:], case
+        # overlap gets this rank's own block (taken from the send buffer, before the exchange)
+        blocks, extra = thd_hp2cp_blocks(y_in, cup, group, lambda own: own * 3)
+        assert blocks.shape == (world, x_cp.shape[0]) + y_in.shape[1:], case
+        assert torch.equal(extra, blocks[rank].detach() * 3), case
         y_cp = rank_blocks_to_sections(blocks, sections, world)
         assert torch.equal(y_cp, thd_hp2cp_reference(y_all, cup, local, world, rank).double()), case
-        y_cp.backward(shard_thd(grad_x, cup, world, rank))
-        assert torch.equal(y_in.grad, thd_cp2hp_reference(grad_x, sections, world, rank)), case
+        grad_own = random_tensor(extra.shape, torch.float64, generator=gen)
+        torch.autograd.backward((y_cp, extra), (shard_thd(grad_x, cup, world, rank), grad_own))
+        y_leaf = y_in.detach().requires_grad_()  # the own block's gradient lands on this rank's rows
+        (shard_thd(y_leaf, cup, world, rank) * 3).backward(grad_own)
+        want = thd_cp2hp_reference(grad_x, sections, world, rank) + y_leaf.grad
+        assert torch.equal(y_in.grad, want), case
 
 
 CP_SIZES = (1, 2, 3, 4)
@@ -272,7 +278,7 @@ def _check_compiled_and_extras(rank, world):
     with pytest.raises(ValueError, match="even number"):
         thd_cp2hp_blocks(send[:, :-1], cup, group, lambda: ran.append(1))
     with pytest.raises(ValueError, match=f"not a multiple of 2\\*W = {2 * world}"):
-        thd_hp2cp_blocks(x_hp_ref[: 2 * world - 2], cup, group, lambda: ran.append(1))
+        thd_hp2cp_blocks(x_hp_ref[: 2 * world - 2], cup, group, lambda own: ran.append(1))
     with pytest.raises(TypeError, match="send must be a torch.Tensor"):
         thd_cp2hp_blocks(x_cp.tolist(), cup, group)
     assert not ran
@@ -353,6 +359,8 @@ def test_no_group_is_the_identity_permutation():
     assert torch.equal(y3, x.detach()) and extra == "ran"
     blocks, extra = thd_hp2cp_blocks(x, cup, None)
     assert blocks.shape == (1,) + x.shape and torch.equal(blocks[0], x.detach()) and extra is None
+    blocks, own = thd_hp2cp_blocks(x, cup, None, lambda own: own)
+    assert own is x
 
 
 # --- the GPU path's Triton kernels inside a real all-to-all (CPU tensors, TRITON_INTERPRET=1) --------
