@@ -189,10 +189,12 @@ class GatedDeltaNet(nn.Module):
         With fused layouts (:attr:`fused_layouts`; under ``torch.compile`` by default)
         the projections come out in the all-to-all's send layout
         (:meth:`project_send_blocks`, :func:`cp_ops.thd_cp2hp_blocks`) and the gated norm
-        reads the received blocks where they are (:func:`cp_ops.thd_hp2cp_blocks`),
-        writing its output in the section layout ``out_proj`` reads. The result equals
-        :meth:`forward_sections`' (the same layer converting with ``thd_cp2hp`` /
-        ``thd_hp2cp`` on section-layout tensors, nothing overlapped).
+        reads the received blocks where they are (:func:`cp_ops.thd_hp2cp_blocks`);
+        ``out_proj`` runs per block, the rank's own block (its heads of its own rows)
+        while the exchange back is in flight. The result equals :meth:`forward_sections`'
+        to rounding (the same layer converting with ``thd_cp2hp`` / ``thd_hp2cp`` on
+        section-layout tensors, nothing overlapped; out_proj's sum over heads is
+        grouped differently).
         Under ``torch.compile``, pass ``options=cp_ops.COMPILE_OPTIONS`` to keep the
         overlap. Parameter gradients are this rank's contribution; sum them over the
         CP group (as data parallelism does) to get the single-device gradients.
