@@ -446,14 +446,17 @@ def issue_early_wait_late(snodes: list) -> list:
        weight-gradient GEMMs) up to that exchange's share, then its wait;
     3. with no exchange in flight, fillers in their original order.
 
-    An exchange's share of the filler work not yet placed that it could overlap (fillers not
-    downstream of its wait or a later one) is in proportion to its bytes among the bytes of
-    it and the exchanges after it; the last exchange takes all that is left. Placing every
-    filler in the first window, as a greedy scheduler does, leaves the later ones empty: the
-    GDN layer's backward pass ran its three independent GEMMs (out_proj's weight gradient,
-    the z projection's two gradients) during the small exchange of the output gradient,
-    and the larger exchange of the q, k, v, b, a gradients after it ran alone. Work is weighed
-    by :func:`_node_work`, exchanges by their bytes; neither needs a clock, only a ratio.
+    A filler runs in the window of the exchange in flight (or next) when it became ready, or
+    in the window after: never later, so that work is not deferred across a model's layers,
+    holding its inputs. An exchange's share of the ready fillers is each filler's work in
+    proportion to the exchange's bytes among those of the windows the filler may still use.
+    A window takes fillers (earliest last window first, then in graph order) while each brings the work placed in it
+    nearer to its share; a filler in its last window runs there whatever the share. Placing every filler in the
+    first window, as a greedy scheduler does, left later ones empty: the GDN layer's
+    backward pass ran its independent GEMMs (out_proj's weight gradient, the z
+    projection's gradients) during the small exchange of the output gradient, and the
+    larger exchange of the q, k, v, b, a gradients after it ran alone. Work is weighed by
+    :func:`_node_work`, exchanges by their bytes; neither needs a clock, only a ratio.
 
     Inductor's ``raise_comms`` and ``sink_waits`` passes together rank criterion 1 the other
     way round: a wait that a later collective needs goes ahead of work no collective needs,
@@ -485,37 +488,51 @@ def issue_early_wait_late(snodes: list) -> list:
     for s in snodes:
         for name in unmet[id(s)]:
             users[name].append(s)
-
-    waits = [s for s in snodes if contains_wait(s)]
     wait_of = {}  # wait node -> the index of the collective it waits for
-    for w in waits:
-        found = [comm_of[id(fused[n])] for n in unmet[id(w)] if id(fused.get(n)) in comm_of]
-        wait_of[id(w)] = min(found) if found else len(comms) - 1
+    for w in snodes:
+        if contains_wait(w):
+            found = [comm_of[id(fused[n])] for n in unmet[id(w)] if id(fused.get(n)) in comm_of]
+            wait_of[id(w)] = min(found) if found else len(comms) - 1
 
     def after_wait(s):  # the latest exchange whose wait the node is downstream of (-1: none)
         ups = (fused.get(n) for n in s.ancestors)
         return max((wait_of[id(a)] for a in ups if a is not None and id(a) in wait_of), default=-1)
 
-    fillers = {id(s) for s in snodes if first_comm[id(s)] == sys.maxsize and not contains_wait(s)}
-    work = {i: _node_work(s) for s in snodes if (i := id(s)) in fillers}
-    opens_after = {i: after_wait(s) for s in snodes if (i := id(s)) in fillers}
+    # fillers not ready yet, with the latest wait they are downstream of
+    unready = {id(s): (s, after_wait(s)) for s in snodes if first_comm[id(s)] == sys.maxsize and not contains_wait(s)}
     sizes = [_exchange_bytes(s) for s in comms]
-    share = {}  # exchange index -> [filler work placed in its window, its share]
+    last = len(comms) - 1
+    work = {}
+
+    def cost(s):
+        if id(s) not in work:
+            work[id(s)] = _node_work(s)
+        return work[id(s)]
+
+    main, filler, wait_q = [], [], []  # heaps; indices are unique, so no two nodes are compared
     in_flight = []  # exchanges issued, not yet waited for, in issue order
+    issued = 0
+    window = {}  # exchange index -> [filler work placed while it was in flight, its share]
 
-    def open_window(c):
-        placeable = sum(w for i, w in work.items() if opens_after[i] < c)
-        share[c] = [0.0, placeable * sizes[c] / sum(sizes[c:])]
-
-    main, filler, wait_q = [], [], []
-
-    def push(s):  # indices are unique, so a heap never compares two nodes
+    def push(s):
         if contains_wait(s):
             heapq.heappush(wait_q, (wait_of[id(s)], index[id(s)], s))
-        elif id(s) in fillers:
-            heapq.heappush(filler, (index[id(s)], s))
+        elif first_comm[id(s)] == sys.maxsize:  # a filler; the window it may wait for at the latest
+            unready.pop(id(s))
+            deadline = (in_flight[0] if in_flight else issued) + 1
+            heapq.heappush(filler, (deadline, index[id(s)], s))
         else:
             heapq.heappush(main, (first_comm[id(s)], index[id(s)], s))
+
+    def open_window(c):
+        def part(f, deadline):  # f's work in proportion to the bytes of the windows it may use
+            return cost(f) * sizes[c] / sum(sizes[c : max(c, min(deadline, last)) + 1])
+
+        share = sum(part(f, deadline) for deadline, _, f in filler)
+        # fillers that will be ready during this window (their waits are done): they may wait
+        # for the next one
+        share += sum(part(f, c + 1) for f, after in unready.values() if after < c)
+        window[c] = [0.0, share]
 
     for s in snodes:
         if not unmet[id(s)]:
@@ -524,18 +541,24 @@ def issue_early_wait_late(snodes: list) -> list:
     while main or filler or wait_q:
         if main:
             s = heapq.heappop(main)[-1]
-        elif filler and (not in_flight or share[in_flight[0]][0] < share[in_flight[0]][1] or not wait_q):
+        elif filler and (
+            not in_flight
+            or not wait_q
+            or filler[0][0] <= in_flight[0]  # the filler's last window
+            # the window's share: take the filler if that leaves the placed work nearer to it
+            or window[in_flight[0]][0] + cost(filler[0][-1]) / 2 <= window[in_flight[0]][1]
+        ):
             s = heapq.heappop(filler)[-1]
             if in_flight:
-                share[in_flight[0]][0] += work[id(s)]
+                window[in_flight[0]][0] += cost(s)
         else:
             s = heapq.heappop(wait_q)[-1]
             if wait_of[id(s)] in in_flight:
                 in_flight.remove(wait_of[id(s)])
         if id(s) in comm_of:
             in_flight.append(comm_of[id(s)])
+            issued += 1
             open_window(comm_of[id(s)])
-        work.pop(id(s), None)
         order.append(s)
         for name in s.get_buffer_names():
             for user in users[name]:

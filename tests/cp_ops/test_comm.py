@@ -501,6 +501,54 @@ def test_scheduling_pass_weighs_the_work(monkeypatch):
     assert got == ["grad", "a2a0", "small1", "small2", "wait0", "a2a1", "big", "wait1"], got
 
 
+def test_scheduling_pass_defers_work_one_window_at_most(monkeypatch):
+    """Three exchanges in a chain, the last one large (as in a model whose next layer exchanges
+    more): four fillers ready before the first run in the first two windows, none in the
+    third, which would keep their inputs alive across it. A filler that becomes ready in a
+    window (f5, after wait0) may go to the next one."""
+    nodes = [
+        _Node("f1", []),
+        _Node("f2", []),
+        _Node("f3", []),
+        _Node("f4", []),
+        _Node("grad", []),
+        _Node("a2a0", ["grad"], "comm", 1.0),
+        _Node("wait0", ["a2a0"], "wait"),
+        _Node("f5", ["wait0"]),
+        _Node("a2a1", ["wait0"], "comm", 1.0),
+        _Node("wait1", ["a2a1"], "wait"),
+        _Node("a2a2", ["wait1"], "comm", 100.0),
+        _Node("wait2", ["a2a2"], "wait"),
+    ]
+    got = _schedule(nodes, monkeypatch)
+    want = ["grad", "a2a0", "f1", "f2", "wait0", "a2a1", "f3", "f4", "wait1", "a2a2", "f5", "wait2"]
+    assert got == want, got
+
+
+def test_scheduling_pass_counts_work_that_becomes_ready_in_the_window(monkeypatch):
+    """The GDN layer's forward: the own block's norm and out_proj GEMM, a chain that starts
+    from the second exchange's send buffer, run while that exchange is in flight (the share
+    counts the GEMM, which is not ready when the window opens); the received blocks' part
+    comes after the wait."""
+    nodes = [
+        _Node("send0", []),
+        _Node("a2a0", ["send0"], "comm", 2.0),
+        _Node("z", []),
+        _Node("wait0", ["a2a0"], "wait"),
+        _Node("core", ["wait0"]),
+        _Node("send1", ["core"]),
+        _Node("a2a1", ["send1"], "comm", 1.0),
+        _Node("own_norm", ["send1", "z"]),
+        _Node("own_mm", ["own_norm"]),
+        _Node("wait1", ["a2a1"], "wait"),
+        _Node("norm", ["wait1", "z"]),
+        _Node("out", ["own_mm", "norm"]),
+    ]
+    got = _schedule(nodes, monkeypatch)
+    want = ["send0", "a2a0", "z", "wait0", "core", "send1", "a2a1", "own_norm", "own_mm", "wait1", "norm", "out"]
+    assert got == want, got
+
+
 def test_scheduling_pass_refuses_a_cycle(monkeypatch):
     nodes = [_Node("a", ["b"]), _Node("b", ["a"])]
     for n in nodes:
