@@ -450,9 +450,11 @@ def issue_early_wait_late(snodes: list) -> list:
     in the window after: never later, so that work is not deferred across a model's layers,
     holding its inputs. An exchange's share of the ready fillers is each filler's work in
     proportion to the exchange's bytes among those of the windows the filler may still use.
-    A window takes fillers (earliest last window first, then in graph order) while each brings the work placed in it
-    nearer to its share; a filler in its last window runs there whatever the share. Placing every filler in the
-    first window, as a greedy scheduler does, left later ones empty: the GDN layer's
+    Fillers that will become ready during the window (their waits are done) count too. A
+    window takes fillers (earliest last window first, then in graph order) while each brings
+    the work placed in it nearer to its share; a filler in its last window runs there
+    whatever the share. Placing every filler in the first window, as a greedy scheduler
+    does, left later ones empty: the GDN layer's
     backward pass ran its independent GEMMs (out_proj's weight gradient, the z
     projection's gradients) during the small exchange of the output gradient, and the
     larger exchange of the q, k, v, b, a gradients after it ran alone. Work is weighed by
