@@ -454,11 +454,11 @@ def issue_early_wait_late(snodes: list) -> list:
     window takes fillers (earliest last window first, then in graph order) while each brings
     the work placed in it nearer to its share; a filler in its last window runs there
     whatever the share. Placing every filler in the first window, as a greedy scheduler
-    does, left later ones empty: the GDN layer's
-    backward pass ran its independent GEMMs (out_proj's weight gradient, the z
-    projection's gradients) during the small exchange of the output gradient, and the
-    larger exchange of the q, k, v, b, a gradients after it ran alone. Work is weighed by
-    :func:`_node_work`, exchanges by their bytes; neither needs a clock, only a ratio.
+    does, left later ones empty: the GDN layer's backward pass ran its independent GEMMs
+    (out_proj's weight gradient, the z projection's gradients) during the small exchange of
+    the output gradient, and the larger exchange of the q, k, v, b, a gradients after it ran
+    alone. Work is weighed by :func:`_node_work`, exchanges by their bytes; neither needs a
+    clock, only a ratio.
 
     Inductor's ``raise_comms`` and ``sink_waits`` passes together rank criterion 1 the other
     way round: a wait that a later collective needs goes ahead of work no collective needs,
