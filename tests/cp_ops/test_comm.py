@@ -504,8 +504,8 @@ def test_scheduling_pass_weighs_the_work(monkeypatch):
 def test_scheduling_pass_defers_work_one_window_at_most(monkeypatch):
     """Three exchanges in a chain, the last one large (as in a model whose next layer exchanges
     more): four fillers ready before the first run in the first two windows, none in the
-    third, which would keep their inputs alive across it. A filler that becomes ready in a
-    window (f5, after wait0) may go to the next one."""
+    third, which would keep their inputs alive across it. f5, ready after wait0 and before
+    the second exchange, may wait for the third window, and does (its share is small)."""
     nodes = [
         _Node("f1", []),
         _Node("f2", []),
