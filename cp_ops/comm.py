@@ -496,12 +496,16 @@ def issue_early_wait_late(snodes: list) -> list:
             found = [comm_of[id(fused[n])] for n in unmet[id(w)] if id(fused.get(n)) in comm_of]
             wait_of[id(w)] = min(found) if found else len(comms) - 1
 
-    def after_wait(s):  # the latest exchange whose wait the node is downstream of (-1: none)
-        ups = (fused.get(n) for n in s.ancestors)
-        return max((wait_of[id(a)] for a in ups if a is not None and id(a) in wait_of), default=-1)
-
+    after_wait = {}  # the latest exchange whose wait a node is downstream of (-1: none), in one pass
+    for s in snodes:  # (the nodes come in a valid order: producers first)
+        ups = (after_wait.get(id(fused.get(n)), -1) for n in unmet[id(s)])
+        after_wait[id(s)] = max(wait_of.get(id(s), -1), *ups, -1)
     # fillers not ready yet, with the latest wait they are downstream of
-    unready = {id(s): (s, after_wait(s)) for s in snodes if first_comm[id(s)] == sys.maxsize and not contains_wait(s)}
+    unready = {
+        id(s): (s, after_wait[id(s)])
+        for s in snodes
+        if first_comm[id(s)] == sys.maxsize and not contains_wait(s)
+    }
     sizes = [_exchange_bytes(s) for s in comms]
     last = len(comms) - 1
     work = {}
