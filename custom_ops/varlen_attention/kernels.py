@@ -17,7 +17,8 @@ start, also built on the device).
 
 For each tile the visible range of the other side is computed from the mask
 bounds; tiles entirely inside the mask run without the elementwise mask, only the
-boundary tiles apply it.
+boundary tiles apply it. The forward and dq grids run their query tiles last to
+first (:func:`_heavy_first`), so a causal launch ends on its shortest tiles.
 """
 
 import triton
