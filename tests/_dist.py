@@ -52,15 +52,15 @@ def gemms_overlap_every_exchange(code: str) -> bool:
     return bool(windows) and all("mm(" in w for w in windows)
 
 
-def check_gdn_overlap(codes: list[str]) -> None:
-    """The compiled GDN layer's graphs (forward, backward) run a GEMM while each of their two
-    all-to-alls is in flight: forward, the z projection during the first and the own block's
-    part of out_proj during the exchange back; backward, the weight and z gradients and the
-    own block's gradients, spread by the scheduling pass over both."""
+def check_gdn_overlap(codes: list[str], exchanges: int = 2) -> None:
+    """The compiled GDN layer's graphs (forward, backward) run a GEMM while each of their
+    ``exchanges`` all-to-alls (two a layer) is in flight: forward, the z projection during
+    the first and the own block's part of out_proj during the exchange back; backward, the
+    weight and z gradients and the own block's gradients, spread by the scheduling pass."""
     assert len(codes) == 2, len(codes)
     for name, code in zip(("forward", "backward"), codes):
         windows = exchange_windows(code)
-        assert len(windows) == 2 and gemms_overlap_every_exchange(code), (name, [
+        assert len(windows) == exchanges and gemms_overlap_every_exchange(code), (name, [
             [line.strip() for line in w.splitlines() if "mm(" in line] for w in windows
         ])
 

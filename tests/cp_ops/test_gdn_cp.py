@@ -86,6 +86,46 @@ def test_cp_layer_compiled_matches_one_rank():
     run_ranks(2, _compare_rank, [90, 0, 1, 230, 60], (2, 4), True, None, (64, 16, 16))
 
 
+class _TwoLayers(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = (GatedDeltaNet(64, 2, 4, 16, 16) for _ in range(2))
+
+    def forward(self, x, cu_seqlens_padded, group=None):
+        return self.second(self.first(x, cu_seqlens_padded, group), cu_seqlens_padded, group)
+
+
+def _two_layers_rank(rank, world):
+    torch.manual_seed(0)
+    model = _TwoLayers().double()
+    _, cup = pad_cu_seqlens([90, 0, 1, 230, 60], world)
+    x = torch.randn(int(cup[-1]), 64, dtype=torch.float64)
+    grad_out = torch.randn_like(x)
+    x_ref = x.clone().requires_grad_()
+    model(x_ref, cup).backward(grad_out)
+
+    x_cp = shard_thd(x, cup, world, rank).requires_grad_()
+    fn = torch.compile(model, fullgraph=True, options=COMPILE_OPTIONS)
+
+    def step():
+        out = fn(x_cp, cup, group=dist.group.WORLD)
+        out.backward(shard_thd(grad_out, cup, world, rank))
+        return out
+
+    out_cp, codes = run_and_get_code(step)
+    check_gdn_overlap(codes, exchanges=4)
+    assert rel_error(out_cp, shard_thd(model(x, cup).detach(), cup, world, rank)) < 1e-7
+    assert rel_error(x_cp.grad, shard_thd(x_ref.grad, cup, world, rank)) < 1e-7
+
+
+@pytest.mark.dist
+def test_two_compiled_layers_overlap_every_exchange():
+    """Two layers in one compiled graph, W = 2: each of the four exchanges a pass has a GEMM
+    beside it (the scheduling pass's windows across layers, its one-window deferral bound
+    included), and the result is the one-rank result."""
+    run_ranks(2, _two_layers_rank)
+
+
 def _record_exchanges(rank, world):
     """What the layer hands to the two exchanges: q, k, v, b, a out in the send layout (z
     stays), the delta-rule output back; and the send layout is sections_to_rank_blocks of the
