@@ -11,7 +11,7 @@ import time
 import torch
 import triton
 
-from cp_ops._local_ranks import free_port
+from cp_ops._local_ranks import free_port, leave_local_rank
 
 
 def median_ms(fn, warmup_ms: int = 50, rep_ms: int = 300) -> float:
@@ -180,6 +180,7 @@ def spawn_ranks(worker, world: int, *args, device: str = "cuda") -> None:
     """Run ``worker(rank, world, port, *args)`` in ``world`` processes and wait for all.
 
     ``device="cuda"`` needs ``world`` visible GPUs (one per rank, NCCL); ``"cpu"`` runs gloo.
+    A worker that returns ends its process with :func:`cp_ops._local_ranks.leave_local_rank`.
     """
     if device == "cuda" and torch.cuda.device_count() < world:
         raise SystemExit(f"needs {world} GPUs, found {torch.cuda.device_count()}")
@@ -188,7 +189,12 @@ def spawn_ranks(worker, world: int, *args, device: str = "cuda") -> None:
     # set here as well so the spawned workers inherit them before any NCCL initialisation
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    torch.multiprocessing.spawn(worker, args=(world, free_port(), *args), nprocs=world, join=True)
+    torch.multiprocessing.spawn(_run_worker, args=(worker, world, free_port(), *args), nprocs=world, join=True)
+
+
+def _run_worker(rank: int, worker, *args) -> None:
+    worker(rank, *args)
+    leave_local_rank()  # reached only when the worker succeeded (it has left its group)
 
 
 def environment(world: int | None = None) -> str:

@@ -88,7 +88,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import cp_ops
-from cp_ops._local_ranks import free_port, init_local_rank
+from cp_ops._local_ranks import free_port, init_local_rank, leave_local_rank
 from cp_ops.attention import RMSNorm
 from custom_ops._common import kernels_visible_to_compiler
 
@@ -628,6 +628,7 @@ def _rank_entry(rank: int, world: int, port: int, args: argparse.Namespace, resu
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    leave_local_rank()  # reached only when the run succeeded
 
 
 # --- driver ---------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import re
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from cp_ops._local_ranks import free_port, init_local_rank
+from cp_ops._local_ranks import free_port, init_local_rank, leave_local_rank
 
 
 def _entry(rank: int, world_size: int, port: int, backend: str, fn, args) -> None:
@@ -21,6 +21,7 @@ def _entry(rank: int, world_size: int, port: int, backend: str, fn, args) -> Non
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    leave_local_rank()  # reached only when fn passed
 
 
 def run_ranks(world_size: int, fn, *args, backend: str = "gloo") -> None:
