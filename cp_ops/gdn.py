@@ -205,8 +205,8 @@ class GatedDeltaNet(nn.Module):
             qkvba, z = self.project(x)
             o = self.head_parallel_core(qkvba, cu_seqlens_padded, 0, self.num_k_heads)
             return self._gate_and_project_out(o, z)
-        heads = self.num_k_heads // world
-        head_start = group_rank(group) * heads
+        heads, rank = self.num_k_heads // world, group_rank(group)
+        head_start = rank * heads
         fused = torch.compiler.is_compiling() if self.fused_layouts is None else self.fused_layouts
         # the z projection runs while q, k, v, b, a are exchanged (and its backward while their
         # gradients are)
@@ -225,12 +225,12 @@ class GatedDeltaNet(nn.Module):
         # back: this rank's heads of its own rows (which never leave it) are normed and
         # projected while the other blocks are in flight, each other block when it is in
         # (the norm reads the received block where it is)
-        rank, width = group_rank(group), hv // world * dv
-        z_blocks, w_out = z.view(rows, world, width), self.out_proj.weight  # w_out columns by rank blocks too
+        width = hv // world * dv
+        z_blocks = z.view(rows, world, width)
 
         def project_block(o_block: torch.Tensor, s: int) -> torch.Tensor:  # rank s's heads -> [rows, hidden]
-            gated = self.norm(o_block.view(rows, hv // world, dv), z_blocks[:, s].view(rows, hv // world, dv))
-            return F.linear(gated.reshape(rows, width), w_out[:, s * width : (s + 1) * width])
+            cols = slice(s * width, (s + 1) * width)  # out_proj's input columns come in rank blocks too
+            return self._gate_and_project_out(o_block, z_blocks[:, s], cols)
 
         o_blocks, out = thd_hp2cp_blocks(o_hp, cu_seqlens_padded, group, lambda own: project_block(own, rank))
         for s in range(world):
@@ -257,10 +257,15 @@ class GatedDeltaNet(nn.Module):
         o = hp2cp(o_hp, cu_seqlens_padded, [o_hp.shape[-1]], group)
         return self._gate_and_project_out(o, z)
 
-    def _gate_and_project_out(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        """``out_proj(norm(o, z))`` on section-layout rows ``o``, ``z [R, Hv*dv]``."""
-        rows, hv, dv = o.shape[0], self.num_v_heads, self.head_v_dim
-        return self.out_proj(self.norm(o.view(rows, hv, dv), z.view(rows, hv, dv)).reshape(rows, hv * dv))
+    def _gate_and_project_out(self, o: torch.Tensor, z: torch.Tensor, cols: slice = slice(None)) -> torch.Tensor:
+        """``out_proj(norm(o, z))`` on section-layout rows ``o``, ``z [R, H*dv]``: all value
+        heads, or the heads of out_proj's input columns ``cols`` (their part of the sum)."""
+        rows, dv = o.shape[0], self.head_v_dim
+        heads = o.shape[-1] // dv  # given, not -1: rows may be 0
+        gated = self.norm(o.view(rows, heads, dv), z.view(rows, heads, dv)).reshape(rows, heads * dv)
+        if cols == slice(None):
+            return self.out_proj(gated)
+        return F.linear(gated, self.out_proj.weight[:, cols])  # part of out_proj (it has no bias)
 
     def _cp_size(self, group) -> int:
         _, world = resolve_group(group)
