@@ -24,7 +24,11 @@ Before timing, each CP form is checked against the one-GPU result (bf16 rel_erro
 
 ``--profile`` adds a table of where one fwd+bwd step's GPU time goes (torch.profiler's
 kernel timeline): on one GPU, and for the compiled CP form on rank 0 (wall, busy, idle,
-time when only NCCL runs, kernel time per class and per attention kernel).
+time when only NCCL runs, kernel time per class and per attention kernel), with the host
+time to issue one step on an idle GPU (benchmarks.common.host_issue_ms) and, for every
+rank, its idle time, its time with only NCCL running and its host issue time: a rank whose
+host cannot issue a step as fast as its GPU runs it makes its peers wait in the all-gathers.
+``--cudagraphs`` compiles the CP form with CUDA graphs (the launches replayed, not issued).
 
 ``--work-model`` counts, for the same batches, the (query tile, key tile) pairs the causal
 forward kernel visits at its D = 128 launch config on one GPU and on each rank at W = 2, 4,
@@ -53,6 +57,8 @@ from benchmarks.bench_varlen_attention import packed_lengths  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     default_world,
     environment,
+    every_rank,
+    host_issue_ms,
     kernel_class,
     max_over_ranks,
     median_ms_counted,
@@ -101,10 +107,18 @@ def _profile_rows(step) -> dict[str, float]:
             other[n] = other.get(n, 0.0) + (e - s) / PROFILE_RUNS / 1e3
     top = sorted(other.items(), key=lambda kv: -kv[1])[:6]
     print("  largest 'other' kernels (ms per step): " + "; ".join(f"{n[:70]} {t:.3f}" for n, t in top), flush=True)
+    out["host issue"] = host_issue_ms(step)
     return out
 
 
-def _worker(rank: int, world: int, port: int, gqa: int, out: str | None, smoke: bool, profile: bool) -> None:
+# every rank's figures in the W-rank profile: waiting for its host (idle), for a peer or the
+# network (collectives only), and its host's time to issue a step
+RANK_PROFILE_KEYS = ("idle", "collectives only", "host issue")
+
+
+def _worker(
+    rank: int, world: int, port: int, gqa: int, out: str | None, smoke: bool, profile: bool, cudagraphs: bool
+) -> None:
     device = init_local_rank(rank, world, port, "cpu" if smoke else "cuda")
     group = dist.group.WORLD
     group_name, _ = resolve_group(group)
@@ -142,7 +156,8 @@ def _worker(rank: int, world: int, port: int, gqa: int, out: str | None, smoke: 
 
                 return fn
 
-            forms = {1: cp_fn(1), 2: cp_fn(2), "compiled": torch.compile(cp_fn(1), fullgraph=True)}
+            options = {"triton.cudagraphs": True} if cudagraphs else None
+            forms = {1: cp_fn(1), 2: cp_fn(2), "compiled": torch.compile(cp_fn(1), fullgraph=True, options=options)}
             with torch.no_grad():
                 want = shard_thd(one_gpu(q, k, v), cup, world, rank)
                 for form, fn in forms.items():
@@ -177,7 +192,10 @@ def _worker(rank: int, world: int, port: int, gqa: int, out: str | None, smoke: 
 
             t_ag = max_over_ranks(timed(gather))
             if profile:  # every rank runs the profiled steps (they meet in the all-gathers); rank 0's figures
-                profiles[(total, f"W={world} compiled, rank 0")] = _profile_rows(_fwd_and_step(forms["compiled"], *local)[1])
+                prof = _profile_rows(_fwd_and_step(forms["compiled"], *local)[1])
+                for r, figures in enumerate(every_rank(prof, RANK_PROFILE_KEYS, device)):
+                    prof.update({f"rank {r}: {k}": v for k, v in figures.items()})
+                profiles[(total, f"W={world} compiled, rank 0")] = prof
             for label, idx in (("fwd", 0), ("fwd+bwd", 1)):
                 w1, w2, wc = times[1][idx], times[2][idx], times["compiled"][idx]
                 rows.append((total, len(lens), label, t1[idx], w1, w2, t1[idx] / (world * w1),
@@ -192,7 +210,9 @@ def _worker(rank: int, world: int, port: int, gqa: int, out: str | None, smoke: 
                 environment(world),
                 f"ag_thd_attention, {str(DTYPE).removeprefix('torch.')}, causal, H = {heads}, Hkv = {kv_heads}, "
                 f"D = {head_dim}; T = real tokens of the global batch (packed documents); times in ms, median "
-                f"over {runs} runs, max over ranks; eff = T_1 / (W * T_W)\n",
+                f"over {runs} runs, max over ranks; eff = T_1 / (W * T_W)"
+                + ("; the compiled form with CUDA graphs (--cudagraphs)" if cudagraphs else "")
+                + "\n",
                 f"| T | docs | pass | 1 GPU | W={world} 1 launch | W={world} 2 launches | eff 1L | eff 2L | 2L / 1L "
                 f"| KV all-gather | W={world} 1L compiled | eff 1L compiled |",
                 "|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -204,7 +224,7 @@ def _worker(rank: int, world: int, port: int, gqa: int, out: str | None, smoke: 
                     f"| {r[8]:.2f} | {ag} | {r[10]:.3f} | {r[11]:.2f} |"
                 )
             if profiles:
-                keys = list(next(iter(profiles.values())))
+                keys = list(dict.fromkeys(k for p in profiles.values() for k in p))  # W columns add rank rows
                 lines += [
                     "",
                     f"Profile of one compiled fwd+bwd step (--profile; kernel timeline, mean of {PROFILE_RUNS} steps, ms)",
@@ -212,7 +232,7 @@ def _worker(rank: int, world: int, port: int, gqa: int, out: str | None, smoke: 
                     "| | " + " | ".join(f"T={t} {who}" for t, who in profiles) + " |",
                     "|---" * (len(profiles) + 1) + "|",
                 ]
-                lines += [f"| {k} | " + " | ".join(f"{p[k]:.3f}" for p in profiles.values()) + " |" for k in keys]
+                lines += [f"| {k} | " + " | ".join(_cell(p.get(k)) for p in profiles.values()) + " |" for k in keys]
             print("\n".join(lines), flush=True)
             if out:
                 with open(out, "w") as f:
@@ -221,6 +241,10 @@ def _worker(rank: int, world: int, port: int, gqa: int, out: str | None, smoke: 
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def _cell(value: float | None) -> str:
+    return "" if value is None else f"{value:.3f}"
 
 
 def tile_pairs(q_len, q_pos, k_len, block_m: int, block_n: int) -> int:
@@ -274,6 +298,8 @@ def main() -> None:
     parser.add_argument("--out", help="also write the table to this markdown file")
     parser.add_argument("--work-model", action="store_true", help="print the kernel-tile work model (CPU) and exit")
     parser.add_argument("--profile", action="store_true", help="also profile one fwd+bwd step: one GPU, compiled CP")
+    parser.add_argument("--cudagraphs", action="store_true",
+                        help="compile the CP form with CUDA graphs (Inductor's triton.cudagraphs)")
     args = parser.parse_args()
     if args.work_model:
         print(work_model())
@@ -284,7 +310,10 @@ def main() -> None:
     world = args.world or (2 if args.smoke else default_world())
     if args.profile and args.smoke:
         raise SystemExit("--profile needs GPUs")
-    spawn_ranks(_worker, world, args.gqa, args.out, args.smoke, args.profile, device="cpu" if args.smoke else "cuda")
+    if args.smoke and args.cudagraphs:
+        raise SystemExit("--cudagraphs needs GPUs, not --smoke")
+    spawn_ranks(_worker, world, args.gqa, args.out, args.smoke, args.profile, args.cudagraphs,
+                device="cpu" if args.smoke else "cuda")  # fmt: skip
 
 
 if __name__ == "__main__":

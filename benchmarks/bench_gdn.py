@@ -41,7 +41,11 @@ rows), without collectives: how each piece shrinks with W, apart from communicat
   profile    with --profile: rank 0's compiled step, one GPU and W GPUs, from torch.profiler's
              kernel timeline (benchmarks.common.profile_timeline): wall time, GPU busy and idle
              time, time when only a collective runs, and kernel time per class (collectives,
-             GEMMs, FLA, our kernels, Inductor-fused, other)
+             GEMMs, FLA, our kernels, Inductor-fused, other); then for every rank its idle
+             time, its time with only a collective running, and the host time to issue one
+             step on an idle GPU (benchmarks.common.host_issue_ms): a rank whose host issue
+             time reaches its step time is limited by its host, and its peers wait for it in
+             the collectives
 
 Multi-rank times are medians of a fixed number of runs (CUDA events; the same count on
 every rank, since the ranks meet in every all-to-all), max over ranks. Scaling efficiency
@@ -55,6 +59,7 @@ The per-sequence and unfused layers are :func:`sections_form` with the conversio
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import math
 import os
@@ -72,6 +77,8 @@ from benchmarks.bench_cp2hp import cp2hp_per_sequence, hp2cp_per_sequence  # noq
 from benchmarks.common import (  # noqa: E402
     KERNEL_CLASSES,
     environment,
+    every_rank,
+    host_issue_ms,
     kernel_ms,
     max_over_ranks,
     median_ms_counted,
@@ -279,7 +286,10 @@ def _set_recompile_limit(n: int) -> None:
             pass
 
 
-def _cp_worker(rank, world, port, tokens, seqs, out, smoke, eager_only=False, profile=False) -> None:
+def _cp_worker(rank, world, port, tokens, seqs, out, smoke, opts: dict) -> None:
+    """One CP rank of the multi-rank benchmark; ``opts``: the flags ``eager_only``, ``compiled_only``,
+    ``cudagraphs`` and ``profile`` of the command line."""
+    eager_only, profile, full = opts["eager_only"], opts["profile"], not opts["compiled_only"]
     device = init_local_rank(rank, world, port, "cpu" if smoke else "cuda")
     group = dist.group.WORLD
     hidden, hk, hv, dk, dv = SMOKE_DIMS if smoke else (HIDDEN, HK, HV, DK, DV)
@@ -302,7 +312,8 @@ def _cp_worker(rank, world, port, tokens, seqs, out, smoke, eager_only=False, pr
         """The layer compiled as recommended, and its section-layout form compiled as the layer
         was compiled before the fused layouts (thd_cp2hp / thd_hp2cp as one op each, the z
         projection after the exchange, default options)."""
-        fn = torch.compile(layer, fullgraph=True, dynamic=dynamic, options=COMPILE_OPTIONS)
+        options = {**COMPILE_OPTIONS, "triton.cudagraphs": True} if opts["cudagraphs"] else COMPILE_OPTIONS
+        fn = torch.compile(layer, fullgraph=True, dynamic=dynamic, options=options)
         return {"fn": fn, "dynamic": dynamic}, torch.compile(unfused, fullgraph=True, dynamic=dynamic)
 
     compiled, compiled_unfused = compile_layer(dynamic=True)
@@ -351,15 +362,16 @@ def _cp_worker(rank, world, port, tokens, seqs, out, smoke, eager_only=False, pr
                 compiled, compiled_unfused = compile_layer(dynamic=False)
                 notes.append(f"compiled with dynamic=False (dynamic=True failed: {msg[:200]})")
                 res["err compiled"] = check(compiled["fn"])
-            res["err per-seq"] = check(per_sequence)
-            res["W per-seq eager"] = timed(cp_step(per_sequence), per_sequence=True)
             res["W compiled"] = math.nan if eager_only else timed(cp_step(compiled["fn"]))
-            res["W eager"] = timed(cp_step(layer))
-            res["W eager unfused"] = timed(cp_step(unfused))
-            res["err compiled unfused"] = math.nan if eager_only else check(compiled_unfused)
-            res["W compiled unfused"] = math.nan if eager_only else timed(cp_step(compiled_unfused))
-            if profile:  # every rank runs the profiled steps (they meet in the all-to-alls); rank 0's figures
-                res.update({f"prof W {k}": v for k, v in profile_timeline(cp_step(compiled["fn"])).items()})
+            if full:
+                res["err per-seq"] = check(per_sequence)
+                res["W per-seq eager"] = timed(cp_step(per_sequence), per_sequence=True)
+                res["W eager"] = timed(cp_step(layer))
+                res["W eager unfused"] = timed(cp_step(unfused))
+                res["err compiled unfused"] = math.nan if eager_only else check(compiled_unfused)
+                res["W compiled unfused"] = math.nan if eager_only else timed(cp_step(compiled_unfused))
+            if profile:  # every rank runs the profiled steps (they meet in the all-to-alls)
+                res.update(_profile_ranks(cp_step(compiled["fn"]), device))
 
             # one device: rank 0 alone, the whole batch, the same (compiled) layer; the others wait
             res["1 compiled"] = res["1 eager"] = math.nan
@@ -369,30 +381,33 @@ def _cp_worker(rank, world, port, tokens, seqs, out, smoke, eager_only=False, pr
                     res["1 compiled"] = median_ms_counted(
                         _fwd_bwd(lambda: compiled["fn"](x_all, cup), [x_all] + params, grad), warmup, runs, device
                     )
-                res["1 eager"] = median_ms_counted(
-                    _fwd_bwd(lambda: layer(x_all, cup), [x_all] + params, grad), warmup, runs, device
-                )
+                if full:
+                    res["1 eager"] = median_ms_counted(
+                        _fwd_bwd(lambda: layer(x_all, cup), [x_all] + params, grad), warmup, runs, device
+                    )
                 if profile:
                     one = _fwd_bwd(lambda: compiled["fn"](x_all, cup), [x_all] + params, grad)
                     res.update({f"prof 1 {k}": v for k, v in profile_timeline(one).items()})
+                    res["prof 1 host issue"] = host_issue_ms(one)
                 del x_all
             dist.barrier()
             del x, grad
             _empty_cache(device)
 
-            # where one rank's step goes
-            for name, fn in piece_steps(layer, x_cp, cup, world).items():
-                res[name] = timed(fn)
-            fused = a2a_steps(layer, x_cp, cup, group, thd_cp2hp, thd_hp2cp)
-            per_seq = a2a_steps(layer, x_cp, cup, group, per_sequence_cp2hp, per_sequence_hp2cp)
-            for name in ("cp2hp", "hp2cp"):
-                res[f"{name} fwd+bwd"] = timed(fused[name])
-                res[f"per-seq {name} fwd+bwd"] = timed(per_seq[name], per_sequence=True)
+            if full:  # where one rank's step goes
+                for name, fn in piece_steps(layer, x_cp, cup, world).items():
+                    res[name] = timed(fn)
+                fused = a2a_steps(layer, x_cp, cup, group, thd_cp2hp, thd_hp2cp)
+                per_seq = a2a_steps(layer, x_cp, cup, group, per_sequence_cp2hp, per_sequence_hp2cp)
+                for name in ("cp2hp", "hp2cp"):
+                    res[f"{name} fwd+bwd"] = timed(fused[name])
+                    res[f"per-seq {name} fwd+bwd"] = timed(per_seq[name], per_sequence=True)
+                del fused, per_seq
             results[(total, num_seqs)] = res
             if rank == 0:  # a line per shape, so a run cut short by a time limit still reports
                 done = ", ".join(f"{k} {v:.4g}" for k, v in res.items() if k.startswith(("err", "W ", "1 ")))
                 print(f"T={total} B={num_seqs}: {done}", flush=True)
-            del x_cp, grad_cp, fused, per_seq
+            del x_cp, grad_cp
             _empty_cache(device)
 
         if rank == 0:
@@ -406,11 +421,29 @@ def _cp_worker(rank, world, port, tokens, seqs, out, smoke, eager_only=False, pr
     finally:
         dist.destroy_process_group()
     errors = [
-        r[k] for r in results.values() for k in ("err eager", "err compiled", "err per-seq", "err compiled unfused")
+        r.get(k, math.nan)
+        for r in results.values()
+        for k in ("err eager", "err compiled", "err per-seq", "err compiled unfused")
     ]
-    worst = max(e for e in errors if not math.isnan(e))  # err compiled is nan with --eager-only
+    worst = max(e for e in errors if not math.isnan(e))  # nan: a row the flags skipped
     if not worst < CP_TOLERANCE:
         raise AssertionError(f"CP output off by rel_error {worst:.3g} >= {CP_TOLERANCE} against one device")
+
+
+# per-rank rows of --profile: whether a rank waits for the host (idle), for a peer or the
+# network (collectives only), and how long its host takes to issue a step
+RANK_PROFILE_KEYS = ("idle", "collectives only", "host issue")
+
+
+def _profile_ranks(step, device) -> dict[str, float]:
+    """Rank 0's :func:`profile_timeline` of the compiled CP step (``prof W *``), and every rank's
+    :data:`RANK_PROFILE_KEYS` (``prof W rank r *``). Every rank must call it."""
+    prof = profile_timeline(step)
+    prof["host issue"] = host_issue_ms(step)
+    out = {f"prof W {k}": v for k, v in prof.items()}
+    for r, figures in enumerate(every_rank(prof, RANK_PROFILE_KEYS, device)):
+        out.update({f"prof W rank {r} {k}": v for k, v in figures.items()})
+    return out
 
 
 def _empty_cache(device) -> None:
@@ -421,7 +454,8 @@ def _empty_cache(device) -> None:
 def _cp_table(results, cases, world, dims, dtype, runs, seq_runs, notes) -> str:
     hidden, hk, hv, dk, dv = dims
     w = f"W={world}"
-    for r in results.values():
+    for case in cases:  # rows a run skipped (--eager-only, --compiled-only) read nan
+        r = results[case] = collections.defaultdict(lambda: math.nan, results[case])
         r["eff compiled"] = r["1 compiled"] / (world * r["W compiled"])
         r["eff eager"] = r["1 eager"] / (world * r["W eager"])
         r["eff compiled unfused"] = r["1 compiled"] / (world * r["W compiled unfused"])
@@ -486,8 +520,15 @@ def _cp_table(results, cases, world, dims, dtype, runs, seq_runs, notes) -> str:
             for k in ["wall", "GPU busy", "idle", "compute busy", "collectives only"] + [c for c, _ in KERNEL_CLASSES]:
                 table.append((f"profile, compiled {label}: {k}", f"prof {who} {k}", t))
             table.append((f"profile, compiled {label}: other", f"prof {who} other", t))
+        table.append(("profile, compiled 1 GPU: host issue", "prof 1 host issue", t))
+        for r in range(world):
+            for k in RANK_PROFILE_KEYS:
+                table.append((f"profile, compiled {w} rank {r}: {k}", f"prof W rank {r} {k}", t))
     for label, key, fmt in table:
-        lines.append(f"| {label} | " + " | ".join(fmt.format(results[c].get(key, math.nan)) for c in cases) + " |")
+        values = [results[c].get(key, math.nan) for c in cases]
+        if all(math.isnan(v) for v in values):
+            continue  # a row the flags skipped
+        lines.append(f"| {label} | " + " | ".join(fmt.format(v) for v in values) + " |")
     return "\n".join(lines)
 
 
@@ -508,6 +549,12 @@ def main() -> None:
     parser.add_argument("--cp", type=int, default=0, help="W: run the CP layer on W ranks (one GPU each, NCCL)")
     parser.add_argument("--smoke", action="store_true", help="with --cp: gloo ranks on the CPU, tiny layer, few runs")
     parser.add_argument("--eager-only", action="store_true", help="with --cp: skip the compiled layer (eager rows only)")
+    parser.add_argument("--compiled-only", action="store_true",
+                        help="with --cp: only the compiled layer's rows (and --profile's); no eager, unfused, "
+                        "per-seq or piece rows")
+    parser.add_argument("--cudagraphs", action="store_true",
+                        help="with --cp: compile the layer with CUDA graphs (Inductor's triton.cudagraphs), "
+                        "on W GPUs and on one")
     parser.add_argument("--out", help="also write the table to this markdown file")
     parser.add_argument("--kernel-time", action="store_true",
                         help="one GPU: also the summed kernel time of each row (torch.profiler)")
@@ -517,18 +564,21 @@ def main() -> None:
     parser.add_argument("--rank-share", type=int, nargs="+", default=[], metavar="W",
                         help="one GPU: also time one rank's pieces of a W-rank CP layer, no collectives")
     args = parser.parse_args()
+    opts = {k: getattr(args, k) for k in ("eager_only", "compiled_only", "cudagraphs", "profile")}
+    if args.eager_only and (args.compiled_only or args.cudagraphs):
+        raise SystemExit("--eager-only excludes --compiled-only and --cudagraphs")
     if args.smoke:
         world = args.cp or 2
         tokens, seqs = args.tokens or SMOKE_TOKENS, args.seqs or SMOKE_SEQS
         if SMOKE_DIMS[1] % world:
             raise SystemExit(f"--smoke runs a layer with Hk = {SMOKE_DIMS[1]}; --cp must divide it")
-        spawn_ranks(_cp_worker, world, tokens, seqs, args.out, True, args.eager_only, device="cpu")
+        spawn_ranks(_cp_worker, world, tokens, seqs, args.out, True, {**opts, "profile": False}, device="cpu")
         return
     tokens, seqs = args.tokens or TOKENS, args.seqs or SEQS
     if args.cp:
         if args.cp < 2 or HK % args.cp:
             raise SystemExit(f"--cp must be at least 2 and divide Hk = {HK}, got {args.cp}")
-        spawn_ranks(_cp_worker, args.cp, tokens, seqs, args.out, False, args.eager_only, args.profile, device="cuda")
+        spawn_ranks(_cp_worker, args.cp, tokens, seqs, args.out, False, opts, device="cuda")
         return
     if not torch.cuda.is_available():
         raise SystemExit("bench_gdn needs a CUDA device (or --cp 2 --smoke on the CPU)")

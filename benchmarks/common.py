@@ -156,6 +156,23 @@ def profile_kernels(fn, runs: int = 5, warmup: int = 2) -> list[tuple[str, float
     ]
 
 
+def host_issue_ms(fn, runs: int = 10, warmup: int = 2) -> float:
+    """Median host time to issue one ``fn()`` on an idle GPU, in ms (no synchronisation inside
+    the timed span). A step whose host time reaches its GPU time is limited by the host.
+
+    With collectives every rank of the group must call it (the same number of calls)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(runs):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
 def profile_timeline(fn, runs: int = 5, warmup: int = 2) -> dict[str, float]:
     """:func:`timeline_summary` of :func:`profile_kernels` (``runs`` calls of ``fn()``)."""
     return timeline_summary(profile_kernels(fn, runs, warmup), runs)
@@ -169,6 +186,17 @@ def max_over_ranks(value: float) -> float:
     t = torch.tensor([value], device=device, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t.item())
+
+
+def every_rank(figures: dict[str, float], keys, device) -> list[dict[str, float]]:
+    """``{key: figures[key]}`` for ``keys`` from every rank of the default process group, by rank.
+    Every rank must call it."""
+    import torch.distributed as dist
+
+    mine = torch.tensor([figures[k] for k in keys], dtype=torch.float64, device=device)
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, mine)
+    return [dict(zip(keys, t.tolist())) for t in gathered]
 
 
 def default_world() -> int:
