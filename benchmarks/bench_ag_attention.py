@@ -11,6 +11,11 @@ totalling 32768 and 65536 real tokens globally, bf16, causal, H = 16 query heads
   W 1L comp  the one-launch form under torch.compile(fullgraph=True): the segment tables,
              the K/V concatenation and the reorder fused, fewer launches than eager
   all-gather the K,V all-gather alone (the communication part of the forward)
+  G groups   the compiled one-launch form with head_groups=G (--head-groups, default 2 and 4):
+             the KV heads in G groups, each gathered by its own all-gather and attended by
+             its own launch, compiled with cp_ops.COMPILE_OPTIONS so that a group's attention
+             runs while the next group's K/V travel (and, backward, its reduce-scatter while
+             the next group's gradients are computed)
 
 Forward (no autograd) and forward+backward times are medians over a fixed number of runs
 timed with CUDA events, after warm-up, with the same run count on every rank (the ranks
@@ -23,12 +28,13 @@ Before timing, each CP form is checked against the one-GPU result (bf16 rel_erro
     python benchmarks/bench_ag_attention.py --work-model   # CPU only: kernel tiles per rank vs one GPU
 
 ``--profile`` adds a table of where one fwd+bwd step's GPU time goes (torch.profiler's
-kernel timeline): on one GPU, and for the compiled CP form on rank 0 (wall, busy, idle,
+kernel timeline): on one GPU, and for the compiled CP forms (one group, and the most head
+groups) on rank 0 (wall, busy, idle,
 time when only NCCL runs, kernel time per class and per attention kernel), with the host
 time to issue one step on an idle GPU (benchmarks.common.host_issue_ms) and, for every
 rank, its idle time, its time with only NCCL running and its host issue time: a rank whose
 host cannot issue a step as fast as its GPU runs it makes its peers wait in the all-gathers.
-``--cudagraphs`` compiles the CP form with CUDA graphs (the launches replayed, not issued).
+``--cudagraphs`` compiles the CP forms with CUDA graphs (the launches replayed, not issued).
 
 ``--work-model`` counts, for the same batches, the (query tile, key tile) pairs the causal
 forward kernel visits at its D = 128 launch config on one GPU and on each rank at W = 2, 4,
@@ -66,7 +72,7 @@ from benchmarks.common import (  # noqa: E402
     spawn_ranks,
     timeline_summary,
 )
-from cp_ops import ag_thd_attention, all_gather_rows, pad_cu_seqlens, resolve_group, shard_thd  # noqa: E402
+from cp_ops import COMPILE_OPTIONS, ag_thd_attention, all_gather_rows, pad_cu_seqlens, resolve_group, shard_thd  # noqa: E402
 from cp_ops._local_ranks import init_local_rank  # noqa: E402
 from custom_ops.testing import TOLERANCE, rel_error  # noqa: E402
 
@@ -117,7 +123,8 @@ RANK_PROFILE_KEYS = ("idle", "collectives only", "host issue")
 
 
 def _worker(
-    rank: int, world: int, port: int, gqa: int, out: str | None, smoke: bool, profile: bool, cudagraphs: bool
+    rank: int, world: int, port: int, gqa: int, out: str | None, smoke: bool, profile: bool, cudagraphs: bool,
+    head_groups: tuple[int, ...] = (),
 ) -> None:
     device = init_local_rank(rank, world, port, "cpu" if smoke else "cuda")
     group = dist.group.WORLD
@@ -150,14 +157,17 @@ def _worker(
 
             local = [shard_thd(t, cup, world, rank) for t in (q, k, v, dout)]
 
-            def cp_fn(launches):
+            def cp_fn(launches, groups=1):
                 def fn(q_, k_, v_):
-                    return ag_thd_attention(q_, k_, v_, cu, cup, causal=True, group=group, launches=launches)
+                    return ag_thd_attention(q_, k_, v_, cu, cup, causal=True, group=group, launches=launches,
+                                            head_groups=groups)  # fmt: skip
 
                 return fn
 
-            options = {"triton.cudagraphs": True} if cudagraphs else None
-            forms = {1: cp_fn(1), 2: cp_fn(2), "compiled": torch.compile(cp_fn(1), fullgraph=True, options=options)}
+            graphs = {"triton.cudagraphs": True} if cudagraphs else {}
+            forms = {1: cp_fn(1), 2: cp_fn(2), "compiled": torch.compile(cp_fn(1), fullgraph=True, options=graphs)}
+            for g in head_groups:  # pipelined: the scheduling pass of COMPILE_OPTIONS overlaps the groups
+                forms[f"G={g}"] = torch.compile(cp_fn(1, g), fullgraph=True, options={**COMPILE_OPTIONS, **graphs})
             with torch.no_grad():
                 want = shard_thd(one_gpu(q, k, v), cup, world, rank)
                 for form, fn in forms.items():
@@ -191,16 +201,24 @@ def _worker(
                     gathered.wait()
 
             t_ag = max_over_ranks(timed(gather))
-            if profile:  # every rank runs the profiled steps (they meet in the all-gathers); rank 0's figures
-                prof = _profile_rows(_fwd_and_step(forms["compiled"], *local)[1])
+            # every rank runs the profiled steps (they meet in the all-gathers); rank 0's figures
+            profiled = {"compiled": f"W={world} compiled, rank 0"}
+            if head_groups:
+                g = max(head_groups)
+                profiled[f"G={g}"] = f"W={world} compiled, {g} head groups, rank 0"
+            for form, label in profiled.items() if profile else ():
+                prof = _profile_rows(_fwd_and_step(forms[form], *local)[1])
                 for r, figures in enumerate(every_rank(prof, RANK_PROFILE_KEYS, device)):
                     prof.update({f"rank {r}: {k}": v for k, v in figures.items()})
-                profiles[(total, f"W={world} compiled, rank 0")] = prof
+                profiles[(total, label)] = prof
             for label, idx in (("fwd", 0), ("fwd+bwd", 1)):
                 w1, w2, wc = times[1][idx], times[2][idx], times["compiled"][idx]
-                rows.append((total, len(lens), label, t1[idx], w1, w2, t1[idx] / (world * w1),
-                             t1[idx] / (world * w2), w2 / w1, t_ag if idx == 0 else float("nan"),
-                             wc, t1[idx] / (world * wc)))  # fmt: skip
+                row = (total, len(lens), label, t1[idx], w1, w2, t1[idx] / (world * w1),
+                       t1[idx] / (world * w2), w2 / w1, t_ag if idx == 0 else float("nan"),
+                       wc, t1[idx] / (world * wc))  # fmt: skip
+                for g in head_groups:
+                    row += (times[f"G={g}"][idx], t1[idx] / (world * times[f"G={g}"][idx]))
+                rows.append(row)
             del local, kv_cp
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -214,14 +232,16 @@ def _worker(
                 + ("; the compiled form with CUDA graphs (--cudagraphs)" if cudagraphs else "")
                 + "\n",
                 f"| T | docs | pass | 1 GPU | W={world} 1 launch | W={world} 2 launches | eff 1L | eff 2L | 2L / 1L "
-                f"| KV all-gather | W={world} 1L compiled | eff 1L compiled |",
-                "|---|---|---|---|---|---|---|---|---|---|---|---|",
+                f"| KV all-gather | W={world} 1L compiled | eff 1L compiled |"
+                + "".join(f" W={world} compiled, {g} head groups | eff, {g} groups |" for g in head_groups),
+                "|---" * (12 + 2 * len(head_groups)) + "|",
             ]
             for r in rows:
                 ag = "" if r[9] != r[9] else f"{r[9]:.3f}"
                 lines.append(
                     f"| {r[0]} | {r[1]} | {r[2]} | {r[3]:.3f} | {r[4]:.3f} | {r[5]:.3f} | {r[6]:.2f} | {r[7]:.2f} "
                     f"| {r[8]:.2f} | {ag} | {r[10]:.3f} | {r[11]:.2f} |"
+                    + "".join(f" {t:.3f} | {e:.2f} |" for t, e in zip(r[12::2], r[13::2]))
                 )
             if profiles:
                 keys = list(dict.fromkeys(k for p in profiles.values() for k in p))  # W columns add rank rows
@@ -298,6 +318,9 @@ def main() -> None:
     parser.add_argument("--out", help="also write the table to this markdown file")
     parser.add_argument("--work-model", action="store_true", help="print the kernel-tile work model (CPU) and exit")
     parser.add_argument("--profile", action="store_true", help="also profile one fwd+bwd step: one GPU, compiled CP")
+    parser.add_argument("--head-groups", type=int, nargs="*", default=[2, 4], metavar="G",
+                        help="also time the compiled one-launch form with head_groups=G (the KV heads in G "
+                        "all-gathers, overlapped by cp_ops.COMPILE_OPTIONS); each G must divide Hkv (default 2 4)")
     parser.add_argument("--cudagraphs", action="store_true",
                         help="compile the CP form with CUDA graphs (Inductor's triton.cudagraphs)")
     args = parser.parse_args()
@@ -312,8 +335,11 @@ def main() -> None:
         raise SystemExit("--profile needs GPUs")
     if args.smoke and args.cudagraphs:
         raise SystemExit("--cudagraphs needs GPUs, not --smoke")
+    bad = [g for g in args.head_groups if g < 2 or (heads // args.gqa) % g]
+    if bad:
+        raise SystemExit(f"--head-groups must be divisors of Hkv = {heads // args.gqa} above 1, got {bad}")
     spawn_ranks(_worker, world, args.gqa, args.out, args.smoke, args.profile, args.cudagraphs,
-                device="cpu" if args.smoke else "cuda")  # fmt: skip
+                tuple(args.head_groups), device="cpu" if args.smoke else "cuda")  # fmt: skip
 
 
 if __name__ == "__main__":

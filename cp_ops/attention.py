@@ -41,6 +41,12 @@ argument of the op (``cp_size``, checked against the group) and so part of the k
 launch per local chunk (segments of chunk r, then of chunk 2W-1-r), the second
 chunk's rows copied into the first output with ``thd_copy_valid_tokens``. Same
 result; kept so the two can be timed against each other.
+
+``head_groups=G`` pipelines the exchange: steps 1-3 run per group of Hkv/G KV heads
+(and their Hq/G query heads), G all-gathers in all, so the attention of group g needs
+only the g-th gather and runs while the later ones travel; in the backward, group g's
+reduce-scatter runs while the gradients of the other groups are computed. Only the
+first gather (and the last reduce-scatter) has nothing beside it, 1/G of the bytes.
 """
 
 from __future__ import annotations
@@ -116,7 +122,7 @@ def ag_thd_segments(
 # --- the op ---------------------------------------------------------------------------------------
 
 
-def _check(q, k, v, cu_seqlens, cu_seqlens_padded, launches) -> None:
+def _check(q, k, v, cu_seqlens, cu_seqlens_padded, launches, head_groups) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -135,6 +141,10 @@ def _check(q, k, v, cu_seqlens, cu_seqlens_padded, launches) -> None:
         )
     if launches not in (1, 2):
         raise ValueError(f"launches must be 1 or 2, got {launches!r}")
+    if not isinstance(head_groups, int) or head_groups < 1 or k.shape[1] % head_groups:
+        raise ValueError(f"head_groups must be a positive divisor of Hkv = {k.shape[1]}, got {head_groups!r}")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"q has {q.shape[1]} heads, not a multiple of the {k.shape[1]} heads of k and v (GQA)")
 
 
 # The rank is read at run time, by an opaque op, not baked into the traced graph. The composite
@@ -157,41 +167,54 @@ def _(like, group_name):
 
 
 def _ag_thd_attention(q, k, v, cu_seqlens, cu_seqlens_padded, causal, window_left, window_right, scale, group_name,
-                      cp_size=1, launches=1):  # fmt: skip
-    """The decomposition: one collective, one reorder, one (or two) segment-attention launches."""
-    _check(q, k, v, cu_seqlens, cu_seqlens_padded, launches)
+                      cp_size=1, launches=1, head_groups=1):  # fmt: skip
+    """The decomposition: per head group one collective, one reorder and one (or two)
+    segment-attention launches; the groups' outputs concatenated over heads."""
+    _check(q, k, v, cu_seqlens, cu_seqlens_padded, launches, head_groups)
     window = (window_left, window_right)
     if group_name is None:
         if cp_size != 1:
             raise ValueError(f"cp_size = {cp_size} needs a process group (group_name is None)")
         world, rank = 1, 0
-        k_seq, v_seq = k, v  # W = 1: rank order is sequence order, nothing to gather
     else:
         world, rank = group_size(group_name), group_rank_tensor(cu_seqlens_padded, group_name)
         if world != cp_size:
             raise ValueError(f"cp_size = {cp_size} but the process group {group_name!r} has {world} ranks")
-        hkv = k.shape[1]
-        # K and V travel together: one all-gather forward, one reduce-scatter backward
-        kv = all_gather_rows(torch.cat([k, v], dim=1), group_name)  # [T, 2*Hkv, D], rank order
-        kv = custom_ops.thd_rank_to_seq_order(kv, cu_seqlens_padded, world)
-        k_seq, v_seq = kv[:, :hkv], kv[:, hkv:]
     if launches == 1:
-        seg = ag_thd_segments(cu_seqlens, cu_seqlens_padded, world, rank, causal, window_right)
-        return custom_ops.varlen_attention(q, k_seq, v_seq, *seg, causal=causal, window=window, scale=scale)[0]
-    seg0 = ag_thd_segments(cu_seqlens, cu_seqlens_padded, world, rank, causal, window_right, chunks=(0,))
-    seg1 = ag_thd_segments(cu_seqlens, cu_seqlens_padded, world, rank, causal, window_right, chunks=(1,))
-    out0 = custom_ops.varlen_attention(q, k_seq, v_seq, *seg0, causal=causal, window=window, scale=scale)[0]
-    out1 = custom_ops.varlen_attention(q, k_seq, v_seq, *seg1, causal=causal, window=window, scale=scale)[0]
-    # rows [q_start, q_start + q_len) of the second chunks come from out1; copy_valid_tokens
-    # wants them as (offsets [B], cumulative lengths [B+1])
-    counts = torch.cat([seg1[1].new_zeros(1), torch.cumsum(seg1[1], 0, dtype=torch.int32)])
-    return custom_ops.thd_copy_valid_tokens(out0, out1, seg1[0], counts)
+        segs = [ag_thd_segments(cu_seqlens, cu_seqlens_padded, world, rank, causal, window_right)]
+    else:
+        segs = [ag_thd_segments(cu_seqlens, cu_seqlens_padded, world, rank, causal, window_right, chunks=(h,))
+                for h in (0, 1)]  # fmt: skip
+
+    def attend(q_, k_seq, v_seq):
+        outs = [custom_ops.varlen_attention(q_, k_seq, v_seq, *s, causal=causal, window=window, scale=scale)[0]
+                for s in segs]  # fmt: skip
+        if launches == 1:
+            return outs[0]
+        # rows [q_start, q_start + q_len) of the second chunks come from outs[1]; copy_valid_tokens
+        # wants them as (offsets [B], cumulative lengths [B+1])
+        counts = torch.cat([segs[1][1].new_zeros(1), torch.cumsum(segs[1][1], 0, dtype=torch.int32)])
+        return custom_ops.thd_copy_valid_tokens(outs[0], outs[1], segs[1][0], counts)
+
+    if group_name is None:
+        return attend(q, k, v)  # W = 1: rank order is sequence order, nothing to gather
+    hkv, hq = k.shape[1] // head_groups, q.shape[1] // head_groups
+    outs = []
+    for g in range(head_groups):
+        kv_heads = slice(g * hkv, (g + 1) * hkv)
+        # K and V travel together: one all-gather forward, one reduce-scatter backward per group;
+        # a group's attention needs only its own gather, so it runs while the next group's travels
+        kv = all_gather_rows(torch.cat([k[:, kv_heads], v[:, kv_heads]], dim=1), group_name)  # rank order
+        kv = custom_ops.thd_rank_to_seq_order(kv, cu_seqlens_padded, world)
+        outs.append(attend(q[:, g * hq : (g + 1) * hq], kv[:, :hkv], kv[:, hkv:]))
+    return outs[0] if head_groups == 1 else torch.cat(outs, dim=1)
 
 
 torch.library.define(
     f"{NAMESPACE}::ag_thd_attention",
     "(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, Tensor cu_seqlens_padded, bool causal=True, "
-    "SymInt window_left=-1, SymInt window_right=-1, float? scale=None, str? group_name=None, int cp_size=1) -> Tensor",
+    "SymInt window_left=-1, SymInt window_right=-1, float? scale=None, str? group_name=None, int cp_size=1, "
+    "int head_groups=1) -> Tensor",
 )
 
 
@@ -202,9 +225,10 @@ torch.library.define(
 # group names repeat across runs of different sizes.
 @torch.library.impl(f"{NAMESPACE}::ag_thd_attention", "CompositeImplicitAutograd")
 def _ag_thd_attention_composite(q, k, v, cu_seqlens, cu_seqlens_padded, causal=True, window_left=-1, window_right=-1,
-                                scale=None, group_name=None, cp_size=1):  # fmt: skip
+                                scale=None, group_name=None, cp_size=1, head_groups=1):  # fmt: skip
     return _ag_thd_attention(
-        q, k, v, cu_seqlens, cu_seqlens_padded, causal, window_left, window_right, scale, group_name, cp_size
+        q, k, v, cu_seqlens, cu_seqlens_padded, causal, window_left, window_right, scale, group_name, cp_size,
+        head_groups=head_groups,
     )
 
 
@@ -220,6 +244,7 @@ def ag_thd_attention(
     scale: float | None = None,
     group=None,
     launches: int = 1,
+    head_groups: int = 1,
 ) -> torch.Tensor:
     """All-gather CP attention on this rank's THD shard: ``out [T/W, Hq, D]``.
 
@@ -239,19 +264,25 @@ def ag_thd_attention(
     over the packed batch, no collective). Differentiable in q, k, v: the
     gradients of k and v are this rank's shard of the global ones (reduce-scattered).
     ``launches=2``: one launch per local chunk (TransformerEngine's form), same result.
+    ``head_groups=G`` (a divisor of Hkv): the KV heads in G groups, each gathered by its
+    own all-gather and attended by its own launch(es), so each group's attention runs
+    while later groups' K/V travel (and, backward, each group's reduce-scatter while
+    later groups' gradients are computed); same result. Ignored when group is None.
 
     Also ``torch.ops.cp_ops.ag_thd_attention(q, k, v, cu_seqlens, cu_seqlens_padded,
-    causal, window_left, window_right, scale, group_name, cp_size)`` (the one-launch form).
+    causal, window_left, window_right, scale, group_name, cp_size, head_groups)`` (the
+    one-launch form).
     """
     group_name, world = resolve_group(group)
     if not isinstance(window, (tuple, list)) or len(window) != 2:
         raise TypeError(f"window must be a pair (left, right) of ints, got {window!r}")
     if launches == 1:
         return torch.ops.cp_ops.ag_thd_attention(
-            q, k, v, cu_seqlens, cu_seqlens_padded, causal, window[0], window[1], scale, group_name, world
+            q, k, v, cu_seqlens, cu_seqlens_padded, causal, window[0], window[1], scale, group_name, world, head_groups
         )
     return _ag_thd_attention(
-        q, k, v, cu_seqlens, cu_seqlens_padded, causal, window[0], window[1], scale, group_name, world, launches
+        q, k, v, cu_seqlens, cu_seqlens_padded, causal, window[0], window[1], scale, group_name, world, launches,
+        head_groups,
     )
 
 
@@ -348,7 +379,8 @@ class Attention(nn.Module):
     on the device. Returns ``[T/W, hidden]``; padding rows are zero. Attention is
     sequence-parallel, so any W works (no head divisibility). Parameter gradients
     are this rank's contribution: sum them over the CP group to get the
-    single-device gradients.
+    single-device gradients. ``head_groups``: passed to :func:`ag_thd_attention`
+    (the K/V exchange in that many pipelined pieces; a divisor of Hkv).
     """
 
     def __init__(
@@ -364,8 +396,13 @@ class Attention(nn.Module):
         norm_eps: float = 1e-6,
         causal: bool = True,
         window: tuple[int, int] = (-1, -1),
+        head_groups: int = 1,
     ):
         super().__init__()
+        if head_groups < 1 or num_kv_heads % head_groups:
+            raise ValueError(f"head_groups must be a positive divisor of num_kv_heads = {num_kv_heads}, "
+                             f"got {head_groups}")  # fmt: skip
+        self.head_groups = head_groups
         if num_kv_heads < 1 or num_heads % num_kv_heads:
             raise ValueError(f"num_heads = {num_heads} must be a multiple of num_kv_heads = {num_kv_heads}")
         if head_dim % 2:
@@ -400,7 +437,8 @@ class Attention(nn.Module):
         q = apply_rotary(q, positions, self.rope_theta)
         k = apply_rotary(k, positions, self.rope_theta)
         o = ag_thd_attention(
-            q, k, v, cu_seqlens, cu_seqlens_padded, causal=self.causal, window=self.window, group=group
+            q, k, v, cu_seqlens, cu_seqlens_padded, causal=self.causal, window=self.window, group=group,
+            head_groups=self.head_groups,
         )
         if gate is not None:
             o = o * torch.sigmoid(gate)

@@ -441,7 +441,8 @@ def issue_early_wait_late(snodes: list) -> list:
 
     A list scheduler over the nodes' data dependencies. Of the nodes whose inputs are ready:
 
-    1. first a collective or a node some collective needs (the earliest collective first);
+    1. first a collective or a node some collective needs (the earliest collective first;
+       collectives in their graph order, one may be issued while others are in flight);
     2. then, while an exchange is in flight, *filler* work (nodes no collective needs, such as
        weight-gradient GEMMs) up to that exchange's share, then its wait;
     3. with no exchange in flight, fillers in their original order.
@@ -486,6 +487,13 @@ def issue_early_wait_late(snodes: list) -> list:
             anc = fused[name]
             first_comm[id(anc)] = min(first_comm[id(anc)], i)
     unmet = {id(s): {dep.name for dep in s.unmet_dependencies} for s in snodes}
+    # Inductor orders collectives by a fake dependency of each on the one before it; after
+    # buffer renaming that points at the earlier collective's *wait*, so no collective could be
+    # issued while another is in flight. Keep the issue order, not the wait: each collective
+    # after the previous one.
+    for prev, s in zip(comms, comms[1:]):
+        unmet[id(s)] = {dep.name for dep in s.unmet_dependencies if not getattr(dep, "is_fake", False)}
+        unmet[id(s)].add(next(iter(prev.get_buffer_names())))
     users = defaultdict(list)
     for s in snodes:
         for name in unmet[id(s)]:

@@ -47,6 +47,17 @@ def exchange_windows(code: str) -> list[str]:
     return windows
 
 
+def collective_windows(code: str, collective: str) -> list[str]:
+    """For each ``collective`` (e.g. ``all_gather_into_tensor``) issued in Inductor-generated
+    ``code``, the stretch of code from its issue to the wait on its own output: what runs while
+    it is in flight (other collectives may be issued, and waited for, in between)."""
+    windows = []
+    for m in re.finditer(rf"(\w+) = torch\.ops\._c10d_functional\.{collective}\.default\(", code):
+        end = code.find(f"{_WAIT}{m.group(1)})", m.end())
+        windows.append(code[m.start() : end if end >= 0 else len(code)])
+    return windows
+
+
 def gemms_overlap_every_exchange(code: str) -> bool:
     """Whether, in Inductor-generated ``code``, a GEMM runs while each all-to-all is in flight."""
     windows = exchange_windows(code)

@@ -18,6 +18,8 @@ Spawns are the main cost, so each spawned test runs every case of its W in one g
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -29,7 +31,7 @@ import custom_ops
 from cp_ops import Attention, ag_thd_attention, ag_thd_attention_reference, ag_thd_segments, pad_cu_seqlens, shard_thd
 from custom_ops.testing import TOLERANCE, random_seqlens, rel_error, thd_layouts
 from custom_ops.thd_copy_valid_tokens.reference import valid_token_mask
-from tests._dist import run_ranks
+from tests._dist import collective_windows, run_ranks
 
 TOL = TOLERANCE[torch.float64]
 HIDDEN = 24
@@ -170,6 +172,13 @@ def test_bad_input():
         ag_thd_attention(q, k, v, cu[:-1], cup)
     with pytest.raises(ValueError, match="launches must be 1 or 2"):
         ag_thd_attention(q, k, v, cu, cup, launches=3)
+    for groups in (0, 2):  # Hkv = 1
+        with pytest.raises(ValueError, match="head_groups must be a positive divisor of Hkv = 1"):
+            ag_thd_attention(q, k, v, cu, cup, head_groups=groups)
+    with pytest.raises(ValueError, match="head_groups must be a positive divisor of num_kv_heads = 2"):
+        Attention(HIDDEN, 4, 2, 8, head_groups=3)
+    with pytest.raises(ValueError, match="not a multiple of the 2 heads"):
+        ag_thd_attention(q[:, :1], torch.cat([k, k], 1), torch.cat([v, v], 1), cu, cup)
     with pytest.raises(TypeError, match="window must be a pair"):
         ag_thd_attention(q, k, v, cu, cup, window=3)
 
@@ -225,6 +234,11 @@ def _op_rank(rank, world, compiled):
         _assert_close(got, want, TOL, f"W={world} rank {rank} case {i}")
         two = _cp_run(ag_thd_attention, q_cp, k_cp, v_cp, dout_cp, cu, cup, causal, window, group=group, launches=2)
         _assert_close(two, got, TOL, f"launches=2 W={world} rank {rank} case {i}")
+        if heads[1] % 2 == 0:  # the KV heads in two groups, one all-gather each; both forms
+            for launches in (1, 2):
+                split = _cp_run(ag_thd_attention, q_cp, k_cp, v_cp, dout_cp, cu, cup, causal, window, group=group,
+                                launches=launches, head_groups=2)  # fmt: skip
+                _assert_close(split, got, TOL, f"head_groups=2 launches={launches} W={world} rank {rank} case {i}")
 
     group_name, _ = cp_ops.resolve_group(group)
     rank_t = torch.ops.cp_ops.group_rank_tensor(torch.zeros(3, dtype=torch.int32), group_name)
@@ -250,6 +264,7 @@ def _op_rank(rank, world, compiled):
 
     if compiled:
         _compiled_op_rank(rank, world, group)
+        _pipelined_rank(rank, world, group)
     if world in (2, 3):
         _layer_rank(rank, world, group, compiled=False)
     if compiled:
@@ -286,6 +301,36 @@ def _compiled_op_rank(rank, world, group):
     assert len(codes) == 2 and all(c == codes for c in everyone), "the compiled graphs differ between ranks"
 
 
+def _pipelined_rank(rank, world, group):
+    """head_groups = 2 under Inductor with cp_ops.COMPILE_OPTIONS: the second all-gather is
+    issued before the first is waited for, and the first group's attention runs while it is in
+    flight; backward, the second group's gradients are computed while the first group's
+    reduce-scatter is in flight. Values and gradients as the eager op with one group."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    seqlens, heads, d, causal, window = CASES[0]
+    cu, cup, q, k, v, dout = _global_case(seqlens, heads, d, world, seed=0)
+    local = [shard_thd(t, cup, world, rank) for t in (q, k, v, dout)]
+    want = _cp_run(ag_thd_attention, *local, cu, cup, causal, window, group=group)
+
+    def op(q_, k_, v_, cu_, cup_, causal, window):
+        return ag_thd_attention(q_, k_, v_, cu_, cup_, causal=causal, window=window, group=group, head_groups=2)
+
+    compiled = torch.compile(op, fullgraph=True, options=cp_ops.COMPILE_OPTIONS)
+    got, codes = run_and_get_code(lambda: _cp_run(compiled, *local, cu, cup, causal, window))
+    _assert_close(got, want, TOL, f"compiled head_groups=2 rank {rank}")
+    forward, backward = codes
+    # attention: the reference's GEMMs (bmm), or the opaque segment-attention op
+    attention = re.compile(r"bmm\(|varlen_attention")
+    first, second = collective_windows(forward, "all_gather_into_tensor")
+    issues = re.findall(r"= torch\.ops\._c10d_functional\.all_gather_into_tensor\.default\(", first)
+    assert len(issues) == 2, "the second all-gather waits for the first"
+    assert attention.search(second), "no attention while the second all-gather is in flight"
+    first, second = collective_windows(backward, "reduce_scatter_tensor")
+    assert attention.search(first), "no gradient computed while the first reduce-scatter is in flight"
+
+
 def _aot_graph_codes(step, q, k, v, dout, cu, cup):
     """The Python code of the forward and backward graphs AOT autograd passes to the compiler."""
     from functorch.compile import make_boxed_func
@@ -309,6 +354,8 @@ def _layer_rank(rank, world, group, compiled):
     for heads, kwargs in (((4, 2), {}), ((3, 3), {"gated": False, "qk_norm": False, "causal": False, "window": (3, 2)})):
         if compiled and kwargs:
             continue  # one compiled configuration keeps the compile time down
+        if compiled:  # compiled as recommended, the K/V exchange in two pipelined pieces
+            kwargs = {"head_groups": 2}
         layer = _layer(heads, **kwargs)
         cu, cup = pad_cu_seqlens([9, 0, 1, 23, 6], world)
         gen = torch.Generator().manual_seed(1)
@@ -322,7 +369,7 @@ def _layer_rank(rank, world, group, compiled):
         layer.zero_grad()
 
         x_cp = shard_thd(x, cup, world, rank).requires_grad_()
-        fn = torch.compile(layer, fullgraph=True) if compiled else layer
+        fn = torch.compile(layer, fullgraph=True, options=cp_ops.COMPILE_OPTIONS) if compiled else layer
         out_cp = fn(x_cp, cu, cup, group=group)
         out_cp.backward(shard_thd(grad_out, cup, world, rank))
 

@@ -176,20 +176,23 @@ def _ag_attention_rank(rank, world, compiled):
         out_ref.backward(dout)
         want = [shard_thd(t, cup, world, rank) for t in (out_ref.detach(), *(t.grad for t in ref))]
 
-        def step(q_cp, k_cp, v_cp, launches=1):
+        def step(q_cp, k_cp, v_cp, launches=1, head_groups=1):
             return ag_thd_attention(q_cp, k_cp, v_cp, cu, cup, causal=causal, window=window, group=group,
-                                    launches=launches)  # fmt: skip
+                                    launches=launches, head_groups=head_groups)  # fmt: skip
 
-        fns = [(step, 1), (step, 2)]
+        fns = [(step, 1, 1), (step, 2, 1), (step, 1, 2)]
         if compiled:
-            fns = [(torch.compile(step, fullgraph=True, dynamic=True), 1)]
-        for fn, launches in fns:
+            fns = [(torch.compile(step, fullgraph=True, dynamic=True), 1, 1),
+                   (torch.compile(step, fullgraph=True, dynamic=True, options=cp_ops.COMPILE_OPTIONS), 1, 2)]  # fmt: skip
+        for fn, launches, groups in fns:
             local = [shard_thd(t, cup, world, rank).requires_grad_() for t in (q, k, v)]
-            out = fn(*local, launches=launches)
+            out = fn(*local, launches=launches, head_groups=groups)
             out.backward(shard_thd(dout, cup, world, rank))
             for name, a, b in zip(("out", "dq", "dk", "dv"), (out, *(t.grad for t in local)), want):
                 err = rel_error(a, b)
-                assert err < TOLERANCE[torch.bfloat16], f"{name} {causal} {window} launches={launches}: {err:.3g}"
+                assert err < TOLERANCE[torch.bfloat16], (
+                    f"{name} {causal} {window} launches={launches} head_groups={groups}: {err:.3g}"
+                )
 
 
 @pytest.mark.parametrize("compiled", COMPILED)
