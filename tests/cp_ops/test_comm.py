@@ -389,8 +389,8 @@ def test_kernel_path_matches_reference():
 
 
 class _Dep:
-    def __init__(self, name):
-        self.name = name
+    def __init__(self, name, is_fake=False):
+        self.name, self.is_fake = name, is_fake
 
 
 class _Node:
@@ -547,6 +547,30 @@ def test_scheduling_pass_counts_work_that_becomes_ready_in_the_window(monkeypatc
     got = _schedule(nodes, monkeypatch)
     want = ["send0", "a2a0", "z", "wait0", "core", "send1", "a2a1", "own_norm", "own_mm", "wait1", "norm", "out"]
     assert got == want, got
+
+
+def test_scheduling_pass_pipelines_independent_collectives(monkeypatch):
+    """All-gather CP attention with two head groups: Inductor orders the second gather after
+    the first one's wait (a fake dependency); the pass issues both gathers first, in graph
+    order, and the first group's attention runs while the second gather is in flight."""
+    nodes = [
+        _Node("kv0", []),
+        _Node("ag0", ["kv0"], "comm"),
+        _Node("wait0", ["ag0"], "wait"),
+        _Node("attn0", ["wait0"]),
+        _Node("kv1", []),
+        _Node("ag1", ["kv1"], "comm"),
+        _Node("wait1", ["ag1"], "wait"),
+        _Node("attn1", ["wait1"]),
+        _Node("out", ["attn0", "attn1"]),
+    ]
+    nodes[5].unmet_dependencies.add(_Dep("wait0", is_fake=True))
+    got = _schedule(nodes, monkeypatch)
+    assert got == ["kv0", "ag0", "kv1", "ag1", "wait0", "attn0", "wait1", "attn1", "out"], got
+    # a real dependency on the wait still holds
+    nodes[5].unmet_dependencies.add(_Dep("wait0"))
+    got = _schedule(nodes, monkeypatch)
+    assert got.index("ag1") > got.index("wait0"), got
 
 
 def test_scheduling_pass_refuses_a_cycle(monkeypatch):
