@@ -19,6 +19,7 @@ nothing and store nothing. FLA then never calls ``prepare_chunk_indices``.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -69,6 +70,29 @@ def fla_varlen_indices(
     return cu_ext, torch.stack([seq, chunk], 1).to(cu.dtype)
 
 
+@contextlib.contextmanager
+def _fla_uncached():
+    """FLA's ``tensor_cache`` off for one call into FLA.
+
+    These ops pass FLA its ``chunk_indices``, so what FLA still caches is derived from the
+    ``cu_seqlens`` each call builds anew (``prepare_chunk_offsets``, ``prepare_lens``): an
+    identity key never hit again. The cache would only keep those tensors, and that
+    ``cu_seqlens``, alive after the op returns; under CUDA graphs (``torch.compile`` with
+    Inductor's ``triton.cudagraphs``) that is memory in the graph's pool that no output
+    accounts for, which the graph trees refuse ("tensor(s) in the cudagraph pool not
+    tracked as outputs"). FLA reads the switch ``fla.utils.FLA_DISABLE_TENSOR_CACHE`` at
+    every call.
+    """
+    import fla.utils
+
+    before = getattr(fla.utils, "FLA_DISABLE_TENSOR_CACHE", False)
+    fla.utils.FLA_DISABLE_TENSOR_CACHE = True
+    try:
+        yield
+    finally:
+        fla.utils.FLA_DISABLE_TENSOR_CACHE = before
+
+
 def _fla_activation(activation: Optional[str]) -> Optional[str]:
     return "silu" if activation in ("silu", "swish") else None
 
@@ -117,18 +141,19 @@ def causal_conv1d(
     from fla.modules.causal_conv1d.ops import causal_conv1d_fwd
 
     cu_ext, chunk_indices = fla_varlen_indices(cu_seqlens, x.shape[0])
-    y, _ = causal_conv1d_fwd(
-        x=x.unsqueeze(0),
-        weight=weight.contiguous(),
-        bias=None if bias is None else bias.contiguous(),
-        residual=None,
-        initial_state=None,
-        output_final_state=False,
-        activation=_fla_activation(activation),
-        cu_seqlens=cu_ext,
-        chunk_indices=chunk_indices,
-        chunk_size=FLA_CHUNK,
-    )
+    with _fla_uncached():
+        y, _ = causal_conv1d_fwd(
+            x=x.unsqueeze(0),
+            weight=weight.contiguous(),
+            bias=None if bias is None else bias.contiguous(),
+            residual=None,
+            initial_state=None,
+            output_final_state=False,
+            activation=_fla_activation(activation),
+            cu_seqlens=cu_ext,
+            chunk_indices=chunk_indices,
+            chunk_size=FLA_CHUNK,
+        )
     return y.view(x.shape)
 
 
@@ -153,19 +178,20 @@ def causal_conv1d_backward(
     from fla.modules.causal_conv1d.ops import causal_conv1d_bwd
 
     cu_ext, chunk_indices = fla_varlen_indices(cu_seqlens, x.shape[0])
-    dx, dw, db, _, _ = causal_conv1d_bwd(
-        x=x.unsqueeze(0),
-        dy=grad_y.unsqueeze(0),
-        dht=None,
-        weight=weight.contiguous(),
-        bias=None if bias is None else bias.contiguous(),
-        residual=None,
-        initial_state=None,
-        activation=_fla_activation(activation),
-        cu_seqlens=cu_ext,
-        chunk_indices=chunk_indices,
-        chunk_size=FLA_CHUNK,
-    )
+    with _fla_uncached():
+        dx, dw, db, _, _ = causal_conv1d_bwd(
+            x=x.unsqueeze(0),
+            dy=grad_y.unsqueeze(0),
+            dht=None,
+            weight=weight.contiguous(),
+            bias=None if bias is None else bias.contiguous(),
+            residual=None,
+            initial_state=None,
+            activation=_fla_activation(activation),
+            cu_seqlens=cu_ext,
+            chunk_indices=chunk_indices,
+            chunk_size=FLA_CHUNK,
+        )
     if db is None:
         db = grad_y.new_zeros(weight.shape[0], dtype=weight.dtype)  # no bias: nobody reads it
     return dx.view(x.shape).contiguous(), dw, db
@@ -263,19 +289,20 @@ def chunk_gated_delta_rule_forward(
     from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
 
     cu_ext, chunk_indices = fla_varlen_indices(cu_seqlens, q.shape[0])
-    g_cum, o, A, _, _, _ = chunk_gated_delta_rule_fwd(
-        q=q.contiguous().unsqueeze(0),
-        k=k.contiguous().unsqueeze(0),
-        v=v.contiguous().unsqueeze(0),
-        g=g.contiguous().unsqueeze(0),
-        beta=beta.contiguous().unsqueeze(0),
-        scale=scale,
-        initial_state=None,
-        output_final_state=False,
-        cu_seqlens=cu_ext,
-        chunk_indices=chunk_indices,
-        chunk_size=FLA_CHUNK,
-    )
+    with _fla_uncached():
+        g_cum, o, A, _, _, _ = chunk_gated_delta_rule_fwd(
+            q=q.contiguous().unsqueeze(0),
+            k=k.contiguous().unsqueeze(0),
+            v=v.contiguous().unsqueeze(0),
+            g=g.contiguous().unsqueeze(0),
+            beta=beta.contiguous().unsqueeze(0),
+            scale=scale,
+            initial_state=None,
+            output_final_state=False,
+            cu_seqlens=cu_ext,
+            chunk_indices=chunk_indices,
+            chunk_size=FLA_CHUNK,
+        )
     return o.squeeze(0).to(q.dtype), g_cum.squeeze(0), A.squeeze(0)
 
 
@@ -311,21 +338,22 @@ def chunk_gated_delta_rule_backward(
     from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_bwd
 
     cu_ext, chunk_indices = fla_varlen_indices(cu_seqlens, q.shape[0])
-    dq, dk, dv, dbeta, dg, _, _, _ = chunk_gated_delta_rule_bwd(
-        q=q.contiguous().unsqueeze(0),
-        k=k.contiguous().unsqueeze(0),
-        v=v.contiguous().unsqueeze(0),
-        g=g_cum.unsqueeze(0),
-        beta=beta.contiguous().unsqueeze(0),
-        A=A.unsqueeze(0),
-        scale=scale,
-        initial_state=None,
-        do=grad_o.contiguous().unsqueeze(0),
-        dht=None,
-        cu_seqlens=cu_ext,
-        chunk_indices=chunk_indices,
-        chunk_size=FLA_CHUNK,
-    )
+    with _fla_uncached():
+        dq, dk, dv, dbeta, dg, _, _, _ = chunk_gated_delta_rule_bwd(
+            q=q.contiguous().unsqueeze(0),
+            k=k.contiguous().unsqueeze(0),
+            v=v.contiguous().unsqueeze(0),
+            g=g_cum.unsqueeze(0),
+            beta=beta.contiguous().unsqueeze(0),
+            A=A.unsqueeze(0),
+            scale=scale,
+            initial_state=None,
+            do=grad_o.contiguous().unsqueeze(0),
+            dht=None,
+            cu_seqlens=cu_ext,
+            chunk_indices=chunk_indices,
+            chunk_size=FLA_CHUNK,
+        )
     return (
         dq.squeeze(0).to(q.dtype),
         dk.squeeze(0).to(k.dtype),

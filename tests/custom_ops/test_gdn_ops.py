@@ -1,5 +1,6 @@
 """causal_conv1d / chunk_gated_delta_rule: reference, opcheck, gradients, compile, FLA paths."""
 
+import contextlib
 import itertools
 
 import pytest
@@ -133,6 +134,29 @@ def test_fla_chunk_indices_are_flas_plus_empty_tail():
         assert torch.equal(cu_ext, torch.cat([cu, cu[-1:]]))
         assert torch.equal(idx[: theirs.shape[0]], theirs)
         assert (idx[theirs.shape[0] :] == torch.tensor([len(seqlens), 0], dtype=cu.dtype)).all()
+
+
+def test_fla_calls_keep_nothing_alive():
+    """Inside a call into FLA its tensor cache is off (and restored after): a ``cu_seqlens`` built
+    for the call, and what FLA derives from it, die with the call (CUDA graphs refuse pool memory
+    that outlives a graph's outputs)."""
+    import weakref
+
+    import fla.utils
+    from fla.ops.utils.index import prepare_chunk_offsets
+
+    from custom_ops.gdn.op import _fla_uncached
+
+    before = fla.utils.FLA_DISABLE_TENSOR_CACHE
+    for uncached in (False, True):
+        cu = _cu([5, 0, 70])
+        with _fla_uncached() if uncached else contextlib.nullcontext():
+            offsets = prepare_chunk_offsets(cu, 64)
+        assert offsets.tolist() == [0, 1, 1, 3]
+        alive = weakref.ref(cu)
+        del cu, offsets
+        assert (alive() is None) == uncached  # FLA's own cache keeps its key alive
+        assert fla.utils.FLA_DISABLE_TENSOR_CACHE == before
 
 
 # --- opcheck ----------------------------------------------------------------------------------
@@ -296,6 +320,34 @@ def test_fla_cuda_matches_reference_bf16(seqlens):
     assert rel_error(y.cpu(), y_ref) < 5e-3
     for name, a, e in zip(("q", "k", "v", "g", "beta", "x", "w", "b"), leaves, ref):
         assert rel_error(a.grad.cpu(), e.grad) < 1e-2, name
+
+
+@pytest.mark.gpu
+def test_fla_ops_under_cuda_graphs():
+    """The conv and the delta rule, forward and backward, compiled with CUDA graphs (Inductor's
+    cudagraph trees): they run (FLA keeps nothing in the graphs' pool) and, replayed on new
+    data, agree with the same ops eagerly."""
+    dev, bf16 = "cuda", torch.bfloat16
+    seqlens = [300, 0, 1, 200, 64]
+    _, _, _, _, _, cu = _gdn_case(seqlens, 2, 2, 128, 128, bf16, dev)
+
+    def step(q, k, v, g, beta, x, w, b):
+        o = custom_ops.chunk_gated_delta_rule(q, k, v, g, beta, cu)
+        return o.float().square().sum() + custom_ops.causal_conv1d(x, w, b, cu, "silu").float().square().sum()
+
+    compiled = torch.compile(step, fullgraph=True, options={"triton.cudagraphs": True})
+    for seed in range(3):  # record, then replays on fresh data
+        torch.manual_seed(seed)
+        q, k, v, g, beta, _ = _gdn_case(seqlens, 2, 2, 128, 128, bf16, dev)
+        x, w, b, _ = _conv_case(seqlens, 96, 4, bf16, device=dev)
+        runs = []
+        for fn in (compiled, step):
+            leaves = [t.clone().requires_grad_() for t in (q, k, v, g, beta, x, w, b)]
+            loss = fn(*leaves)
+            loss.backward()
+            runs.append([loss.detach().clone()] + [t.grad.clone() for t in leaves])
+        for name, a, e in zip(("loss", "q", "k", "v", "g", "beta", "x", "w", "b"), *runs):
+            assert rel_error(a, e) < 1e-3, (seed, name)
 
 
 # --- bad input --------------------------------------------------------------------------------
