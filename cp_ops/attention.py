@@ -44,9 +44,10 @@ result; kept so the two can be timed against each other.
 
 ``head_groups=G`` pipelines the exchange: steps 1-3 run per group of Hkv/G KV heads
 (and their Hq/G query heads), G all-gathers in all, so the attention of group g needs
-only the g-th gather and runs while the later ones travel; in the backward, group g's
-reduce-scatter runs while the gradients of the other groups are computed. Only the
-first gather (and the last reduce-scatter) has nothing beside it, 1/G of the bytes.
+only the g-th gather and runs while the later ones travel; in the backward (groups in
+reverse order) a group's reduce-scatter runs while the next group's gradients are
+computed. Only the first gather and the last reduce-scatter have no attention beside
+them, 1/G of the bytes each. Under torch.compile this needs ``cp_ops.COMPILE_OPTIONS``.
 """
 
 from __future__ import annotations
@@ -267,7 +268,7 @@ def ag_thd_attention(
     ``head_groups=G`` (a divisor of Hkv): the KV heads in G groups, each gathered by its
     own all-gather and attended by its own launch(es), so each group's attention runs
     while later groups' K/V travel (and, backward, each group's reduce-scatter while
-    later groups' gradients are computed); same result. Ignored when group is None.
+    the next group's gradients are computed); same result. Ignored when group is None.
 
     Also ``torch.ops.cp_ops.ag_thd_attention(q, k, v, cu_seqlens, cu_seqlens_padded,
     causal, window_left, window_right, scale, group_name, cp_size, head_groups)`` (the
