@@ -69,6 +69,7 @@ from benchmarks.common import (  # noqa: E402
     max_over_ranks,
     median_ms_counted,
     profile_kernels,
+    raise_recompile_limit,
     spawn_ranks,
     timeline_summary,
 )
@@ -136,6 +137,8 @@ def _worker(
         return median_ms_counted(fn, warmup, runs, device)
 
     kv_heads = heads // gqa
+    # the compiled forms are closures of one function: one graph per form, total and grad mode
+    raise_recompile_limit(64)
     rows = []
     profiles = {}
     try:

@@ -52,6 +52,9 @@ every rank, since the ranks meet in every all-to-all), max over ranks. Scaling e
 = T_1 / (W * T_W). If a CP output is off by more than 5e-3 the table is still printed,
 then the run fails. ``--smoke`` runs the multi-rank path on 2 gloo ranks on the CPU with a
 tiny layer in float32 and wall-clock timing (checks and compile included).
+``--compiled-only`` keeps the compiled layer's rows (check, 1 GPU, W GPUs, profile) and
+skips the rest; ``--cudagraphs`` compiles the layer (on W GPUs and on one) with Inductor's
+CUDA graphs as well (``triton.cudagraphs``): each step's launches replayed, not issued.
 
 The per-sequence and unfused layers are :func:`sections_form` with the conversions to compare.
 """
@@ -83,6 +86,7 @@ from benchmarks.common import (  # noqa: E402
     max_over_ranks,
     median_ms_counted,
     profile_timeline,
+    raise_recompile_limit,
     spawn_ranks,
 )
 from cp_ops import COMPILE_OPTIONS, GatedDeltaNet, pad_cu_seqlens, shard_thd, thd_cp2hp, thd_hp2cp  # noqa: E402
@@ -277,15 +281,6 @@ def a2a_steps(layer: GatedDeltaNet, x_cp: torch.Tensor, cup: torch.Tensor, group
     }
 
 
-def _set_recompile_limit(n: int) -> None:
-    # one graph per (CP, one device) and grad mode, a second for a new packing if specialised
-    for name in ("recompile_limit", "cache_size_limit"):
-        try:
-            setattr(torch._dynamo.config, name, max(n, getattr(torch._dynamo.config, name)))
-        except AttributeError:
-            pass
-
-
 def _cp_worker(rank, world, port, tokens, seqs, out, smoke, opts: dict) -> None:
     """One CP rank of the multi-rank benchmark; ``opts``: the flags ``eager_only``, ``compiled_only``,
     ``cudagraphs`` and ``profile`` of the command line."""
@@ -295,7 +290,8 @@ def _cp_worker(rank, world, port, tokens, seqs, out, smoke, opts: dict) -> None:
     hidden, hk, hv, dk, dv = SMOKE_DIMS if smoke else (HIDDEN, HK, HV, DK, DV)
     dtype = torch.float32 if smoke else torch.bfloat16
     warmup, runs, seq_warmup, seq_runs = (1, 2, 1, 2) if smoke else (3, 20, 2, 10)
-    _set_recompile_limit(64)
+    # one graph per (CP, one device) and grad mode, a second for a new packing if specialised
+    raise_recompile_limit(64)
 
     def timed(fn, per_sequence=False):
         counts = (seq_warmup, seq_runs) if per_sequence else (warmup, runs)

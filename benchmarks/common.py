@@ -199,6 +199,16 @@ def every_rank(figures: dict[str, float], keys, device) -> list[dict[str, float]
     return [dict(zip(keys, t.tolist())) for t in gathered]
 
 
+def raise_recompile_limit(n: int) -> None:
+    """Let torch.compile keep at least ``n`` graphs per function (a benchmark compiles one
+    function for several forms, shapes and grad modes; past the limit dynamo runs it eagerly)."""
+    for name in ("recompile_limit", "cache_size_limit"):  # the name changed across torch versions
+        try:
+            setattr(torch._dynamo.config, name, max(n, getattr(torch._dynamo.config, name)))
+        except AttributeError:
+            pass
+
+
 def default_world() -> int:
     """The CP size a multi-rank benchmark uses unless told: every visible GPU, at least 2."""
     return max(2, torch.cuda.device_count())

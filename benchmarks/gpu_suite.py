@@ -14,6 +14,8 @@ PARTS (default: every part that fits the visible GPUs):
   a2a             benchmarks/bench_cp2hp.py --world W --profile        multi-rank, >= 2 GPUs
   ag-attention    benchmarks/bench_ag_attention.py --world W           multi-rank, >= 2 GPUs
   gdn-cp          benchmarks/bench_gdn.py --cp W --profile              multi-rank, >= 2 GPUs
+  gdn-cp-graphs   the same, compiled rows only, with CUDA graphs        multi-rank, >= 2 GPUs
+  ag-attention-graphs  bench_ag_attention.py --cudagraphs --profile     multi-rank, >= 2 GPUs
   demo-cp         python -m cp_ops demo --cp-size W                     multi-rank, >= 2 GPUs
   tests-dist      pytest -m "gpu and dist" -k W<W> (NCCL tests at W)   multi-rank, >= 2 GPUs
                   ("tests-2gpu" is accepted as its old name)
@@ -62,6 +64,16 @@ PARTS = {
         2,
         [sys.executable, "benchmarks/bench_gdn.py", "--cp", "{world}", "--profile", "--out", "{out}/{name}.md"],
     ),
+    "gdn-cp-graphs": (
+        2,
+        [sys.executable, "benchmarks/bench_gdn.py", "--cp", "{world}", "--compiled-only", "--cudagraphs", "--profile",
+         "--out", "{out}/{name}.md"],
+    ),  # fmt: skip
+    "ag-attention-graphs": (
+        2,
+        [sys.executable, "benchmarks/bench_ag_attention.py", "--world", "{world}", "--cudagraphs", "--profile",
+         "--out", "{out}/{name}.md"],
+    ),  # fmt: skip
     "demo-cp": (2, [sys.executable, "-m", "cp_ops", "demo", "--cp-size", "{world}"]),
     "tests-dist": (
         2,
