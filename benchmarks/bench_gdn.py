@@ -313,7 +313,7 @@ def _cp_worker(rank, world, port, tokens, seqs, out, smoke, opts: dict) -> None:
         return {"fn": fn, "dynamic": dynamic}, torch.compile(unfused, fullgraph=True, dynamic=dynamic)
 
     compiled, compiled_unfused = compile_layer(dynamic=True)
-    notes = []
+    notes = ["the compiled layer with CUDA graphs (--cudagraphs), on W GPUs and on one"] if opts["cudagraphs"] else []
     cases = [(t, b) for t in tokens for b in seqs]
     results = {}
     try:
@@ -566,6 +566,8 @@ def main() -> None:
     opts = {k: getattr(args, k) for k in ("eager_only", "compiled_only", "cudagraphs", "profile")}
     if args.eager_only and (args.compiled_only or args.cudagraphs):
         raise SystemExit("--eager-only excludes --compiled-only and --cudagraphs")
+    if args.smoke and args.cudagraphs:
+        raise SystemExit("--cudagraphs needs GPUs, not --smoke")
     if args.smoke:
         world = args.cp or 2
         tokens, seqs = args.tokens or SMOKE_TOKENS, args.seqs or SMOKE_SEQS
