@@ -60,6 +60,7 @@ import custom_ops
 from cp_ops.comm import all_gather_rows, group_rank, group_size, resolve_group
 from cp_ops.layout import local_positions
 from custom_ops._common import NAMESPACE, check_index_tensor
+from custom_ops.varlen_attention.op import check_gqa_heads
 
 __all__ = [
     "ag_thd_attention",
@@ -142,10 +143,9 @@ def _check(q, k, v, cu_seqlens, cu_seqlens_padded, launches, head_groups) -> Non
         )
     if launches not in (1, 2):
         raise ValueError(f"launches must be 1 or 2, got {launches!r}")
+    check_gqa_heads(q, k)  # here too: head groups split the query heads by the kv heads
     if not isinstance(head_groups, int) or head_groups < 1 or k.shape[1] % head_groups:
         raise ValueError(f"head_groups must be a positive divisor of Hkv = {k.shape[1]}, got {head_groups!r}")
-    if q.shape[1] % k.shape[1]:
-        raise ValueError(f"q has {q.shape[1]} heads, not a multiple of the {k.shape[1]} heads of k and v (GQA)")
 
 
 # The rank is read at run time, by an opaque op, not baked into the traced graph. The composite
@@ -186,15 +186,15 @@ def _ag_thd_attention(q, k, v, cu_seqlens, cu_seqlens_padded, causal, window_lef
     else:
         segs = [ag_thd_segments(cu_seqlens, cu_seqlens_padded, world, rank, causal, window_right, chunks=(h,))
                 for h in (0, 1)]  # fmt: skip
+        # rows [q_start, q_start + q_len) of the second chunks come from the second launch;
+        # copy_valid_tokens wants them as (offsets [B], cumulative lengths [B+1])
+        counts = torch.cat([segs[1][1].new_zeros(1), torch.cumsum(segs[1][1], 0, dtype=torch.int32)])
 
     def attend(q_, k_seq, v_seq):
         outs = [custom_ops.varlen_attention(q_, k_seq, v_seq, *s, causal=causal, window=window, scale=scale)[0]
                 for s in segs]  # fmt: skip
         if launches == 1:
             return outs[0]
-        # rows [q_start, q_start + q_len) of the second chunks come from outs[1]; copy_valid_tokens
-        # wants them as (offsets [B], cumulative lengths [B+1])
-        counts = torch.cat([segs[1][1].new_zeros(1), torch.cumsum(segs[1][1], 0, dtype=torch.int32)])
         return custom_ops.thd_copy_valid_tokens(outs[0], outs[1], segs[1][0], counts)
 
     if group_name is None:

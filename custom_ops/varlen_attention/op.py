@@ -37,6 +37,14 @@ _MAX_KERNEL_HEAD_DIM = 256
 _LOG2E = 1.4426950408889634
 
 
+def check_gqa_heads(q: torch.Tensor, k: torch.Tensor) -> None:
+    """q ``[T, Hq, D]`` and k ``[T, Hkv, D]`` pair up for GQA: ``Hkv >= 1`` divides ``Hq``."""
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
+        raise ValueError(
+            f"the query heads ({q.shape[1]}) must be a multiple of the kv heads ({k.shape[1]}) for GQA"
+        )
+
+
 def _check(q, k, v, index_tensors, causal, window_left, window_right) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -53,10 +61,7 @@ def _check(q, k, v, index_tensors, causal, window_left, window_right) -> None:
         raise ValueError(f"k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     if q.shape[2] != k.shape[2]:
         raise ValueError(f"q and k must have one head_dim, got {q.shape[2]} and {k.shape[2]}")
-    if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
-        raise ValueError(
-            f"the query heads ({q.shape[1]}) must be a multiple of the kv heads ({k.shape[1]}) for GQA"
-        )
+    check_gqa_heads(q, k)
     if q.shape[2] == 0:
         raise ValueError("head_dim must be at least 1")
     for name, t in zip(_INDEX_NAMES, index_tensors):

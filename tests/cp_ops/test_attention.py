@@ -177,8 +177,10 @@ def test_bad_input():
             ag_thd_attention(q, k, v, cu, cup, head_groups=groups)
     with pytest.raises(ValueError, match="head_groups must be a positive divisor of num_kv_heads = 2"):
         Attention(HIDDEN, 4, 2, 8, head_groups=3)
-    with pytest.raises(ValueError, match="not a multiple of the 2 heads"):
+    with pytest.raises(ValueError, match="query heads \\(1\\) must be a multiple of the kv heads \\(2\\)"):
         ag_thd_attention(q[:, :1], torch.cat([k, k], 1), torch.cat([v, v], 1), cu, cup)
+    with pytest.raises(ValueError, match="must be a multiple of the kv heads \\(0\\)"):  # no kv heads
+        ag_thd_attention(q, k[:, :0], v[:, :0], cu, cup)
     with pytest.raises(TypeError, match="window must be a pair"):
         ag_thd_attention(q, k, v, cu, cup, window=3)
 
