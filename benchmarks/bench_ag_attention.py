@@ -63,13 +63,13 @@ from benchmarks.bench_varlen_attention import packed_lengths  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     default_world,
     environment,
-    every_rank,
     host_issue_ms,
     kernel_class,
     max_over_ranks,
     median_ms_counted,
     profile_kernels,
     raise_recompile_limit,
+    rank_waits,
     spawn_ranks,
     timeline_summary,
 )
@@ -116,11 +116,6 @@ def _profile_rows(step) -> dict[str, float]:
     print("  largest 'other' kernels (ms per step): " + "; ".join(f"{n[:70]} {t:.3f}" for n, t in top), flush=True)
     out["host issue"] = host_issue_ms(step)
     return out
-
-
-# every rank's figures in the W-rank profile: waiting for its host (idle), for a peer or the
-# network (collectives only), and its host's time to issue a step
-RANK_PROFILE_KEYS = ("idle", "collectives only", "host issue")
 
 
 def _worker(
@@ -211,7 +206,7 @@ def _worker(
                 profiled[f"G={g}"] = f"W={world} compiled, {g} head groups, rank 0"
             for form, label in profiled.items() if profile else ():
                 prof = _profile_rows(_fwd_and_step(forms[form], *local)[1])
-                for r, figures in enumerate(every_rank(prof, RANK_PROFILE_KEYS, device)):
+                for r, figures in enumerate(rank_waits(prof, device)):
                     prof.update({f"rank {r}: {k}": v for k, v in figures.items()})
                 profiles[(total, label)] = prof
             for label, idx in (("fwd", 0), ("fwd+bwd", 1)):

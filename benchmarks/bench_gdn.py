@@ -79,14 +79,15 @@ import custom_ops  # noqa: E402
 from benchmarks.bench_cp2hp import cp2hp_per_sequence, hp2cp_per_sequence  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     KERNEL_CLASSES,
+    RANK_WAIT_KEYS,
     environment,
-    every_rank,
     host_issue_ms,
     kernel_ms,
     max_over_ranks,
     median_ms_counted,
     profile_timeline,
     raise_recompile_limit,
+    rank_waits,
     spawn_ranks,
 )
 from cp_ops import COMPILE_OPTIONS, GatedDeltaNet, pad_cu_seqlens, shard_thd, thd_cp2hp, thd_hp2cp  # noqa: E402
@@ -429,18 +430,13 @@ def _cp_worker(rank, world, port, tokens, seqs, out, smoke, opts: dict) -> None:
         raise AssertionError(f"CP output off by rel_error {worst:.3g} >= {CP_TOLERANCE} against one device")
 
 
-# per-rank rows of --profile: whether a rank waits for the host (idle), for a peer or the
-# network (collectives only), and how long its host takes to issue a step
-RANK_PROFILE_KEYS = ("idle", "collectives only", "host issue")
-
-
 def _profile_ranks(step, device) -> dict[str, float]:
     """Rank 0's :func:`profile_timeline` of the compiled CP step (``prof W *``), and every rank's
-    :data:`RANK_PROFILE_KEYS` (``prof W rank r *``). Every rank must call it."""
+    :data:`benchmarks.common.RANK_WAIT_KEYS` (``prof W rank r *``). Every rank must call it."""
     prof = profile_timeline(step)
     prof["host issue"] = host_issue_ms(step)
     out = {f"prof W {k}": v for k, v in prof.items()}
-    for r, figures in enumerate(every_rank(prof, RANK_PROFILE_KEYS, device)):
+    for r, figures in enumerate(rank_waits(prof, device)):
         out.update({f"prof W rank {r} {k}": v for k, v in figures.items()})
     return out
 
@@ -521,7 +517,7 @@ def _cp_table(results, cases, world, dims, dtype, runs, seq_runs, notes) -> str:
             table.append((f"profile, compiled {label}: other", f"prof {who} other", t))
         table.append(("profile, compiled 1 GPU: host issue", "prof 1 host issue", t))
         for r in range(world):
-            for k in RANK_PROFILE_KEYS:
+            for k in RANK_WAIT_KEYS:
                 table.append((f"profile, compiled {w} rank {r}: {k}", f"prof W rank {r} {k}", t))
     for label, key, fmt in table:
         values = [results[c].get(key, math.nan) for c in cases]

@@ -188,15 +188,20 @@ def max_over_ranks(value: float) -> float:
     return float(t.item())
 
 
-def every_rank(figures: dict[str, float], keys, device) -> list[dict[str, float]]:
-    """``{key: figures[key]}`` for ``keys`` from every rank of the default process group, by rank.
-    Every rank must call it."""
+# What keeps a rank waiting, from a profile (timeline_summary plus "host issue", host_issue_ms):
+# its host (idle), a peer or the network (collectives only), and its host's time to issue a step
+RANK_WAIT_KEYS = ("idle", "collectives only", "host issue")
+
+
+def rank_waits(profile: dict[str, float], device) -> list[dict[str, float]]:
+    """The :data:`RANK_WAIT_KEYS` of ``profile`` from every rank of the default process group,
+    by rank. Every rank must call it."""
     import torch.distributed as dist
 
-    mine = torch.tensor([figures[k] for k in keys], dtype=torch.float64, device=device)
+    mine = torch.tensor([profile[k] for k in RANK_WAIT_KEYS], dtype=torch.float64, device=device)
     gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, mine)
-    return [dict(zip(keys, t.tolist())) for t in gathered]
+    return [dict(zip(RANK_WAIT_KEYS, t.tolist())) for t in gathered]
 
 
 def raise_recompile_limit(n: int) -> None:
