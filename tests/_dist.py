@@ -32,19 +32,7 @@ def run_ranks(world_size: int, fn, *args, backend: str = "gloo") -> None:
     mp.spawn(_entry, args=(world_size, free_port(), backend, fn, args), nprocs=world_size, join=True)
 
 
-_EXCHANGE = "_c10d_functional.all_to_all_single.default("
 _WAIT = "_c10d_functional.wait_tensor.default("
-
-
-def exchange_windows(code: str) -> list[str]:
-    """The stretches of Inductor-generated ``code`` between each all-to-all and the next wait
-    after it: what runs while an exchange is in flight."""
-    windows, start = [], code.find(_EXCHANGE)
-    while start >= 0:
-        end = code.find(_WAIT, start)
-        windows.append(code[start : end if end >= 0 else len(code)])
-        start = code.find(_EXCHANGE, start + 1)
-    return windows
 
 
 def collective_windows(code: str, collective: str) -> list[str]:
@@ -56,6 +44,11 @@ def collective_windows(code: str, collective: str) -> list[str]:
         end = code.find(f"{_WAIT}{m.group(1)})", m.end())
         windows.append(code[m.start() : end if end >= 0 else len(code)])
     return windows
+
+
+def exchange_windows(code: str) -> list[str]:
+    """:func:`collective_windows` of the all-to-alls: what runs while each exchange is in flight."""
+    return collective_windows(code, "all_to_all_single")
 
 
 def gemms_overlap_every_exchange(code: str) -> bool:
