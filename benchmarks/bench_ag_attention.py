@@ -35,6 +35,9 @@ time to issue one step on an idle GPU (benchmarks.common.host_issue_ms) and, for
 rank, its idle time, its time with only NCCL running and its host issue time: a rank whose
 host cannot issue a step as fast as its GPU runs it makes its peers wait in the all-gathers.
 ``--cudagraphs`` compiles the CP forms with CUDA graphs (the launches replayed, not issued).
+``--nccl-max-ctas N [N ...]`` runs every CP form on one group per cap on NCCL's CTAs (0:
+NCCL's default; ``benchmarks.common.nccl_cta_groups``), a row per cap in the same run: the
+all-gathers' CTAs hold SMs that the attention kernels beside them then lack.
 
 ``--work-model`` counts, for the same batches, the (query tile, key tile) pairs the causal
 forward kernel visits at its D = 128 launch config on one GPU and on each rank at W = 2, 4,
@@ -61,12 +64,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import custom_ops  # noqa: E402
 from benchmarks.bench_varlen_attention import packed_lengths  # noqa: E402
 from benchmarks.common import (  # noqa: E402
+    add_nccl_cta_argument,
+    cta_label,
     default_world,
     environment,
     host_issue_ms,
     kernel_class,
     max_over_ranks,
     median_ms_counted,
+    nccl_cta_groups,
     profile_kernels,
     raise_recompile_limit,
     rank_waits,
@@ -120,11 +126,11 @@ def _profile_rows(step) -> dict[str, float]:
 
 def _worker(
     rank: int, world: int, port: int, gqa: int, out: str | None, smoke: bool, profile: bool, cudagraphs: bool,
-    head_groups: tuple[int, ...] = (),
+    head_groups: tuple[int, ...] = (), max_ctas: tuple[int, ...] = (0,),
 ) -> None:
     device = init_local_rank(rank, world, port, "cpu" if smoke else "cuda")
-    group = dist.group.WORLD
-    group_name, _ = resolve_group(group)
+    groups = nccl_cta_groups(max_ctas)  # {cap: group}: the CP forms are timed on each
+    name_cap = len(groups) > 1
     totals, heads, head_dim = (SMOKE_TOTALS, SMOKE_HEADS, SMOKE_HEAD_DIM) if smoke else (TOTALS, HEADS, HEAD_DIM)
     warmup, runs = (1, 3) if smoke else (5, 40)
 
@@ -132,7 +138,7 @@ def _worker(
         return median_ms_counted(fn, warmup, runs, device)
 
     kv_heads = heads // gqa
-    # the compiled forms are closures of one function: one graph per form, total and grad mode
+    # the compiled forms are closures of one function: one graph per form, group, total and grad mode
     raise_recompile_limit(64)
     rows = []
     profiles = {}
@@ -154,24 +160,8 @@ def _worker(
                 return custom_ops.varlen_attention(q_, k_, v_, *seg, causal=True)[0]
 
             local = [shard_thd(t, cup, world, rank) for t in (q, k, v, dout)]
-
-            def cp_fn(launches, groups=1):
-                def fn(q_, k_, v_):
-                    return ag_thd_attention(q_, k_, v_, cu, cup, causal=True, group=group, launches=launches,
-                                            head_groups=groups)  # fmt: skip
-
-                return fn
-
-            graphs = {"triton.cudagraphs": True} if cudagraphs else {}
-            forms = {1: cp_fn(1), 2: cp_fn(2), "compiled": torch.compile(cp_fn(1), fullgraph=True, options=graphs)}
-            for g in head_groups:  # pipelined: the scheduling pass of COMPILE_OPTIONS overlaps the groups
-                forms[f"G={g}"] = torch.compile(cp_fn(1, g), fullgraph=True, options={**COMPILE_OPTIONS, **graphs})
             with torch.no_grad():
                 want = shard_thd(one_gpu(q, k, v), cup, world, rank)
-                for form, fn in forms.items():
-                    err = rel_error(fn(*local[:3]), want)
-                    if err > TOLERANCE[DTYPE]:
-                        raise AssertionError(f"T={total} form {form}: rel_error {err:.3g} against one GPU")
 
             # one GPU: rank 0 alone; the other ranks wait at the barrier
             t1 = [0.0, 0.0]
@@ -184,40 +174,32 @@ def _worker(
             del q, k, v, dout
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-
-            times = {}
-            for form, fn in forms.items():
-                fwd, step = _fwd_and_step(fn, *local)
-                times[form] = [max_over_ranks(timed(fwd)), max_over_ranks(timed(step))]
-            kv_cp = torch.cat([local[1], local[2]], dim=1)
-
-            def gather():
-                gathered = all_gather_rows(kv_cp, group_name)
-                # eager functional collectives return a tensor that waits on first use: wait here,
-                # so the end event is recorded after the transfer
-                if isinstance(gathered, funcol.AsyncCollectiveTensor):
-                    gathered.wait()
-
-            t_ag = max_over_ranks(timed(gather))
-            # every rank runs the profiled steps (they meet in the all-gathers); rank 0's figures
-            profiled = {"compiled": f"W={world} compiled, rank 0"}
-            if head_groups:
-                g = max(head_groups)
-                profiled[f"G={g}"] = f"W={world} compiled, {g} head groups, rank 0"
-            for form, label in profiled.items() if profile else ():
-                prof = _profile_rows(_fwd_and_step(forms[form], *local)[1])
-                for r, figures in enumerate(rank_waits(prof, device)):
-                    prof.update({f"rank {r}: {k}": v for k, v in figures.items()})
-                profiles[(total, label)] = prof
-            for label, idx in (("fwd", 0), ("fwd+bwd", 1)):
-                w1, w2, wc = times[1][idx], times[2][idx], times["compiled"][idx]
-                row = (total, len(lens), label, t1[idx], w1, w2, t1[idx] / (world * w1),
-                       t1[idx] / (world * w2), w2 / w1, t_ag if idx == 0 else float("nan"),
-                       wc, t1[idx] / (world * wc))  # fmt: skip
-                for g in head_groups:
-                    row += (times[f"G={g}"][idx], t1[idx] / (world * times[f"G={g}"][idx]))
-                rows.append(row)
-            del local, kv_cp
+            for cap, group in groups.items():
+                times, t_ag = _time_cp_forms(group, cu, cup, local, want, head_groups, cudagraphs, timed)
+                # every rank runs the profiled steps (they meet in the all-gathers); rank 0's figures
+                profiled = {"compiled": f"W={world} compiled, rank 0"}
+                if head_groups:
+                    g = max(head_groups)
+                    profiled[f"G={g}"] = f"W={world} compiled, {g} head groups, rank 0"
+                for form, label in profiled.items() if profile else ():
+                    prof = _profile_rows(_fwd_and_step(times[form]["fn"], *local)[1])
+                    for r, figures in enumerate(rank_waits(prof, device)):
+                        prof.update({f"rank {r}: {k}": v for k, v in figures.items()})
+                    profiles[(total, label + (f", {cta_label(cap)}" if name_cap else ""))] = prof
+                for label, idx in (("fwd", 0), ("fwd+bwd", 1)):
+                    w1, w2, wc = (times[form]["ms"][idx] for form in (1, 2, "compiled"))
+                    row = (total, len(lens), label + (f", {cta_label(cap)}" if name_cap else ""), t1[idx], w1, w2,
+                           t1[idx] / (world * w1), t1[idx] / (world * w2), w2 / w1,
+                           t_ag if idx == 0 else float("nan"), wc, t1[idx] / (world * wc))  # fmt: skip
+                    for g in head_groups:
+                        tg = times[f"G={g}"]["ms"][idx]
+                        row += (tg, t1[idx] / (world * tg))
+                    rows.append(row)
+                if rank == 0:  # a line per total and cap, so a run cut short by a time limit still reports
+                    print(f"T={total} {cta_label(cap)}: " + ", ".join(
+                        f"{form} {t['ms'][0]:.3f}/{t['ms'][1]:.3f}" for form, t in times.items()), flush=True)
+                del times
+            del local
             if device.type == "cuda":
                 torch.cuda.empty_cache()
 
@@ -228,6 +210,7 @@ def _worker(
                 f"D = {head_dim}; T = real tokens of the global batch (packed documents); times in ms, median "
                 f"over {runs} runs, max over ranks; eff = T_1 / (W * T_W)"
                 + ("; the compiled form with CUDA graphs (--cudagraphs)" if cudagraphs else "")
+                + ("; a row per cap on NCCL's CTAs (--nccl-max-ctas), the 1 GPU times shared" if name_cap else "")
                 + "\n",
                 f"| T | docs | pass | 1 GPU | W={world} 1 launch | W={world} 2 launches | eff 1L | eff 2L | 2L / 1L "
                 f"| KV all-gather | W={world} 1L compiled | eff 1L compiled |"
@@ -262,6 +245,43 @@ def _worker(
         # (barrier or teardown, not narrowed down); the process ends with os._exit either way
         if not cudagraphs:
             dist.destroy_process_group()
+
+
+def _time_cp_forms(group, cu, cup, local, want, head_groups, cudagraphs, timed) -> tuple[dict, float]:
+    """The CP forms on ``group``, each checked against the one-GPU result ``want`` and timed:
+    ``({form: {"fn": fn, "ms": [fwd, fwd+bwd]}}, all-gather ms)``, times max over ranks."""
+    group_name, world = resolve_group(group)
+
+    def cp_fn(launches, groups=1):
+        def fn(q_, k_, v_):
+            return ag_thd_attention(q_, k_, v_, cu, cup, causal=True, group=group, launches=launches,
+                                    head_groups=groups)  # fmt: skip
+
+        return fn
+
+    graphs = {"triton.cudagraphs": True} if cudagraphs else {}
+    forms = {1: cp_fn(1), 2: cp_fn(2), "compiled": torch.compile(cp_fn(1), fullgraph=True, options=graphs)}
+    for g in head_groups:  # pipelined: the scheduling pass of COMPILE_OPTIONS overlaps the groups
+        forms[f"G={g}"] = torch.compile(cp_fn(1, g), fullgraph=True, options={**COMPILE_OPTIONS, **graphs})
+    with torch.no_grad():
+        for form, fn in forms.items():
+            err = rel_error(fn(*local[:3]), want)
+            if err > TOLERANCE[DTYPE]:
+                raise AssertionError(f"form {form}: rel_error {err:.3g} against one GPU")
+    times = {}
+    for form, fn in forms.items():
+        fwd, step = _fwd_and_step(fn, *local)
+        times[form] = {"fn": fn, "ms": [max_over_ranks(timed(fwd)), max_over_ranks(timed(step))]}
+    kv_cp = torch.cat([local[1], local[2]], dim=1)
+
+    def gather():
+        gathered = all_gather_rows(kv_cp, group_name)
+        # eager functional collectives return a tensor that waits on first use: wait here,
+        # so the end event is recorded after the transfer
+        if isinstance(gathered, funcol.AsyncCollectiveTensor):
+            gathered.wait()
+
+    return times, max_over_ranks(timed(gather))
 
 
 def _cell(value: float | None) -> str:
@@ -324,6 +344,7 @@ def main() -> None:
                         "all-gathers, overlapped by cp_ops.COMPILE_OPTIONS); each G must divide Hkv (default 2 4)")
     parser.add_argument("--cudagraphs", action="store_true",
                         help="compile the CP form with CUDA graphs (Inductor's triton.cudagraphs)")
+    add_nccl_cta_argument(parser)
     args = parser.parse_args()
     if args.work_model:
         print(work_model())
@@ -339,8 +360,12 @@ def main() -> None:
     bad = [g for g in args.head_groups if g < 2 or (heads // args.gqa) % g]
     if bad:
         raise SystemExit(f"--head-groups must be divisors of Hkv = {heads // args.gqa} above 1, got {bad}")
+    if len(set(args.nccl_max_ctas)) != len(args.nccl_max_ctas):
+        raise SystemExit(f"--nccl-max-ctas repeats a cap: {args.nccl_max_ctas}")
+    if args.smoke and args.nccl_max_ctas != [0]:
+        raise SystemExit("--nccl-max-ctas needs NCCL, not --smoke")
     spawn_ranks(_worker, world, args.gqa, args.out, args.smoke, args.profile, args.cudagraphs,
-                tuple(args.head_groups), device="cpu" if args.smoke else "cuda")  # fmt: skip
+                tuple(args.head_groups), tuple(args.nccl_max_ctas), device="cpu" if args.smoke else "cuda")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -55,6 +55,10 @@ tiny layer in float32 and wall-clock timing (checks and compile included).
 ``--compiled-only`` keeps the compiled layer's rows (check, 1 GPU, W GPUs, profile) and
 skips the rest; ``--cudagraphs`` compiles the layer (on W GPUs and on one) with Inductor's
 CUDA graphs as well (``triton.cudagraphs``): each step's launches replayed, not issued.
+``--nccl-max-ctas N [N ...]`` (with ``--compiled-only`` when more than one) times the compiled
+CP layer on one group per cap on NCCL's CTAs (0: NCCL's default), a column per cap and shape
+in the same run (``benchmarks.common.nccl_cta_groups``): NCCL's kernels hold SMs that the
+GEMMs and FLA kernels beside them then lack.
 
 The per-sequence and unfused layers are :func:`sections_form` with the conversions to compare.
 """
@@ -80,11 +84,14 @@ from benchmarks.bench_cp2hp import cp2hp_per_sequence, hp2cp_per_sequence  # noq
 from benchmarks.common import (  # noqa: E402
     KERNEL_CLASSES,
     RANK_WAIT_KEYS,
+    add_nccl_cta_argument,
+    cta_label,
     environment,
     host_issue_ms,
     kernel_ms,
     max_over_ranks,
     median_ms_counted,
+    nccl_cta_groups,
     profile_timeline,
     raise_recompile_limit,
     rank_waits,
@@ -284,14 +291,15 @@ def a2a_steps(layer: GatedDeltaNet, x_cp: torch.Tensor, cup: torch.Tensor, group
 
 def _cp_worker(rank, world, port, tokens, seqs, out, smoke, opts: dict) -> None:
     """One CP rank of the multi-rank benchmark; ``opts``: the flags ``eager_only``, ``compiled_only``,
-    ``cudagraphs`` and ``profile`` of the command line."""
+    ``cudagraphs``, ``profile`` and ``nccl_max_ctas`` of the command line."""
     eager_only, profile, full = opts["eager_only"], opts["profile"], not opts["compiled_only"]
     device = init_local_rank(rank, world, port, "cpu" if smoke else "cuda")
-    group = dist.group.WORLD
+    groups = nccl_cta_groups(opts["nccl_max_ctas"])  # {cap: group}; one column per cap and shape
+    caps = list(groups)
     hidden, hk, hv, dk, dv = SMOKE_DIMS if smoke else (HIDDEN, HK, HV, DK, DV)
     dtype = torch.float32 if smoke else torch.bfloat16
     warmup, runs, seq_warmup, seq_runs = (1, 2, 1, 2) if smoke else (3, 20, 2, 10)
-    # one graph per (CP, one device) and grad mode, a second for a new packing if specialised
+    # one graph per (CP group, one device) and grad mode, a second for a new packing if specialised
     raise_recompile_limit(64)
 
     def timed(fn, per_sequence=False):
@@ -315,11 +323,13 @@ def _cp_worker(rank, world, port, tokens, seqs, out, smoke, opts: dict) -> None:
 
     compiled, compiled_unfused = compile_layer(dynamic=True)
     notes = ["the compiled layer with CUDA graphs (--cudagraphs), on W GPUs and on one"] if opts["cudagraphs"] else []
-    cases = [(t, b) for t in tokens for b in seqs]
+    if len(caps) > 1:
+        notes.append("a column per cap on NCCL's CTAs (--nccl-max-ctas; benchmarks.common.nccl_cta_groups), "
+                     "the 1 GPU rows shared")  # fmt: skip
+    shapes = [(t, b) for t in tokens for b in seqs]
     results = {}
     try:
-        for total, num_seqs in cases:
-            res = {}
+        for total, num_seqs in shapes:
             lens = _lengths(total, num_seqs, torch.Generator().manual_seed(total + num_seqs))
             cu, cup = pad_cu_seqlens(lens, world, device=device)
             rows = int(cup[-1])
@@ -335,10 +345,10 @@ def _cp_worker(rank, world, port, tokens, seqs, out, smoke, opts: dict) -> None:
             ref_cp = shard_thd(ref, cup, world, rank)[real_cp]
             del ref
 
-            def cp_step(fn):
+            def cp_step(fn, group):
                 return _fwd_bwd(lambda: fn(x_cp, cup, group=group), [x_cp] + params, grad_cp)
 
-            def check(fn):
+            def check(fn, group):
                 """One fwd+bwd step of the CP layer; the output's rel_error on real tokens, max over ranks."""
                 for t in [x_cp] + params:
                     t.grad = None
@@ -347,45 +357,50 @@ def _cp_worker(rank, world, port, tokens, seqs, out, smoke, opts: dict) -> None:
                 out_cp.backward(grad_cp)
                 return err
 
-            res["err eager"] = check(layer)
-            try:
-                res["err compiled"] = math.nan if eager_only else check(compiled["fn"])
-            except Exception as e:  # noqa: BLE001  (a compile failure: retry with static shapes)
-                if not compiled["dynamic"]:
-                    raise
-                msg = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-                print(f"rank {rank}: torch.compile(dynamic=True) failed ({msg}); using dynamic=False", flush=True)
-                torch._dynamo.reset()
-                compiled, compiled_unfused = compile_layer(dynamic=False)
-                notes.append(f"compiled with dynamic=False (dynamic=True failed: {msg[:200]})")
-                res["err compiled"] = check(compiled["fn"])
-            res["W compiled"] = math.nan if eager_only else timed(cp_step(compiled["fn"]))
+            shape_results = {cap: {} for cap in caps}
+            for cap, cap_group in groups.items():
+                res = shape_results[cap]
+                res["err eager"] = check(layer, cap_group)
+                try:
+                    res["err compiled"] = math.nan if eager_only else check(compiled["fn"], cap_group)
+                except Exception as e:  # noqa: BLE001  (a compile failure: retry with static shapes)
+                    if not compiled["dynamic"]:
+                        raise
+                    msg = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                    print(f"rank {rank}: torch.compile(dynamic=True) failed ({msg}); using dynamic=False", flush=True)
+                    torch._dynamo.reset()
+                    compiled, compiled_unfused = compile_layer(dynamic=False)
+                    notes.append(f"compiled with dynamic=False (dynamic=True failed: {msg[:200]})")
+                    res["err compiled"] = check(compiled["fn"], cap_group)
+                res["W compiled"] = math.nan if eager_only else timed(cp_step(compiled["fn"], cap_group))
+            res, group = shape_results[caps[0]], groups[caps[0]]  # the rows timed on one group only
             if full:
-                res["err per-seq"] = check(per_sequence)
-                res["W per-seq eager"] = timed(cp_step(per_sequence), per_sequence=True)
-                res["W eager"] = timed(cp_step(layer))
-                res["W eager unfused"] = timed(cp_step(unfused))
-                res["err compiled unfused"] = math.nan if eager_only else check(compiled_unfused)
-                res["W compiled unfused"] = math.nan if eager_only else timed(cp_step(compiled_unfused))
+                res["err per-seq"] = check(per_sequence, group)
+                res["W per-seq eager"] = timed(cp_step(per_sequence, group), per_sequence=True)
+                res["W eager"] = timed(cp_step(layer, group))
+                res["W eager unfused"] = timed(cp_step(unfused, group))
+                res["err compiled unfused"] = math.nan if eager_only else check(compiled_unfused, group)
+                res["W compiled unfused"] = math.nan if eager_only else timed(cp_step(compiled_unfused, group))
             if profile:  # every rank runs the profiled steps (they meet in the all-to-alls)
-                res.update(_profile_ranks(cp_step(compiled["fn"]), device))
+                for cap, cap_group in groups.items():
+                    shape_results[cap].update(_profile_ranks(cp_step(compiled["fn"], cap_group), device))
 
             # one device: rank 0 alone, the whole batch, the same (compiled) layer; the others wait
-            res["1 compiled"] = res["1 eager"] = math.nan
+            one = {"1 compiled": math.nan, "1 eager": math.nan}
             if rank == 0:
                 x_all = x.detach().requires_grad_()
                 if not eager_only:
-                    res["1 compiled"] = median_ms_counted(
+                    one["1 compiled"] = median_ms_counted(
                         _fwd_bwd(lambda: compiled["fn"](x_all, cup), [x_all] + params, grad), warmup, runs, device
                     )
                 if full:
-                    res["1 eager"] = median_ms_counted(
+                    one["1 eager"] = median_ms_counted(
                         _fwd_bwd(lambda: layer(x_all, cup), [x_all] + params, grad), warmup, runs, device
                     )
                 if profile:
-                    one = _fwd_bwd(lambda: compiled["fn"](x_all, cup), [x_all] + params, grad)
-                    res.update({f"prof 1 {k}": v for k, v in profile_timeline(one).items()})
-                    res["prof 1 host issue"] = host_issue_ms(one)
+                    step = _fwd_bwd(lambda: compiled["fn"](x_all, cup), [x_all] + params, grad)
+                    one.update({f"prof 1 {k}": v for k, v in profile_timeline(step).items()})
+                    one["prof 1 host issue"] = host_issue_ms(step)
                 del x_all
             dist.barrier()
             del x, grad
@@ -400,14 +415,17 @@ def _cp_worker(rank, world, port, tokens, seqs, out, smoke, opts: dict) -> None:
                     res[f"{name} fwd+bwd"] = timed(fused[name])
                     res[f"per-seq {name} fwd+bwd"] = timed(per_seq[name], per_sequence=True)
                 del fused, per_seq
-            results[(total, num_seqs)] = res
-            if rank == 0:  # a line per shape, so a run cut short by a time limit still reports
-                done = ", ".join(f"{k} {v:.4g}" for k, v in res.items() if k.startswith(("err", "W ", "1 ")))
-                print(f"T={total} B={num_seqs}: {done}", flush=True)
+            for cap, res in shape_results.items():
+                results[(total, num_seqs, cap)] = {**one, **res}
+                if rank == 0:  # a line per column, so a run cut short by a time limit still reports
+                    done = ", ".join(f"{k} {v:.4g}" for k, v in results[(total, num_seqs, cap)].items()
+                                     if k.startswith(("err", "W ", "1 ")))  # fmt: skip
+                    print(f"T={total} B={num_seqs} {cta_label(cap)}: {done}", flush=True)
             del x_cp, grad_cp
             _empty_cache(device)
 
         if rank == 0:
+            cases = list(results)
             text = _cp_table(results, cases, world, (hidden, hk, hv, dk, dv), dtype, runs, seq_runs, notes)
             print(text, flush=True)
             if out:
@@ -507,7 +525,7 @@ def _cp_table(results, cases, world, dims, dtype, runs, seq_runs, notes) -> str:
     ]
     lines += [f"- {n}" for n in notes] + ([""] if notes else [])
     lines += [
-        "| | " + " | ".join(f"T={t} B={b}" for t, b in cases) + " |",
+        "| | " + " | ".join(_column(case, len({c for _, _, c in cases}) > 1) for case in cases) + " |",
         "|---" * (len(cases) + 1) + "|",
     ]
     if "prof W wall" in results[cases[0]]:  # --profile: rank 0's compiled steps by kernel class
@@ -525,6 +543,11 @@ def _cp_table(results, cases, world, dims, dtype, runs, seq_runs, notes) -> str:
             continue  # a row the flags skipped
         lines.append(f"| {label} | " + " | ".join(fmt.format(v) for v in values) + " |")
     return "\n".join(lines)
+
+
+def _column(case, name_cap: bool) -> str:
+    total, num_seqs, cap = case
+    return f"T={total} B={num_seqs}" + (f", {cta_label(cap)}" if name_cap else "")
 
 
 def _fla_environment(world: int | None = None) -> str:
@@ -558,8 +581,15 @@ def main() -> None:
                         "and GPU idle time (torch.profiler)")
     parser.add_argument("--rank-share", type=int, nargs="+", default=[], metavar="W",
                         help="one GPU: also time one rank's pieces of a W-rank CP layer, no collectives")
+    add_nccl_cta_argument(parser)
     args = parser.parse_args()
-    opts = {k: getattr(args, k) for k in ("eager_only", "compiled_only", "cudagraphs", "profile")}
+    opts = {k: getattr(args, k) for k in ("eager_only", "compiled_only", "cudagraphs", "profile", "nccl_max_ctas")}
+    if len(set(args.nccl_max_ctas)) != len(args.nccl_max_ctas):
+        raise SystemExit(f"--nccl-max-ctas repeats a cap: {args.nccl_max_ctas}")
+    if len(args.nccl_max_ctas) > 1 and not args.compiled_only:
+        raise SystemExit("more than one --nccl-max-ctas needs --compiled-only (the other rows run on one group)")
+    if args.smoke and args.nccl_max_ctas != [0]:
+        raise SystemExit("--nccl-max-ctas needs NCCL, not --smoke")
     if args.eager_only and (args.compiled_only or args.cudagraphs):
         raise SystemExit("--eager-only excludes --compiled-only and --cudagraphs")
     if args.smoke and args.cudagraphs:

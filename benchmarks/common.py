@@ -204,6 +204,38 @@ def rank_waits(profile: dict[str, float], device) -> list[dict[str, float]]:
     return [dict(zip(RANK_WAIT_KEYS, t.tolist())) for t in gathered]
 
 
+def nccl_cta_groups(max_ctas) -> dict:
+    """A group of every rank of the default group per cap on NCCL's CTAs, ``{cap: group}``.
+
+    NCCL runs a collective as CTAs (thread blocks) that hold their SMs while it lasts, so
+    the kernels it overlaps run on the rest of the GPU; a lower cap leaves them more SMs and
+    moves the bytes over fewer. Cap 0 is the default group (NCCL's own choice); a cap n > 0
+    is a new group whose communicator is created with ``maxCTAs = n`` (NCCL's config, through
+    ``ProcessGroupNCCL.Options().config.max_ctas``; NCCL applies it to point-to-point
+    channels as well, so to all-to-alls). Every rank must call it, with the same caps.
+    """
+    import torch.distributed as dist
+
+    groups = {}
+    for cap in max_ctas:
+        if cap < 0:
+            raise ValueError(f"an NCCL CTA cap is 0 (NCCL's default) or positive, got {cap}")
+        if cap == 0:
+            groups[cap] = dist.group.WORLD
+            continue
+        if dist.get_backend() != "nccl":
+            raise ValueError(f"a CTA cap needs NCCL, the default group runs {dist.get_backend()}")
+        options = dist.ProcessGroupNCCL.Options()
+        options.config.max_ctas = cap
+        groups[cap] = dist.new_group(pg_options=options)
+    return groups
+
+
+def cta_label(cap: int) -> str:
+    """How tables name an NCCL CTA cap of :func:`nccl_cta_groups`."""
+    return "NCCL CTAs: default" if cap == 0 else f"NCCL CTAs <= {cap}"
+
+
 def raise_recompile_limit(n: int) -> None:
     """Let torch.compile keep at least ``n`` graphs per function (a benchmark compiles one
     function for several forms, shapes and grad modes; past the limit dynamo runs it eagerly)."""
@@ -233,6 +265,13 @@ def spawn_ranks(worker, world: int, *args, device: str = "cuda") -> None:
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     torch.multiprocessing.spawn(_run_worker, args=(worker, world, free_port(), *args), nprocs=world, join=True)
+
+
+def add_nccl_cta_argument(parser) -> None:
+    """The ``--nccl-max-ctas`` option of the multi-rank benchmarks (:func:`nccl_cta_groups`)."""
+    parser.add_argument("--nccl-max-ctas", type=int, nargs="+", default=[0], metavar="N",
+                        help="time the compiled CP forms on a group per cap on NCCL's CTAs (0: NCCL's default; "
+                        "default: 0 only), in the same run")  # fmt: skip
 
 
 def _run_worker(rank: int, worker, *args) -> None:
