@@ -30,6 +30,7 @@ import torch.nn.functional as F
 import triton
 
 from custom_ops._common import NAMESPACE, check_index_tensor, use_triton
+from custom_ops.gdn.conv_kernels import MAX_TAPS
 from custom_ops.gdn.reference import (
     causal_conv1d_reference,
     causal_conv1d_reference_backward,
@@ -131,13 +132,16 @@ def causal_conv1d(
     x ``[T, C]`` (may be a column slice of a wider tensor), weight ``[C, K]``,
     bias ``[C]`` or None, cu_seqlens ``[B+1]`` (int32/int64, ``cu[-1] = T``),
     activation ``"silu"``/``"swish"`` or ``None``/``"identity"``. Returns ``[T, C]``
-    in x's dtype. Differentiable in x, weight and bias. CUDA: the Triton kernels of
-    :mod:`custom_ops.gdn.conv_kernels`; the backward recomputes the pre-activation in
-    registers, so only the inputs are saved.
+    in x's dtype. Differentiable in x, weight and bias. CUDA: for K <= 4 the Triton
+    kernels of :mod:`custom_ops.gdn.conv_kernels` (the backward recomputes the
+    pre-activation in registers), for wider kernels FLA's ``causal_conv1d_fwd`` /
+    ``causal_conv1d_bwd``; either way only the inputs are saved.
     """
     _check_conv(x, weight, bias, cu_seqlens, activation)
     if not use_triton(x) or x.numel() == 0:
         return causal_conv1d_reference(x, weight, bias, cu_seqlens, activation).contiguous()
+    if weight.shape[1] > MAX_TAPS:
+        return _fla_conv_forward(x, weight, bias, cu_seqlens, activation)
     return _conv_forward(x, weight, bias, cu_seqlens, activation)
 
 
@@ -159,6 +163,8 @@ def causal_conv1d_backward(
     """(dx ``[T, C]``, dweight ``[C, K]``, dbias ``[C]``) of :func:`causal_conv1d` (dbias even without bias)."""
     if not use_triton(x) or x.numel() == 0:
         return causal_conv1d_reference_backward(grad_y, x, weight, bias, cu_seqlens, activation)
+    if weight.shape[1] > MAX_TAPS:
+        return _fla_conv_backward(grad_y, x, weight, bias, cu_seqlens, activation)
     return _conv_backward_kernel(grad_y, x, weight, bias, cu_seqlens, activation)
 
 
@@ -193,13 +199,12 @@ def _conv_backward_kernel(grad_y, x, weight, bias, cu_seqlens, activation):
     kernel = w.shape[1]
     block_t, block_c, tiles, warps = BWD_CONFIG
     programs = triton.cdiv(num_rows, block_t * tiles)
-    taps = triton.next_power_of_2(kernel)
     dx = torch.empty(num_rows, channels, dtype=x.dtype, device=x.device)
-    dw_parts = torch.empty(programs, channels, taps, dtype=torch.float32, device=x.device)
+    dw_parts = torch.empty(programs, channels, MAX_TAPS, dtype=torch.float32, device=x.device)
     db_parts = torch.empty(programs, channels, dtype=torch.float32, device=x.device)
     cp_causal_conv1d_bwd_kernel[(programs, triton.cdiv(channels, block_c))](
         x, w, w if bias is None else bias.contiguous(), grad_y, dx, dw_parts, db_parts, cu_seqlens,
-        cu_seqlens.numel(), num_rows, channels, x.stride(0), grad_y.stride(0), K=kernel, KP=taps,
+        cu_seqlens.numel(), num_rows, channels, x.stride(0), grad_y.stride(0), K=kernel,
         HAS_BIAS=bias is not None, SILU=_is_silu(activation), BLOCK_T=block_t, BLOCK_C=block_c, TILES=tiles,
         num_warps=warps,
     )  # fmt: skip
@@ -210,6 +215,35 @@ def _conv_backward_kernel(grad_y, x, weight, bias, cu_seqlens, activation):
 
 def _is_silu(activation: Optional[str]) -> bool:
     return activation in ("silu", "swish")
+
+
+def _fla_conv_forward(x, weight, bias, cu_seqlens, activation) -> torch.Tensor:
+    from fla.modules.causal_conv1d.ops import causal_conv1d_fwd
+
+    cu_ext, chunk_indices = fla_varlen_indices(cu_seqlens, x.shape[0])
+    with _fla_uncached():
+        y, _ = causal_conv1d_fwd(
+            x=x.unsqueeze(0), weight=weight.contiguous(), bias=None if bias is None else bias.contiguous(),
+            residual=None, initial_state=None, output_final_state=False,
+            activation="silu" if _is_silu(activation) else None, cu_seqlens=cu_ext, chunk_indices=chunk_indices,
+            chunk_size=FLA_CHUNK,
+        )  # fmt: skip
+    return y.view(x.shape)
+
+
+def _fla_conv_backward(grad_y, x, weight, bias, cu_seqlens, activation):
+    from fla.modules.causal_conv1d.ops import causal_conv1d_bwd
+
+    cu_ext, chunk_indices = fla_varlen_indices(cu_seqlens, x.shape[0])
+    # FLA sums dbias only for a bias; a zero one gives the sum the op returns without one
+    b = weight.new_zeros(weight.shape[0]) if bias is None else bias.contiguous()
+    with _fla_uncached():
+        dx, dw, db, _, _ = causal_conv1d_bwd(
+            x=x.unsqueeze(0), dy=grad_y.unsqueeze(0), dht=None, weight=weight.contiguous(), bias=b, residual=None,
+            initial_state=None, activation="silu" if _is_silu(activation) else None, cu_seqlens=cu_ext,
+            chunk_indices=chunk_indices, chunk_size=FLA_CHUNK,
+        )  # fmt: skip
+    return dx.view(x.shape).contiguous(), dw, db
 
 
 @causal_conv1d_backward.register_fake
