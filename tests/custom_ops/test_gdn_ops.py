@@ -280,16 +280,19 @@ def test_compiled_fullgraph_forward_backward():
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("seqlens", [[70, 0, 1, 29], [1], [0, 130]])
-def test_conv_fla_kernels_match_reference(seqlens, poison_empty):
-    """FLA's conv kernels, driven with the sync-free chunk indices, in Triton's interpreter."""
-    x, w, b, cu = _conv_case(seqlens, 16, 4, torch.float32)
+def test_conv_fla_kernels_match_reference(seqlens, bias, poison_empty):
+    """FLA's conv kernels, driven with the sync-free chunk indices, in Triton's interpreter
+    (without a bias too: dbias is still the sum the reference returns)."""
+    x, w, b, cu = _conv_case(seqlens, 16, 4, torch.float32, bias)
     grad_y = random_tensor(x.shape, torch.float32)
     with first_autotune_config():
         y = custom_ops.causal_conv1d(x, w, b, cu, "silu")
         grads = torch.ops.cp_ops.causal_conv1d_backward(grad_y, x, w, b, cu, "silu")
     assert rel_error(y, causal_conv1d_loop(x, w, b, cu, "silu")) < TOLERANCE[torch.float32]
-    expected = causal_conv1d_reference_backward(grad_y.double(), x.double(), w.double(), b.double(), cu, "silu")
+    b64 = None if b is None else b.double()
+    expected = causal_conv1d_reference_backward(grad_y.double(), x.double(), w.double(), b64, cu, "silu")
     for a, e in zip(grads, expected):
         assert rel_error(a, e) < TOLERANCE[torch.float32]
 
