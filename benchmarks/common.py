@@ -86,6 +86,7 @@ def kernel_ms(fn, runs: int = 5, warmup: int = 2, device: torch.device | str = "
 KERNEL_CLASSES = (
     ("collectives", ("nccl",)),
     ("GEMMs", ("gemm", "cutlass", "xmma", "nvjet", "cublas")),
+    ("our conv kernels", ("cp_causal_conv1d",)),
     ("FLA", ("chunk_", "causal_conv1d", "solve_tril", "merge_16x16", "recompute_w_u", "prepare_wy", "l2norm")),
     ("our layout kernels", ("permute_sections", "thd_reorder", "thd_copy_valid")),
     ("our attention kernels", ("varlen_attn",)),

@@ -2,13 +2,16 @@
 
 Both ops are opaque ``torch.library.custom_op``s: under ``torch.compile`` Inductor
 sees one extern call per op and never traces into flash-linear-attention (FLA),
-whose own autograd entry points are ``@torch.compiler.disable``. On CUDA the op
-bodies call FLA's internal forward/backward functions directly; on CPU they run
-the torch references in :mod:`custom_ops.gdn.reference`. Under
-``TRITON_INTERPRET=1`` the conv runs FLA's kernels on CPU tensors in Triton's
-interpreter (how its FLA path is tested without a GPU); the delta rule cannot.
+whose own autograd entry points are ``@torch.compiler.disable``. On CUDA the conv
+runs this package's Triton kernels (:mod:`custom_ops.gdn.conv_kernels`; measured
+against FLA's in ``benchmarks/bench_conv.py``) and the delta rule calls FLA's internal
+forward/backward functions directly; on CPU both run the torch references in
+:mod:`custom_ops.gdn.reference`. Under ``TRITON_INTERPRET=1`` the conv runs its
+kernels on CPU tensors in Triton's interpreter (how they are tested without a GPU);
+the delta rule cannot.
 
-No host syncs: FLA's varlen kernels take ``chunk_indices`` (one ``(sequence,
+No host syncs: the conv kernels' grids are sized from shapes (each row finds its
+sequence by a binary search on the device). FLA's varlen kernels take ``chunk_indices`` (one ``(sequence,
 chunk)`` row per program) whose length, the number of 64-row chunks, depends on
 the lengths. FLA builds it with ``repeat_interleave`` on device counts, which
 reads the total on the host. Here it is built by :func:`fla_varlen_indices` with
@@ -24,10 +27,13 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+import triton
 
 from custom_ops._common import NAMESPACE, check_index_tensor, use_triton
+from custom_ops.gdn.conv_kernels import MAX_TAPS
 from custom_ops.gdn.reference import (
     causal_conv1d_reference,
+    row_positions,
     causal_conv1d_reference_backward,
     check_activation,
     chunk_gated_delta_rule_reference,
@@ -93,10 +99,6 @@ def _fla_uncached():
         fla.utils.FLA_DISABLE_TENSOR_CACHE = before
 
 
-def _fla_activation(activation: Optional[str]) -> Optional[str]:
-    return "silu" if activation in ("silu", "swish") else None
-
-
 # --- causal_conv1d ----------------------------------------------------------------------------
 
 
@@ -131,30 +133,17 @@ def causal_conv1d(
     x ``[T, C]`` (may be a column slice of a wider tensor), weight ``[C, K]``,
     bias ``[C]`` or None, cu_seqlens ``[B+1]`` (int32/int64, ``cu[-1] = T``),
     activation ``"silu"``/``"swish"`` or ``None``/``"identity"``. Returns ``[T, C]``
-    in x's dtype. Differentiable in x, weight and bias. CUDA: FLA's
-    ``causal_conv1d_fwd``; the backward recomputes the pre-activation inside
-    ``causal_conv1d_bwd``, as FLA's own autograd does, so only the inputs are saved.
+    in x's dtype. Differentiable in x, weight and bias. CUDA: for K <= 4 the Triton
+    kernels of :mod:`custom_ops.gdn.conv_kernels` (the backward recomputes the
+    pre-activation in registers), for wider kernels FLA's ``causal_conv1d_fwd`` /
+    ``causal_conv1d_bwd``; either way only the inputs are saved.
     """
     _check_conv(x, weight, bias, cu_seqlens, activation)
-    if not use_triton(x) or x.shape[0] == 0:
+    if not use_triton(x) or x.numel() == 0:
         return causal_conv1d_reference(x, weight, bias, cu_seqlens, activation).contiguous()
-    from fla.modules.causal_conv1d.ops import causal_conv1d_fwd
-
-    cu_ext, chunk_indices = fla_varlen_indices(cu_seqlens, x.shape[0])
-    with _fla_uncached():
-        y, _ = causal_conv1d_fwd(
-            x=x.unsqueeze(0),
-            weight=weight.contiguous(),
-            bias=None if bias is None else bias.contiguous(),
-            residual=None,
-            initial_state=None,
-            output_final_state=False,
-            activation=_fla_activation(activation),
-            cu_seqlens=cu_ext,
-            chunk_indices=chunk_indices,
-            chunk_size=FLA_CHUNK,
-        )
-    return y.view(x.shape)
+    if weight.shape[1] > MAX_TAPS:
+        return _fla_conv_forward(x, weight, bias, cu_seqlens, activation)
+    return _conv_forward(x, weight, bias, cu_seqlens, activation)
 
 
 @causal_conv1d.register_fake
@@ -173,26 +162,93 @@ def causal_conv1d_backward(
     activation: Optional[str],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx ``[T, C]``, dweight ``[C, K]``, dbias ``[C]``) of :func:`causal_conv1d` (dbias even without bias)."""
-    if not use_triton(x) or x.shape[0] == 0:
+    if not use_triton(x) or x.numel() == 0:
         return causal_conv1d_reference_backward(grad_y, x, weight, bias, cu_seqlens, activation)
-    from fla.modules.causal_conv1d.ops import causal_conv1d_bwd
+    if weight.shape[1] > MAX_TAPS:
+        return _fla_conv_backward(grad_y, x, weight, bias, cu_seqlens, activation)
+    return _conv_backward_kernel(grad_y, x, weight, bias, cu_seqlens, activation)
+
+
+def _rows_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """t ``[T, C]`` with channel stride 1 (a column slice of a wider tensor stays a view)."""
+    return t if t.stride(1) == 1 else t.contiguous()
+
+
+def _conv_positions(cu_seqlens: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """Each row's position in its sequence capped at MAX_TAPS, int32 ``[T]`` (what the kernels' taps test)."""
+    return row_positions(cu_seqlens, num_rows).clamp_(max=MAX_TAPS).to(torch.int32)
+
+
+def _conv_forward(x, weight, bias, cu_seqlens, activation) -> torch.Tensor:
+    from custom_ops.gdn.conv_kernels import FWD_CONFIG, INTERPRETER_CONFIG, cp_causal_conv1d_fwd_kernel
+
+    x = _rows_contiguous(x)
+    weight = weight.contiguous()
+    num_rows, channels = x.shape
+    rows, block_c, warps, stages = FWD_CONFIG if x.is_cuda else INTERPRETER_CONFIG
+    y = torch.empty(num_rows, channels, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(num_rows, rows), triton.cdiv(channels, block_c))
+    cp_causal_conv1d_fwd_kernel[grid](
+        x, weight, weight if bias is None else bias.contiguous(), y, _conv_positions(cu_seqlens, num_rows), num_rows,
+        channels, x.stride(0), K=weight.shape[1], HAS_BIAS=bias is not None, SILU=_is_silu(activation), ROWS=rows,
+        BLOCK_C=block_c, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return y
+
+
+def _conv_backward_kernel(grad_y, x, weight, bias, cu_seqlens, activation):
+    from custom_ops.gdn.conv_kernels import BWD_CONFIG, INTERPRETER_CONFIG, cp_causal_conv1d_bwd_kernel
+
+    x, grad_y = _rows_contiguous(x), _rows_contiguous(grad_y)
+    w = weight.contiguous()
+    num_rows, channels = x.shape
+    kernel = w.shape[1]
+    rows, block_c, warps, stages = BWD_CONFIG if x.is_cuda else INTERPRETER_CONFIG
+    programs = triton.cdiv(num_rows, rows)
+    dx = torch.empty(num_rows, channels, dtype=x.dtype, device=x.device)
+    dw_parts = torch.empty(programs, channels, MAX_TAPS, dtype=torch.float32, device=x.device)
+    db_parts = torch.empty(programs, channels, dtype=torch.float32, device=x.device)
+    cp_causal_conv1d_bwd_kernel[(programs, triton.cdiv(channels, block_c))](
+        x, w, w if bias is None else bias.contiguous(), grad_y, dx, dw_parts, db_parts,
+        _conv_positions(cu_seqlens, num_rows), num_rows, channels, x.stride(0), grad_y.stride(0), K=kernel,
+        HAS_BIAS=bias is not None, SILU=_is_silu(activation), ROWS=rows, BLOCK_C=block_c, num_warps=warps,
+        num_stages=stages,
+    )  # fmt: skip
+    dw = dw_parts.sum(0)[:, :kernel].to(weight.dtype)
+    db = db_parts.sum(0).to(bias.dtype if bias is not None else weight.dtype)
+    return dx, dw, db
+
+
+def _is_silu(activation: Optional[str]) -> bool:
+    return activation in ("silu", "swish")
+
+
+def _fla_conv_forward(x, weight, bias, cu_seqlens, activation) -> torch.Tensor:
+    from fla.modules.causal_conv1d.ops import causal_conv1d_fwd
 
     cu_ext, chunk_indices = fla_varlen_indices(cu_seqlens, x.shape[0])
     with _fla_uncached():
-        dx, dw, db, _, _ = causal_conv1d_bwd(
-            x=x.unsqueeze(0),
-            dy=grad_y.unsqueeze(0),
-            dht=None,
-            weight=weight.contiguous(),
-            # FLA sums dbias only for a bias: a zero one gives the sum this op returns without one
-            bias=weight.new_zeros(weight.shape[0]) if bias is None else bias.contiguous(),
-            residual=None,
-            initial_state=None,
-            activation=_fla_activation(activation),
-            cu_seqlens=cu_ext,
-            chunk_indices=chunk_indices,
+        y, _ = causal_conv1d_fwd(
+            x=x.unsqueeze(0), weight=weight.contiguous(), bias=None if bias is None else bias.contiguous(),
+            residual=None, initial_state=None, output_final_state=False,
+            activation="silu" if _is_silu(activation) else None, cu_seqlens=cu_ext, chunk_indices=chunk_indices,
             chunk_size=FLA_CHUNK,
-        )
+        )  # fmt: skip
+    return y.view(x.shape)
+
+
+def _fla_conv_backward(grad_y, x, weight, bias, cu_seqlens, activation):
+    from fla.modules.causal_conv1d.ops import causal_conv1d_bwd
+
+    cu_ext, chunk_indices = fla_varlen_indices(cu_seqlens, x.shape[0])
+    # FLA sums dbias only for a bias; a zero one gives the sum the op returns without one
+    b = weight.new_zeros(weight.shape[0]) if bias is None else bias.contiguous()
+    with _fla_uncached():
+        dx, dw, db, _, _ = causal_conv1d_bwd(
+            x=x.unsqueeze(0), dy=grad_y.unsqueeze(0), dht=None, weight=weight.contiguous(), bias=b, residual=None,
+            initial_state=None, activation="silu" if _is_silu(activation) else None, cu_seqlens=cu_ext,
+            chunk_indices=chunk_indices, chunk_size=FLA_CHUNK,
+        )  # fmt: skip
     return dx.view(x.shape).contiguous(), dw, db
 
 

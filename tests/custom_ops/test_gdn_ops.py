@@ -1,4 +1,4 @@
-"""causal_conv1d / chunk_gated_delta_rule: reference, opcheck, gradients, compile, FLA paths."""
+"""causal_conv1d / chunk_gated_delta_rule: reference, opcheck, gradients, compile, kernel paths."""
 
 import contextlib
 import itertools
@@ -19,7 +19,14 @@ from custom_ops.gdn.reference import (
     chunk_gated_delta_rule_reference,
     chunk_gated_delta_rule_reference_backward,
 )
-from custom_ops.testing import TOLERANCE, first_autotune_config, gdn_layouts, random_tensor, rel_error
+from custom_ops.testing import (
+    TOLERANCE,
+    first_autotune_config,
+    gdn_layouts,
+    poisoned_allocations,
+    random_tensor,
+    rel_error,
+)
 
 
 def _cu(seqlens, dtype=torch.int32, device="cpu"):
@@ -276,31 +283,58 @@ def test_compiled_fullgraph_forward_backward():
     assert counter.frame_count == 1
 
 
-# --- FLA paths --------------------------------------------------------------------------------
+# --- kernel paths --------------------------------------------------------------------------------
 
 
 @pytest.mark.interpret
-@pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("seqlens", [[70, 0, 1, 29], [1], [0, 130]])
-def test_conv_fla_kernels_match_reference(seqlens, bias, poison_empty):
-    """FLA's conv kernels, driven with the sync-free chunk indices, in Triton's interpreter
-    (without a bias too: dbias is still the sum the reference returns)."""
-    x, w, b, cu = _conv_case(seqlens, 16, 4, torch.float32, bias)
+@given(
+    gdn_layouts(max_seqs=5, max_len=80),
+    st.sampled_from([1, 5, 130]),
+    st.sampled_from([1, 2, 3, 4, 5]),
+    st.booleans(),
+    st.sampled_from(["silu", None]),
+    st.sampled_from([torch.int32, torch.int64]),
+)
+def test_conv_kernels_match_reference(seqlens, channels, kernel, bias, activation, index_dtype):
+    """The conv kernels in Triton's interpreter against the float64 reference, forward and every
+    gradient: x a column slice of a wider tensor (as the layer passes it), row and channel
+    counts that are no multiple of the tiles, empty and one-row sequences; ours up to 4 taps,
+    FLA's beyond (driven with the sync-free chunk indices)."""
+    x, w, b, cu = _conv_case(seqlens, channels, kernel, torch.float32, bias)
+    cu = cu.to(index_dtype)
+    x = torch.cat([random_tensor((x.shape[0], 3), torch.float32), x], 1)[:, 3:]  # row stride C + 3
     grad_y = random_tensor(x.shape, torch.float32)
-    with first_autotune_config():
-        y = custom_ops.causal_conv1d(x, w, b, cu, "silu")
-        grads = torch.ops.cp_ops.causal_conv1d_backward(grad_y, x, w, b, cu, "silu")
-    assert rel_error(y, causal_conv1d_loop(x, w, b, cu, "silu")) < TOLERANCE[torch.float32]
+    with first_autotune_config(), poisoned_allocations():
+        y = custom_ops.causal_conv1d(x, w, b, cu, activation)
+        grads = torch.ops.cp_ops.causal_conv1d_backward(grad_y, x, w, b, cu, activation)
     b64 = None if b is None else b.double()
-    expected = causal_conv1d_reference_backward(grad_y.double(), x.double(), w.double(), b64, cu, "silu")
-    for a, e in zip(grads, expected):
+    assert rel_error(y, causal_conv1d_loop(x.double(), w.double(), b64, cu, activation)) < TOLERANCE[torch.float32]
+    dx, dw, db = causal_conv1d_reference_backward(grad_y.double(), x.double(), w.double(), b64, cu, activation)
+    assert rel_error(grads[0], dx) < TOLERANCE[torch.float32]
+    # dw and db are sums over all T rows of unit-scale terms, which may cancel: float32 error
+    # grows with T, a missing or doubled term would be of order one
+    for a, e in zip(grads[1:], (dw, db)):
+        torch.testing.assert_close(a.double(), e, rtol=1e-5, atol=1e-6 * max(x.shape[0], 1))
+
+
+@pytest.mark.interpret
+def test_conv_kernels_rows_past_the_layout():
+    """Rows past ``cu[-1]`` (outside the op's contract) start a sequence of their own there, as in
+    the reference, and nothing is read outside x."""
+    x, w, b, cu = _conv_case([9, 0, 20], 7, 4, torch.float32)
+    x = torch.cat([x, random_tensor((11, 7), torch.float32)])
+    grad_y = random_tensor(x.shape, torch.float32)
+    y = custom_ops.causal_conv1d(x, w, b, cu, "silu")
+    assert rel_error(y, causal_conv1d_reference(x, w, b, cu, "silu")) < TOLERANCE[torch.float32]
+    grads = torch.ops.cp_ops.causal_conv1d_backward(grad_y, x, w, b, cu, "silu")
+    for a, e in zip(grads, causal_conv1d_reference_backward(grad_y, x, w, b, cu, "silu")):
         assert rel_error(a, e) < TOLERANCE[torch.float32]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("seqlens", [[300, 0, 1, 200, 64], [1000, 24]])
-def test_fla_cuda_matches_reference_bf16(seqlens):
-    """FLA's CUDA kernels in bf16 against the float64 reference: forward and every gradient.
+def test_cuda_kernels_match_reference_bf16(seqlens):
+    """The CUDA kernels (FLA's delta rule, our conv) in bf16 against the float64 reference: forward and every gradient.
 
     Tolerances are error-RMS ratios: 1e-2 is bf16's bound in the table (inputs rounded to
     bf16 plus a recurrence accumulated in fp32 inside chunks of 64).

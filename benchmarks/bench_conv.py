@@ -1,0 +1,162 @@
+"""The depthwise causal conv1d of the GDN layer: our Triton kernels against FLA's, one GPU.
+
+    PYTHONPATH=. python benchmarks/bench_conv.py [--out FILE]
+
+At the layer's shapes (Qwen3-Next-80B: the q, k, v channels, 8192 on one GPU and 4096 on one
+rank of W = 2; kernel 4; silu; bf16; x a column slice of the projection output, as the layer
+passes it), T = 32768 and 65536 rows in 8 and 64 sequences. Per shape, forward and
+forward+backward (dx, dweight):
+
+  ours   custom_ops.causal_conv1d and its backward (custom_ops.gdn.conv_kernels)
+  FLA    fla.modules.causal_conv1d.ops causal_conv1d_fwd / causal_conv1d_bwd, called as this
+         package called them before (sync-free chunk indices, custom_ops.gdn.op.fla_varlen_indices)
+
+Times: median of triton.testing.do_bench (ms); "GB/s": the bytes a fused kernel must move
+(forward: read x, write y; forward+backward: that plus read x and dy, write dx) over the time.
+Before timing, our outputs and gradients are checked against FLA's (bf16 rel_error).
+
+``--sweep`` times our kernels under each of :data:`SWEEP` (ROWS, BLOCK_C, num_warps,
+num_stages) at T = 65536, C = 8192 and T = 32768, C = 4096 (8 sequences), forward and
+backward apart: how ``custom_ops.gdn.conv_kernels.FWD_CONFIG`` / ``BWD_CONFIG`` were chosen.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import custom_ops  # noqa: E402
+from benchmarks.bench_gdn import _lengths  # noqa: E402
+from benchmarks.common import environment, markdown_table, median_ms  # noqa: E402
+from custom_ops.gdn.op import fla_varlen_indices  # noqa: E402
+from custom_ops.testing import rel_error  # noqa: E402
+
+CHANNELS = (8192, 4096)  # 2*Hk*dk + Hv*dv on one GPU, and on one rank of W = 2
+EXTRA = 64  # the b, a columns beside the conv channels in the projection output (one GPU)
+KERNEL = 4
+TOKENS, SEQS = (32768, 65536), (8, 64)
+TOLERANCE = 1e-2  # bf16, two kernels summing in different orders
+SWEEP = [(256, 1024, 4, 4), (128, 1024, 4, 4), (64, 1024, 4, 4), (256, 512, 4, 4), (256, 512, 2, 4),
+         (128, 512, 4, 3), (256, 2048, 8, 4), (512, 1024, 4, 4), (256, 1024, 4, 2), (256, 1024, 8, 3)]  # fmt: skip
+
+
+def fla_conv(x, w, cu):
+    """FLA's forward and backward as a pair of callables, with sync-free chunk indices."""
+    from fla.modules.causal_conv1d.ops import causal_conv1d_bwd, causal_conv1d_fwd
+
+    cu_ext, idx = fla_varlen_indices(cu, x.shape[0])
+    kw = dict(weight=w, bias=None, residual=None, initial_state=None, activation="silu", cu_seqlens=cu_ext,
+              chunk_indices=idx, chunk_size=64)  # fmt: skip
+
+    def fwd():
+        return causal_conv1d_fwd(x=x.unsqueeze(0), output_final_state=False, **kw)[0].view(x.shape)
+
+    def bwd(dy):
+        dx, dw, *_ = causal_conv1d_bwd(x=x.unsqueeze(0), dy=dy.unsqueeze(0), dht=None, **kw)
+        return dx.view(x.shape), dw
+
+    return fwd, bwd
+
+
+def ours_conv(x, w, cu):
+    def fwd():
+        return custom_ops.causal_conv1d(x, w, None, cu, "silu")
+
+    def bwd(dy):
+        dx, dw, _ = torch.ops.cp_ops.causal_conv1d_backward(dy, x, w, None, cu, "silu")
+        return dx, dw
+
+    return fwd, bwd
+
+
+def bench_shape(total: int, num_seqs: int, channels: int) -> dict[str, float]:
+    lens = _lengths(total, num_seqs, torch.Generator().manual_seed(total + num_seqs))
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    proj = torch.randn(total, channels + EXTRA, device="cuda", dtype=torch.bfloat16)
+    x = proj[:, :channels]
+    w = (torch.randn(channels, KERNEL, device="cuda") / KERNEL**0.5).to(torch.bfloat16)
+    dy = torch.randn(total, channels, device="cuda", dtype=torch.bfloat16)
+    forms = {"ours": ours_conv(x, w, cu), "FLA": fla_conv(x, w, cu)}
+    (of, ob), (ff, fb) = forms["ours"], forms["FLA"]
+    out = {"err y": rel_error(of(), ff())}
+    (odx, odw), (fdx, fdw) = ob(dy), fb(dy)
+    out["err dx"], out["err dw"] = rel_error(odx, fdx), rel_error(odw, fdw.to(odw.dtype))
+    worst = max(out.values())
+    if not worst < TOLERANCE:
+        raise AssertionError(f"T={total} B={num_seqs} C={channels}: ours against FLA rel_error {worst:.3g}")
+    tensor_gb = total * channels * 2 / 1e9
+    for name, (fwd, bwd) in forms.items():
+        out[f"{name} fwd"] = median_ms(fwd)
+        out[f"{name} fwd+bwd"] = median_ms(lambda: (fwd(), bwd(dy)))
+        out[f"{name} fwd GB/s"] = 2 * tensor_gb / out[f"{name} fwd"] * 1e3
+        out[f"{name} fwd+bwd GB/s"] = 5 * tensor_gb / out[f"{name} fwd+bwd"] * 1e3
+    out["FLA / ours, fwd+bwd"] = out["FLA fwd+bwd"] / out["ours fwd+bwd"]
+    return out
+
+
+def sweep() -> str:
+    """The --sweep table: ms of our forward and backward per kernel config."""
+    import custom_ops.gdn.conv_kernels as kernels
+
+    chosen = kernels.FWD_CONFIG, kernels.BWD_CONFIG
+    shapes = [(65536, 8192), (32768, 4096)]
+    rows = []
+    try:
+        for cfg in SWEEP:
+            row = [str(cfg)]
+            for total, channels in shapes:
+                cu = torch.arange(0, total + 1, total // 8, dtype=torch.int32, device="cuda")
+                x = torch.randn(total, channels + EXTRA, device="cuda", dtype=torch.bfloat16)[:, :channels]
+                w = torch.randn(channels, KERNEL, device="cuda", dtype=torch.bfloat16) / 2
+                dy = torch.randn(total, channels, device="cuda", dtype=torch.bfloat16)
+                fwd, bwd = ours_conv(x, w, cu)
+                kernels.FWD_CONFIG, kernels.BWD_CONFIG = chosen
+                want_y, want_dx = fwd(), bwd(dy)[0]
+                kernels.FWD_CONFIG = kernels.BWD_CONFIG = cfg
+                if rel_error(fwd(), want_y) > 1e-6 or rel_error(bwd(dy)[0], want_dx) > 1e-6:
+                    raise AssertionError(f"config {cfg} changes the result")
+                row += [median_ms(fwd), median_ms(lambda: bwd(dy))]
+            rows.append(row)
+    finally:
+        kernels.FWD_CONFIG, kernels.BWD_CONFIG = chosen
+    header = [""] + [f"{p} T={t} C={c}" for t, c in shapes for p in ("fwd", "bwd")]
+    return "\n".join([
+        "## conv kernel configs (ROWS, BLOCK_C, num_warps, num_stages), ms, 8 sequences\n",
+        environment() + f"; chosen: forward {chosen[0]}, backward {chosen[1]}\n",
+        markdown_table(header, rows),
+    ])  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", help="also write the table to this markdown file")
+    parser.add_argument("--sweep", action="store_true", help="time our kernels under each config of SWEEP")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_conv needs a CUDA device")
+    torch.manual_seed(0)
+    if args.sweep:
+        print(sweep(), flush=True)
+        return
+    cases = [(t, b, c) for c in CHANNELS for t in TOKENS for b in SEQS]
+    results = [bench_shape(*case) for case in cases]
+    keys = list(results[0])
+    rows = [[k] + [r[k] if "err" not in k else f"{r[k]:.1e}" for r in results] for k in keys]
+    text = "\n".join([
+        f"## causal conv1d (kernel {KERNEL}, silu, bf16), ours against FLA's\n",
+        environment() + "; times in ms (median, do_bench); GB/s = bytes a fused kernel moves / time\n",
+        markdown_table([""] + [f"T={t} B={b} C={c}" for t, b, c in cases], rows),
+    ])  # fmt: skip
+    print(text, flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,185 @@
+"""Triton kernels of the depthwise causal conv1d over packed sequences (``custom_ops.causal_conv1d``),
+for kernel widths K <= 4 (:data:`MAX_TAPS`).
+
+Each program streams a block of channels down a run of rows, one row per loop step: the
+rows a tap needs are carried from step to step in registers, so every row of x (and of
+the output gradient) is read from memory once, in whole rows (the loads of later steps
+are issued ahead by the loop pipeliner). The grid is sized from shapes only. Sequences
+enter through ``pos``, each row's position in its sequence capped at K (built on the
+device from ``cu_seqlens``): tap j of row t sees x[t-j] iff ``pos[t] >= j``, the zero
+history at every sequence start.
+
+The backward streams the rows backwards: the pre-activation of row t is recomputed from
+the carried x rows (no pre-activation tensor goes through memory), ``dx[t]`` combines
+the carried ``dpre`` of rows t .. t+K-1, and ``dweight`` and ``dbias`` are summed per
+program (float32 partial sums the caller adds: deterministic, no atomics).
+"""
+
+import triton
+import triton.language as tl
+
+MAX_TAPS = 4
+# (ROWS, BLOCK_C, num_warps, num_stages) of either kernel: ROWS rows per program. The fastest
+# configs of an H200 sweep at T = 65536, C = 8192 and T = 32768, C = 4096 (benchmarks/bench_conv.py
+# --sweep; the plain run times these against FLA's kernels)
+FWD_CONFIG = (64, 1024, 4, 4)
+BWD_CONFIG = (256, 512, 4, 4)
+# in Triton's interpreter (CPU tensors): small blocks, so that a test's few rows span many
+# programs (the rows carried over block boundaries) and the interpreter's loops stay short
+INTERPRETER_CONFIG = (8, 16, 1, 1)
+
+
+@triton.jit
+def _weight(w_ptr, cols, col_ok, K: tl.constexpr, k: tl.constexpr):
+    """Column k of weight ``[C, K]`` as float32 (zero for k < 0: a tap the kernel does not have)."""
+    if k >= 0:
+        return tl.load(w_ptr + cols * K + k, mask=col_ok, other=0.0).to(tl.float32)
+    else:
+        return tl.zeros(cols.shape, dtype=tl.float32)
+
+
+@triton.jit
+def _row(ptr, t, stride, cols, col_ok, num_rows):
+    """Row t of a ``[T, C]`` tensor as float32, zero outside ``[0, num_rows)``."""
+    tv = t + cols * 0  # the row as a vector: the mask is built from vectors only
+    ok = col_ok & (tv >= 0) & (tv < num_rows)
+    return tl.load(ptr + t.to(tl.int64) * stride + cols, mask=ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _pos(pos_ptr, t, num_rows):
+    return tl.load(pos_ptr + t, mask=(t >= 0) & (t < num_rows), other=0)
+
+
+@triton.jit
+def cp_causal_conv1d_fwd_kernel(
+    x_ptr,
+    w_ptr,  # [C, K], contiguous
+    b_ptr,  # [C] or a dummy (HAS_BIAS False)
+    y_ptr,  # [T, C], contiguous
+    pos_ptr,  # [T] int32, each row's position in its sequence, capped at K
+    num_rows,
+    channels,
+    stride_x,  # x's row stride (its channel stride is 1)
+    K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SILU: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """``y[t, c] = act(b[c] + sum_j w[c, K-1-j] * x[t-j, c])`` over taps j with ``pos[t] >= j``."""
+    t0 = tl.program_id(0) * ROWS
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_ok = cols < channels
+    wa = _weight(w_ptr, cols, col_ok, K, K - 1)  # tap 0: the row itself
+    wb = _weight(w_ptr, cols, col_ok, K, K - 2)  # tap 1: one row back
+    wc = _weight(w_ptr, cols, col_ok, K, K - 3)
+    wd = _weight(w_ptr, cols, col_ok, K, K - 4)
+    bias = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    x1 = _row(x_ptr, t0 - 1, stride_x, cols, col_ok, num_rows)  # rows t-1, t-2, t-3, carried
+    x2 = _row(x_ptr, t0 - 2, stride_x, cols, col_ok, num_rows)
+    x3 = _row(x_ptr, t0 - 3, stride_x, cols, col_ok, num_rows)
+    for i in range(ROWS):
+        t = t0 + i
+        x0 = _row(x_ptr, t, stride_x, cols, col_ok, num_rows)
+        p = _pos(pos_ptr, t, num_rows)
+        acc = bias + wa * x0
+        acc += tl.where(p >= 1, wb * x1, 0.0)
+        acc += tl.where(p >= 2, wc * x2, 0.0)
+        acc += tl.where(p >= 3, wd * x3, 0.0)
+        if SILU:
+            acc = acc * tl.sigmoid(acc)
+        tl.store(y_ptr + t.to(tl.int64) * channels + cols, acc.to(y_ptr.dtype.element_ty),
+                 mask=col_ok & (t + cols * 0 < num_rows))  # fmt: skip
+        x3, x2, x1 = x2, x1, x0
+
+
+@triton.jit
+def cp_causal_conv1d_bwd_kernel(
+    x_ptr,
+    w_ptr,  # [C, K], contiguous
+    b_ptr,  # [C] or a dummy (HAS_BIAS False)
+    dy_ptr,
+    dx_ptr,  # [T, C], contiguous
+    dw_ptr,  # [programs along T, C, 4] float32 partial sums (weight column k at k)
+    db_ptr,  # [programs along T, C] float32 partial sums
+    pos_ptr,
+    num_rows,
+    channels,
+    stride_x,
+    stride_dy,
+    K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SILU: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """With ``dpre = dy * act'(pre)``: ``dx[t] = sum_s w[:, K-1-s] * dpre[t+s]`` over s with
+    ``pos[t+s] >= s``; ``dw[:, K-1-j] = sum_t dpre[t] * x[t-j]`` over ``pos[t] >= j`` and
+    ``db = sum_t dpre[t]``, over this program's rows. Rows run from the last one down; the K-1
+    rows after this program's block are recomputed for their ``dpre``."""
+    pid_t = tl.program_id(0)
+    t0 = pid_t * ROWS
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_ok = cols < channels
+    wa = _weight(w_ptr, cols, col_ok, K, K - 1)
+    wb = _weight(w_ptr, cols, col_ok, K, K - 2)
+    wc = _weight(w_ptr, cols, col_ok, K, K - 3)
+    wd = _weight(w_ptr, cols, col_ok, K, K - 4)
+    bias = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    top = t0 + ROWS + 2  # the first row streamed: three past the block (their dpre reach its last rows)
+    x0 = _row(x_ptr, top, stride_x, cols, col_ok, num_rows)  # rows t, t-1, t-2, carried
+    x1 = _row(x_ptr, top - 1, stride_x, cols, col_ok, num_rows)
+    x2 = _row(x_ptr, top - 2, stride_x, cols, col_ok, num_rows)
+    d1 = tl.zeros((BLOCK_C,), dtype=tl.float32)  # dpre of rows t+1, t+2, t+3, carried
+    d2 = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    d3 = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    q1 = tl.full([], 0, tl.int32)  # pos of rows t+1, t+2, t+3
+    q2 = tl.full([], 0, tl.int32)
+    q3 = tl.full([], 0, tl.int32)
+    dwa = tl.zeros((BLOCK_C,), dtype=tl.float32)  # weight columns K-1, K-2, K-3, K-4
+    dwb = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    dwc = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    dwd = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    db = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for i in range(ROWS + 3):
+        t = top - i
+        x3 = _row(x_ptr, t - 3, stride_x, cols, col_ok, num_rows)
+        p = _pos(pos_ptr, t, num_rows)
+        pre = bias + wa * x0
+        pre += tl.where(p >= 1, wb * x1, 0.0)
+        pre += tl.where(p >= 2, wc * x2, 0.0)
+        pre += tl.where(p >= 3, wd * x3, 0.0)
+        dpre = _row(dy_ptr, t, stride_dy, cols, col_ok, num_rows)
+        if SILU:
+            sig = tl.sigmoid(pre)
+            dpre = dpre * sig * (1.0 + pre * (1.0 - sig))
+        dx = wa * dpre
+        dx += tl.where(q1 >= 1, wb * d1, 0.0)
+        dx += tl.where(q2 >= 2, wc * d2, 0.0)
+        dx += tl.where(q3 >= 3, wd * d3, 0.0)
+        tv = t + cols * 0
+        own = (tv >= t0) & (tv < t0 + ROWS) & (tv < num_rows)
+        tl.store(dx_ptr + t.to(tl.int64) * channels + cols, dx.to(dx_ptr.dtype.element_ty), mask=col_ok & own)
+        mine = tl.where(own, dpre, 0.0)
+        db += mine
+        dwa += mine * x0
+        dwb += tl.where(p >= 1, mine * x1, 0.0)
+        dwc += tl.where(p >= 2, mine * x2, 0.0)
+        dwd += tl.where(p >= 3, mine * x3, 0.0)
+        x0, x1, x2 = x1, x2, x3
+        d3, d2, d1 = d2, d1, dpre
+        q3, q2, q1 = q2, q1, p
+    part = dw_ptr + pid_t.to(tl.int64) * channels * 4 + cols * 4
+    tl.store(part + (K - 1), dwa, mask=col_ok)
+    if K > 1:
+        tl.store(part + (K - 2), dwb, mask=col_ok)
+    if K > 2:
+        tl.store(part + (K - 3), dwc, mask=col_ok)
+    if K > 3:
+        tl.store(part + (K - 4), dwd, mask=col_ok)
+    tl.store(db_ptr + pid_t.to(tl.int64) * channels + cols, db, mask=col_ok)
