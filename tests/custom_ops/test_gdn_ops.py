@@ -360,7 +360,7 @@ def test_cuda_kernels_match_reference_bf16(seqlens):
 
 
 @pytest.mark.gpu
-def test_fla_ops_under_cuda_graphs():
+def test_gdn_ops_under_cuda_graphs():
     """The conv and the delta rule, forward and backward, compiled with CUDA graphs (Inductor's
     cudagraph trees): they run (FLA keeps nothing in the graphs' pool) and, replayed on new
     data, agree with the same ops eagerly."""
