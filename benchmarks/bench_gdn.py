@@ -58,7 +58,7 @@ CUDA graphs as well (``triton.cudagraphs``): each step's launches replayed, not 
 ``--nccl-max-ctas N [N ...]`` (with ``--compiled-only`` when more than one) times the compiled
 CP layer on one group per cap on NCCL's CTAs (0: NCCL's default), a column per cap and shape
 in the same run (``benchmarks.common.nccl_cta_groups``): NCCL's kernels hold SMs that the
-GEMMs and FLA kernels beside them then lack.
+GEMMs and FLA kernels beside them then lack (on 2 x H200 a cap did not pay: docs/benchmarks.md).
 
 The per-sequence and unfused layers are :func:`sections_form` with the conversions to compare.
 """

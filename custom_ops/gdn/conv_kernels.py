@@ -5,9 +5,9 @@ Each program streams a block of channels down a run of rows, one row per loop st
 rows a tap needs are carried from step to step in registers, so every row of x (and of
 the output gradient) is read from memory once, in whole rows (the loads of later steps
 are issued ahead by the loop pipeliner). The grid is sized from shapes only. Sequences
-enter through ``pos``, each row's position in its sequence capped at K (built on the
-device from ``cu_seqlens``): tap j of row t sees x[t-j] iff ``pos[t] >= j``, the zero
-history at every sequence start.
+enter through ``pos``, each row's position in its sequence capped at :data:`MAX_TAPS`
+(built on the device from ``cu_seqlens``): tap j of row t sees x[t-j] iff ``pos[t] >= j``,
+the zero history at every sequence start.
 
 The backward streams the rows backwards: the pre-activation of row t is recomputed from
 the carried x rows (no pre-activation tensor goes through memory), ``dx[t]`` combines
@@ -48,6 +48,7 @@ def _row(ptr, t, stride, cols, col_ok, num_rows):
 
 @triton.jit
 def _pos(pos_ptr, t, num_rows):
+    """``pos[t]``, 0 outside ``[0, num_rows)``."""
     return tl.load(pos_ptr + t, mask=(t >= 0) & (t < num_rows), other=0)
 
 
@@ -57,7 +58,7 @@ def cp_causal_conv1d_fwd_kernel(
     w_ptr,  # [C, K], contiguous
     b_ptr,  # [C] or a dummy (HAS_BIAS False)
     y_ptr,  # [T, C], contiguous
-    pos_ptr,  # [T] int32, each row's position in its sequence, capped at K
+    pos_ptr,  # [T] int32, each row's position in its sequence, capped at MAX_TAPS
     num_rows,
     channels,
     stride_x,  # x's row stride (its channel stride is 1)

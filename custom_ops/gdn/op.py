@@ -35,11 +35,11 @@ from custom_ops._common import NAMESPACE, check_index_tensor, use_triton
 from custom_ops.gdn.conv_kernels import MAX_TAPS
 from custom_ops.gdn.reference import (
     causal_conv1d_reference,
-    row_positions,
     causal_conv1d_reference_backward,
     check_activation,
     chunk_gated_delta_rule_reference,
     chunk_gated_delta_rule_reference_backward,
+    row_positions,
 )
 
 # FLA's chunk length for both kernels (its default; the GDN kernels take 16, 32 or 64).

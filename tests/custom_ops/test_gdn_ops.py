@@ -283,7 +283,7 @@ def test_compiled_fullgraph_forward_backward():
     assert counter.frame_count == 1
 
 
-# --- kernel paths --------------------------------------------------------------------------------
+# --- kernel paths -----------------------------------------------------------------------------
 
 
 @pytest.mark.interpret
@@ -320,7 +320,7 @@ def test_conv_kernels_match_reference(seqlens, channels, kernel, bias, activatio
 @pytest.mark.interpret
 def test_conv_kernels_rows_past_the_layout():
     """Rows past ``cu[-1]`` (outside the op's contract) start a sequence of their own there, as in
-    the reference, and nothing is read outside x."""
+    the reference."""
     x, w, b, cu = _conv_case([9, 0, 20], 7, 4, torch.float32)
     x = torch.cat([x, random_tensor((11, 7), torch.float32)])
     grad_y = random_tensor(x.shape, torch.float32)
@@ -334,7 +334,8 @@ def test_conv_kernels_rows_past_the_layout():
 @pytest.mark.gpu
 @pytest.mark.parametrize("seqlens", [[300, 0, 1, 200, 64], [1000, 24]])
 def test_cuda_kernels_match_reference_bf16(seqlens):
-    """The CUDA kernels (FLA's delta rule, our conv) in bf16 against the float64 reference: forward and every gradient.
+    """The CUDA kernels (FLA's delta rule, our conv) in bf16 against the float64 reference:
+    forward and every gradient.
 
     Tolerances are error-RMS ratios: 1e-2 is bf16's bound in the table (inputs rounded to
     bf16 plus a recurrence accumulated in fp32 inside chunks of 64).
