@@ -7,7 +7,7 @@ rank of W = 2; kernel 4; silu; bf16; x a column slice of the projection output, 
 passes it), T = 32768 and 65536 rows in 8 and 64 sequences. Per shape, forward and
 forward+backward (dx, dweight):
 
-  ours   custom_ops.causal_conv1d and its backward (custom_ops.gdn.conv_kernels)
+  ours   custom_ops.causal_conv1d and its backward (custom_ops.gdn.kernels)
   FLA    fla.modules.causal_conv1d.ops causal_conv1d_fwd / causal_conv1d_bwd, called as this
          package called them before (sync-free chunk indices, custom_ops.gdn.op.fla_varlen_indices)
 
@@ -17,7 +17,7 @@ Before timing, our outputs and gradients are checked against FLA's (bf16 rel_err
 
 ``--sweep`` times our kernels under each of :data:`SWEEP` (ROWS, BLOCK_C, num_warps,
 num_stages) at T = 65536, C = 8192 and T = 32768, C = 4096 (8 sequences), forward and
-backward apart: how ``custom_ops.gdn.conv_kernels.FWD_CONFIG`` / ``BWD_CONFIG`` were chosen.
+backward apart: how ``custom_ops.gdn.kernels.FWD_CONFIG`` / ``BWD_CONFIG`` were chosen.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def bench_shape(total: int, num_seqs: int, channels: int) -> dict[str, float]:
 
 def sweep() -> str:
     """The --sweep table: ms of our forward and backward per kernel config."""
-    import custom_ops.gdn.conv_kernels as kernels
+    import custom_ops.gdn.kernels as kernels
 
     chosen = kernels.FWD_CONFIG, kernels.BWD_CONFIG
     shapes = [(65536, 8192), (32768, 4096)]

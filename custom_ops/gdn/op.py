@@ -4,7 +4,7 @@ Both ops are opaque ``torch.library.custom_op``s: under ``torch.compile`` Induct
 sees one extern call per op and never traces into flash-linear-attention (FLA),
 whose own autograd entry points are ``@torch.compiler.disable``. On CUDA the conv
 runs this package's Triton kernels for kernel widths up to 4
-(:mod:`custom_ops.gdn.conv_kernels`; 1.8-2.1x faster than FLA's forward+backward at
+(:mod:`custom_ops.gdn.kernels`; 1.8-2.1x faster than FLA's forward+backward at
 the layer's shapes, ``benchmarks/bench_conv.py``) and FLA's for wider ones; the delta
 rule calls FLA's internal forward/backward functions directly. On CPU both run the
 torch references in :mod:`custom_ops.gdn.reference`. Under ``TRITON_INTERPRET=1`` the
@@ -32,7 +32,7 @@ import torch.nn.functional as F
 import triton
 
 from custom_ops._common import NAMESPACE, check_index_tensor, use_triton
-from custom_ops.gdn.conv_kernels import MAX_TAPS
+from custom_ops.gdn.kernels import MAX_TAPS
 from custom_ops.gdn.reference import (
     causal_conv1d_reference,
     causal_conv1d_reference_backward,
@@ -136,7 +136,7 @@ def causal_conv1d(
     bias ``[C]`` or None, cu_seqlens ``[B+1]`` (int32/int64, ``cu[-1] = T``),
     activation ``"silu"``/``"swish"`` or ``None``/``"identity"``. Returns ``[T, C]``
     in x's dtype. Differentiable in x, weight and bias. CUDA: for K <= 4 the Triton
-    kernels of :mod:`custom_ops.gdn.conv_kernels` (the backward recomputes the
+    kernels of :mod:`custom_ops.gdn.kernels` (the backward recomputes the
     pre-activation in registers), for wider kernels FLA's ``causal_conv1d_fwd`` /
     ``causal_conv1d_bwd``; either way only the inputs are saved.
     """
@@ -182,7 +182,7 @@ def _conv_positions(cu_seqlens: torch.Tensor, num_rows: int) -> torch.Tensor:
 
 
 def _conv_forward(x, weight, bias, cu_seqlens, activation) -> torch.Tensor:
-    from custom_ops.gdn.conv_kernels import FWD_CONFIG, INTERPRETER_CONFIG, cp_causal_conv1d_fwd_kernel
+    from custom_ops.gdn.kernels import FWD_CONFIG, INTERPRETER_CONFIG, cp_causal_conv1d_fwd_kernel
 
     x = _rows_contiguous(x)
     weight = weight.contiguous()
@@ -199,7 +199,7 @@ def _conv_forward(x, weight, bias, cu_seqlens, activation) -> torch.Tensor:
 
 
 def _conv_backward_kernel(grad_y, x, weight, bias, cu_seqlens, activation):
-    from custom_ops.gdn.conv_kernels import BWD_CONFIG, INTERPRETER_CONFIG, cp_causal_conv1d_bwd_kernel
+    from custom_ops.gdn.kernels import BWD_CONFIG, INTERPRETER_CONFIG, cp_causal_conv1d_bwd_kernel
 
     x, grad_y = _rows_contiguous(x), _rows_contiguous(grad_y)
     w = weight.contiguous()
