@@ -108,6 +108,14 @@ def kernel_op(qualname: str, *, mutates_args):
     return register(qualname, mutates_args=mutates_args)
 
 
+def unit_last_stride(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with its last dim contiguous, any other strides: a copy only where that stride is
+    not 1. Kernels that take row (and head) strides read views (column slices of a wider
+    tensor, head slices of a gathered one) in place this way, where ``.contiguous()`` would
+    copy them."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 def check_index_tensor(name: str, t: torch.Tensor, device: torch.device, min_numel: int = 1) -> None:
     """A 1-D int32/int64 tensor on ``device`` with at least ``min_numel`` entries."""
     if not isinstance(t, torch.Tensor):

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from custom_ops._common import NAMESPACE, check_index_tensor, use_triton
+from custom_ops._common import NAMESPACE, check_index_tensor, unit_last_stride, use_triton
 from custom_ops.gdn.kernels import MAX_TAPS
 from custom_ops.gdn.reference import (
     causal_conv1d_reference,
@@ -171,11 +171,6 @@ def causal_conv1d_backward(
     return _conv_backward_kernel(grad_y, x, weight, bias, cu_seqlens, activation)
 
 
-def _rows_contiguous(t: torch.Tensor) -> torch.Tensor:
-    """t ``[T, C]`` with channel stride 1 (a column slice of a wider tensor stays a view)."""
-    return t if t.stride(1) == 1 else t.contiguous()
-
-
 def _conv_positions(cu_seqlens: torch.Tensor, num_rows: int) -> torch.Tensor:
     """Each row's position in its sequence capped at MAX_TAPS, int32 ``[T]`` (what the kernels' taps test)."""
     return row_positions(cu_seqlens, num_rows).clamp_(max=MAX_TAPS).to(torch.int32)
@@ -184,7 +179,7 @@ def _conv_positions(cu_seqlens: torch.Tensor, num_rows: int) -> torch.Tensor:
 def _conv_forward(x, weight, bias, cu_seqlens, activation) -> torch.Tensor:
     from custom_ops.gdn.kernels import FWD_CONFIG, INTERPRETER_CONFIG, cp_causal_conv1d_fwd_kernel
 
-    x = _rows_contiguous(x)
+    x = unit_last_stride(x)
     weight = weight.contiguous()
     num_rows, channels = x.shape
     rows, block_c, warps, stages = FWD_CONFIG if x.is_cuda else INTERPRETER_CONFIG
@@ -201,7 +196,7 @@ def _conv_forward(x, weight, bias, cu_seqlens, activation) -> torch.Tensor:
 def _conv_backward_kernel(grad_y, x, weight, bias, cu_seqlens, activation):
     from custom_ops.gdn.kernels import BWD_CONFIG, INTERPRETER_CONFIG, cp_causal_conv1d_bwd_kernel
 
-    x, grad_y = _rows_contiguous(x), _rows_contiguous(grad_y)
+    x, grad_y = unit_last_stride(x), unit_last_stride(grad_y)
     w = weight.contiguous()
     num_rows, channels = x.shape
     kernel = w.shape[1]

@@ -15,7 +15,14 @@ import torch
 import triton
 from torch.library import wrap_triton
 
-from custom_ops._common import NAMESPACE, kernel_op, check_index_tensor, triton_interpreting, use_triton
+from custom_ops._common import (
+    NAMESPACE,
+    check_index_tensor,
+    kernel_op,
+    triton_interpreting,
+    unit_last_stride,
+    use_triton,
+)
 from custom_ops.varlen_attention.kernels import (
     TABLE_BLOCK,
     kernel_config,
@@ -140,13 +147,6 @@ def _block_d(head_dim) -> int:
     return block
 
 
-def _unit_last(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as the kernels read it: any row and head strides, the head dim contiguous. A copy
-    only where that last stride is not 1; the K and V of all-gather CP are head slices of one
-    gathered tensor, and a copy of each cost two passes over it per launch."""
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def _forward_kernel(q, k, v, seg, causal, left, right, scale):
     tq, hq, d = q.shape
     hkv = k.shape[1]
@@ -156,7 +156,7 @@ def _forward_kernel(q, k, v, seg, causal, left, right, scale):
     lse = torch.full((hq, tq), float("-inf"), dtype=torch.float32, device=q.device)
     if n_seg == 0 or tq == 0 or hq == 0:
         return out, lse
-    q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
+    q, k, v = unit_last_stride(q), unit_last_stride(k), unit_last_stride(v)
     block_d = _block_d(d)
     cfg = kernel_config("fwd", block_d, triton_interpreting(), q.element_size())
     grid = (triton.cdiv(tq, cfg["BLOCK_M"]) + n_seg, hq)
@@ -179,7 +179,7 @@ def _backward_kernel(dout, dlse, q, k, v, out, lse, seg, causal, left, right, sc
     dq = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
     if n_seg == 0 or tq == 0 or hq == 0 or tk == 0:
         return dq, torch.zeros_like(k), torch.zeros_like(v)
-    q, k, v, out, dout = (_unit_last(t) for t in (q, k, v, out, dout))
+    q, k, v, out, dout = (unit_last_stride(t) for t in (q, k, v, out, dout))
     lse = lse.contiguous()
     dlse = dlse.to(torch.float32).contiguous()
     block_d = _block_d(d)
