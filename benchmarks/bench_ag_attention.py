@@ -65,6 +65,7 @@ import custom_ops  # noqa: E402
 from benchmarks.bench_varlen_attention import packed_lengths  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     add_nccl_cta_argument,
+    check_nccl_cta_argument,
     cta_label,
     default_world,
     environment,
@@ -175,6 +176,7 @@ def _worker(
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             for cap, group in groups.items():
+                named = f", {cta_label(cap)}" if name_cap else ""  # the cap in row and column labels
                 times, t_ag = _time_cp_forms(group, cu, cup, local, want, head_groups, cudagraphs, timed)
                 # every rank runs the profiled steps (they meet in the all-gathers); rank 0's figures
                 profiled = {"compiled": f"W={world} compiled, rank 0"}
@@ -185,10 +187,10 @@ def _worker(
                     prof = _profile_rows(_fwd_and_step(times[form]["fn"], *local)[1])
                     for r, figures in enumerate(rank_waits(prof, device)):
                         prof.update({f"rank {r}: {k}": v for k, v in figures.items()})
-                    profiles[(total, label + (f", {cta_label(cap)}" if name_cap else ""))] = prof
+                    profiles[(total, label + named)] = prof
                 for label, idx in (("fwd", 0), ("fwd+bwd", 1)):
                     w1, w2, wc = (times[form]["ms"][idx] for form in (1, 2, "compiled"))
-                    row = (total, len(lens), label + (f", {cta_label(cap)}" if name_cap else ""), t1[idx], w1, w2,
+                    row = (total, len(lens), label + named, t1[idx], w1, w2,
                            t1[idx] / (world * w1), t1[idx] / (world * w2), w2 / w1,
                            t_ag if idx == 0 else float("nan"), wc, t1[idx] / (world * wc))  # fmt: skip
                     for g in head_groups:
@@ -360,10 +362,7 @@ def main() -> None:
     bad = [g for g in args.head_groups if g < 2 or (heads // args.gqa) % g]
     if bad:
         raise SystemExit(f"--head-groups must be divisors of Hkv = {heads // args.gqa} above 1, got {bad}")
-    if len(set(args.nccl_max_ctas)) != len(args.nccl_max_ctas):
-        raise SystemExit(f"--nccl-max-ctas repeats a cap: {args.nccl_max_ctas}")
-    if args.smoke and args.nccl_max_ctas != [0]:
-        raise SystemExit("--nccl-max-ctas needs NCCL, not --smoke")
+    check_nccl_cta_argument(args.nccl_max_ctas, args.smoke)
     spawn_ranks(_worker, world, args.gqa, args.out, args.smoke, args.profile, args.cudagraphs,
                 tuple(args.head_groups), tuple(args.nccl_max_ctas), device="cpu" if args.smoke else "cuda")  # fmt: skip
 

@@ -85,6 +85,7 @@ from benchmarks.common import (  # noqa: E402
     KERNEL_CLASSES,
     RANK_WAIT_KEYS,
     add_nccl_cta_argument,
+    check_nccl_cta_argument,
     cta_label,
     environment,
     host_issue_ms,
@@ -584,12 +585,9 @@ def main() -> None:
     add_nccl_cta_argument(parser)
     args = parser.parse_args()
     opts = {k: getattr(args, k) for k in ("eager_only", "compiled_only", "cudagraphs", "profile", "nccl_max_ctas")}
-    if len(set(args.nccl_max_ctas)) != len(args.nccl_max_ctas):
-        raise SystemExit(f"--nccl-max-ctas repeats a cap: {args.nccl_max_ctas}")
+    check_nccl_cta_argument(args.nccl_max_ctas, args.smoke)
     if len(args.nccl_max_ctas) > 1 and not args.compiled_only:
         raise SystemExit("more than one --nccl-max-ctas needs --compiled-only (the other rows run on one group)")
-    if args.smoke and args.nccl_max_ctas != [0]:
-        raise SystemExit("--nccl-max-ctas needs NCCL, not --smoke")
     if args.eager_only and (args.compiled_only or args.cudagraphs):
         raise SystemExit("--eager-only excludes --compiled-only and --cudagraphs")
     if args.smoke and args.cudagraphs:

@@ -269,10 +269,19 @@ def spawn_ranks(worker, world: int, *args, device: str = "cuda") -> None:
 
 
 def add_nccl_cta_argument(parser) -> None:
-    """The ``--nccl-max-ctas`` option of the multi-rank benchmarks (:func:`nccl_cta_groups`)."""
+    """The ``--nccl-max-ctas`` option of the multi-rank benchmarks (:func:`nccl_cta_groups`);
+    check what it parsed with :func:`check_nccl_cta_argument`."""
     parser.add_argument("--nccl-max-ctas", type=int, nargs="+", default=[0], metavar="N",
                         help="time the compiled CP forms on a group per cap on NCCL's CTAs (0: NCCL's default; "
                         "default: 0 only), in the same run")  # fmt: skip
+
+
+def check_nccl_cta_argument(caps: list[int], smoke: bool) -> None:
+    """Refuse repeated caps, and caps in a ``--smoke`` run (gloo has no CTAs), before any rank starts."""
+    if len(set(caps)) != len(caps):
+        raise SystemExit(f"--nccl-max-ctas repeats a cap: {caps}")
+    if smoke and caps != [0]:
+        raise SystemExit("--nccl-max-ctas needs NCCL, not --smoke")
 
 
 def _run_worker(rank: int, worker, *args) -> None:
