@@ -77,13 +77,23 @@ def varlen_fn(q, k, v, seg):
     return custom_ops.varlen_attention(q, k, v, *seg, causal=True)[0]
 
 
+# Earlier forms of the kernels, timed beside the current one: {row name: {kernel: overrides of
+# its launch configs}}.
+VARIANTS = {
+    # the forward rescales its accumulator at every key tile instead of when a row max grew
+    "varlen_attention, rescale every tile": {"fwd": dict(LAZY_RESCALE=False)},
+    # and scales the scores before the row max (no FMA): the forward before both changes
+    "varlen_attention, scale first, rescale every tile": {"fwd": dict(LAZY_RESCALE=False, FOLD_SCALE=False)},
+}
+
+
 @contextlib.contextmanager
-def tiles_in_order():
-    """The forward and dq grids run in tile order (HEAVY_FIRST off), as before the kernels
-    took the longest causal tiles first: the baseline of that change, timed beside it."""
-    saved = {kind: dict(kernels.CONFIGS[kind]) for kind in ("fwd", "bwd_dq")}
-    for kind, table in saved.items():
-        kernels.CONFIGS[kind].update({bucket: dict(cfg, HEAVY_FIRST=False) for bucket, cfg in table.items()})
+def kernel_variant(overrides: dict):
+    """Launch the kernels with ``overrides`` ({kernel: config entries}) merged into every entry of
+    their config tables."""
+    saved = {kind: dict(kernels.CONFIGS[kind]) for kind in overrides}
+    for kind, extra in overrides.items():
+        kernels.CONFIGS[kind].update({bucket: dict(cfg, **extra) for bucket, cfg in saved[kind].items()})
     try:
         yield
     finally:
@@ -196,7 +206,7 @@ def bench(gqa: int = 1) -> None:
             q, k, v = make_inputs(sum(lens), HEADS, HEADS // gqa, d, device)
             seg = segments_for(lens, device)
             pairs = visible_pairs(lens)
-            impls = [("varlen_attention", varlen_fn), ("varlen_attention, tiles in order", varlen_fn)]
+            impls = [("varlen_attention", varlen_fn)] + [(name, varlen_fn) for name in VARIANTS]
             if dense:
                 impls += [
                     ("SDPA flash", sdpa_dense_fn(SDPBackend.FLASH_ATTENTION, len(lens), lens[0])),
@@ -205,12 +215,11 @@ def bench(gqa: int = 1) -> None:
             else:
                 impls += [("SDPA flash, loop over docs", sdpa_loop_fn(SDPBackend.FLASH_ATTENTION, lens))]
             impls += [("FlexAttention doc mask", flex_fn(lens, device))]
-            ref_name, ref = impls[2]
+            ref_name, ref = impls[1 + len(VARIANTS)]
             print(f"D={d} {case} ({len(lens)} docs, {pairs / 1e6:.1f}M visible pairs per head)")
             for name, fn in impls:
-                order = tiles_in_order() if name.endswith("tiles in order") else contextlib.nullcontext()
                 try:
-                    with order:
+                    with kernel_variant(VARIANTS.get(name, {})):
                         if name != ref_name and not check_agreement(name, fn, ref, q, k, v, seg):
                             rows.append((case, d, name, None, None, None, None, "disagrees with SDPA"))
                             continue
