@@ -80,10 +80,8 @@ def varlen_fn(q, k, v, seg):
 # Earlier forms of the kernels, timed beside the current one: {row name: {kernel: overrides of
 # its launch configs}}.
 VARIANTS = {
-    # the forward rescales its accumulator at every key tile instead of when a row max grew
-    "varlen_attention, rescale every tile": {"fwd": dict(LAZY_RESCALE=False)},
-    # and scales the scores before the row max (no FMA): the forward before both changes
-    "varlen_attention, scale first, rescale every tile": {"fwd": dict(LAZY_RESCALE=False, FOLD_SCALE=False)},
+    # the forward and dq grids run in tile order, as before they took the longest causal tiles first
+    "varlen_attention, tiles in order": {"fwd": dict(HEAVY_FIRST=False), "bwd_dq": dict(HEAVY_FIRST=False)},
 }
 
 

@@ -206,30 +206,6 @@ def _visible(pos, b, k_len, left, right, CAUSAL: tl.constexpr):
     return vis
 
 
-# With LAZY_RESCALE the forward rescales its accumulator only when a row's running max grows
-# by more than this (in base-2 exponent units): the shifted exponents stay <= 8.
-RESCALE_SLACK: tl.constexpr = tl.constexpr(8.0)
-
-
-@triton.jit
-def _finite_or_zero(m, MASK: tl.constexpr):
-    """The running max to shift by: a row that has seen no visible key yet keeps m = -inf and
-    is shifted by 0 instead, so exp2 never evaluates (-inf) - (-inf). Only masked tiles can
-    leave a row without a key."""
-    if MASK:
-        return tl.where(m == float("-inf"), 0.0, m)
-    return m
-
-
-@triton.jit
-def _exp2_shifted(x, qk_scale, shift, SCALE_POSITIVE: tl.constexpr):
-    """``exp2(scaled scores - shift)`` per row: one FMA and one exp2 per score when the scale
-    is folded in (``x`` unscaled), a subtraction and the exp2 when ``x`` is scaled already."""
-    if SCALE_POSITIVE:
-        return tl.math.exp2(x * qk_scale - shift[:, None])
-    return tl.math.exp2(x - shift[:, None])
-
-
 @triton.jit
 def _fwd_inner(
     acc,
@@ -254,8 +230,6 @@ def _fwd_inner(
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     K_ROWS: tl.constexpr,
-    LAZY_RESCALE: tl.constexpr,
-    SCALE_POSITIVE: tl.constexpr,
 ):
     offs_n = tl.arange(0, BLOCK_N)
     for n in range(start, stop, BLOCK_N):
@@ -281,37 +255,23 @@ def _fwd_inner(
             v = tl.load(v_ptrs, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
         if K_ROWS:
             kt = tl.trans(kt)
-        # x: the scores, scaled by qk_scale unless SCALE_POSITIVE, where the scale is folded into
-        # the row max and into the exponent's one FMA (max(c x) = c max(x) holds for c > 0 only)
-        x = tl.dot(q, kt)
-        if not SCALE_POSITIVE:
-            x = x * qk_scale
+        # scaled before the mask and the max: any sign of scale (folding it into the max and
+        # the exponent instead measured no faster on the H100 and is wrong for scale <= 0)
+        x = tl.dot(q, kt) * qk_scale
         if MASK:
             x = tl.where(_visible(pos[:, None], b[None, :], k_len, left, right, CAUSAL), x, float("-inf"))
-        if SCALE_POSITIVE:
-            m_new = tl.maximum(m_i, tl.max(x, 1) * qk_scale)
+        m_new = tl.maximum(m_i, tl.max(x, 1))
+        if MASK:
+            # a row that has seen no visible key yet keeps m = -inf; shift by 0 instead
+            # so exp2 never evaluates (-inf) - (-inf)
+            m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
-            m_new = tl.maximum(m_i, tl.max(x, 1))
-        if LAZY_RESCALE:
-            # keep the running max while no row's max grew by more than RESCALE_SLACK: the
-            # exponents stay <= RESCALE_SLACK, so p <= 2**8 (exact in fp32 and bf16's range), and
-            # the tile skips rescaling acc ([BLOCK_M, D] multiplies). m_i = -inf on a row
-            # that saw no key yet compares as -inf, so its first visible key rescales.
-            if tl.max((m_new > m_i + RESCALE_SLACK).to(tl.int32), 0) > 0:
-                alpha = tl.math.exp2(m_i - _finite_or_zero(m_new, MASK))
-                l_i = l_i * alpha
-                acc = acc * alpha[:, None]
-                m_i = m_new
-            p = _exp2_shifted(x, qk_scale, _finite_or_zero(m_i, MASK), SCALE_POSITIVE)
-        else:
-            m_new_safe = _finite_or_zero(m_new, MASK)
-            p = _exp2_shifted(x, qk_scale, m_new_safe, SCALE_POSITIVE)
-            alpha = tl.math.exp2(m_i - m_new_safe)
-            l_i = l_i * alpha
-            acc = acc * alpha[:, None]
-            m_i = m_new
-        l_i = l_i + tl.sum(p, 1)
-        acc = tl.dot(p.to(v.dtype), v, acc)
+            m_new_safe = m_new
+        p = tl.math.exp2(x - m_new_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_new_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
     return acc, l_i, m_i
 
 
@@ -350,8 +310,6 @@ def varlen_attn_fwd_kernel(
     BLOCK_N: tl.constexpr,
     K_ROWS: tl.constexpr = True,
     HEAVY_FIRST: tl.constexpr = True,
-    LAZY_RESCALE: tl.constexpr = True,
-    SCALE_POSITIVE: tl.constexpr = False,
 ):
     """One query tile x one query head: online softmax over the visible key tiles.
 
@@ -396,18 +354,15 @@ def varlen_attn_fwd_kernel(
     EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, pos, offs_d, k_len, left, right, qk_scale,
-        lo, mid_lo, True, CAUSAL, EVEN_D, HEAD_DIM, BLOCK_N, K_ROWS, LAZY_RESCALE,
-        SCALE_POSITIVE,
+        lo, mid_lo, True, CAUSAL, EVEN_D, HEAD_DIM, BLOCK_N, K_ROWS,
     )
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, pos, offs_d, k_len, left, right, qk_scale,
-        mid_lo, mid_hi, False, CAUSAL, EVEN_D, HEAD_DIM, BLOCK_N, K_ROWS, LAZY_RESCALE,
-        SCALE_POSITIVE,
+        mid_lo, mid_hi, False, CAUSAL, EVEN_D, HEAD_DIM, BLOCK_N, K_ROWS,
     )
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, pos, offs_d, k_len, left, right, qk_scale,
-        mid_hi, hi, True, CAUSAL, EVEN_D, HEAD_DIM, BLOCK_N, K_ROWS, LAZY_RESCALE,
-        SCALE_POSITIVE,
+        mid_hi, hi, True, CAUSAL, EVEN_D, HEAD_DIM, BLOCK_N, K_ROWS,
     )
 
     seen = l_i > 0

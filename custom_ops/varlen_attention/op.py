@@ -161,15 +161,13 @@ def _forward_kernel(q, k, v, seg, causal, left, right, scale):
     cfg = kernel_config("fwd", block_d, triton_interpreting(), q.element_size())
     grid = (triton.cdiv(tq, cfg["BLOCK_M"]) + n_seg, hq)
     (qs, ql, qp, ks, kl), cum, owner = _segment_tables(seg, tq, k.shape[0], cfg["BLOCK_M"], grid[0])
-    # the kernel folds the scale into its row max and exponent where that is exact (scale > 0)
-    scale_positive = cfg.pop("FOLD_SCALE", True) and scale > 0
     wrap_triton(varlen_attn_fwd_kernel)[grid](
         q, k, v, out, lse,
         qs, ql, qp, ks, kl, cum, owner, n_seg,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), lse.stride(0),
         hq // hkv, scale * _LOG2E, left, right,
-        CAUSAL=causal, HEAD_DIM=d, BLOCK_D=block_d, SCALE_POSITIVE=scale_positive, **cfg,
+        CAUSAL=causal, HEAD_DIM=d, BLOCK_D=block_d, **cfg,
     )  # fmt: skip
     return out, lse
 
