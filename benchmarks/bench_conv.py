@@ -15,6 +15,12 @@ Times: median of triton.testing.do_bench (ms); "GB/s": the bytes a fused kernel 
 (forward: read x, write y; forward+backward: that plus read x and dy, write dx) over the time.
 Before timing, our outputs and gradients are checked against FLA's (bf16 rel_error).
 
+``--gather`` times the conv of one rank of the W = 2 layer on rows that arrive permuted (the
+all-to-all's rank order; the 4096 q, k, v channels and the 32 b, a columns beside them),
+compiled, forward+backward: ``thd_rank_to_seq_order`` then the conv (the gradient assembled
+for both column ranges, then ``thd_seq_to_rank_order``), against ``causal_conv1d_gather``,
+which reads the rows where they are and writes their gradient back the same way.
+
 ``--sweep`` times our kernels under each of :data:`SWEEP` (ROWS, BLOCK_C, num_warps,
 num_stages) at T = 65536, C = 8192 and T = 32768, C = 4096 (8 sequences), forward and
 backward apart: how ``custom_ops.gdn.kernels.FWD_CONFIG`` / ``BWD_CONFIG`` were chosen.
@@ -99,6 +105,51 @@ def bench_shape(total: int, num_seqs: int, channels: int) -> dict[str, float]:
     return out
 
 
+def bench_gather(
+    total: int, num_seqs: int, channels: int = 4096, extra: int = 32, world: int = 2, device: str = "cuda"
+) -> dict[str, float]:
+    """ms of the two forms of the conv on permuted rows (see the module docstring), compiled; on
+    a CPU device only their agreement (the ms entries left out)."""
+    from cp_ops.layout import pad_cu_seqlens
+    from custom_ops.thd_reorder.reference import rank_to_seq_index
+
+    lens = _lengths(total, num_seqs, torch.Generator().manual_seed(total + num_seqs))
+    _, cup = pad_cu_seqlens(lens, world)
+    cup = cup.to(torch.int32).to(device)
+    rows_total = int(cup[-1])
+    recv = torch.randn(rows_total, channels + extra, device=device, dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(channels, KERNEL, device=device) / KERNEL**0.5).to(torch.bfloat16).requires_grad_()
+    rows = rank_to_seq_index(cup, world, rows_total)
+    dy = torch.randn(rows_total, channels, device=device, dtype=torch.bfloat16)
+    dtail = torch.randn(rows_total, extra, device=device, dtype=torch.bfloat16)
+
+    def reorder_then_conv(recv, w):
+        xs = custom_ops.thd_rank_to_seq_order(recv, cup, world)
+        return custom_ops.causal_conv1d(xs[:, :channels], w, None, cup, "silu"), xs[:, channels:]
+
+    def gather_conv(recv, w):
+        return custom_ops.causal_conv1d_gather(recv, rows, w, None, cup, "silu")
+
+    out, grads = {}, {}
+    for name, form in (("reorder + conv", reorder_then_conv), ("gather conv", gather_conv)):
+        fn = torch.compile(form, fullgraph=True)
+
+        def step(fn=fn):
+            y, tail = fn(recv, w)
+            return (y.detach(), *torch.autograd.grad([y, tail], [recv, w], [dy, dtail]))
+
+        grads[name] = step()
+        if device == "cuda":
+            out[f"{name} fwd+bwd"] = median_ms(step)
+    for label, a, b in zip(("y", "dx", "dw"), *grads.values()):
+        out[f"err {label}"] = rel_error(a, b)
+    if not max(v for k, v in out.items() if k.startswith("err")) < TOLERANCE:
+        raise AssertionError(f"T={total} B={num_seqs}: the two forms disagree: {out}")
+    if device == "cuda":
+        out["reorder + conv / gather conv"] = out["reorder + conv fwd+bwd"] / out["gather conv fwd+bwd"]
+    return out
+
+
 def sweep() -> str:
     """The --sweep table: ms of our forward and backward per kernel config."""
     import custom_ops.gdn.kernels as kernels
@@ -136,6 +187,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="also write the table to this markdown file")
     parser.add_argument("--sweep", action="store_true", help="time our kernels under each config of SWEEP")
+    parser.add_argument("--gather", action="store_true", help="time the conv on permuted rows: reorder + conv vs gather")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_conv needs a CUDA device")
@@ -143,12 +195,18 @@ def main() -> None:
     if args.sweep:
         print(sweep(), flush=True)
         return
-    cases = [(t, b, c) for c in CHANNELS for t in TOKENS for b in SEQS]
-    results = [bench_shape(*case) for case in cases]
+    if args.gather:
+        cases = [(t, b, 4096) for t in TOKENS for b in SEQS]
+        results = [bench_gather(t, b, c) for t, b, c in cases]
+        title = "causal conv1d of rows in rank order (one rank of W = 2: 4096 channels + 32 columns), compiled"
+    else:
+        cases = [(t, b, c) for c in CHANNELS for t in TOKENS for b in SEQS]
+        results = [bench_shape(*case) for case in cases]
+        title = f"causal conv1d (kernel {KERNEL}, silu, bf16), ours against FLA's"
     keys = list(results[0])
     rows = [[k] + [r[k] if "err" not in k else f"{r[k]:.1e}" for r in results] for k in keys]
     text = "\n".join([
-        f"## causal conv1d (kernel {KERNEL}, silu, bf16), ours against FLA's\n",
+        f"## {title}\n",
         environment() + "; times in ms (median, do_bench); GB/s = bytes a fused kernel moves / time\n",
         markdown_table([""] + [f"T={t} B={b} C={c}" for t, b, c in cases], rows),
     ])  # fmt: skip

@@ -325,7 +325,12 @@ def _overlapped_exchange(
 
 
 def thd_cp2hp_blocks(
-    send: torch.Tensor, cu_seqlens_padded: torch.Tensor, group, overlap: Callable[[], T] | None = None
+    send: torch.Tensor,
+    cu_seqlens_padded: torch.Tensor,
+    group,
+    overlap: Callable[[], T] | None = None,
+    *,
+    seq_order: bool = True,
 ) -> tuple[torch.Tensor, T | None]:
     """:func:`thd_cp2hp` from a send buffer the caller has already laid out.
 
@@ -337,13 +342,18 @@ def thd_cp2hp_blocks(
     [T, ..., F/W]`` in sequence order, as :func:`thd_cp2hp` returns it, with ``overlap()``
     run while the all-to-all is in flight (see :func:`thd_cp2hp_overlap`). Differentiable;
     the gradient of ``send`` comes back in the same block layout. ``group=None``: W = 1,
-    ``x_hp = send[0]``.
+    ``x_hp = send[0]``. ``seq_order=False`` skips the last pass: ``x_hp`` is then in rank
+    order, as received (sequence row g at row ``rank_to_seq_index(cu_seqlens_padded, W, T)[g]``
+    of it), for a consumer that reads its rows through that map
+    (:func:`custom_ops.causal_conv1d_gather`).
     """
     group_name, world = resolve_group(group)
     _check_send_blocks(send, cu_seqlens_padded, world)
     if group_name is None:
         return send[0], (overlap() if overlap is not None else None)
     recv, extra = _overlapped_exchange(send.flatten(0, 1), group_name, world, overlap)  # rank order
+    if not seq_order:
+        return recv, extra
     return custom_ops.thd_rank_to_seq_order(recv, cu_seqlens_padded, world), extra
 
 

@@ -15,7 +15,8 @@ from cp_ops.comm import (
     thd_hp2cp,
     thd_hp2cp_blocks,
 )
-from custom_ops.gdn.op import causal_conv1d, chunk_gated_delta_rule
+from custom_ops.gdn.op import causal_conv1d, causal_conv1d_gather, chunk_gated_delta_rule
+from custom_ops.thd_reorder.reference import rank_to_seq_index
 
 # FLA's and Qwen3-Next's epsilon for the q/k l2 normalisation
 L2NORM_EPS = 1e-6
@@ -90,7 +91,9 @@ class GatedDeltaNet(nn.Module):
     ``out_proj``; it needs ``Hk % W == 0`` (hence ``Hv % W == 0``). Under
     ``torch.compile`` the layouts on both sides of the exchanges are fused into their
     neighbours (:attr:`fused_layouts`): ``in_proj`` writes the all-to-all's send buffer
-    itself, and the gated norm reads the received blocks in place. The gate z
+    itself, the conv reads the received rows where they are, in the all-to-all's rank
+    order (:func:`custom_ops.causal_conv1d_gather`), and the gated norm reads the
+    received blocks in place. The gate z
     never leaves its rank: the gated norm is per token and head, so it runs after
     the all-to-all back, on the local rows, and ``thd_cp2hp`` carries
     ``2*Hk*dk + Hv*dv + 2*Hv`` features instead of ``2*Hk*dk + 2*Hv*dv + 2*Hv``
@@ -98,8 +101,9 @@ class GatedDeltaNet(nn.Module):
     """
 
     #: The layouts of the CP exchanges. True: fused into their neighbours (in_proj writes the
-    #: all-to-all's send buffer as W GEMMs, the gated norm reads the received blocks in place:
-    #: :func:`cp_ops.thd_cp2hp_blocks`, :func:`cp_ops.thd_hp2cp_blocks`). False: section-layout
+    #: all-to-all's send buffer as W GEMMs, the conv reads the received rows in rank order, the
+    #: gated norm reads the received blocks in place: :func:`cp_ops.thd_cp2hp_blocks`,
+    #: :func:`custom_ops.causal_conv1d_gather`, :func:`cp_ops.thd_hp2cp_blocks`). False: section-layout
     #: tensors through :func:`cp_ops.thd_cp2hp_overlap` and :func:`cp_ops.thd_hp2cp`, a layout
     #: kernel on each side of each exchange. None (the default): fused under ``torch.compile``,
     #: where Inductor folds the layouts into the GEMM outputs and the norm's kernels, and
@@ -188,8 +192,10 @@ class GatedDeltaNet(nn.Module):
         output back to the local tokens, the gated norm with the local z, ``out_proj``.
         With fused layouts (:attr:`fused_layouts`; under ``torch.compile`` by default)
         the projections come out in the all-to-all's send layout
-        (:meth:`project_send_blocks`, :func:`cp_ops.thd_cp2hp_blocks`) and the gated norm
-        reads the received blocks where they are (:func:`cp_ops.thd_hp2cp_blocks`);
+        (:meth:`project_send_blocks`, :func:`cp_ops.thd_cp2hp_blocks`), the conv reads the
+        received rows in rank order through a row map (:func:`custom_ops.causal_conv1d_gather`,
+        its backward writes their gradient back the same way), and the gated norm reads the
+        received blocks where they are (:func:`cp_ops.thd_hp2cp_blocks`);
         ``out_proj`` runs per block, the rank's own block (its heads of its own rows)
         while the exchange back is in flight. The result equals :meth:`forward_sections`'
         to rounding (the same layer converting with ``thd_cp2hp`` / ``thd_hp2cp`` on
@@ -217,10 +223,13 @@ class GatedDeltaNet(nn.Module):
             o_hp = self.head_parallel_core(qkvba_hp, cu_seqlens_padded, head_start, heads)
             o = thd_hp2cp(o_hp, cu_seqlens_padded, [o_hp.shape[-1]], group)
             return self._gate_and_project_out(o, z)
+        # received in rank order and left there: the conv reads its rows through the map to
+        # sequence order and writes their gradient back the same way (no reorder either way)
         qkvba_hp, z = thd_cp2hp_blocks(
-            self.project_send_blocks(x, world), cu_seqlens_padded, group, lambda: self._project_z(x)
+            self.project_send_blocks(x, world), cu_seqlens_padded, group, lambda: self._project_z(x), seq_order=False
         )
-        o_hp = self.head_parallel_core(qkvba_hp, cu_seqlens_padded, head_start, heads)
+        rows_hp = rank_to_seq_index(cu_seqlens_padded, world, qkvba_hp.shape[0])
+        o_hp = self.head_parallel_core(qkvba_hp, cu_seqlens_padded, head_start, heads, rows_hp)
         # out_proj is a sum over the value heads, so it splits by the blocks of the exchange
         # back: this rank's heads of its own rows (which never leave it) are normed and
         # projected while the other blocks are in flight, each other block when it is in
@@ -277,15 +286,23 @@ class GatedDeltaNet(nn.Module):
         return world
 
     def head_parallel_core(
-        self, proj_hp: torch.Tensor, cu_seqlens: torch.Tensor, k_head_start: int, num_k_heads: int
+        self,
+        proj_hp: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        k_head_start: int,
+        num_k_heads: int,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """conv -> l2norm -> gates -> delta rule for one range of heads, all tokens.
 
         proj_hp ``[T, F_r]``: the q, k, v, b, a sections restricted to key heads
         ``[k_head_start, k_head_start + num_k_heads)`` and their value heads
         ``[G*k_head_start, G*(k_head_start + num_k_heads))`` (what ``thd_cp2hp``
-        returns with :meth:`exchanged_sections`). Returns the delta-rule output
-        ``[T, Hv_r * dv]`` of those value heads; the gated norm comes after.
+        returns with :meth:`exchanged_sections`), in sequence order, or with ``rows``
+        (a permutation, ``[T]``) sequence row t at its row ``rows[t]``: the conv then
+        gathers them (:func:`custom_ops.causal_conv1d_gather`). Returns the delta-rule
+        output ``[T, Hv_r * dv]`` of those value heads, in sequence order; the gated norm
+        comes after.
         """
         num_rows = proj_hp.shape[0]
         group = self.num_v_heads // self.num_k_heads
@@ -307,13 +324,16 @@ class GatedDeltaNet(nn.Module):
                 weight[2 * self.key_dim + v0 : 2 * self.key_dim + v0 + v_w],
             ]
         )
-        # a column slice of proj: the conv reads it strided, no copy
-        mixed = causal_conv1d(proj_hp[:, :conv_w], conv_weight, None, cu_seqlens, "silu")
+        if rows is None:
+            # a column slice of proj: the conv reads it strided, no copy
+            mixed = causal_conv1d(proj_hp[:, :conv_w], conv_weight, None, cu_seqlens, "silu")
+            ba = proj_hp[:, conv_w:]
+        else:
+            mixed, ba = causal_conv1d_gather(proj_hp, rows, conv_weight, None, cu_seqlens, "silu")
         q = l2norm(mixed[:, :qk_w].reshape(num_rows, hk, dk))
         k = l2norm(mixed[:, qk_w : 2 * qk_w].reshape(num_rows, hk, dk))
         v = mixed[:, 2 * qk_w :].reshape(num_rows, hv, dv)
-        b = proj_hp[:, conv_w : conv_w + hv]
-        a = proj_hp[:, conv_w + hv :]
+        b, a = ba[:, :hv], ba[:, hv:]
 
         wide = torch.promote_types(proj_hp.dtype, torch.float32)
         a_log = self.A_log[v_start : v_start + hv].to(wide)

@@ -13,8 +13,12 @@ from custom_ops.permute_sections.op import (
     unpermute_sections,
 )
 from custom_ops.permute_sections.reference import permute_sections_reference, unpermute_sections_reference
-from custom_ops.gdn.op import causal_conv1d, chunk_gated_delta_rule
-from custom_ops.gdn.reference import causal_conv1d_reference, chunk_gated_delta_rule_reference
+from custom_ops.gdn.op import causal_conv1d, causal_conv1d_gather, chunk_gated_delta_rule
+from custom_ops.gdn.reference import (
+    causal_conv1d_gather_reference,
+    causal_conv1d_reference,
+    chunk_gated_delta_rule_reference,
+)
 from custom_ops.thd_copy_valid_tokens.op import thd_copy_valid_tokens, thd_copy_valid_tokens_
 from custom_ops.thd_copy_valid_tokens.reference import thd_copy_valid_tokens_reference
 from custom_ops.thd_reorder.op import thd_rank_to_seq_order, thd_seq_to_rank_order
@@ -38,8 +42,10 @@ __all__ = [
     "permute_sections_reference",
     "unpermute_sections_reference",
     "causal_conv1d",
+    "causal_conv1d_gather",
     "chunk_gated_delta_rule",
     "causal_conv1d_reference",
+    "causal_conv1d_gather_reference",
     "chunk_gated_delta_rule_reference",
     "varlen_attention_reference",
     "validate_varlen_segments",

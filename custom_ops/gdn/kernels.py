@@ -39,11 +39,21 @@ def _weight(w_ptr, cols, col_ok, K: tl.constexpr, k: tl.constexpr):
 
 
 @triton.jit
-def _row(ptr, t, stride, cols, col_ok, num_rows):
-    """Row t of a ``[T, C]`` tensor as float32, zero outside ``[0, num_rows)``."""
+def _src(map_ptr, t, num_rows, GATHER: tl.constexpr):
+    """The memory row of sequence row t: ``map[t]`` with GATHER (0 outside ``[0, num_rows)``), else t."""
+    if GATHER:
+        return tl.load(map_ptr + t, mask=(t >= 0) & (t < num_rows), other=0)
+    return t
+
+
+@triton.jit
+def _row(ptr, t, stride, cols, col_ok, num_rows, map_ptr=None, GATHER: tl.constexpr = False):
+    """Sequence row t of a ``[T, C]`` tensor as float32 (stored at row ``map[t]`` with GATHER),
+    zero outside ``[0, num_rows)``."""
     tv = t + cols * 0  # the row as a vector: the mask is built from vectors only
     ok = col_ok & (tv >= 0) & (tv < num_rows)
-    return tl.load(ptr + t.to(tl.int64) * stride + cols, mask=ok, other=0.0).to(tl.float32)
+    src = _src(map_ptr, t, num_rows, GATHER)
+    return tl.load(ptr + src.to(tl.int64) * stride + cols, mask=ok, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -59,6 +69,7 @@ def cp_causal_conv1d_fwd_kernel(
     b_ptr,  # [C] or a dummy (HAS_BIAS False)
     y_ptr,  # [T, C], contiguous
     pos_ptr,  # [T] int32, each row's position in its sequence, capped at MAX_TAPS
+    map_ptr,  # with GATHER: [T] int, the row of x that holds sequence row t
     num_rows,
     channels,
     stride_x,  # x's row stride (its channel stride is 1)
@@ -67,8 +78,10 @@ def cp_causal_conv1d_fwd_kernel(
     SILU: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    GATHER: tl.constexpr = False,
 ):
-    """``y[t, c] = act(b[c] + sum_j w[c, K-1-j] * x[t-j, c])`` over taps j with ``pos[t] >= j``."""
+    """``y[t, c] = act(b[c] + sum_j w[c, K-1-j] * x[t-j, c])`` over taps j with ``pos[t] >= j``;
+    with GATHER, x's sequence row t is its row ``map[t]`` (y is in sequence order)."""
     t0 = tl.program_id(0) * ROWS
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_ok = cols < channels
@@ -79,12 +92,12 @@ def cp_causal_conv1d_fwd_kernel(
     bias = tl.zeros((BLOCK_C,), dtype=tl.float32)
     if HAS_BIAS:
         bias = tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-    x1 = _row(x_ptr, t0 - 1, stride_x, cols, col_ok, num_rows)  # rows t-1, t-2, t-3, carried
-    x2 = _row(x_ptr, t0 - 2, stride_x, cols, col_ok, num_rows)
-    x3 = _row(x_ptr, t0 - 3, stride_x, cols, col_ok, num_rows)
+    x1 = _row(x_ptr, t0 - 1, stride_x, cols, col_ok, num_rows, map_ptr, GATHER)  # rows t-1, t-2, t-3, carried
+    x2 = _row(x_ptr, t0 - 2, stride_x, cols, col_ok, num_rows, map_ptr, GATHER)
+    x3 = _row(x_ptr, t0 - 3, stride_x, cols, col_ok, num_rows, map_ptr, GATHER)
     for i in range(ROWS):
         t = t0 + i
-        x0 = _row(x_ptr, t, stride_x, cols, col_ok, num_rows)
+        x0 = _row(x_ptr, t, stride_x, cols, col_ok, num_rows, map_ptr, GATHER)
         p = _pos(pos_ptr, t, num_rows)
         acc = bias + wa * x0
         acc += tl.where(p >= 1, wb * x1, 0.0)
@@ -107,20 +120,24 @@ def cp_causal_conv1d_bwd_kernel(
     dw_ptr,  # [programs along T, C, 4] float32 partial sums (weight column k at k)
     db_ptr,  # [programs along T, C] float32 partial sums
     pos_ptr,
+    map_ptr,  # with GATHER: [T] int, the row of x (and of dx) that holds sequence row t
     num_rows,
     channels,
     stride_x,
     stride_dy,
+    stride_dx,
     K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SILU: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    GATHER: tl.constexpr = False,
 ):
     """With ``dpre = dy * act'(pre)``: ``dx[t] = sum_s w[:, K-1-s] * dpre[t+s]`` over s with
     ``pos[t+s] >= s``; ``dw[:, K-1-j] = sum_t dpre[t] * x[t-j]`` over ``pos[t] >= j`` and
     ``db = sum_t dpre[t]``, over this program's rows. Rows run from the last one down; the K-1
-    rows after this program's block are recomputed for their ``dpre``."""
+    rows after this program's block are recomputed for their ``dpre``. With GATHER, sequence
+    row t of x and of dx is their row ``map[t]`` (dy is in sequence order)."""
     pid_t = tl.program_id(0)
     t0 = pid_t * ROWS
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -133,9 +150,9 @@ def cp_causal_conv1d_bwd_kernel(
     if HAS_BIAS:
         bias = tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     top = t0 + ROWS + 2  # the first row streamed: three past the block (their dpre reach its last rows)
-    x0 = _row(x_ptr, top, stride_x, cols, col_ok, num_rows)  # rows t, t-1, t-2, carried
-    x1 = _row(x_ptr, top - 1, stride_x, cols, col_ok, num_rows)
-    x2 = _row(x_ptr, top - 2, stride_x, cols, col_ok, num_rows)
+    x0 = _row(x_ptr, top, stride_x, cols, col_ok, num_rows, map_ptr, GATHER)  # rows t, t-1, t-2, carried
+    x1 = _row(x_ptr, top - 1, stride_x, cols, col_ok, num_rows, map_ptr, GATHER)
+    x2 = _row(x_ptr, top - 2, stride_x, cols, col_ok, num_rows, map_ptr, GATHER)
     d1 = tl.zeros((BLOCK_C,), dtype=tl.float32)  # dpre of rows t+1, t+2, t+3, carried
     d2 = tl.zeros((BLOCK_C,), dtype=tl.float32)
     d3 = tl.zeros((BLOCK_C,), dtype=tl.float32)
@@ -149,7 +166,7 @@ def cp_causal_conv1d_bwd_kernel(
     db = tl.zeros((BLOCK_C,), dtype=tl.float32)
     for i in range(ROWS + 3):
         t = top - i
-        x3 = _row(x_ptr, t - 3, stride_x, cols, col_ok, num_rows)
+        x3 = _row(x_ptr, t - 3, stride_x, cols, col_ok, num_rows, map_ptr, GATHER)
         p = _pos(pos_ptr, t, num_rows)
         pre = bias + wa * x0
         pre += tl.where(p >= 1, wb * x1, 0.0)
@@ -165,7 +182,8 @@ def cp_causal_conv1d_bwd_kernel(
         dx += tl.where(q3 >= 3, wd * d3, 0.0)
         tv = t + cols * 0
         own = (tv >= t0) & (tv < t0 + ROWS) & (tv < num_rows)
-        tl.store(dx_ptr + t.to(tl.int64) * channels + cols, dx.to(dx_ptr.dtype.element_ty), mask=col_ok & own)
+        dst = _src(map_ptr, t, num_rows, GATHER).to(tl.int64)
+        tl.store(dx_ptr + dst * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty), mask=col_ok & own)
         mine = tl.where(own, dpre, 0.0)
         db += mine
         dwa += mine * x0

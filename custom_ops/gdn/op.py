@@ -34,6 +34,7 @@ import triton
 from custom_ops._common import NAMESPACE, check_index_tensor, unit_last_stride, use_triton
 from custom_ops.gdn.kernels import MAX_TAPS
 from custom_ops.gdn.reference import (
+    causal_conv1d_gather_reference,
     causal_conv1d_reference,
     causal_conv1d_reference_backward,
     check_activation,
@@ -176,40 +177,46 @@ def _conv_positions(cu_seqlens: torch.Tensor, num_rows: int) -> torch.Tensor:
     return row_positions(cu_seqlens, num_rows).clamp_(max=MAX_TAPS).to(torch.int32)
 
 
-def _conv_forward(x, weight, bias, cu_seqlens, activation) -> torch.Tensor:
+def _conv_forward(x, weight, bias, cu_seqlens, activation, rows=None) -> torch.Tensor:
+    """Our forward kernel; with ``rows``, sequence row t of x is its row ``rows[t]``."""
     from custom_ops.gdn.kernels import FWD_CONFIG, INTERPRETER_CONFIG, cp_causal_conv1d_fwd_kernel
 
     x = unit_last_stride(x)
     weight = weight.contiguous()
     num_rows, channels = x.shape
-    rows, block_c, warps, stages = FWD_CONFIG if x.is_cuda else INTERPRETER_CONFIG
+    block_rows, block_c, warps, stages = FWD_CONFIG if x.is_cuda else INTERPRETER_CONFIG
     y = torch.empty(num_rows, channels, dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(num_rows, rows), triton.cdiv(channels, block_c))
+    pos = _conv_positions(cu_seqlens, num_rows)
+    grid = (triton.cdiv(num_rows, block_rows), triton.cdiv(channels, block_c))
     cp_causal_conv1d_fwd_kernel[grid](
-        x, weight, weight if bias is None else bias.contiguous(), y, _conv_positions(cu_seqlens, num_rows), num_rows,
-        channels, x.stride(0), K=weight.shape[1], HAS_BIAS=bias is not None, SILU=_is_silu(activation), ROWS=rows,
-        BLOCK_C=block_c, num_warps=warps, num_stages=stages,
+        x, weight, weight if bias is None else bias.contiguous(), y, pos, pos if rows is None else rows, num_rows,
+        channels, x.stride(0), K=weight.shape[1], HAS_BIAS=bias is not None, SILU=_is_silu(activation),
+        ROWS=block_rows, BLOCK_C=block_c, GATHER=rows is not None, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return y
 
 
-def _conv_backward_kernel(grad_y, x, weight, bias, cu_seqlens, activation):
+def _conv_backward_kernel(grad_y, x, weight, bias, cu_seqlens, activation, rows=None, dx=None):
+    """Our backward kernel; with ``rows``, sequence row t of x is its row ``rows[t]`` and so is
+    that of dx (written into ``dx`` when given, an x-shaped view, else a new tensor)."""
     from custom_ops.gdn.kernels import BWD_CONFIG, INTERPRETER_CONFIG, cp_causal_conv1d_bwd_kernel
 
     x, grad_y = unit_last_stride(x), unit_last_stride(grad_y)
     w = weight.contiguous()
     num_rows, channels = x.shape
     kernel = w.shape[1]
-    rows, block_c, warps, stages = BWD_CONFIG if x.is_cuda else INTERPRETER_CONFIG
-    programs = triton.cdiv(num_rows, rows)
-    dx = torch.empty(num_rows, channels, dtype=x.dtype, device=x.device)
+    block_rows, block_c, warps, stages = BWD_CONFIG if x.is_cuda else INTERPRETER_CONFIG
+    programs = triton.cdiv(num_rows, block_rows)
+    if dx is None:
+        dx = torch.empty(num_rows, channels, dtype=x.dtype, device=x.device)
     dw_parts = torch.empty(programs, channels, MAX_TAPS, dtype=torch.float32, device=x.device)
     db_parts = torch.empty(programs, channels, dtype=torch.float32, device=x.device)
+    pos = _conv_positions(cu_seqlens, num_rows)
     cp_causal_conv1d_bwd_kernel[(programs, triton.cdiv(channels, block_c))](
-        x, w, w if bias is None else bias.contiguous(), grad_y, dx, dw_parts, db_parts,
-        _conv_positions(cu_seqlens, num_rows), num_rows, channels, x.stride(0), grad_y.stride(0), K=kernel,
-        HAS_BIAS=bias is not None, SILU=_is_silu(activation), ROWS=rows, BLOCK_C=block_c, num_warps=warps,
-        num_stages=stages,
+        x, w, w if bias is None else bias.contiguous(), grad_y, dx, dw_parts, db_parts, pos,
+        pos if rows is None else rows, num_rows, channels, x.stride(0), grad_y.stride(0), dx.stride(0), K=kernel,
+        HAS_BIAS=bias is not None, SILU=_is_silu(activation), ROWS=block_rows, BLOCK_C=block_c,
+        GATHER=rows is not None, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     dw = dw_parts.sum(0)[:, :kernel].to(weight.dtype)
     db = db_parts.sum(0).to(bias.dtype if bias is not None else weight.dtype)
@@ -268,6 +275,112 @@ def _conv_backward(ctx, grad_y):
 
 
 causal_conv1d.register_autograd(_conv_backward, setup_context=_conv_setup_context)
+
+
+# --- causal_conv1d_gather ---------------------------------------------------------------------
+
+
+def _check_conv_gather(x, rows, weight, bias, cu_seqlens, activation) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"x must be [T, F], got shape {tuple(x.shape)}")
+    check_index_tensor("rows", rows, x.device, min_numel=0)
+    if rows.dim() != 1 or rows.shape[0] != x.shape[0]:
+        raise ValueError(f"rows must be [T] with T = {x.shape[0]} (a permutation of x's rows), got {tuple(rows.shape)}")
+    if weight.dim() != 2 or weight.shape[0] > x.shape[1]:
+        raise ValueError(f"weight must be [C, K] with C <= F = {x.shape[1]}, got shape {tuple(weight.shape)}")
+    _check_conv(x[:, : weight.shape[0]], weight, bias, cu_seqlens, activation)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::causal_conv1d_gather", mutates_args=())
+def causal_conv1d_gather(
+    x: torch.Tensor,
+    rows: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    cu_seqlens: torch.Tensor,
+    activation: Optional[str] = "silu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`causal_conv1d` of x's rows taken in the order ``rows``, on its first C columns:
+    ``(causal_conv1d(x[rows, :C], weight, bias, cu_seqlens, activation), x[rows, C:])``.
+
+    x ``[T, F]`` with ``C = weight.shape[0] <= F``; rows ``[T]`` (int32/int64) a permutation of
+    ``range(T)``: sequence row t (the layout ``cu_seqlens`` describes) is x's row ``rows[t]``.
+    Both outputs are in sequence order. The point is the pass it saves: on CUDA (K <= 4) the
+    kernels read x's rows where they are and the backward writes dx ``[T, F]`` the same way,
+    both column ranges, so a caller whose rows arrive permuted (:class:`cp_ops.GatedDeltaNet`,
+    its all-to-all's rank order) never reorders them in memory, in either direction. rows
+    must be a permutation: the CUDA backward writes every row of dx once, through rows (the
+    reference adds, as the gradient of ``x[rows]`` does; the two agree on permutations).
+    """
+    _check_conv_gather(x, rows, weight, bias, cu_seqlens, activation)
+    channels = weight.shape[0]
+    if not use_triton(x) or x.numel() == 0:
+        return causal_conv1d_gather_reference(x, rows, weight, bias, cu_seqlens, activation)
+    if weight.shape[1] > MAX_TAPS:  # FLA's kernels, on the gathered rows
+        xs = x.index_select(0, rows)
+        y = _fla_conv_forward(xs[:, :channels], weight, bias, cu_seqlens, activation)
+        return y, xs[:, channels:].clone(memory_format=torch.contiguous_format)
+    y = _conv_forward(x[:, :channels], weight, bias, cu_seqlens, activation, rows)
+    return y, x[:, channels:].index_select(0, rows)
+
+
+@causal_conv1d_gather.register_fake
+def _(x, rows, weight, bias, cu_seqlens, activation="silu"):
+    _check_conv_gather(x, rows, weight, bias, cu_seqlens, activation)
+    channels = weight.shape[0]
+    return x.new_empty(x.shape[0], channels), x.new_empty(x.shape[0], x.shape[1] - channels)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::causal_conv1d_gather_backward", mutates_args=())
+def causal_conv1d_gather_backward(
+    grad_y: torch.Tensor,
+    grad_rest: torch.Tensor,
+    x: torch.Tensor,
+    rows: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    cu_seqlens: torch.Tensor,
+    activation: Optional[str],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx ``[T, F]``, dweight, dbias) of :func:`causal_conv1d_gather` for the gradients of its
+    two outputs."""
+    channels = weight.shape[0]
+    if not use_triton(x) or x.numel() == 0 or weight.shape[1] > MAX_TAPS:
+        # the backward of the gathered conv, then that of the gather (an index_add)
+        xs = x.index_select(0, rows)
+        conv_backward = causal_conv1d_reference_backward if not use_triton(x) else _fla_conv_backward
+        dxs, dw, db = conv_backward(grad_y, xs[:, :channels], weight, bias, cu_seqlens, activation)
+        dx = torch.zeros_like(x).index_add_(0, rows.long(), torch.cat([dxs, grad_rest.to(dxs.dtype)], 1))
+        return dx, dw, db
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _, dw, db = _conv_backward_kernel(
+        grad_y, x[:, :channels], weight, bias, cu_seqlens, activation, rows, dx[:, :channels]
+    )
+    dx[:, channels:].index_copy_(0, rows.long(), grad_rest.to(dx.dtype))
+    return dx, dw, db
+
+
+@causal_conv1d_gather_backward.register_fake
+def _(grad_y, grad_rest, x, rows, weight, bias, cu_seqlens, activation):
+    db_dtype = bias.dtype if bias is not None else weight.dtype
+    return x.new_empty(x.shape), weight.new_empty(weight.shape), weight.new_empty(weight.shape[0], dtype=db_dtype)
+
+
+def _conv_gather_setup_context(ctx, inputs, output):
+    x, rows, weight, bias, cu_seqlens, activation = inputs
+    ctx.save_for_backward(x, rows, weight, bias, cu_seqlens)
+    ctx.activation = activation
+
+
+def _conv_gather_backward(ctx, grad_y, grad_rest):
+    x, rows, weight, bias, cu_seqlens = ctx.saved_tensors
+    dx, dw, db = torch.ops.cp_ops.causal_conv1d_gather_backward(
+        grad_y, grad_rest, x, rows, weight, bias, cu_seqlens, ctx.activation
+    )
+    return dx, None, dw, (db if bias is not None else None), None, None
+
+
+causal_conv1d_gather.register_autograd(_conv_gather_backward, setup_context=_conv_gather_setup_context)
 
 
 # --- chunk_gated_delta_rule -------------------------------------------------------------------

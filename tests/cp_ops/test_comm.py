@@ -35,6 +35,7 @@ from cp_ops import (
 from custom_ops import rank_blocks_to_sections, sections_to_rank_blocks
 from cp_ops import comm
 from custom_ops._common import kernels_visible_to_compiler
+from custom_ops.thd_reorder.reference import rank_to_seq_index
 from custom_ops.testing import random_tensor
 from tests._dist import exchange_windows, run_ranks
 
@@ -103,6 +104,10 @@ def _check_cases(rank, world, cases, group):
         assert none is None and torch.equal(x_hp, thd_cp2hp_reference(x, sections, world, rank).double()), case
         x_hp.backward(grads_hp[rank])
         assert torch.equal(x_in.grad, thd_hp2cp_reference(grads_hp, cup, local, world, rank)), case
+        # left in rank order: sequence row g is received row rank_to_seq_index(...)[g]
+        send = sections_to_rank_blocks(x_cp.double(), sections, world)
+        x_rank, _ = thd_cp2hp_blocks(send, cup, group, seq_order=False)
+        assert torch.equal(x_rank[rank_to_seq_index(cup, world, x_rank.shape[0])], x_hp), case
         y_in = y_all[rank].detach().to(torch.float64, copy=True).requires_grad_()  # a leaf of its own
         # overlap gets this rank's own block (taken from the send buffer, before the exchange)
         blocks, extra = thd_hp2cp_blocks(y_in, cup, group, lambda own: own * 3)

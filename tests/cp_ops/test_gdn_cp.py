@@ -129,7 +129,7 @@ def test_two_compiled_layers_overlap_every_exchange():
 
 def _record_exchanges(rank, world):
     """What the layer hands to the two exchanges: q, k, v, b, a out in the send layout (z
-    stays), the delta-rule output back; and the send layout is sections_to_rank_blocks of the
+    stays; received in rank order), the delta-rule output back; and the send layout is sections_to_rank_blocks of the
     section-layout projection. The section-layout form of the layer gives the same result."""
     import cp_ops.gdn as gdn_module
     from custom_ops import sections_to_rank_blocks
@@ -142,9 +142,9 @@ def _record_exchanges(rank, world):
     saved = gdn_module.thd_cp2hp_blocks, gdn_module.thd_hp2cp_blocks
 
     def recording(name, op):
-        def call(x, cu, group, *overlap):
-            seen.append((name, tuple(x.shape)))
-            return op(x, cu, group, *overlap)
+        def call(x, cu, group, *overlap, **options):
+            seen.append((name, tuple(x.shape), options))
+            return op(x, cu, group, *overlap, **options)
 
         return call
 
@@ -158,7 +158,11 @@ def _record_exchanges(rank, world):
         layer.fused_layouts = None
     q, k, v, z, b, a = layer.sections()
     rows = x_cp.shape[0]
-    assert seen == [("cp2hp", (world, rows, (q + k + v + b + a) // world)), ("hp2cp", (rows * world, v // world))]
+    # the received q, k, v, b, a stay in rank order (the conv gathers their rows)
+    assert seen == [
+        ("cp2hp", (world, rows, (q + k + v + b + a) // world), {"seq_order": False}),
+        ("hp2cp", (rows * world, v // world), {}),
+    ]
 
     want = sections_to_rank_blocks(layer.project(x_cp)[0], layer.exchanged_sections(), world)
     assert rel_error(layer.project_send_blocks(x_cp, world), want) < 1e-12

@@ -318,6 +318,88 @@ def test_conv_kernels_match_reference(seqlens, channels, kernel, bias, activatio
         torch.testing.assert_close(a.double(), e, rtol=1e-5, atol=1e-6 * max(x.shape[0], 1))
 
 
+def _gather_case(seqlens, channels, kernel, extra, dtype, bias=True, index_dtype=torch.int64, seed=0):
+    """A conv case whose rows sit permuted in a wider x ``[T, C + extra]``: ``(x, rows, w, b, cu)``
+    with ``x[rows[t]]`` holding sequence row t."""
+    xs, w, b, cu = _conv_case(seqlens, channels, kernel, dtype, bias)
+    t = xs.shape[0]
+    rows = torch.randperm(t, generator=torch.Generator().manual_seed(seed)).to(index_dtype)
+    x = torch.empty(t, channels + extra, dtype=dtype)
+    x[rows] = torch.cat([xs, random_tensor((t, extra), dtype)], 1)
+    return x, rows, w, b, cu
+
+
+def _gather_expected(grad_y, grad_rest, x, rows, w, b, cu, activation):
+    """The float64 oracle: the conv of x's rows in the order ``rows`` and its gradients, through
+    the gather's own backward (autograd of ``x[rows]``)."""
+    leaves = [None if t is None else t.detach().double().requires_grad_() for t in (x, w, b)]
+    xs = leaves[0][rows]
+    channels = w.shape[0]
+    y = causal_conv1d_loop(xs[:, :channels], leaves[1], leaves[2], cu, activation)
+    rest = xs[:, channels:]
+    if y.requires_grad:  # the loop oracle builds no graph over zero rows
+        torch.autograd.backward([y, rest], [grad_y.double(), grad_rest.double()])
+    grads = [None if t is None else (torch.zeros_like(t) if t.grad is None else t.grad) for t in leaves]
+    return y.detach(), rest.detach(), grads
+
+
+@pytest.mark.interpret
+@given(
+    gdn_layouts(max_seqs=4, max_len=60),
+    st.sampled_from([1, 5, 40]),
+    st.sampled_from([1, 3, 4, 5]),
+    st.sampled_from([0, 2, 7]),
+    st.booleans(),
+    st.sampled_from([torch.int32, torch.int64]),
+    st.integers(0, 2**16),
+)
+def test_conv_gather_kernels_match_reference(seqlens, channels, kernel, extra, bias, index_dtype, seed):
+    """causal_conv1d_gather in Triton's interpreter: x's rows permuted (every carried tap row and
+    every dx row goes through the map, across 8-row blocks), extra columns after the conv's
+    (returned in sequence order; their gradient written back through the map), forward and
+    every gradient against the float64 conv of the gathered rows; 5 taps take FLA's kernels."""
+    x, rows, w, b, cu = _gather_case(seqlens, channels, kernel, extra, torch.float32, bias, index_dtype, seed)
+    grad_y = random_tensor((x.shape[0], channels), torch.float32)
+    grad_rest = random_tensor((x.shape[0], extra), torch.float32)
+    with first_autotune_config(), poisoned_allocations():
+        y, rest = custom_ops.causal_conv1d_gather(x, rows, w, b, cu, "silu")
+        grads = torch.ops.cp_ops.causal_conv1d_gather_backward(grad_y, grad_rest, x, rows, w, b, cu, "silu")
+    y_e, rest_e, (dx, dw, db) = _gather_expected(grad_y, grad_rest, x, rows, w, b, cu, "silu")
+    assert rel_error(y, y_e) < TOLERANCE[torch.float32]
+    assert torch.equal(rest, x[rows.long(), channels:])
+    assert rel_error(grads[0], dx) < TOLERANCE[torch.float32]
+    for a, e in zip(grads[1:], (dw, db)):
+        if e is not None:
+            torch.testing.assert_close(a.double(), e, rtol=1e-5, atol=1e-6 * max(x.shape[0], 1))
+
+
+def test_conv_gather_reference_and_autograd():
+    """The CPU path against the float64 oracle, through autograd (gradcheck in float64), the
+    reference's own definition, and opcheck of both ops."""
+    x, rows, w, b, cu = _gather_case([7, 0, 1, 12], 5, 4, 3, torch.float64)
+    y, rest = custom_ops.causal_conv1d_gather(x, rows, w, b, cu, "silu")
+    y_r, rest_r = custom_ops.causal_conv1d_gather_reference(x, rows, w, b, cu, "silu")
+    assert torch.equal(y, y_r) and torch.equal(rest, rest_r)
+    assert rel_error(y, _gather_expected(y, rest, x, rows, w, b, cu, "silu")[0]) < TOLERANCE[torch.float64]
+    args = tuple(t.clone().requires_grad_() for t in (x, w, b))
+    assert torch.autograd.gradcheck(
+        lambda x, w, b: custom_ops.causal_conv1d_gather(x, rows, w, b, cu, "silu"), args
+    )
+    torch.library.opcheck(custom_ops.causal_conv1d_gather, (x.float(), rows, w.float(), None, cu, "silu"))
+    torch.library.opcheck(custom_ops.causal_conv1d_gather, (*args[:1], rows, *args[1:], cu.int(), None))
+    torch.library.opcheck(custom_ops.causal_conv1d_gather, (x[:0], rows[:0], w, b, cu[:1] * 0, "silu"))
+    torch.library.opcheck(
+        torch.ops.cp_ops.causal_conv1d_gather_backward.default,
+        (torch.randn_like(y), torch.randn_like(rest), x, rows, w, b, cu, "silu"),
+    )
+    with pytest.raises(ValueError, match="rows must be \\[T\\]"):
+        custom_ops.causal_conv1d_gather(x, rows[1:], w, b, cu, "silu")
+    with pytest.raises(ValueError, match="C <= F"):
+        custom_ops.causal_conv1d_gather(x[:, :4], rows, w, b, cu, "silu")
+    with pytest.raises(TypeError):
+        custom_ops.causal_conv1d_gather(x, rows.float(), w, b, cu, "silu")
+
+
 @pytest.mark.interpret
 def test_conv_kernels_rows_past_the_layout():
     """Rows past ``cu[-1]`` (outside the op's contract) start a sequence of their own there, as in
@@ -359,6 +441,25 @@ def test_cuda_kernels_match_reference_bf16(seqlens):
     assert rel_error(y.cpu(), y_ref) < 5e-3
     for name, a, e in zip(("q", "k", "v", "g", "beta", "x", "w", "b"), leaves, ref):
         assert rel_error(a.grad.cpu(), e.grad) < 1e-2, name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", [4, 5])
+def test_cuda_conv_gather_matches_reference_bf16(kernel):
+    """causal_conv1d_gather on CUDA in bf16 (our kernels through the row map; FLA's on the
+    gathered rows at 5 taps) against the float64 oracle: forward and every gradient."""
+    x, rows, w, b, cu = _gather_case([300, 0, 1, 200, 64], 96, kernel, 9, torch.float32, seed=1)
+    grad_y, grad_rest = random_tensor((x.shape[0], 96), torch.float32), random_tensor((x.shape[0], 9), torch.float32)
+    dev, bf16 = "cuda", torch.bfloat16
+    leaves = [t.to(dev, bf16).requires_grad_() for t in (x, w, b)]
+    y, rest = custom_ops.causal_conv1d_gather(leaves[0], rows.to(dev), leaves[1], leaves[2], cu.to(dev), "silu")
+    torch.autograd.backward([y, rest], [grad_y.to(dev, bf16), grad_rest.to(dev, bf16)])
+    bf = [t.to(bf16).double() for t in (grad_y, grad_rest, x, w, b)]
+    y_e, rest_e, grads_e = _gather_expected(*bf[:3], rows, *bf[3:], cu, "silu")
+    assert rel_error(y.cpu(), y_e) < 5e-3
+    assert torch.equal(rest.cpu().double(), rest_e)
+    for name, a, e in zip("xwb", leaves, grads_e):
+        assert rel_error(a.grad.cpu(), e) < 1e-2, name
 
 
 @pytest.mark.gpu
