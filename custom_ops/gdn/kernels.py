@@ -40,10 +40,13 @@ def _weight(w_ptr, cols, col_ok, K: tl.constexpr, k: tl.constexpr):
 
 @triton.jit
 def _src(map_ptr, t, num_rows, GATHER: tl.constexpr):
-    """The memory row of sequence row t: ``map[t]`` with GATHER (0 outside ``[0, num_rows)``), else t."""
+    """The memory row of sequence row t, int64: ``map[t]`` with GATHER (0 outside ``[0, num_rows)``),
+    else t. (One return: Triton types every return of a function, the skipped branch's too.)"""
     if GATHER:
-        return tl.load(map_ptr + t, mask=(t >= 0) & (t < num_rows), other=0)
-    return t
+        src = tl.load(map_ptr + t, mask=(t >= 0) & (t < num_rows), other=0).to(tl.int64)
+    else:
+        src = t.to(tl.int64)
+    return src
 
 
 @triton.jit
@@ -53,7 +56,7 @@ def _row(ptr, t, stride, cols, col_ok, num_rows, map_ptr=None, GATHER: tl.conste
     tv = t + cols * 0  # the row as a vector: the mask is built from vectors only
     ok = col_ok & (tv >= 0) & (tv < num_rows)
     src = _src(map_ptr, t, num_rows, GATHER)
-    return tl.load(ptr + src.to(tl.int64) * stride + cols, mask=ok, other=0.0).to(tl.float32)
+    return tl.load(ptr + src * stride + cols, mask=ok, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -182,7 +185,7 @@ def cp_causal_conv1d_bwd_kernel(
         dx += tl.where(q3 >= 3, wd * d3, 0.0)
         tv = t + cols * 0
         own = (tv >= t0) & (tv < t0 + ROWS) & (tv < num_rows)
-        dst = _src(map_ptr, t, num_rows, GATHER).to(tl.int64)
+        dst = _src(map_ptr, t, num_rows, GATHER)
         tl.store(dx_ptr + dst * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty), mask=col_ok & own)
         mine = tl.where(own, dpre, 0.0)
         db += mine

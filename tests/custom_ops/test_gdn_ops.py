@@ -400,6 +400,35 @@ def test_conv_gather_reference_and_autograd():
         custom_ops.causal_conv1d_gather(x, rows.float(), w, b, cu, "silu")
 
 
+@pytest.mark.parametrize("kind", ["fwd", "bwd"])
+@pytest.mark.parametrize("row_map", [None, "*i32", "*i64"])
+def test_conv_kernels_compile_for_hopper(kind, row_map):
+    """The interpreter runs the kernels as Python, where a construct the GPU compiler refuses
+    passes (a function returning int32 on one path and int64 on the other did): compile both
+    for sm_90 with their CUDA configs, without and with a row map of either index dtype."""
+    pytest.importorskip("triton.backends.nvidia")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from custom_ops.gdn import kernels
+
+    kernel = kernels.cp_causal_conv1d_fwd_kernel if kind == "fwd" else kernels.cp_causal_conv1d_bwd_kernel
+    rows, block_c, warps, stages = kernels.FWD_CONFIG if kind == "fwd" else kernels.BWD_CONFIG
+    constants = dict(K=4, HAS_BIAS=False, SILU=True, ROWS=rows, BLOCK_C=block_c, GATHER=row_map is not None)
+    pointers = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "dy_ptr": "*bf16",
+                "dx_ptr": "*bf16", "dw_ptr": "*fp32", "db_ptr": "*fp32", "pos_ptr": "*i32",
+                "map_ptr": row_map or "*i32"}  # fmt: skip
+    names = kernel.arg_names
+    signature = {n: "constexpr" if n in constants else pointers.get(n, "i32") for n in names}
+    source = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(k),): v for k, v in constants.items()})
+    try:
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+    except (ImportError, TypeError, AttributeError) as e:  # compile API of another triton release
+        pytest.skip(f"cannot compile for sm_90 with triton {triton.__version__}: {e}")
+    assert "ld.global" in compiled.asm["ptx"]
+
+
 @pytest.mark.interpret
 def test_conv_kernels_rows_past_the_layout():
     """Rows past ``cu[-1]`` (outside the op's contract) start a sequence of their own there, as in
