@@ -19,7 +19,9 @@ Before timing, our outputs and gradients are checked against FLA's (bf16 rel_err
 all-to-all's rank order; the 4096 q, k, v channels and the 32 b, a columns beside them),
 compiled, forward+backward: ``thd_rank_to_seq_order`` then the conv (the gradient assembled
 for both column ranges, then ``thd_seq_to_rank_order``), against ``causal_conv1d_gather``,
-which reads the rows where they are and writes their gradient back the same way.
+which reads the rows where they are and writes their gradient back the same way. Both as
+wall time (at these sizes partly the host's: two compiled graphs and autograd) and as the
+device time of their kernels (torch.profiler, summed).
 
 ``--sweep`` times our kernels under each of :data:`SWEEP` (ROWS, BLOCK_C, num_warps,
 num_stages) at T = 65536, C = 8192 and T = 32768, C = 4096 (8 sequences), forward and
@@ -38,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import custom_ops  # noqa: E402
 from benchmarks.bench_gdn import _lengths  # noqa: E402
-from benchmarks.common import environment, markdown_table, median_ms  # noqa: E402
+from benchmarks.common import environment, kernel_ms, markdown_table, median_ms  # noqa: E402
 from custom_ops.gdn.op import fla_varlen_indices  # noqa: E402
 from custom_ops.testing import rel_error  # noqa: E402
 
@@ -141,12 +143,16 @@ def bench_gather(
         grads[name] = step()
         if device == "cuda":
             out[f"{name} fwd+bwd"] = median_ms(step)
+            out[f"{name} fwd+bwd, kernel time"] = kernel_ms(step)
     for label, a, b in zip(("y", "dx", "dw"), *grads.values()):
         out[f"err {label}"] = rel_error(a, b)
     if not max(v for k, v in out.items() if k.startswith("err")) < TOLERANCE:
         raise AssertionError(f"T={total} B={num_seqs}: the two forms disagree: {out}")
     if device == "cuda":
-        out["reorder + conv / gather conv"] = out["reorder + conv fwd+bwd"] / out["gather conv fwd+bwd"]
+        for suffix in ("", ", kernel time"):
+            out[f"reorder + conv / gather conv{suffix}"] = (
+                out[f"reorder + conv fwd+bwd{suffix}"] / out[f"gather conv fwd+bwd{suffix}"]
+            )
     return out
 
 
