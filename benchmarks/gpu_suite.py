@@ -11,6 +11,7 @@ PARTS (default: every part that fits the visible GPUs):
   gdn             benchmarks/bench_gdn.py: the layer on one GPU, T = 32768 and 65536, with kernel
                   times and the pieces one rank runs at W = 2 and 4
   conv            benchmarks/bench_conv.py: the conv kernels against FLA's
+  conv-gather     the same with --gather: the conv on rows in rank order against reorder + conv
   demo            python -m cp_ops demo --cp-size 1 (the hybrid stack on one GPU)
   a2a             benchmarks/bench_cp2hp.py --world W --profile        multi-rank, >= 2 GPUs
   ag-attention    benchmarks/bench_ag_attention.py --world W           multi-rank, >= 2 GPUs
@@ -52,6 +53,7 @@ PARTS = {
         [sys.executable, "benchmarks/bench_gdn.py", "--kernel-time", "--rank-share", "2", "4", "--out", "{out}/gdn.md"],
     ),
     "conv": (1, [sys.executable, "benchmarks/bench_conv.py", "--out", "{out}/conv.md"]),
+    "conv-gather": (1, [sys.executable, "benchmarks/bench_conv.py", "--gather", "--out", "{out}/conv-gather.md"]),
     "demo": (1, [sys.executable, "-m", "cp_ops", "demo", "--cp-size", "1"]),
     # multi-rank: {world} is the CP size, {name} the part's name with it (a2a-w8)
     "a2a": (
