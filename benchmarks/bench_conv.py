@@ -193,7 +193,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="also write the table to this markdown file")
     parser.add_argument("--sweep", action="store_true", help="time our kernels under each config of SWEEP")
-    parser.add_argument("--gather", action="store_true", help="time the conv on permuted rows: reorder + conv vs gather")
+    parser.add_argument(
+        "--gather", action="store_true", help="time the conv on permuted rows: reorder + conv against the gathered conv"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_conv needs a CUDA device")

@@ -423,7 +423,8 @@ def test_conv_kernels_compile_for_hopper(kind, row_map):
     signature = {n: "constexpr" if n in constants else pointers.get(n, "i32") for n in names}
     source = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(k),): v for k, v in constants.items()})
     try:
-        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+        options = dict(num_warps=warps, num_stages=stages)
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
     except (ImportError, TypeError, AttributeError) as e:  # compile API of another triton release
         pytest.skip(f"cannot compile for sm_90 with triton {triton.__version__}: {e}")
     assert "ld.global" in compiled.asm["ptx"]
