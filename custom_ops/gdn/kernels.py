@@ -66,6 +66,32 @@ def _pos(pos_ptr, t, num_rows):
 
 
 @triton.jit
+def _taps(w_ptr, b_ptr, cols, col_ok, K: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """``(wa, wb, wc, wd, bias)`` for the channels ``cols``, float32: the weights of taps 0-3
+    (tap j looks j rows back: weight column K-1-j; zero for a tap the kernel does not have)
+    and the bias (zero without one)."""
+    wa = _weight(w_ptr, cols, col_ok, K, K - 1)
+    wb = _weight(w_ptr, cols, col_ok, K, K - 2)
+    wc = _weight(w_ptr, cols, col_ok, K, K - 3)
+    wd = _weight(w_ptr, cols, col_ok, K, K - 4)
+    bias = tl.zeros(cols.shape, dtype=tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    return wa, wb, wc, wd, bias
+
+
+@triton.jit
+def _preactivation(wa, wb, wc, wd, bias, x0, x1, x2, x3, p):
+    """The conv before its activation for a row at position ``p`` in its sequence, from its own
+    x row ``x0`` and the three before it: tap j counts only where ``p >= j``."""
+    pre = bias + wa * x0
+    pre += tl.where(p >= 1, wb * x1, 0.0)
+    pre += tl.where(p >= 2, wc * x2, 0.0)
+    pre += tl.where(p >= 3, wd * x3, 0.0)
+    return pre
+
+
+@triton.jit
 def cp_causal_conv1d_fwd_kernel(
     x_ptr,
     w_ptr,  # [C, K], contiguous
@@ -88,13 +114,7 @@ def cp_causal_conv1d_fwd_kernel(
     t0 = tl.program_id(0) * ROWS
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_ok = cols < channels
-    wa = _weight(w_ptr, cols, col_ok, K, K - 1)  # tap 0: the row itself
-    wb = _weight(w_ptr, cols, col_ok, K, K - 2)  # tap 1: one row back
-    wc = _weight(w_ptr, cols, col_ok, K, K - 3)
-    wd = _weight(w_ptr, cols, col_ok, K, K - 4)
-    bias = tl.zeros((BLOCK_C,), dtype=tl.float32)
-    if HAS_BIAS:
-        bias = tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    wa, wb, wc, wd, bias = _taps(w_ptr, b_ptr, cols, col_ok, K, HAS_BIAS)
     x1 = _row(x_ptr, t0 - 1, stride_x, cols, col_ok, num_rows, map_ptr, GATHER)  # rows t-1, t-2, t-3, carried
     x2 = _row(x_ptr, t0 - 2, stride_x, cols, col_ok, num_rows, map_ptr, GATHER)
     x3 = _row(x_ptr, t0 - 3, stride_x, cols, col_ok, num_rows, map_ptr, GATHER)
@@ -102,10 +122,7 @@ def cp_causal_conv1d_fwd_kernel(
         t = t0 + i
         x0 = _row(x_ptr, t, stride_x, cols, col_ok, num_rows, map_ptr, GATHER)
         p = _pos(pos_ptr, t, num_rows)
-        acc = bias + wa * x0
-        acc += tl.where(p >= 1, wb * x1, 0.0)
-        acc += tl.where(p >= 2, wc * x2, 0.0)
-        acc += tl.where(p >= 3, wd * x3, 0.0)
+        acc = _preactivation(wa, wb, wc, wd, bias, x0, x1, x2, x3, p)
         if SILU:
             acc = acc * tl.sigmoid(acc)
         tl.store(y_ptr + t.to(tl.int64) * channels + cols, acc.to(y_ptr.dtype.element_ty),
@@ -145,13 +162,7 @@ def cp_causal_conv1d_bwd_kernel(
     t0 = pid_t * ROWS
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_ok = cols < channels
-    wa = _weight(w_ptr, cols, col_ok, K, K - 1)
-    wb = _weight(w_ptr, cols, col_ok, K, K - 2)
-    wc = _weight(w_ptr, cols, col_ok, K, K - 3)
-    wd = _weight(w_ptr, cols, col_ok, K, K - 4)
-    bias = tl.zeros((BLOCK_C,), dtype=tl.float32)
-    if HAS_BIAS:
-        bias = tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    wa, wb, wc, wd, bias = _taps(w_ptr, b_ptr, cols, col_ok, K, HAS_BIAS)
     top = t0 + ROWS + 2  # the first row streamed: three past the block (their dpre reach its last rows)
     x0 = _row(x_ptr, top, stride_x, cols, col_ok, num_rows, map_ptr, GATHER)  # rows t, t-1, t-2, carried
     x1 = _row(x_ptr, top - 1, stride_x, cols, col_ok, num_rows, map_ptr, GATHER)
@@ -171,10 +182,7 @@ def cp_causal_conv1d_bwd_kernel(
         t = top - i
         x3 = _row(x_ptr, t - 3, stride_x, cols, col_ok, num_rows, map_ptr, GATHER)
         p = _pos(pos_ptr, t, num_rows)
-        pre = bias + wa * x0
-        pre += tl.where(p >= 1, wb * x1, 0.0)
-        pre += tl.where(p >= 2, wc * x2, 0.0)
-        pre += tl.where(p >= 3, wd * x3, 0.0)
+        pre = _preactivation(wa, wb, wc, wd, bias, x0, x1, x2, x3, p)
         dpre = _row(dy_ptr, t, stride_dy, cols, col_ok, num_rows)
         if SILU:
             sig = tl.sigmoid(pre)
