@@ -12,6 +12,7 @@ PARTS (default: every part that fits the visible GPUs):
                   times and the pieces one rank runs at W = 2 and 4
   conv            benchmarks/bench_conv.py: the conv kernels against FLA's
   conv-gather     the same with --gather: the conv on rows in rank order against reorder + conv
+  gdn-gemms       benchmarks/bench_gdn_gemms.py: the layer's GEMMs alone, one GPU against a W = 2 rank
   demo            python -m cp_ops demo --cp-size 1 (the hybrid stack on one GPU)
   a2a             benchmarks/bench_cp2hp.py --world W --profile        multi-rank, >= 2 GPUs
   ag-attention    benchmarks/bench_ag_attention.py --world W           multi-rank, >= 2 GPUs
@@ -54,6 +55,7 @@ PARTS = {
     ),
     "conv": (1, [sys.executable, "benchmarks/bench_conv.py", "--out", "{out}/conv.md"]),
     "conv-gather": (1, [sys.executable, "benchmarks/bench_conv.py", "--gather", "--out", "{out}/conv-gather.md"]),
+    "gdn-gemms": (1, [sys.executable, "benchmarks/bench_gdn_gemms.py", "--out", "{out}/gdn-gemms.md"]),
     "demo": (1, [sys.executable, "-m", "cp_ops", "demo", "--cp-size", "1"]),
     # multi-rank: {world} is the CP size, {name} the part's name with it (a2a-w8)
     "a2a": (

@@ -135,6 +135,8 @@ def plot_scaling(secs, out):
     points = {}  # label -> efficiency; a later table (a newer run) replaces an earlier one's point
     gdn = section(secs, "GatedDeltaNet with CP")
     for rows in tables(gdn):
+        if "" not in rows[0]:  # not a table of bench_gdn.py (row names in an unnamed first column)
+            continue
         by_name = {r[""]: r for r in rows}
         if "1 GPU fwd+bwd compiled" not in by_name:  # an excerpt of an earlier run, not a benchmark table
             continue

@@ -1,5 +1,6 @@
 """The multi-rank benchmark scripts run end to end in their ``--smoke`` mode (2 gloo ranks on
 the CPU, tiny shapes): their built-in checks against references pass and they write a table.
+So does the single-process GEMM benchmark (tiny shapes on the CPU).
 Keeps the GPU benchmarks from rotting between GPU runs."""
 
 import os
@@ -15,6 +16,7 @@ CASES = {
     "cp2hp": ("benchmarks/bench_cp2hp.py", [], "bare a2a, no self block"),
     "gdn": ("benchmarks/bench_gdn.py", ["--cp", "2"], "scaling efficiency, compiled"),
     "ag-attention": ("benchmarks/bench_ag_attention.py", [], "eff 1L compiled"),
+    "gdn-gemms": ("benchmarks/bench_gdn_gemms.py", [], "rank / (1 GPU / W)"),
 }
 
 
