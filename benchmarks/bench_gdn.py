@@ -45,7 +45,8 @@ rows), without collectives: how each piece shrinks with W, apart from communicat
              time, its time with only a collective running, and the host time to issue one
              step on an idle GPU (benchmarks.common.host_issue_ms): a rank whose host issue
              time reaches its step time is limited by its host, and its peers wait for it in
-             the collectives
+             the collectives; with --kernels N also, per shape, the N kernels of rank 0's
+             CP step by time beside the one-GPU step's time in each
 
 Multi-rank times are medians of a fixed number of runs (CUDA events; the same count on
 every rank, since the ranks meet in every all-to-all), max over ranks. Scaling efficiency
@@ -89,7 +90,9 @@ from benchmarks.common import (  # noqa: E402
     cta_label,
     environment,
     host_issue_ms,
+    kernel_class,
     kernel_ms,
+    markdown_table,
     max_over_ranks,
     median_ms_counted,
     nccl_cta_groups,
@@ -329,6 +332,8 @@ def _cp_worker(rank, world, port, tokens, seqs, out, smoke, opts: dict) -> None:
                      "the 1 GPU rows shared")  # fmt: skip
     shapes = [(t, b) for t in tokens for b in seqs]
     results = {}
+    # --profile: ms per kernel name and step, rank 0's compiled CP step per column, the one-GPU step per shape
+    kernel_steps, one_kernels = {}, {}
     try:
         for total, num_seqs in shapes:
             lens = _lengths(total, num_seqs, torch.Generator().manual_seed(total + num_seqs))
@@ -384,7 +389,8 @@ def _cp_worker(rank, world, port, tokens, seqs, out, smoke, opts: dict) -> None:
                 res["W compiled unfused"] = math.nan if eager_only else timed(cp_step(compiled_unfused, group))
             if profile:  # every rank runs the profiled steps (they meet in the all-to-alls)
                 for cap, cap_group in groups.items():
-                    shape_results[cap].update(_profile_ranks(cp_step(compiled["fn"], cap_group), device))
+                    per_kernel = kernel_steps[(total, num_seqs, cap)] = {}
+                    shape_results[cap].update(_profile_ranks(cp_step(compiled["fn"], cap_group), device, per_kernel))
 
             # one device: rank 0 alone, the whole batch, the same (compiled) layer; the others wait
             one = {"1 compiled": math.nan, "1 eager": math.nan}
@@ -400,7 +406,8 @@ def _cp_worker(rank, world, port, tokens, seqs, out, smoke, opts: dict) -> None:
                     )
                 if profile:
                     step = _fwd_bwd(lambda: compiled["fn"](x_all, cup), [x_all] + params, grad)
-                    one.update({f"prof 1 {k}": v for k, v in profile_timeline(step).items()})
+                    one_kernels[(total, num_seqs)] = per_kernel = {}
+                    one.update({f"prof 1 {k}": v for k, v in profile_timeline(step, per_kernel=per_kernel).items()})
                     one["prof 1 host issue"] = host_issue_ms(step)
                 del x_all
             dist.barrier()
@@ -428,6 +435,8 @@ def _cp_worker(rank, world, port, tokens, seqs, out, smoke, opts: dict) -> None:
         if rank == 0:
             cases = list(results)
             text = _cp_table(results, cases, world, (hidden, hk, hv, dk, dv), dtype, runs, seq_runs, notes)
+            for case in cases if opts["profile"] and opts["kernels"] else []:
+                text += "\n\n" + _kernel_table(case, one_kernels[case[:2]], kernel_steps[case], world, opts["kernels"])
             print(text, flush=True)
             if out:
                 with open(out, "w") as f:
@@ -449,10 +458,11 @@ def _cp_worker(rank, world, port, tokens, seqs, out, smoke, opts: dict) -> None:
         raise AssertionError(f"CP output off by rel_error {worst:.3g} >= {CP_TOLERANCE} against one device")
 
 
-def _profile_ranks(step, device) -> dict[str, float]:
-    """Rank 0's :func:`profile_timeline` of the compiled CP step (``prof W *``), and every rank's
-    :data:`benchmarks.common.RANK_WAIT_KEYS` (``prof W rank r *``). Every rank must call it."""
-    prof = profile_timeline(step)
+def _profile_ranks(step, device, per_kernel: dict) -> dict[str, float]:
+    """Rank 0's :func:`profile_timeline` of the compiled CP step (``prof W *``; its time per
+    kernel name into ``per_kernel``), and every rank's :data:`benchmarks.common.RANK_WAIT_KEYS`
+    (``prof W rank r *``). Every rank must call it."""
+    prof = profile_timeline(step, per_kernel=per_kernel)
     prof["host issue"] = host_issue_ms(step)
     out = {f"prof W {k}": v for k, v in prof.items()}
     for r, figures in enumerate(rank_waits(prof, device)):
@@ -546,6 +556,26 @@ def _cp_table(results, cases, world, dims, dtype, runs, seq_runs, notes) -> str:
     return "\n".join(lines)
 
 
+def _kernel_table(case, one: dict[str, float], cp: dict[str, float], world: int, top: int) -> str:
+    """The ``top`` kernels of rank 0's compiled CP step by time, beside the one-GPU step's time in
+    the same kernel (same name; Inductor names its fused kernels per graph, so those rarely
+    match), then the rest of both steps summed."""
+    names = list(cp)[:top]
+    rest_cp = sum(v for k, v in cp.items() if k not in names)
+    rest_one = sum(v for k, v in one.items() if k not in names)
+    rows = [
+        [name.replace("|", "/")[:90], kernel_class(name), one.get(name, 0.0), one.get(name, 0.0) / world, cp[name]]
+        for name in names
+    ]
+    rows.append(["(every other kernel)", "", rest_one, rest_one / world, rest_cp])
+    rows.append(["(all)", "", sum(one.values()), sum(one.values()) / world, sum(cp.values())])
+    header = ["kernel", "class", "1 GPU", f"1 GPU / {world}", f"W={world} rank 0"]
+    return (
+        f"{_column(case, False)}: rank 0's top {top} kernels, ms per compiled step (--profile's steps)\n\n"
+        + markdown_table(header, rows)
+    )
+
+
 def _column(case, name_cap: bool) -> str:
     total, num_seqs, cap = case
     return f"T={total} B={num_seqs}" + (f", {cta_label(cap)}" if name_cap else "")
@@ -582,9 +612,15 @@ def main() -> None:
                         "and GPU idle time (torch.profiler)")
     parser.add_argument("--rank-share", type=int, nargs="+", default=[], metavar="W",
                         help="one GPU: also time one rank's pieces of a W-rank CP layer, no collectives")
+    parser.add_argument("--kernels", type=int, default=0, metavar="N",
+                        help="with --profile: also list the N kernels of rank 0's CP step by time, "
+                        "beside the one-GPU step's time in each")
     add_nccl_cta_argument(parser)
     args = parser.parse_args()
-    opts = {k: getattr(args, k) for k in ("eager_only", "compiled_only", "cudagraphs", "profile", "nccl_max_ctas")}
+    opts = {k: getattr(args, k) for k in ("eager_only", "compiled_only", "cudagraphs", "profile", "nccl_max_ctas",
+                                          "kernels")}  # fmt: skip
+    if args.kernels and not args.profile:
+        raise SystemExit("--kernels needs --profile")
     check_nccl_cta_argument(args.nccl_max_ctas, args.smoke)
     if len(args.nccl_max_ctas) > 1 and not args.compiled_only:
         raise SystemExit("more than one --nccl-max-ctas needs --compiled-only (the other rows run on one group)")

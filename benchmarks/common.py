@@ -134,6 +134,15 @@ def timeline_summary(kernels: list[tuple[str, float, float]], runs: int) -> dict
     return {k: v / runs / 1e3 for k, v in out.items()}
 
 
+def kernel_totals(kernels: list[tuple[str, float, float]], runs: int) -> dict[str, float]:
+    """``{name: ms per step}`` from the ``(name, start_us, end_us)`` of every kernel of ``runs``
+    steps: each kernel name's summed time, slowest first."""
+    totals: dict[str, float] = {}
+    for name, start, end in kernels:
+        totals[name] = totals.get(name, 0.0) + (end - start) / runs / 1e3
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
+
+
 def profile_kernels(fn, runs: int = 5, warmup: int = 2) -> list[tuple[str, float, float]]:
     """``(name, start_us, end_us)`` of every GPU kernel, copy and memset of ``runs`` calls of
     ``fn()`` on the current CUDA device (torch.profiler).
@@ -174,9 +183,13 @@ def host_issue_ms(fn, runs: int = 10, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
-def profile_timeline(fn, runs: int = 5, warmup: int = 2) -> dict[str, float]:
-    """:func:`timeline_summary` of :func:`profile_kernels` (``runs`` calls of ``fn()``)."""
-    return timeline_summary(profile_kernels(fn, runs, warmup), runs)
+def profile_timeline(fn, runs: int = 5, warmup: int = 2, per_kernel: dict | None = None) -> dict[str, float]:
+    """:func:`timeline_summary` of :func:`profile_kernels` (``runs`` calls of ``fn()``); with
+    ``per_kernel`` (a dict), also fills it with the same steps' :func:`kernel_totals`."""
+    kernels = profile_kernels(fn, runs, warmup)
+    if per_kernel is not None:
+        per_kernel.update(kernel_totals(kernels, runs))
+    return timeline_summary(kernels, runs)
 
 
 def max_over_ranks(value: float) -> float:

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from benchmarks.common import covered_us, kernel_breakdown, kernel_class, kernel_ms, timeline_summary
+from benchmarks.common import covered_us, kernel_breakdown, kernel_class, kernel_ms, kernel_totals, timeline_summary
 
 
 def test_kernel_ms_counts_the_work_of_one_call():
@@ -57,6 +57,14 @@ def test_timeline_summary_splits_wall_time():
     assert out["Inductor-fused"] == pytest.approx(0.02) and out["other"] == 0
     with pytest.raises(ValueError, match="no kernels"):
         timeline_summary([], runs=1)
+
+
+def test_kernel_totals_sums_each_name_per_step_slowest_first():
+    kernels = [("gemm", 0, 40), ("nccl", 30, 70), ("gemm", 150, 200), ("triton_poi", 60, 70)]
+    out = kernel_totals(kernels, runs=2)
+    assert list(out) == ["gemm", "nccl", "triton_poi"]
+    assert out["gemm"] == pytest.approx(0.045) and out["nccl"] == pytest.approx(0.02)
+    assert out["triton_poi"] == pytest.approx(0.005)
 
 
 @pytest.mark.gpu
