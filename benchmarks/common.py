@@ -83,6 +83,10 @@ def kernel_ms(fn, runs: int = 5, warmup: int = 2, device: torch.device | str = "
 
 
 # Kernel classes of a training step, by kernel name (first match wins); the rest is "other".
+# Inductor names a kernel after the ops it fuses, custom ops included (the fusion around a
+# conv's backward is "triton_poi_fused_..._causal_conv1d_gather_backward_..."), so its
+# kernels are told by their prefix before any other class's key.
+INDUCTOR_PREFIXES = ("triton_poi_", "triton_per_", "triton_red_", "triton_tem_")
 KERNEL_CLASSES = (
     ("collectives", ("nccl",)),
     ("GEMMs", ("gemm", "cutlass", "xmma", "nvjet", "cublas")),
@@ -97,6 +101,8 @@ KERNEL_CLASSES = (
 def kernel_class(name: str) -> str:
     """The :data:`KERNEL_CLASSES` class of a kernel name ("other" when none matches)."""
     low = name.lower()
+    if low.startswith(INDUCTOR_PREFIXES):
+        return "Inductor-fused"
     for label, keys in KERNEL_CLASSES:
         if any(key in low for key in keys):
             return label

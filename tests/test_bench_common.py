@@ -36,6 +36,11 @@ def test_kernel_class_by_name():
     assert kernel_class("thd_reorder_kernel") == "our layout kernels"
     assert kernel_class("varlen_attn_fwd_kernel") == "our attention kernels"
     assert kernel_class("triton_per_fused_add_mul_0") == "Inductor-fused"
+    # Inductor's kernels carry the names of the ops they fuse, custom ops' included
+    assert kernel_class("triton_poi_fused__to_copy_add_causal_conv1d_gather_backward_expand_mul_0") == "Inductor-fused"
+    assert kernel_class("triton_red_fused_chunk_gated_delta_rule_backward_sum_3") == "Inductor-fused"
+    assert kernel_class("triton_poi_fused_add_thd_reorder_view_5") == "Inductor-fused"
+    assert kernel_class("cp_causal_conv1d_bwd_kernel") == "our conv kernels"
     assert kernel_class("Memcpy DtoD (Device -> Device)") == "other"
 
 
