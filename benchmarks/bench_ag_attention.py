@@ -2,7 +2,8 @@
 
 For packed documents of mixed lengths (benchmarks/bench_varlen_attention.packed_lengths)
 totalling 32768 and 65536 real tokens globally, bf16, causal, H = 16 query heads
-(Hkv = H / --gqa), D = 128:
+(Hkv = H / --gqa), D = 128 (--head-dim; Qwen3-Next's attention layers: --gqa 8
+--head-dim 256):
 
   1 GPU      custom_ops.varlen_attention over the whole global batch (q_pos = 0 segments),
              timed on rank 0 while the other ranks wait
@@ -23,7 +24,7 @@ meet in every all-gather), and the maximum of that median over the ranks. Scalin
 efficiency = T_1 / (W * T_W): 1.0 when W GPUs run W times faster than one.
 Before timing, each CP form is checked against the one-GPU result (bf16 rel_error).
 
-    python benchmarks/bench_ag_attention.py [--world W] [--gqa 1] [--profile] [--out FILE]
+    python benchmarks/bench_ag_attention.py [--world W] [--gqa 1] [--head-dim 128] [--profile] [--out FILE]
     python benchmarks/bench_ag_attention.py --smoke     # 2 gloo ranks on the CPU, tiny shapes
     python benchmarks/bench_ag_attention.py --work-model   # CPU only: kernel tiles per rank vs one GPU
 
@@ -127,12 +128,12 @@ def _profile_rows(step) -> dict[str, float]:
 
 def _worker(
     rank: int, world: int, port: int, gqa: int, out: str | None, smoke: bool, profile: bool, cudagraphs: bool,
-    head_groups: tuple[int, ...] = (), max_ctas: tuple[int, ...] = (0,),
+    head_groups: tuple[int, ...] = (), max_ctas: tuple[int, ...] = (0,), head_dim: int = HEAD_DIM,
 ) -> None:
     device = init_local_rank(rank, world, port, "cpu" if smoke else "cuda")
     groups = nccl_cta_groups(max_ctas)  # {cap: group}: the CP forms are timed on each
     name_cap = len(groups) > 1
-    totals, heads, head_dim = (SMOKE_TOTALS, SMOKE_HEADS, SMOKE_HEAD_DIM) if smoke else (TOTALS, HEADS, HEAD_DIM)
+    totals, heads, head_dim = (SMOKE_TOTALS, SMOKE_HEADS, SMOKE_HEAD_DIM) if smoke else (TOTALS, HEADS, head_dim)
     warmup, runs = (1, 3) if smoke else (5, 40)
 
     def timed(fn):
@@ -337,6 +338,7 @@ def main() -> None:
         "--world", type=int, default=None, help="ranks, one GPU each (default: every visible GPU, at least 2)"
     )
     parser.add_argument("--gqa", type=int, default=1, help="query heads per kv head (Hkv = H / gqa)")
+    parser.add_argument("--head-dim", type=int, default=HEAD_DIM, help=f"D (default {HEAD_DIM}; not with --smoke)")
     parser.add_argument("--smoke", action="store_true", help="2 gloo ranks on the CPU, tiny shapes, few runs")
     parser.add_argument("--out", help="also write the table to this markdown file")
     parser.add_argument("--work-model", action="store_true", help="print the kernel-tile work model (CPU) and exit")
@@ -362,9 +364,12 @@ def main() -> None:
     bad = [g for g in args.head_groups if g < 2 or (heads // args.gqa) % g]
     if bad:
         raise SystemExit(f"--head-groups must be divisors of Hkv = {heads // args.gqa} above 1, got {bad}")
+    if args.smoke and args.head_dim != HEAD_DIM:
+        raise SystemExit(f"--smoke runs D = {SMOKE_HEAD_DIM}; --head-dim is for the GPU runs")
     check_nccl_cta_argument(args.nccl_max_ctas, args.smoke)
     spawn_ranks(_worker, world, args.gqa, args.out, args.smoke, args.profile, args.cudagraphs,
-                tuple(args.head_groups), tuple(args.nccl_max_ctas), device="cpu" if args.smoke else "cuda")  # fmt: skip
+                tuple(args.head_groups), tuple(args.nccl_max_ctas), args.head_dim,
+                device="cpu" if args.smoke else "cuda")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ PARTS (default: every part that fits the visible GPUs):
   gdn-cp          benchmarks/bench_gdn.py --cp W --profile              multi-rank, >= 2 GPUs
   gdn-cp-graphs   the same, compiled rows only, with CUDA graphs        multi-rank, >= 2 GPUs
   ag-attention-graphs  bench_ag_attention.py --cudagraphs --profile     multi-rank, >= 2 GPUs
+  ag-attention-qwen    the same at Qwen3-Next's attention heads: Hkv = 2 (--gqa 8), D = 256
   demo-cp         python -m cp_ops demo --cp-size W                     multi-rank, >= 2 GPUs
   tests-dist      pytest -m "gpu and dist" -k W<W> (NCCL tests at W)   multi-rank, >= 2 GPUs
                   ("tests-2gpu" is accepted as its old name)
@@ -79,6 +80,11 @@ PARTS = {
         2,
         [sys.executable, "benchmarks/bench_ag_attention.py", "--world", "{world}", "--cudagraphs", "--profile",
          "--out", "{out}/{name}.md"],
+    ),  # fmt: skip
+    "ag-attention-qwen": (
+        2,
+        [sys.executable, "benchmarks/bench_ag_attention.py", "--world", "{world}", "--gqa", "8", "--head-dim", "256",
+         "--head-groups", "2", "--cudagraphs", "--profile", "--out", "{out}/{name}.md"],
     ),  # fmt: skip
     "demo-cp": (2, [sys.executable, "-m", "cp_ops", "demo", "--cp-size", "{world}"]),
     "tests-dist": (
