@@ -786,6 +786,41 @@ def test_segment_table_kernel_compiles_for_hopper():
     assert "tt.scan" in compiled.asm["ttir"]  # the running tile count is a scan, not a serial loop
 
 
+def test_compiler_sees_what_the_table_and_fill_kernels_write(monkeypatch):
+    """Where the kernels are visible to Inductor (``triton_op``), torch analyses each one's
+    Triton IR for the tensors it writes; if that analysis fails it assumes every tensor is
+    written and copies inputs around the call. The analysis, run here for sm_90 without a
+    GPU: the segment-table kernel writes its four outputs only, the fill its tensor only."""
+    pytest.importorskip("triton.backends.nvidia")
+    try:
+        from torch._higher_order_ops.triton_kernel_wrap import identify_accessed_tensors
+        from triton.backends.compiler import GPUTarget
+        from triton.runtime.driver import driver
+    except ImportError as e:  # private APIs of torch and triton
+        pytest.skip(f"no kernel analysis in this torch / triton: {e}")
+
+    class Hopper:
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+    monkeypatch.setattr(driver, "_active", Hopper(), raising=False)
+
+    def written(kernel, kwargs):
+        try:
+            accesses = identify_accessed_tensors(kernel, kwargs, {})
+        except TypeError as e:  # another signature of the private API
+            pytest.skip(f"identify_accessed_tensors: {e}")
+        return {dep.name for dep in accesses.read_writes.writes}
+
+    i32 = torch.zeros(8, dtype=torch.int32)
+    seg_args = dict(q_start_ptr=i32, q_len_ptr=i32, q_pos_ptr=i32, k_start_ptr=i32, k_len_ptr=i32)
+    outs = dict(tab_ptr=i32.clone(), cum_ptr=i32.clone(), owner_ptr=i32.clone(), covered_ptr=i32.clone())
+    tables = dict(seg_args, **outs, n_seg=8, num_q_rows=64, num_k_rows=64, num_tiles=8, TILE=16, BLOCK=16)
+    assert written(kernels_mod.segment_tables_kernel, tables) == set(outs)
+    fill = dict(X=torch.empty(64, dtype=torch.bfloat16), numel=64, covered_ptr=i32, NEG_INF=False, BLOCK=64)
+    assert written(kernels_mod.fill_unless_covered_kernel, fill) == {"X"}
+
+
 @pytest.mark.parametrize("neg_inf", [False, True])
 def test_fill_kernel_compiles_for_hopper(neg_inf):
     """The fill runs only in the interpreter on CPU machines: compile it for sm_90 (bf16 and
