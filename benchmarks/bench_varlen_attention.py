@@ -24,7 +24,6 @@ import itertools
 import json
 import os
 import sys
-from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +36,6 @@ import custom_ops  # noqa: E402
 from benchmarks.common import kernel_breakdown  # noqa: E402
 from custom_ops.testing import TOLERANCE, rel_error  # noqa: E402
 from custom_ops.varlen_attention import kernels  # noqa: E402
-from custom_ops.varlen_attention import op as attention_op  # noqa: E402
 
 DTYPE = torch.bfloat16
 TOTAL_TOKENS = 32768
@@ -79,34 +77,23 @@ def varlen_fn(q, k, v, seg):
     return custom_ops.varlen_attention(q, k, v, *seg, causal=True)[0]
 
 
-def _always_fill(t, covered, neg_inf=False):
-    """The launchers' fill as it was before the skip: every output zero-initialised (-inf for
-    lse), rows in segments or not."""
-    t.fill_(float("-inf") if neg_inf else 0.0)
-
-
 # Earlier forms of the kernels, timed beside the current one: {row name: {kernel: overrides of
-# its launch configs}}; the key "fill" replaces the launchers' fill of rows outside every segment.
+# its launch configs}}.
 VARIANTS = {
     # the forward and dq grids run in tile order, as before they took the longest causal tiles first
     "varlen_attention, tiles in order": {"fwd": dict(HEAVY_FIRST=False), "bwd_dq": dict(HEAVY_FIRST=False)},
-    # out, lse and dq filled before every launch, as before the fill was skipped when every row is in a segment
-    "varlen_attention, outputs always filled": {"fill": _always_fill},
 }
 
 
 @contextlib.contextmanager
 def kernel_variant(overrides: dict):
     """Launch the kernels with ``overrides`` ({kernel: config entries}) merged into every entry of
-    their config tables (and ``overrides["fill"]``, if given, as the launchers' fill)."""
-    overrides = dict(overrides)
-    fill = overrides.pop("fill", None)
+    their config tables."""
     saved = {kind: dict(kernels.CONFIGS[kind]) for kind in overrides}
     for kind, extra in overrides.items():
         kernels.CONFIGS[kind].update({bucket: dict(cfg, **extra) for bucket, cfg in saved[kind].items()})
     try:
-        with mock.patch.object(attention_op, "_fill_unless_covered", fill) if fill else contextlib.nullcontext():
-            yield
+        yield
     finally:
         kernels.CONFIGS.update(saved)
 

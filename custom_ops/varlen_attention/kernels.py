@@ -107,7 +107,6 @@ def segment_tables_kernel(
     tab_ptr,  # [5, n_seg] int32: q_start, q_len, q_pos, k_start, k_len, clamped into the tensors
     cum_ptr,  # [n_seg] int32: inclusive cumulative count of TILE-row query tiles per segment
     owner_ptr,  # [num_tiles] int32: the number of cum entries <= t, for every tile t of the grid
-    covered_ptr,  # [1] int32: 1 if the query ranges' lengths sum to num_q_rows (every row in a segment)
     n_seg,
     num_q_rows,
     num_k_rows,
@@ -120,12 +119,9 @@ def segment_tables_kernel(
 
     Starts and lengths are clamped so that an invalid layout gives wrong rows but never
     an out-of-bounds access: ``start`` into ``[0, rows]``, ``len`` into
-    ``[0, rows - start]``. Index tensors may be int32 or int64. Query ranges are disjoint
-    (the op's contract), so lengths summing to the row count mean that no row is outside
-    every segment: ``covered`` tells :func:`fill_unless_covered_kernel` to skip its fill.
+    ``[0, rows - start]``. Index tensors may be int32 or int64.
     """
     carry = tl.full([], 0, tl.int32)
-    rows_in_segments = tl.full([], 0, tl.int64)
     for c in range(0, n_seg, BLOCK):
         i = c + tl.arange(0, BLOCK)
         m = i < n_seg
@@ -142,38 +138,12 @@ def segment_tables_kernel(
         tiles = ((ql + TILE - 1) // TILE).to(tl.int32)  # 0 past n_seg (ql = 0 there)
         tl.store(cum_ptr + i, tl.cumsum(tiles, 0) + carry, mask=m)
         carry += tl.sum(tiles, 0)
-        rows_in_segments += tl.sum(ql, 0)
-    tl.store(covered_ptr, (rows_in_segments == num_q_rows).to(tl.int32))
     # the loop below reads cum back: the whole program's stores first
     tl.debug_barrier()
     for c in range(0, num_tiles, BLOCK):
         t = c + tl.arange(0, BLOCK)
         below = search_sorted_right(cum_ptr, n_seg, t) + 1
         tl.store(owner_ptr + t, below.to(tl.int32), mask=t < num_tiles)
-
-
-# The fill kernel's grid: a fixed count of programs, each striding over the tensor, so the grid
-# depends on no shape and a skipped fill costs one short launch whatever the tensor's size.
-FILL_PROGRAMS = 1024
-FILL_BLOCK = 4096
-
-
-@triton.jit(do_not_specialize=["numel"])
-def fill_unless_covered_kernel(X, numel, covered_ptr, NEG_INF: tl.constexpr, BLOCK: tl.constexpr):
-    """``X[:numel] = 0`` (``-inf`` with NEG_INF) unless ``covered_ptr[0]`` is set.
-
-    The attention kernels write the rows of every segment; rows outside every segment get
-    ``out = 0`` (``dq = 0``) and ``lse = -inf`` from this fill, which runs before them and
-    is skipped on the device when no such row exists (:func:`segment_tables_kernel`).
-    """
-    if tl.load(covered_ptr) != 0:
-        return
-    value = float("-inf") if NEG_INF else 0.0
-    offs = tl.arange(0, BLOCK)
-    step = tl.num_programs(0).to(tl.int64) * BLOCK
-    for start in range(tl.program_id(0).to(tl.int64) * BLOCK, numel, step):
-        idx = start + offs
-        tl.store(X + idx, value, mask=idx < numel)
 
 
 @triton.jit

@@ -24,10 +24,7 @@ from custom_ops._common import (
     use_triton,
 )
 from custom_ops.varlen_attention.kernels import (
-    FILL_BLOCK,
-    FILL_PROGRAMS,
     TABLE_BLOCK,
-    fill_unless_covered_kernel,
     kernel_config,
     segment_tables_kernel,
     varlen_attn_bwd_dkdv_kernel,
@@ -99,34 +96,22 @@ def _use_kernel(q: torch.Tensor) -> bool:
 
 
 def _segment_tables(seg, num_q_rows: int, num_k_rows: int, block: int, num_tiles: int, chunk: int = TABLE_BLOCK):
-    """``((q_start, q_len, q_pos, k_start, k_len), cum, owner, covered)``, int32 on the device,
-    from one launch of :func:`segment_tables_kernel`: the segment tables clamped into the
-    tensors (an invalid layout gives wrong rows but never an out-of-bounds access; validate
-    with validate_varlen_segments), ``cum`` the inclusive cumulative count of ``block``-row
-    query tiles per segment, ``owner[t]`` the segment owning tile t of a ``num_tiles`` grid (the
-    number of ``cum`` entries <= t; ``len(cum)`` past the last tile), ``covered`` ``[1]``: 1 when
-    every query row is in a segment (the query lengths sum to the row count). Sized from
-    shapes only."""
+    """``((q_start, q_len, q_pos, k_start, k_len), cum, owner)``, int32 on the device, from one
+    launch of :func:`segment_tables_kernel`: the segment tables clamped into the tensors (an
+    invalid layout gives wrong rows but never an out-of-bounds access; validate with
+    validate_varlen_segments), ``cum`` the inclusive cumulative count of ``block``-row query
+    tiles per segment, ``owner[t]`` the segment owning tile t of a ``num_tiles`` grid (the
+    number of ``cum`` entries <= t; ``len(cum)`` past the last tile). Sized from shapes only."""
     seg = [t.contiguous() for t in seg]  # the kernel reads them with unit stride
     n_seg = seg[0].shape[0]
     dev = seg[0].device
     tab = torch.empty((5, n_seg), dtype=torch.int32, device=dev)
     cum = torch.empty(n_seg, dtype=torch.int32, device=dev)
     owner = torch.empty(num_tiles, dtype=torch.int32, device=dev)
-    covered = torch.empty(1, dtype=torch.int32, device=dev)
     wrap_triton(segment_tables_kernel)[(1,)](
-        *seg, tab, cum, owner, covered, n_seg, num_q_rows, num_k_rows, num_tiles, TILE=block, BLOCK=chunk, num_warps=4
+        *seg, tab, cum, owner, n_seg, num_q_rows, num_k_rows, num_tiles, TILE=block, BLOCK=chunk, num_warps=4
     )
-    return tab.unbind(0), cum, owner, covered
-
-
-def _fill_unless_covered(t: torch.Tensor, covered: torch.Tensor, neg_inf: bool = False) -> None:
-    """Zero (or -inf) the contiguous ``t`` on the device unless ``covered[0]`` is set: the value of
-    rows outside every segment, which no attention program writes. One launch whose programs
-    return at once when every row is in a segment (no pass over ``t``, where a zero-initialised
-    allocation always makes one)."""
-    programs = 2 if triton_interpreting() else FILL_PROGRAMS
-    wrap_triton(fill_unless_covered_kernel)[(programs,)](t, t.numel(), covered, NEG_INF=neg_inf, BLOCK=FILL_BLOCK)
+    return tab.unbind(0), cum, owner
 
 
 def _key_tile_segments(qs, ql, ks, kl, block: int, num_tiles: int, num_k_rows: int):
@@ -166,19 +151,16 @@ def _forward_kernel(q, k, v, seg, causal, left, right, scale):
     tq, hq, d = q.shape
     hkv = k.shape[1]
     n_seg = seg[0].shape[0]
+    # rows in no segment are never visited by a program: they stay out = 0, lse = -inf
+    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.full((hq, tq), float("-inf"), dtype=torch.float32, device=q.device)
     if n_seg == 0 or tq == 0 or hq == 0:
-        out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
-        return out, torch.full((hq, tq), float("-inf"), dtype=torch.float32, device=q.device)
+        return out, lse
     q, k, v = unit_last_stride(q), unit_last_stride(k), unit_last_stride(v)
     block_d = _block_d(d)
     cfg = kernel_config("fwd", block_d, triton_interpreting(), q.element_size())
     grid = (triton.cdiv(tq, cfg["BLOCK_M"]) + n_seg, hq)
-    (qs, ql, qp, ks, kl), cum, owner, covered = _segment_tables(seg, tq, k.shape[0], cfg["BLOCK_M"], grid[0])
-    # rows in no segment are never visited by a program: out = 0, lse = -inf from the fill
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty((hq, tq), dtype=torch.float32, device=q.device)
-    _fill_unless_covered(out, covered)
-    _fill_unless_covered(lse, covered, neg_inf=True)
+    (qs, ql, qp, ks, kl), cum, owner = _segment_tables(seg, tq, k.shape[0], cfg["BLOCK_M"], grid[0])
     wrap_triton(varlen_attn_fwd_kernel)[grid](
         q, k, v, out, lse,
         qs, ql, qp, ks, kl, cum, owner, n_seg,
@@ -194,8 +176,9 @@ def _backward_kernel(dout, dlse, q, k, v, out, lse, seg, causal, left, right, sc
     tq, hq, d = q.shape
     tk, hkv, _ = k.shape
     n_seg = seg[0].shape[0]
+    dq = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
     if n_seg == 0 or tq == 0 or hq == 0 or tk == 0:
-        return torch.zeros(q.shape, dtype=q.dtype, device=q.device), torch.zeros_like(k), torch.zeros_like(v)
+        return dq, torch.zeros_like(k), torch.zeros_like(v)
     q, k, v, out, dout = (unit_last_stride(t) for t in (q, k, v, out, dout))
     lse = lse.contiguous()
     dlse = dlse.to(torch.float32).contiguous()
@@ -206,9 +189,7 @@ def _backward_kernel(dout, dlse, q, k, v, out, lse, seg, causal, left, right, sc
     delta = torch.empty((hq, tq), dtype=torch.float32, device=q.device)
     cfg = kernel_config("bwd_dq", block_d, interpreting, q.element_size())
     grid = (triton.cdiv(tq, cfg["BLOCK_M"]) + n_seg, hq)
-    (qs, ql, qp, ks, kl), cum, owner, covered = _segment_tables(seg, tq, tk, cfg["BLOCK_M"], grid[0])
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # rows in no segment: 0 from the fill
-    _fill_unless_covered(dq, covered)
+    (qs, ql, qp, ks, kl), cum, owner = _segment_tables(seg, tq, tk, cfg["BLOCK_M"], grid[0])
     wrap_triton(varlen_attn_bwd_dq_kernel)[grid](
         q, k, v, out, dout, lse, dlse, delta, dq,
         qs, ql, qp, ks, kl, cum, owner, n_seg,

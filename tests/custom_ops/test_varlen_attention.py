@@ -488,8 +488,7 @@ def _tables_oracle(seg, num_q_rows, num_k_rows, block, num_tiles):
     kl = torch.minimum(k_len.clamp(min=0), num_k_rows - ks)
     cum = torch.cumsum((ql + block - 1) // block, 0)
     owner = torch.searchsorted(cum, torch.arange(num_tiles), right=True)
-    covered = torch.tensor([int(ql.sum()) == num_q_rows], dtype=torch.int32)
-    return [t.int() for t in (qs, ql, q_pos, ks, kl)], cum.int(), owner.int(), covered
+    return [t.int() for t in (qs, ql, q_pos, ks, kl)], cum.int(), owner.int()
 
 
 @st.composite
@@ -508,53 +507,16 @@ def raw_segment_tables(draw):
 @settings(max_examples=25)
 @given(raw_segment_tables())
 def test_segment_table_kernel_matches_torch(case):
-    """One launch builds the clamped tables, the tile counts, the tile -> segment table and the
-    every-row-covered flag as the torch ops would; chunks of 16 segments make the running
-    counts cross chunk boundaries."""
+    """One launch builds the clamped tables, the tile counts and the tile -> segment table as the
+    torch ops did; chunks of 16 segments make the running count cross chunk boundaries."""
     seg, tq, tk, block, num_tiles = case
     op_mod = sys.modules["custom_ops.varlen_attention.op"]
     with poisoned_allocations():
-        tables, cum, owner, covered = op_mod._segment_tables(seg, tq, tk, block, num_tiles, chunk=16)
-    want_tables, want_cum, want_owner, want_covered = _tables_oracle(seg, tq, tk, block, num_tiles)
+        tables, cum, owner = op_mod._segment_tables(seg, tq, tk, block, num_tiles, chunk=16)
+    want_tables, want_cum, want_owner = _tables_oracle(seg, tq, tk, block, num_tiles)
     for got, want in zip(tables, want_tables):
         assert torch.equal(got, want)
     assert torch.equal(cum, want_cum) and torch.equal(owner, want_owner)
-    assert torch.equal(covered, want_covered)
-
-
-@pytest.mark.interpret
-@pytest.mark.parametrize("numel", [0, 1, 4095, 4096, 3 * 4096 + 17])
-@pytest.mark.parametrize("dtype,neg_inf", [(torch.bfloat16, False), (torch.float32, True)])
-def test_fill_unless_covered(numel, dtype, neg_inf):
-    """The fill of rows outside every segment: every element (striding past the programs'
-    first blocks) unless the flag says every row is in a segment, then none."""
-    op_mod = sys.modules["custom_ops.varlen_attention.op"]
-    want = torch.full((numel,), float("-inf") if neg_inf else 0.0, dtype=dtype)
-    for flag in (0, 1):
-        t = torch.full((numel,), float("nan"), dtype=dtype)
-        op_mod._fill_unless_covered(t, torch.tensor([flag], dtype=torch.int32), neg_inf)
-        assert torch.equal(t, want) if flag == 0 else bool(t.isnan().all())
-
-
-@pytest.mark.interpret
-@pytest.mark.parametrize("padded", [False, True])
-def test_kernel_every_row_in_a_segment_or_not(padded):
-    """Packed documents that cover every query row (the fill is skipped on the device) and the
-    same with padding rows between them (the fill runs): out, lse and the gradients agree
-    with the reference, and the padding rows get out = 0, lse = -inf, dq = 0 (allocations
-    poisoned, so an unwritten row fails)."""
-    lens, pad = [5, 17, 1, 9], (3 if padded else 0)
-    starts = [sum(lens[:i]) + pad * i for i in range(len(lens))]
-    rows = starts[-1] + lens[-1] + pad
-    layout = (starts, lens, [0] * len(lens), starts, lens, rows, rows)
-    q, k, v, seg = _tensors(layout, (2, 1), 16, torch.float32, seed=3)
-    out, lse, (dq, _, _) = _kernel_vs_reference(q, k, v, seg, True, (-1, -1))
-    in_none = torch.ones(rows, dtype=torch.bool)
-    for s, n in zip(starts, lens):
-        in_none[s : s + n] = False
-    assert bool(in_none.any()) == padded
-    assert bool((out[in_none] == 0).all()) and bool((dq[in_none] == 0).all())
-    assert bool((lse[:, in_none] == float("-inf")).all())
 
 
 # --- the kernels on a GPU ------------------------------------------------------------------------
@@ -586,48 +548,6 @@ def test_gpu_kernel_matches_sdpa(dtype, d, heads):
     assert rel_error(out, ref) <= TOLERANCE[dtype]
     for name, g, gr in zip("qkv", (qq.grad, kk.grad, vv.grad), (qr.grad, kr.grad, vr.grad)):
         assert rel_error(g, gr) <= TOLERANCE[dtype], f"d{name}: {rel_error(g, gr)}"
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("pad", [0, 5])
-def test_gpu_compiled_fill_of_rows_outside_segments(pad):
-    """Compiled (fullgraph) and eager on the GPU, with every query row in a segment (the fill
-    skipped on the device) and with padding rows between the documents (the fill runs): the
-    same out, lse and gradients, and out = 0, lse = -inf, dq = 0 on the padding rows, with the
-    caching allocator first handed NaN-filled blocks of the outputs' sizes."""
-    lens = [63, 64, 300, 1, 129]
-    starts = [sum(lens[:i]) + pad * i for i in range(len(lens))]
-    rows = starts[-1] + lens[-1] + pad
-    layout = (starts, lens, [0] * len(lens), starts, lens, rows, rows)
-    q, k, v, seg = _tensors(layout, (4, 2), 128, torch.bfloat16, seed=2)
-    q, k, v, seg = q.cuda(), k.cuda(), v.cuda(), [t.cuda() for t in seg]
-    dout = torch.randn_like(q)
-
-    def step(fn):
-        qq = q.clone().requires_grad_()
-        out, lse = fn(qq, k, v, *seg)
-        out.backward(dout)
-        return out.detach(), lse.detach(), qq.grad
-
-    def attention(qq, kk, vv, *segs):
-        return custom_ops.varlen_attention(qq, kk, vv, *segs, causal=True)
-
-    def poison():  # NaN in the blocks the caching allocator hands out next
-        torch.full((4 * q.numel(),), float("nan"), device="cuda")
-
-    poison()
-    eager = step(attention)
-    poison()
-    compiled = step(torch.compile(attention, fullgraph=True))
-    for c, e in zip(compiled, eager):  # the same kernels: equal up to bf16 rounding of Inductor's glue
-        assert torch.allclose(c.float(), e.float(), rtol=1e-2, atol=1e-2)
-    in_none = torch.ones(rows, dtype=torch.bool, device="cuda")
-    for s, n in zip(starts, lens):
-        in_none[s : s + n] = False
-    out, lse, dq = compiled
-    assert bool(in_none.any()) == bool(pad)
-    assert bool((out[in_none] == 0).all()) and bool((dq[in_none] == 0).all())
-    assert bool((lse[:, in_none] == float("-inf")).all()) and not bool(out.isnan().any())
 
 
 @pytest.mark.gpu
@@ -723,7 +643,7 @@ def _compile_for_sm90(kernel, config: dict, head_dim: int = 128, float_type: str
     for name in kernel.arg_names:
         if name in constants:
             signature[name] = "constexpr"
-        elif name in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV", "X"):
+        elif name in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV"):
             signature[name] = element
         elif name in ("LSE", "DLSE", "DELTA"):
             signature[name] = "*fp32"
@@ -784,53 +704,6 @@ def test_segment_table_kernel_compiles_for_hopper():
     except (ImportError, TypeError, AttributeError) as e:  # compile API of another triton release
         pytest.skip(f"cannot compile for sm_90 with triton {triton.__version__}: {e}")
     assert "tt.scan" in compiled.asm["ttir"]  # the running tile count is a scan, not a serial loop
-
-
-def test_compiler_sees_what_the_table_and_fill_kernels_write(monkeypatch):
-    """Where the kernels are visible to Inductor (``triton_op``), torch analyses each one's
-    Triton IR for the tensors it writes; if that analysis fails it assumes every tensor is
-    written and copies inputs around the call. The analysis, run here for sm_90 without a
-    GPU: the segment-table kernel writes its four outputs only, the fill its tensor only."""
-    pytest.importorskip("triton.backends.nvidia")
-    try:
-        from torch._higher_order_ops.triton_kernel_wrap import identify_accessed_tensors
-        from triton.backends.compiler import GPUTarget
-        from triton.runtime.driver import driver
-    except ImportError as e:  # private APIs of torch and triton
-        pytest.skip(f"no kernel analysis in this torch / triton: {e}")
-
-    class Hopper:
-        def get_current_target(self):
-            return GPUTarget("cuda", 90, 32)
-
-    monkeypatch.setattr(driver, "_active", Hopper(), raising=False)
-
-    def written(kernel, kwargs):
-        try:
-            accesses = identify_accessed_tensors(kernel, kwargs, {})
-        except TypeError as e:  # another signature of the private API
-            pytest.skip(f"identify_accessed_tensors: {e}")
-        return {dep.name for dep in accesses.read_writes.writes}
-
-    i32 = torch.zeros(8, dtype=torch.int32)
-    seg_args = dict(q_start_ptr=i32, q_len_ptr=i32, q_pos_ptr=i32, k_start_ptr=i32, k_len_ptr=i32)
-    outs = dict(tab_ptr=i32.clone(), cum_ptr=i32.clone(), owner_ptr=i32.clone(), covered_ptr=i32.clone())
-    tables = dict(seg_args, **outs, n_seg=8, num_q_rows=64, num_k_rows=64, num_tiles=8, TILE=16, BLOCK=16)
-    assert written(kernels_mod.segment_tables_kernel, tables) == set(outs)
-    fill = dict(X=torch.empty(64, dtype=torch.bfloat16), numel=64, covered_ptr=i32, NEG_INF=False, BLOCK=64)
-    assert written(kernels_mod.fill_unless_covered_kernel, fill) == {"X"}
-
-
-@pytest.mark.parametrize("neg_inf", [False, True])
-def test_fill_kernel_compiles_for_hopper(neg_inf):
-    """The fill runs only in the interpreter on CPU machines: compile it for sm_90 (bf16 and
-    fp32 targets, the striding loop in int64)."""
-    pytest.importorskip("triton.backends.nvidia")
-    config = dict(NEG_INF=neg_inf, BLOCK=kernels_mod.FILL_BLOCK, num_warps=4, num_stages=1)
-    try:
-        _compile_for_sm90(kernels_mod.fill_unless_covered_kernel, config, element="*fp32" if neg_inf else "*bf16")
-    except (ImportError, TypeError, AttributeError) as e:  # compile API of another triton release
-        pytest.skip(f"cannot compile for sm_90 with triton {triton.__version__}: {e}")
 
 
 @pytest.mark.parametrize("kind", list(_KERNELS))
