@@ -737,3 +737,66 @@ def test_launch_configs_fit_hopper_shared_memory(kind, head_dim, element):
     except (ImportError, TypeError, AttributeError) as e:  # compile API of another triton release
         pytest.skip(f"cannot compile for sm_90 with triton {triton.__version__}: {e}")
     assert compiled.metadata.shared <= HOPPER_MAX_SHARED, (config, compiled.metadata.shared)
+
+
+# What each kernel writes, and the inputs it only reads that torch's analysis of user Triton
+# kernels must not take as written (it would copy them around every call).
+_WRITES = {
+    "fwd": ({"O", "LSE"}, {"Q", "K", "V"}),
+    "bwd_dq": ({"DQ", "DELTA"}, {"Q", "K", "V", "O", "DO", "LSE", "DLSE"}),
+    "bwd_dkdv": ({"DK", "DV"}, {"Q", "K", "V", "DO", "LSE", "DELTA"}),
+    "tables": ({"tab_ptr", "cum_ptr", "owner_ptr"}, {"q_start_ptr", "q_len_ptr", "q_pos_ptr", "k_start_ptr"}),
+}
+
+
+@pytest.mark.parametrize("kind", list(_WRITES))
+def test_compiler_sees_what_each_kernel_writes(kind, monkeypatch):
+    """Where the kernels are visible to Inductor (``triton_op``), torch analyses each one's
+    Triton IR for the tensors it writes; when that analysis fails it takes every tensor
+    argument as written, and Inductor copies inputs around the call (with triton 3.7.1 under
+    torch 2.11 it then asserted, hence the opaque form there). The analysis run here for
+    sm_90 without a GPU must find each kernel's outputs and leave its large inputs read-only.
+    (It also counts the small int32 tables that the forward and dq kernels hand to a nested
+    ``@triton.jit`` function as written: it does not follow pointers into calls.)"""
+    pytest.importorskip("triton.backends.nvidia")
+    try:
+        from torch._higher_order_ops.triton_kernel_wrap import identify_accessed_tensors
+        from triton.backends.compiler import GPUTarget
+        from triton.runtime.driver import driver
+    except ImportError as e:  # private APIs of torch and triton
+        pytest.skip(f"no kernel analysis in this torch / triton: {e}")
+
+    class Hopper:
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+    monkeypatch.setattr(driver, "_active", Hopper(), raising=False)
+    if kind == "tables":
+        kernel, constants = kernels_mod.segment_tables_kernel, dict(TILE=16, BLOCK=16)
+    else:
+        kernel = _KERNELS[kind]
+        config = kernels_mod.kernel_config(kind, 64, interpreting=False)
+        config.pop("num_warps"), config.pop("num_stages")
+        constants = dict(CAUSAL=True, HEAD_DIM=64, BLOCK_D=64, **config)
+    for param in kernel.params:  # constexprs with defaults the configs leave out
+        if param.is_constexpr and param.has_default:
+            constants.setdefault(param.name, param.default)
+    kwargs = {}
+    for name in kernel.arg_names:
+        if name in constants:
+            kwargs[name] = constants[name]
+        elif name in ("LSE", "DLSE", "DELTA"):
+            kwargs[name] = torch.zeros(2, 64)
+        elif name.isupper():
+            kwargs[name] = torch.zeros(64, 2, 64, dtype=torch.bfloat16)
+        elif name.endswith("_ptr"):
+            kwargs[name] = torch.zeros(64, dtype=torch.int32)
+        else:  # sizes, strides, scales, window bounds
+            kwargs[name] = 0.5 if name.endswith("scale") else 3
+    try:
+        accesses = identify_accessed_tensors(kernel, kwargs, {})
+    except TypeError as e:  # another signature of the private API
+        pytest.skip(f"identify_accessed_tensors: {e}")
+    written = {dep.name for dep in accesses.read_writes.writes}
+    outputs, read_only = _WRITES[kind]
+    assert outputs <= written and not (written & read_only), written
