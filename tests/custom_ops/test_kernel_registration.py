@@ -1,13 +1,19 @@
-"""Which way the ops register their Triton kernels: visible to Inductor, or opaque.
+"""Which way the ops register their Triton kernels: visible to Inductor, or opaque; and,
+for the visible form, that torch's analysis of each kernel finds what it writes.
 
 The rule lives in ``custom_ops._common.kernels_visible_to_compiler``; ``make test``
 also reruns the compile tests with ``CP_OPS_OPAQUE_KERNELS=1`` (``make test-opaque``).
 """
 
 import pytest
+import torch
 import triton
 
 from custom_ops import _common
+from custom_ops.permute_sections.kernels import permute_sections_kernel
+from custom_ops.thd_copy_valid_tokens.kernels import thd_copy_valid_tokens_kernel
+from custom_ops.thd_reorder.kernels import thd_reorder_kernel
+from custom_ops.varlen_attention import kernels as attention
 
 
 @pytest.fixture
@@ -58,3 +64,77 @@ def test_pin_is_read_from_torch_metadata(monkeypatch):
     assert _common._torch_triton_pin() == "3.7.0+git4c3"
     monkeypatch.setattr(_common.importlib.metadata, "requires", lambda name: ["filelock"])
     assert _common._torch_triton_pin() is None
+
+
+# Every kernel an op launches through wrap_triton: (kernel, constexprs, tensors it writes, large
+# inputs it only reads). Attention kernels at their D = 64 launch config.
+_ATTENTION = dict(CAUSAL=True, HEAD_DIM=64, BLOCK_D=64)
+_VISIBLE_KERNELS = {
+    "varlen_attn_fwd": (attention.varlen_attn_fwd_kernel, {**_ATTENTION, **attention.kernel_config("fwd", 64, False)},
+                        {"O", "LSE"}, {"Q", "K", "V"}),
+    "varlen_attn_bwd_dq": (attention.varlen_attn_bwd_dq_kernel,
+                           {**_ATTENTION, **attention.kernel_config("bwd_dq", 64, False)},
+                           {"DQ", "DELTA"}, {"Q", "K", "V", "O", "DO", "LSE", "DLSE"}),
+    "varlen_attn_bwd_dkdv": (attention.varlen_attn_bwd_dkdv_kernel,
+                             {**_ATTENTION, **attention.kernel_config("bwd_dkdv", 64, False)},
+                             {"DK", "DV"}, {"Q", "K", "V", "DO", "LSE", "DELTA"}),
+    "segment_tables": (attention.segment_tables_kernel, dict(TILE=16, BLOCK=16),
+                       {"tab_ptr", "cum_ptr", "owner_ptr"}, {"q_start_ptr", "q_len_ptr", "k_start_ptr"}),
+    "thd_reorder": (thd_reorder_kernel, dict(TO_RANK=True, BLOCK_R=16, BLOCK_D=64), {"out_ptr"}, {"x_ptr"}),
+    "permute_sections": (permute_sections_kernel, dict(LOFF=(0, 8, 24), BLOCKS=(8, 16), TO_BLOCKS=True, BLOCK_R=16),
+                         {"blocked_ptr"}, {"plain_ptr"}),
+    "unpermute_sections": (permute_sections_kernel,
+                           dict(LOFF=(0, 8, 24), BLOCKS=(8, 16), TO_BLOCKS=False, BLOCK_R=16),
+                           {"plain_ptr"}, {"blocked_ptr"}),
+    "thd_copy_valid_tokens": (thd_copy_valid_tokens_kernel, dict(IN_PLACE=False, BLOCK_R=16, BLOCK_D=64),
+                              {"out_ptr"}, {"src_ptr", "dst_ptr"}),
+    "thd_copy_valid_tokens_in_place": (thd_copy_valid_tokens_kernel, dict(IN_PLACE=True, BLOCK_R=16, BLOCK_D=64),
+                                       {"out_ptr"}, {"src_ptr"}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(_VISIBLE_KERNELS))
+def test_compiler_sees_what_each_visible_kernel_writes(name, monkeypatch):
+    """Where the kernels are visible to Inductor (``triton_op``), torch analyses each one's
+    Triton IR for the tensors it writes; when that analysis fails it takes every tensor
+    argument as written and Inductor copies inputs around the call (with triton 3.7.1 under
+    torch 2.11 it then asserted, hence the opaque form there). Run here for sm_90 without a
+    GPU, the analysis must find each kernel's outputs and leave its large inputs read-only.
+    (It also counts small index tables handed to a nested ``@triton.jit`` function as written:
+    it does not follow pointers into calls.)"""
+    pytest.importorskip("triton.backends.nvidia")
+    try:
+        from torch._higher_order_ops.triton_kernel_wrap import identify_accessed_tensors
+        from triton.backends.compiler import GPUTarget
+        from triton.runtime.driver import driver
+    except ImportError as e:  # private APIs of torch and triton
+        pytest.skip(f"no kernel analysis in this torch / triton: {e}")
+
+    class Hopper:
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+    monkeypatch.setattr(driver, "_active", Hopper(), raising=False)
+    kernel, constants, outputs, read_only = _VISIBLE_KERNELS[name]
+    constants = {k: v for k, v in constants.items() if k not in ("num_warps", "num_stages")}
+    for param in kernel.params:  # constexprs with defaults the configs leave out
+        if param.is_constexpr and param.has_default:
+            constants.setdefault(param.name, param.default)
+    kwargs = {}
+    for arg in kernel.arg_names:
+        if arg in constants:
+            kwargs[arg] = constants[arg]
+        elif arg in ("LSE", "DLSE", "DELTA"):
+            kwargs[arg] = torch.zeros(2, 64)
+        elif arg.isupper():
+            kwargs[arg] = torch.zeros(64, 2, 64, dtype=torch.bfloat16)
+        elif arg.endswith("_ptr"):
+            kwargs[arg] = torch.zeros(64 * 64, dtype=torch.int32)
+        else:  # sizes, strides, scales, window bounds
+            kwargs[arg] = 0.5 if arg.endswith("scale") else 3
+    try:
+        accesses = identify_accessed_tensors(kernel, kwargs, {})
+    except TypeError as e:  # another signature of the private API
+        pytest.skip(f"identify_accessed_tensors: {e}")
+    written = {dep.name for dep in accesses.read_writes.writes}
+    assert outputs <= written and not (written & read_only), written
