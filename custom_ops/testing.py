@@ -103,6 +103,17 @@ def first_autotune_config():
         yield
 
 
+def kernel_constexprs(kernel, constants: dict) -> dict:
+    """A Triton kernel's constexpr arguments: ``constants`` without the launch options
+    (``num_warps``, ``num_stages``), completed with the defaults of the constexprs it leaves
+    out (as a launch would fill them in)."""
+    out = {k: v for k, v in constants.items() if k not in ("num_warps", "num_stages")}
+    for param in kernel.params:
+        if param.is_constexpr and param.has_default:
+            out.setdefault(param.name, param.default)
+    return out
+
+
 def gdn_layouts(max_seqs: int = 4, max_len: int = 12):
     """Hypothesis strategy of packed real lengths: zero-length and length-1 sequences likely."""
     from hypothesis import strategies as st

@@ -11,6 +11,7 @@ import triton
 
 from custom_ops import _common
 from custom_ops.permute_sections.kernels import permute_sections_kernel
+from custom_ops.testing import kernel_constexprs
 from custom_ops.thd_copy_valid_tokens.kernels import thd_copy_valid_tokens_kernel
 from custom_ops.thd_reorder.kernels import thd_reorder_kernel
 from custom_ops.varlen_attention import kernels as attention
@@ -116,10 +117,7 @@ def test_compiler_sees_what_each_visible_kernel_writes(name, monkeypatch):
 
     monkeypatch.setattr(driver, "_active", Hopper(), raising=False)
     kernel, constants, outputs, read_only = _VISIBLE_KERNELS[name]
-    constants = {k: v for k, v in constants.items() if k not in ("num_warps", "num_stages")}
-    for param in kernel.params:  # constexprs with defaults the configs leave out
-        if param.is_constexpr and param.has_default:
-            constants.setdefault(param.name, param.default)
+    constants = kernel_constexprs(kernel, constants)
     kwargs = {}
     for arg in kernel.arg_names:
         if arg in constants:

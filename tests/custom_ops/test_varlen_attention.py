@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import custom_ops
-from custom_ops.testing import TOLERANCE, poisoned_allocations, random_tensor, rel_error
+from custom_ops.testing import TOLERANCE, kernel_constexprs, poisoned_allocations, random_tensor, rel_error
 from custom_ops.varlen_attention import kernels as kernels_mod
 from custom_ops.varlen_attention import validate_varlen_segments, varlen_attention_loop, varlen_attention_reference
 
@@ -635,10 +635,7 @@ def _compile_for_sm90(kernel, config: dict, head_dim: int = 128, float_type: str
 
     config = dict(config)
     options = {"num_warps": config.pop("num_warps"), "num_stages": config.pop("num_stages")}
-    constants = dict(CAUSAL=True, HEAD_DIM=head_dim, BLOCK_D=head_dim, **config)
-    for param in kernel.params:  # constexprs with defaults the configs leave out
-        if param.is_constexpr and param.has_default:
-            constants.setdefault(param.name, param.default)
+    constants = kernel_constexprs(kernel, dict(CAUSAL=True, HEAD_DIM=head_dim, BLOCK_D=head_dim, **config))
     signature = {}
     for name in kernel.arg_names:
         if name in constants:
