@@ -348,10 +348,10 @@ def causal_conv1d_gather_backward(
     two outputs."""
     channels = weight.shape[0]
     if not use_triton(x) or x.numel() == 0 or weight.shape[1] > MAX_TAPS:
-        # the backward of the gathered conv, then that of the gather (an index_add)
+        # the backward of the conv on the gathered rows (causal_conv1d_backward, which picks the
+        # reference or FLA's kernels), then that of the gather (an index_add)
         xs = x.index_select(0, rows)
-        conv_backward = causal_conv1d_reference_backward if not use_triton(x) else _fla_conv_backward
-        dxs, dw, db = conv_backward(grad_y, xs[:, :channels], weight, bias, cu_seqlens, activation)
+        dxs, dw, db = causal_conv1d_backward(grad_y, xs[:, :channels], weight, bias, cu_seqlens, activation)
         dx = torch.zeros_like(x).index_add_(0, rows.long(), torch.cat([dxs, grad_rest.to(dxs.dtype)], 1))
         return dx, dw, db
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
