@@ -8,7 +8,7 @@
     python benchmarks/bench_varlen_attention.py --configs tuned.json   # the table with the tuned entries
 
 Cases: (i) packed documents of mixed lengths totalling 32768 tokens, (ii) dense
-B = 8 x S = 4096 (eight segments); H = 16 query heads, D = 128 and 64.
+B = 8 x S = 4096 (eight segments); H = 16 query heads, D = 128 and 64 (``--head-dims``).
 TFLOP/s count visible (query, key) pairs only: forward ``4 * D`` FLOPs per pair
 and head, backward 2.5x that (so forward+backward = 3.5x forward). Times are
 medians of triton.testing.do_bench. Before timing, every implementation is
@@ -40,6 +40,7 @@ from custom_ops.varlen_attention import kernels  # noqa: E402
 DTYPE = torch.bfloat16
 TOTAL_TOKENS = 32768
 HEADS = 16
+HEAD_DIMS = (128, 64)
 
 
 # --- cases ----------------------------------------------------------------------------------------
@@ -194,11 +195,11 @@ def check_agreement(name, fn, ref_fn, q, k, v, seg):
     return ok
 
 
-def bench(gqa: int = 1) -> None:
+def bench(gqa: int = 1, head_dims=HEAD_DIMS) -> None:
     device = torch.device("cuda")
     rows = []
     cases = [("packed 32k", packed_lengths()), ("dense B8 x 4096", [4096] * 8)]
-    for d in (128, 64):
+    for d in head_dims:
         for case, lens in cases:
             dense = len(set(lens)) == 1
             q, k, v = make_inputs(sum(lens), HEADS, HEADS // gqa, d, device)
@@ -266,6 +267,41 @@ DQ_CANDIDATES = [
         (64, 64, 4, 3), (64, 32, 4, 3), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2),
     ]
 ]  # fmt: skip
+# D = 256 (Qwen3-Next's attention heads): the tiles above do not fit an SM's shared memory or
+# registers at this width; smaller tiles and fewer stages
+WIDE_HEAD_CANDIDATES = {
+    "fwd": [
+        dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s, K_ROWS=kr)
+        for kr in (True, False)
+        for bm, bn, w, s in [
+            (64, 32, 4, 2), (64, 32, 8, 2), (64, 64, 4, 2), (64, 64, 8, 2), (128, 32, 8, 2),
+            (128, 64, 8, 2), (64, 32, 4, 3), (128, 32, 8, 3), (64, 64, 8, 3),
+        ]
+    ],
+    # dk/dv: whole tiles, and D_SPLIT programs per tile each writing 1/D_SPLIT of the columns
+    "bwd_dkdv": [
+        dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s, D_SPLIT=sp)
+        for bm, bn, w, s, sp in [
+            (64, 64, 8, 1, 1), (32, 64, 8, 2, 1), (32, 32, 4, 2, 1), (16, 64, 4, 2, 1), (32, 128, 8, 1, 1),
+            (64, 64, 8, 1, 2), (32, 64, 8, 2, 2), (32, 128, 8, 2, 2), (64, 128, 8, 1, 2), (32, 64, 4, 2, 2),
+            (32, 64, 8, 2, 4),
+        ]
+    ],
+    "bwd_dq": [
+        dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)
+        for bm, bn, w, s in [
+            (64, 32, 8, 1), (64, 32, 8, 2), (64, 64, 8, 2), (128, 32, 8, 2), (32, 64, 4, 2),
+            (64, 32, 4, 2), (128, 64, 8, 1),
+        ]
+    ],
+}  # fmt: skip
+
+
+def candidates_for(kind: str, d: int) -> list[dict]:
+    """The configs ``--tune`` tries for ``kind`` at head dim ``d``."""
+    if d > 128:
+        return WIDE_HEAD_CANDIDATES[kind]
+    return {"fwd": FWD_CANDIDATES, "bwd_dkdv": DKDV_CANDIDATES, "bwd_dq": DQ_CANDIDATES}[kind]
 
 
 def _time_kernel(kind, cfg, bucket, q, k, v, seg, out, lse, dout, dlse):
@@ -285,9 +321,9 @@ def _time_kernel(kind, cfg, bucket, q, k, v, seg, out, lse, dout, dlse):
         kernels.CONFIGS[kind][bucket] = saved
 
 
-def tune(gqa: int = 1, kinds=("fwd", "bwd_dkdv", "bwd_dq"), save: str | None = None) -> None:
-    """Time the candidate configs of each kernel on both cases, D = 128 and 64; print the best
-    (and write them to ``save`` as JSON, for ``--configs``).
+def tune(gqa: int = 1, kinds=("fwd", "bwd_dkdv", "bwd_dq"), save: str | None = None, head_dims=HEAD_DIMS) -> None:
+    """Time the candidate configs of each kernel on both cases at each of ``head_dims``; print
+    the best (and write them to ``save`` as JSON, for ``--configs``).
 
     The backward is timed as the whole backward op while one of its kernels varies
     (the others keep their table entries).
@@ -295,11 +331,10 @@ def tune(gqa: int = 1, kinds=("fwd", "bwd_dkdv", "bwd_dq"), save: str | None = N
     device = torch.device("cuda")
     cases = [("packed 32k", packed_lengths()), ("dense B8 x 4096", [4096] * 8)]
     best = {}
-    for d in (128, 64):
+    for d in head_dims:
         bucket = d
-        table = {"fwd": FWD_CANDIDATES, "bwd_dkdv": DKDV_CANDIDATES, "bwd_dq": DQ_CANDIDATES}
         for kind in kinds:
-            candidates = table[kind]
+            candidates = candidates_for(kind, d)
             totals = {}
             for case, lens in cases:
                 q, k, v = (t.detach() for t in make_inputs(sum(lens), HEADS, HEADS // gqa, d, device))
@@ -317,10 +352,10 @@ def tune(gqa: int = 1, kinds=("fwd", "bwd_dkdv", "bwd_dq"), save: str | None = N
             print(f"best D={d} {kind}: {candidates[i]} (sum over cases {totals[i]:.3f} ms)")
     print("\n# paste into CONFIGS in custom_ops/varlen_attention/kernels.py")
     for kind in kinds:
-        print(f'"{kind}": {{' + ", ".join(f"{d}: dict({_fmt(best[(kind, d)])})" for d in (64, 128)) + "},")
+        print(f'"{kind}": {{' + ", ".join(f"{d}: dict({_fmt(best[(kind, d)])})" for d in sorted(head_dims)) + "},")
     if save:
         with open(save, "w") as f:
-            json.dump({kind: {str(d): best[(kind, d)] for d in (64, 128)} for kind in kinds}, f, indent=1)
+            json.dump({kind: {str(d): best[(kind, d)] for d in sorted(head_dims)} for kind in kinds}, f, indent=1)
 
 
 def load_configs(path: str) -> None:
@@ -335,11 +370,11 @@ def load_configs(path: str) -> None:
             print(f"config {kind} D<={bucket}: {_fmt(cfg)}")
 
 
-def profile(gqa: int = 1) -> None:
+def profile(gqa: int = 1, head_dims=HEAD_DIMS) -> None:
     """CUDA time per kernel of the forward and backward ops (torch.profiler, mean over 5 calls)."""
     device = torch.device("cuda")
     for case, lens in [("dense B8 x 4096", [4096] * 8), ("packed 32k", packed_lengths())]:
-        for d in (128, 64):
+        for d in head_dims:
             q, k, v = (t.detach() for t in make_inputs(sum(lens), HEADS, HEADS // gqa, d, device))
             seg = segments_for(lens, device)
             out, lse = torch.ops.cp_ops.varlen_attention(q, k, v, *seg, True)
@@ -364,6 +399,8 @@ if __name__ == "__main__":
     parser.add_argument("--profile", action="store_true", help="CUDA time per kernel instead of the table")
     parser.add_argument("--kinds", nargs="+", default=["fwd", "bwd_dkdv", "bwd_dq"], help="kernels to tune")
     parser.add_argument("--gqa", type=int, default=1, help="query heads per kv head (default 1)")
+    parser.add_argument("--head-dims", type=int, nargs="+", default=list(HEAD_DIMS),
+                        help="head dims D to run (default 128 64; 256 is Qwen3-Next's)")  # fmt: skip
     parser.add_argument("--save", help="with --tune: write the best configs to this JSON file")
     parser.add_argument("--configs", help="JSON from --tune --save: use these configs instead of the table's")
     args = parser.parse_args()
@@ -372,8 +409,8 @@ if __name__ == "__main__":
     if args.configs:
         load_configs(args.configs)
     if args.tune:
-        tune(args.gqa, args.kinds, args.save)
+        tune(args.gqa, args.kinds, args.save, args.head_dims)
     elif args.profile:
-        profile(args.gqa)
+        profile(args.gqa, args.head_dims)
     else:
-        bench(args.gqa)
+        bench(args.gqa, args.head_dims)

@@ -32,22 +32,24 @@ from custom_ops._triton_utils import search_sorted_right
 CONFIGS = {
     # D = 64 and 128: the best of benchmarks/bench_varlen_attention.py --tune on one H100
     # (torch 2.11, triton 3.7.1, 2026-11-22, after the tile -> segment table made the key
-    # loops pipeline; dk/dv at D = 64 re-tuned on triton 3.6.0 the same day); K_ROWS picks
-    # how the forward loads K tiles.
+    # loops pipeline; dk/dv at D = 64 re-tuned on triton 3.6.0 the same day); D = 256: the
+    # same tune with --gqa 8 --head-dims 256 (Qwen3-Next's attention heads; triton 3.6.0,
+    # 2026-11-23). K_ROWS picks how the forward loads K tiles; D_SPLIT how many programs
+    # share a dk/dv tile's columns (varlen_attn_bwd_dkdv_kernel).
     "fwd": {
         64: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, K_ROWS=False),
         128: dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, K_ROWS=True),
-        256: dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2, K_ROWS=False),
+        256: dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=3, K_ROWS=True),
     },
     "bwd_dkdv": {
         64: dict(BLOCK_M=32, BLOCK_N=128, num_warps=4, num_stages=3),
         128: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
-        256: dict(BLOCK_M=32, BLOCK_N=64, num_warps=8, num_stages=1),
+        256: dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=1, D_SPLIT=2),
     },
     "bwd_dq": {
         64: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
         128: dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=4),
-        256: dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=1),
+        256: dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=2),
     },
 }
 
@@ -573,6 +575,7 @@ def _dkdv_inner(
     stride_dot,
     b,
     offs_d,
+    offs_c,
     q_pos,
     q_len,
     k_len,
@@ -586,27 +589,25 @@ def _dkdv_inner(
     EVEN_D: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    D_SPLIT: tl.constexpr,
 ):
     offs_m = tl.arange(0, BLOCK_M)
     for a0 in range(start, stop, BLOCK_M):
         a = a0 + offs_m
         a64 = a.to(tl.int64)
-        q_ptrs = q_base + a64[:, None] * stride_qt + offs_d[None, :]
-        do_ptrs = do_base + a64[:, None] * stride_dot + offs_d[None, :]
+        row_ok = a < q_len
+        q, do = _dkdv_query_rows(q_base, do_base, stride_qt, stride_dot, a64, row_ok, offs_d, MASK, EVEN_D, HEAD_DIM)
+        if D_SPLIT > 1:
+            # the columns of dk and dv this program writes: their q and dout columns (again, from cache)
+            q_c, do_c = _dkdv_query_rows(
+                q_base, do_base, stride_qt, stride_dot, a64, row_ok, offs_c, MASK, EVEN_D, HEAD_DIM
+            )
+        else:
+            q_c, do_c = q, do
         if MASK:
-            row_ok = a < q_len
-            mask = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
-            q = tl.load(q_ptrs, mask=mask, other=0.0)
-            do = tl.load(do_ptrs, mask=mask, other=0.0)
             lse = tl.load(lse_base + a64, mask=row_ok, other=float("-inf"))
             delta = tl.load(delta_base + a64, mask=row_ok, other=0.0)
         else:
-            if EVEN_D:
-                q = tl.load(q_ptrs)
-                do = tl.load(do_ptrs)
-            else:
-                q = tl.load(q_ptrs, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
-                do = tl.load(do_ptrs, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
             lse = tl.load(lse_base + a64)
             delta = tl.load(delta_base + a64)
         lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
@@ -616,11 +617,30 @@ def _dkdv_inner(
         if MASK:
             vis = _visible(q_pos + a[None, :], b[:, None], k_len, left, right, CAUSAL) & (a < q_len)[None, :]
             pt = tl.where(vis, pt, 0.0)
-        dv += tl.dot(pt.to(do.dtype), do)
+        dv += tl.dot(pt.to(do.dtype), do_c)
         dpt = tl.dot(v, tl.trans(do))
         dst = pt * (dpt - delta[None, :])
-        dk += tl.dot(dst.to(q.dtype), q)
+        dk += tl.dot(dst.to(q.dtype), q_c)
     return dk, dv
+
+
+@triton.jit
+def _dkdv_query_rows(q_base, do_base, stride_qt, stride_dot, a64, row_ok, offs_d, MASK: tl.constexpr,
+                     EVEN_D: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """The q and dout tiles of query rows ``a64`` (``row_ok``: inside the segment) at columns ``offs_d``."""
+    q_ptrs = q_base + a64[:, None] * stride_qt + offs_d[None, :]
+    do_ptrs = do_base + a64[:, None] * stride_dot + offs_d[None, :]
+    if MASK:
+        mask = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+        q = tl.load(q_ptrs, mask=mask, other=0.0)
+        do = tl.load(do_ptrs, mask=mask, other=0.0)
+    elif EVEN_D:
+        q = tl.load(q_ptrs)
+        do = tl.load(do_ptrs)
+    else:
+        q = tl.load(q_ptrs, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
+        do = tl.load(do_ptrs, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
+    return q, do
 
 
 @triton.jit(do_not_specialize=["num_k_rows", "left", "right"])
@@ -663,8 +683,9 @@ def varlen_attn_bwd_dkdv_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    D_SPLIT: tl.constexpr = 1,
 ):
-    """One tile of BLOCK_N rows of the key tensor x one kv head:
+    """One tile of BLOCK_N rows of the key tensor x one kv head x one of D_SPLIT column blocks:
     ``dv_b = sum_a P_ab dout_a``, ``dk_b = scale * sum_a P_ab (dP_ab - delta_a) q_a``
     over every segment whose key range reaches the tile, the query heads of the kv
     group, and the queries of the segment that see the tile.
@@ -684,23 +705,33 @@ def varlen_attn_bwd_dkdv_kernel(
     every tile shape tried, read from the cubin); one masked loop spills less
     but masks every tile, and measured slower on the H100 at every tile shape
     (docs/benchmarks.md).
+
+    With D_SPLIT > 1 a program writes BLOCK_D / D_SPLIT of the head dim's columns of dk
+    and dv (the launcher's grid has D_SPLIT programs per tile and kv head): the scores
+    and dP still take every column, so the matrix work grows by half at D_SPLIT = 2, but
+    the accumulators shrink to match. At D = 256 the two full-width accumulators alone
+    are 128 registers a thread at 64 x 256 with 8 warps, and the kernel spills heavily;
+    split in two it still spills (read from the sm_90 cubin) but measured 3-7% faster
+    for the whole backward on the H100 (docs/benchmarks.md), so D = 256 uses it.
     """
     # fp32 scales, as in the forward
     sm_scale = tl.cast(sm_scale, tl.float32)
     qk_scale = tl.cast(qk_scale, tl.float32)
     tile = tl.program_id(0)
-    kvh = tl.program_id(1)
+    kvh = tl.program_id(1) // D_SPLIT
+    BLOCK_C: tl.constexpr = BLOCK_D // D_SPLIT
     t0 = tile * BLOCK_N
     rows = t0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_c = (tl.program_id(1) % D_SPLIT) * BLOCK_C + tl.arange(0, BLOCK_C)
     d_ok = offs_d < HEAD_DIM
     EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
     rows64 = rows.to(tl.int64)
     kv_mask = (rows < num_k_rows)[:, None] & d_ok[None, :]
     k = tl.load(K + rows64[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
     v = tl.load(V + rows64[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
-    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dk = tl.zeros([BLOCK_N, BLOCK_C], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_C], dtype=tl.float32)
     first = tl.load(first_ptr + tile)
     last = tl.load(last_ptr + tile)
     for i in range(first, last):
@@ -727,18 +758,19 @@ def varlen_attn_bwd_dkdv_kernel(
                 lse_base = LSE + h * stride_lh + q_start
                 delta_base = DELTA + h * stride_lh + q_start
                 dk, dv = _dkdv_inner(
-                    dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, b, offs_d,
-                    q_pos, q_len, k_len, left, right, qk_scale, lo, mid_lo, True, CAUSAL, EVEN_D, HEAD_DIM, BLOCK_M,
+                    dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, b, offs_d, offs_c,
+                    q_pos, q_len, k_len, left, right, qk_scale, lo, mid_lo, True, CAUSAL, EVEN_D, HEAD_DIM, BLOCK_M, D_SPLIT,
                 )
                 dk, dv = _dkdv_inner(
-                    dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, b, offs_d,
+                    dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, b, offs_d, offs_c,
                     q_pos, q_len, k_len, left, right, qk_scale, mid_lo, mid_hi, False, CAUSAL, EVEN_D, HEAD_DIM,
-                    BLOCK_M,
+                    BLOCK_M, D_SPLIT,
                 )
                 dk, dv = _dkdv_inner(
-                    dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, b, offs_d,
-                    q_pos, q_len, k_len, left, right, qk_scale, mid_hi, hi, True, CAUSAL, EVEN_D, HEAD_DIM, BLOCK_M,
+                    dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, b, offs_d, offs_c,
+                    q_pos, q_len, k_len, left, right, qk_scale, mid_hi, hi, True, CAUSAL, EVEN_D, HEAD_DIM, BLOCK_M, D_SPLIT,
                 )
-    out_off = rows64[:, None] * stride_dkt + kvh * stride_dkh + offs_d[None, :]
-    tl.store(DK + out_off, (dk * sm_scale).to(DK.dtype.element_ty), mask=kv_mask)
-    tl.store(DV + out_off, dv.to(DV.dtype.element_ty), mask=kv_mask)
+    out_off = rows64[:, None] * stride_dkt + kvh * stride_dkh + offs_c[None, :]
+    out_mask = (rows < num_k_rows)[:, None] & (offs_c < HEAD_DIM)[None, :]
+    tl.store(DK + out_off, (dk * sm_scale).to(DK.dtype.element_ty), mask=out_mask)
+    tl.store(DV + out_off, dv.to(DV.dtype.element_ty), mask=out_mask)
