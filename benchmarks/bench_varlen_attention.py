@@ -259,6 +259,10 @@ DKDV_CANDIDATES = [
         (64, 128, 8, 2), (32, 128, 8, 2), (32, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 2),
         (64, 64, 4, 3), (64, 64, 8, 3), (32, 64, 4, 3), (64, 128, 8, 3), (16, 128, 4, 3),
     ]
+] + [
+    # one program for dv and one for dk per tile (PARTS = 2)
+    dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s, PARTS=2)
+    for bm, bn, w, s in [(64, 64, 4, 2), (64, 128, 8, 2), (64, 128, 8, 3), (32, 64, 4, 3)]
 ]  # fmt: skip
 DQ_CANDIDATES = [
     dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)
@@ -278,13 +282,12 @@ WIDE_HEAD_CANDIDATES = {
             (128, 64, 8, 2), (64, 32, 4, 3), (128, 32, 8, 3), (64, 64, 8, 3),
         ]
     ],
-    # dk/dv: whole tiles, and D_SPLIT programs per tile each writing 1/D_SPLIT of the columns
+    # dk/dv: one program per key tile, and two (PARTS = 2: one for dv, one for dk)
     "bwd_dkdv": [
-        dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s, D_SPLIT=sp)
-        for bm, bn, w, s, sp in [
-            (64, 64, 8, 1, 1), (32, 64, 8, 2, 1), (32, 32, 4, 2, 1), (16, 64, 4, 2, 1), (32, 128, 8, 1, 1),
-            (64, 64, 8, 1, 2), (32, 64, 8, 2, 2), (32, 128, 8, 2, 2), (64, 128, 8, 1, 2), (32, 64, 4, 2, 2),
-            (32, 64, 8, 2, 4),
+        dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s, PARTS=parts)
+        for bm, bn, w, s, parts in [
+            (64, 64, 8, 1, 1), (32, 32, 4, 2, 1), (32, 64, 8, 2, 1), (64, 64, 8, 1, 2), (64, 128, 8, 1, 2),
+            (32, 64, 8, 2, 2), (32, 128, 8, 2, 2), (64, 64, 8, 2, 2), (64, 64, 4, 2, 2), (32, 64, 4, 2, 2),
         ]
     ],
     "bwd_dq": [

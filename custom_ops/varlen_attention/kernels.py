@@ -34,8 +34,8 @@ CONFIGS = {
     # (torch 2.11, triton 3.7.1, 2026-11-22, after the tile -> segment table made the key
     # loops pipeline; dk/dv at D = 64 re-tuned on triton 3.6.0 the same day); D = 256: the
     # same tune with --gqa 8 --head-dims 256 (Qwen3-Next's attention heads; triton 3.6.0,
-    # 2026-11-23). K_ROWS picks how the forward loads K tiles; D_SPLIT how many programs
-    # share a dk/dv tile's columns (varlen_attn_bwd_dkdv_kernel).
+    # 2026-11-23). K_ROWS picks how the forward loads K tiles; PARTS = 2 computes dk and dv
+    # of a key tile in two programs (varlen_attn_bwd_dkdv_kernel).
     "fwd": {
         64: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, K_ROWS=False),
         128: dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3, K_ROWS=True),
@@ -44,7 +44,7 @@ CONFIGS = {
     "bwd_dkdv": {
         64: dict(BLOCK_M=32, BLOCK_N=128, num_warps=4, num_stages=3),
         128: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
-        256: dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=1, D_SPLIT=2),
+        256: dict(BLOCK_M=32, BLOCK_N=128, num_warps=8, num_stages=2, PARTS=2),
     },
     "bwd_dq": {
         64: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
@@ -575,7 +575,6 @@ def _dkdv_inner(
     stride_dot,
     b,
     offs_d,
-    offs_c,
     q_pos,
     q_len,
     k_len,
@@ -589,7 +588,8 @@ def _dkdv_inner(
     EVEN_D: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
-    D_SPLIT: tl.constexpr,
+    WANT_DK: tl.constexpr,
+    WANT_DV: tl.constexpr,
 ):
     offs_m = tl.arange(0, BLOCK_M)
     for a0 in range(start, stop, BLOCK_M):
@@ -597,13 +597,6 @@ def _dkdv_inner(
         a64 = a.to(tl.int64)
         row_ok = a < q_len
         q, do = _dkdv_query_rows(q_base, do_base, stride_qt, stride_dot, a64, row_ok, offs_d, MASK, EVEN_D, HEAD_DIM)
-        if D_SPLIT > 1:
-            # the columns of dk and dv this program writes: their q and dout columns (again, from cache)
-            q_c, do_c = _dkdv_query_rows(
-                q_base, do_base, stride_qt, stride_dot, a64, row_ok, offs_c, MASK, EVEN_D, HEAD_DIM
-            )
-        else:
-            q_c, do_c = q, do
         if MASK:
             lse = tl.load(lse_base + a64, mask=row_ok, other=float("-inf"))
             delta = tl.load(delta_base + a64, mask=row_ok, other=0.0)
@@ -617,10 +610,12 @@ def _dkdv_inner(
         if MASK:
             vis = _visible(q_pos + a[None, :], b[:, None], k_len, left, right, CAUSAL) & (a < q_len)[None, :]
             pt = tl.where(vis, pt, 0.0)
-        dv += tl.dot(pt.to(do.dtype), do_c)
-        dpt = tl.dot(v, tl.trans(do))
-        dst = pt * (dpt - delta[None, :])
-        dk += tl.dot(dst.to(q.dtype), q_c)
+        if WANT_DV:
+            dv += tl.dot(pt.to(do.dtype), do)
+        if WANT_DK:
+            dpt = tl.dot(v, tl.trans(do))
+            dst = pt * (dpt - delta[None, :])
+            dk += tl.dot(dst.to(q.dtype), q)
     return dk, dv
 
 
@@ -641,6 +636,79 @@ def _dkdv_query_rows(q_base, do_base, stride_qt, stride_dot, a64, row_ok, offs_d
         q = tl.load(q_ptrs, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
         do = tl.load(do_ptrs, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
     return q, do
+
+
+@triton.jit
+def _dkdv_program(
+    Q, K, V, DO, LSE, DELTA, DK, DV, q_start_ptr, q_len_ptr, q_pos_ptr, k_start_ptr, k_len_ptr, order_ptr,
+    first_ptr, last_ptr, num_k_rows, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_dot, stride_doh, stride_dkt, stride_dkh, stride_lh, group, sm_scale, qk_scale, left, right,
+    kvh,
+    CAUSAL: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    WANT_DK: tl.constexpr,
+    WANT_DV: tl.constexpr,
+):
+    """The work of one dk/dv program (see :func:`varlen_attn_bwd_dkdv_kernel`): key tile
+    ``program_id(0)`` of kv head ``kvh``, dk and/or dv."""
+    tile = tl.program_id(0)
+    t0 = tile * BLOCK_N
+    rows = t0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
+    rows64 = rows.to(tl.int64)
+    kv_mask = (rows < num_k_rows)[:, None] & d_ok[None, :]
+    k = tl.load(K + rows64[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(V + rows64[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    first = tl.load(first_ptr + tile)
+    last = tl.load(last_ptr + tile)
+    for i in range(first, last):
+        s = tl.load(order_ptr + i)
+        q_start = tl.load(q_start_ptr + s)
+        q_len = tl.load(q_len_ptr + s)
+        q_pos = tl.load(q_pos_ptr + s)
+        k_start = tl.load(k_start_ptr + s)
+        k_len = tl.load(k_len_ptr + s)
+        # the tile's keys as offsets into the segment's key range (negative before it)
+        b = rows - k_start
+        b_lo = tl.maximum(t0 - k_start, 0)
+        b_hi = tl.minimum(t0 + BLOCK_N - k_start, k_len) - 1
+        lo, mid_lo, mid_hi, hi = _query_range(b_lo, b_hi, q_pos, q_len, left, right, CAUSAL, BLOCK_M)
+        # keys of the tile outside the segment are never visible: mask every query tile
+        inside = (t0 >= k_start) & (t0 + BLOCK_N <= k_start + k_len)
+        mid_lo = tl.where(inside, mid_lo, hi)
+        mid_hi = tl.where(inside, mid_hi, hi)
+        if (b_lo <= b_hi) & (lo < hi):
+            for g in range(0, group):
+                h = kvh * group + g
+                q_base = Q + q_start.to(tl.int64) * stride_qt + h * stride_qh
+                do_base = DO + q_start.to(tl.int64) * stride_dot + h * stride_doh
+                lse_base = LSE + h * stride_lh + q_start
+                delta_base = DELTA + h * stride_lh + q_start
+                dk, dv = _dkdv_inner(
+                    dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, b, offs_d,
+                    q_pos, q_len, k_len, left, right, qk_scale, lo, mid_lo, True, CAUSAL, EVEN_D, HEAD_DIM, BLOCK_M, WANT_DK, WANT_DV,
+                )
+                dk, dv = _dkdv_inner(
+                    dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, b, offs_d,
+                    q_pos, q_len, k_len, left, right, qk_scale, mid_lo, mid_hi, False, CAUSAL, EVEN_D, HEAD_DIM,
+                    BLOCK_M, WANT_DK, WANT_DV,
+                )
+                dk, dv = _dkdv_inner(
+                    dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, b, offs_d,
+                    q_pos, q_len, k_len, left, right, qk_scale, mid_hi, hi, True, CAUSAL, EVEN_D, HEAD_DIM, BLOCK_M, WANT_DK, WANT_DV,
+                )
+    out_off = rows64[:, None] * stride_dkt + kvh * stride_dkh + offs_d[None, :]
+    if WANT_DK:
+        tl.store(DK + out_off, (dk * sm_scale).to(DK.dtype.element_ty), mask=kv_mask)
+    if WANT_DV:
+        tl.store(DV + out_off, dv.to(DV.dtype.element_ty), mask=kv_mask)
 
 
 @triton.jit(do_not_specialize=["num_k_rows", "left", "right"])
@@ -683,9 +751,9 @@ def varlen_attn_bwd_dkdv_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    D_SPLIT: tl.constexpr = 1,
+    PARTS: tl.constexpr = 1,
 ):
-    """One tile of BLOCK_N rows of the key tensor x one kv head x one of D_SPLIT column blocks:
+    """One tile of BLOCK_N rows of the key tensor x one kv head (x dk or dv, with PARTS = 2):
     ``dv_b = sum_a P_ab dout_a``, ``dk_b = scale * sum_a P_ab (dP_ab - delta_a) q_a``
     over every segment whose key range reaches the tile, the query heads of the kv
     group, and the queries of the segment that see the tile.
@@ -706,71 +774,36 @@ def varlen_attn_bwd_dkdv_kernel(
     but masks every tile, and measured slower on the H100 at every tile shape
     (docs/benchmarks.md).
 
-    With D_SPLIT > 1 a program writes BLOCK_D / D_SPLIT of the head dim's columns of dk
-    and dv (the launcher's grid has D_SPLIT programs per tile and kv head): the scores
-    and dP still take every column, so the matrix work grows by half at D_SPLIT = 2, but
-    the accumulators shrink to match. At D = 256 the two full-width accumulators alone
-    are 128 registers a thread at 64 x 256 with 8 warps, and the kernel spills heavily;
-    split in two it still spills (read from the sm_90 cubin) but measured 3-7% faster
-    for the whole backward on the H100 (docs/benchmarks.md), so D = 256 uses it.
+    With PARTS = 2 the launcher's grid has two programs per tile and kv head, one
+    computing dv and one dk, each with one accumulator: five matrix products per query
+    tile in all instead of four (both compute the scores; dv skips dP), and half the
+    accumulator registers. At D = 256 the two accumulators alone are 128 registers a
+    thread at 64 x 256 with 8 warps and the kernel spills heavily; the split form still
+    spills (read from the sm_90 cubin) but measured 6-12% faster for the whole backward
+    on the H100, and 20-26% slower at D = 128 (docs/benchmarks.md), so D = 256 uses it.
     """
     # fp32 scales, as in the forward
     sm_scale = tl.cast(sm_scale, tl.float32)
     qk_scale = tl.cast(qk_scale, tl.float32)
-    tile = tl.program_id(0)
-    kvh = tl.program_id(1) // D_SPLIT
-    BLOCK_C: tl.constexpr = BLOCK_D // D_SPLIT
-    t0 = tile * BLOCK_N
-    rows = t0 + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_c = (tl.program_id(1) % D_SPLIT) * BLOCK_C + tl.arange(0, BLOCK_C)
-    d_ok = offs_d < HEAD_DIM
-    EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
-    rows64 = rows.to(tl.int64)
-    kv_mask = (rows < num_k_rows)[:, None] & d_ok[None, :]
-    k = tl.load(K + rows64[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(V + rows64[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
-    dk = tl.zeros([BLOCK_N, BLOCK_C], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_C], dtype=tl.float32)
-    first = tl.load(first_ptr + tile)
-    last = tl.load(last_ptr + tile)
-    for i in range(first, last):
-        s = tl.load(order_ptr + i)
-        q_start = tl.load(q_start_ptr + s)
-        q_len = tl.load(q_len_ptr + s)
-        q_pos = tl.load(q_pos_ptr + s)
-        k_start = tl.load(k_start_ptr + s)
-        k_len = tl.load(k_len_ptr + s)
-        # the tile's keys as offsets into the segment's key range (negative before it)
-        b = rows - k_start
-        b_lo = tl.maximum(t0 - k_start, 0)
-        b_hi = tl.minimum(t0 + BLOCK_N - k_start, k_len) - 1
-        lo, mid_lo, mid_hi, hi = _query_range(b_lo, b_hi, q_pos, q_len, left, right, CAUSAL, BLOCK_M)
-        # keys of the tile outside the segment are never visible: mask every query tile
-        inside = (t0 >= k_start) & (t0 + BLOCK_N <= k_start + k_len)
-        mid_lo = tl.where(inside, mid_lo, hi)
-        mid_hi = tl.where(inside, mid_hi, hi)
-        if (b_lo <= b_hi) & (lo < hi):
-            for g in range(0, group):
-                h = kvh * group + g
-                q_base = Q + q_start.to(tl.int64) * stride_qt + h * stride_qh
-                do_base = DO + q_start.to(tl.int64) * stride_dot + h * stride_doh
-                lse_base = LSE + h * stride_lh + q_start
-                delta_base = DELTA + h * stride_lh + q_start
-                dk, dv = _dkdv_inner(
-                    dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, b, offs_d, offs_c,
-                    q_pos, q_len, k_len, left, right, qk_scale, lo, mid_lo, True, CAUSAL, EVEN_D, HEAD_DIM, BLOCK_M, D_SPLIT,
-                )
-                dk, dv = _dkdv_inner(
-                    dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, b, offs_d, offs_c,
-                    q_pos, q_len, k_len, left, right, qk_scale, mid_lo, mid_hi, False, CAUSAL, EVEN_D, HEAD_DIM,
-                    BLOCK_M, D_SPLIT,
-                )
-                dk, dv = _dkdv_inner(
-                    dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, b, offs_d, offs_c,
-                    q_pos, q_len, k_len, left, right, qk_scale, mid_hi, hi, True, CAUSAL, EVEN_D, HEAD_DIM, BLOCK_M, D_SPLIT,
-                )
-    out_off = rows64[:, None] * stride_dkt + kvh * stride_dkh + offs_c[None, :]
-    out_mask = (rows < num_k_rows)[:, None] & (offs_c < HEAD_DIM)[None, :]
-    tl.store(DK + out_off, (dk * sm_scale).to(DK.dtype.element_ty), mask=out_mask)
-    tl.store(DV + out_off, dv.to(DV.dtype.element_ty), mask=out_mask)
+    kvh = tl.program_id(1) // PARTS
+    if PARTS == 1:
+        _dkdv_program(
+            Q, K, V, DO, LSE, DELTA, DK, DV, q_start_ptr, q_len_ptr, q_pos_ptr, k_start_ptr, k_len_ptr, order_ptr,
+            first_ptr, last_ptr, num_k_rows, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+            stride_dot, stride_doh, stride_dkt, stride_dkh, stride_lh, group, sm_scale, qk_scale, left, right, kvh,
+            CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, True,
+        )
+    elif tl.program_id(1) % 2 == 0:
+        _dkdv_program(
+            Q, K, V, DO, LSE, DELTA, DK, DV, q_start_ptr, q_len_ptr, q_pos_ptr, k_start_ptr, k_len_ptr, order_ptr,
+            first_ptr, last_ptr, num_k_rows, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+            stride_dot, stride_doh, stride_dkt, stride_dkh, stride_lh, group, sm_scale, qk_scale, left, right, kvh,
+            CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False, True,
+        )
+    else:
+        _dkdv_program(
+            Q, K, V, DO, LSE, DELTA, DK, DV, q_start_ptr, q_len_ptr, q_pos_ptr, k_start_ptr, k_len_ptr, order_ptr,
+            first_ptr, last_ptr, num_k_rows, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+            stride_dot, stride_doh, stride_dkt, stride_dkh, stride_lh, group, sm_scale, qk_scale, left, right, kvh,
+            CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, False,
+        )

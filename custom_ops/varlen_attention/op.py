@@ -203,7 +203,7 @@ def _backward_kernel(dout, dlse, q, k, v, out, lse, seg, causal, left, right, sc
     # one program per key tile of the key tensor: it writes every row, so no zero fill
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    grid = (triton.cdiv(tk, cfg["BLOCK_N"]), hkv * cfg.get("D_SPLIT", 1))
+    grid = (triton.cdiv(tk, cfg["BLOCK_N"]), hkv * cfg.get("PARTS", 1))
     order, first, last = _key_tile_segments(qs, ql, ks, kl, cfg["BLOCK_N"], grid[0], tk)
     wrap_triton(varlen_attn_bwd_dkdv_kernel)[grid](
         q, k, v, dout, lse, delta, dk, dv,

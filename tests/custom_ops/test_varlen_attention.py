@@ -446,19 +446,17 @@ def test_kernel_launch_order_changes_no_bit(causal, window, monkeypatch):
 
 
 @pytest.mark.interpret
-@pytest.mark.parametrize("d_split", [2, 4])
 @pytest.mark.parametrize("head_dim", [16, 24])
 @pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (False, (7, 3))])
-def test_kernel_dkdv_column_split(d_split, head_dim, causal, window, monkeypatch):
-    """dk/dv with D_SPLIT programs per key tile, each writing its block of the head dim's
-    columns (at head_dim 24 in a 32-wide tile the last blocks are partly or wholly padding):
-    against the float64 reference, and bit for bit against one program per tile (each
-    column is the same sum in the same order), on segments of 0-50 queries over crossing
-    key ranges, GQA group 2."""
+def test_kernel_dkdv_in_two_programs(head_dim, causal, window, monkeypatch):
+    """dk/dv with two programs per key tile and kv head (PARTS = 2: one writes dv, the other
+    dk), head_dim 24 padded to a 32-wide tile included: against the float64 reference, and
+    bit for bit against one program per tile (each entry is the same sum in the same order),
+    on segments of 0-50 queries over crossing key ranges, GQA group 2."""
     layout = ([0, 50, 50, 51], [50, 0, 1, 33], [0, 3, 0, 10], [0, 50, 50, 60], [50, 10, 1, 40], 84, 100)
     q, k, v, seg = _tensors(layout, (2, 1), head_dim, torch.float32)
     whole = _kernel_vs_reference(q, k, v, seg, causal, window)
-    split = dict(kernels_mod.INTERPRET_CONFIGS["bwd_dkdv"], D_SPLIT=d_split)
+    split = dict(kernels_mod.INTERPRET_CONFIGS["bwd_dkdv"], PARTS=2)
     monkeypatch.setitem(kernels_mod.INTERPRET_CONFIGS, "bwd_dkdv", split)
     got = _kernel_vs_reference(q, k, v, seg, causal, window)
     for a, b in zip(whole[2][1:], got[2][1:]):  # dk, dv
