@@ -779,8 +779,8 @@ def varlen_attn_bwd_dkdv_kernel(
     tile in all instead of four (both compute the scores; dv skips dP), and half the
     accumulator registers. At D = 256 the two accumulators alone are 128 registers a
     thread at 64 x 256 with 8 warps and the kernel spills heavily; the split form still
-    spills (read from the sm_90 cubin) but measured 6-12% faster for the whole backward
-    on the H100, and 20-26% slower at D = 128 (docs/benchmarks.md), so D = 256 uses it.
+    spills (read from the sm_90 cubin) but took 13% less time for the whole backward on
+    the H100, and 26-28% more at D = 128 (docs/benchmarks.md), so D = 256 uses it.
     """
     # fp32 scales, as in the forward
     sm_scale = tl.cast(sm_scale, tl.float32)
