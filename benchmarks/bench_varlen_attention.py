@@ -324,7 +324,9 @@ def _time_kernel(kind, cfg, bucket, q, k, v, seg, out, lse, dout, dlse):
         kernels.CONFIGS[kind][bucket] = saved
 
 
-def tune(gqa: int = 1, kinds=("fwd", "bwd_dkdv", "bwd_dq"), save: str | None = None, head_dims=HEAD_DIMS) -> None:
+def tune(
+    gqa: int = 1, kinds=("fwd", "bwd_dkdv", "bwd_dq"), save: str | None = None, head_dims=HEAD_DIMS
+) -> None:
     """Time the candidate configs of each kernel on both cases at each of ``head_dims``; print
     the best (and write them to ``save`` as JSON, for ``--configs``).
 
@@ -355,7 +357,8 @@ def tune(gqa: int = 1, kinds=("fwd", "bwd_dkdv", "bwd_dq"), save: str | None = N
             print(f"best D={d} {kind}: {candidates[i]} (sum over cases {totals[i]:.3f} ms)")
     print("\n# paste into CONFIGS in custom_ops/varlen_attention/kernels.py")
     for kind in kinds:
-        print(f'"{kind}": {{' + ", ".join(f"{d}: dict({_fmt(best[(kind, d)])})" for d in sorted(head_dims)) + "},")
+        entries = ", ".join(f"{d}: dict({_fmt(best[(kind, d)])})" for d in sorted(head_dims))
+        print(f'"{kind}": {{{entries}}},')
     if save:
         with open(save, "w") as f:
             json.dump({kind: {str(d): best[(kind, d)] for d in sorted(head_dims)} for kind in kinds}, f, indent=1)

@@ -8,6 +8,7 @@ PARTS (default: every part that fits the visible GPUs):
   attention       benchmarks/bench_varlen_attention.py       (if present)
   attention-tune  the same with --tune: kernel configs
   attention-profile  the same with --profile: CUDA time per kernel
+  attention-qwen  the same at Qwen3-Next's attention heads: H = 16, Hkv = 2, D = 256
   gdn             benchmarks/bench_gdn.py: the layer on one GPU, T = 32768 and 65536, with kernel
                   times and the pieces one rank runs at W = 2 and 4
   conv            benchmarks/bench_conv.py: the conv kernels against FLA's
@@ -50,6 +51,7 @@ PARTS = {
     "attention": (1, [sys.executable, "benchmarks/bench_varlen_attention.py"]),
     "attention-tune": (1, [sys.executable, "benchmarks/bench_varlen_attention.py", "--tune"]),
     "attention-profile": (1, [sys.executable, "benchmarks/bench_varlen_attention.py", "--profile"]),
+    "attention-qwen": (1, [sys.executable, "benchmarks/bench_varlen_attention.py", "--gqa", "8", "--head-dims", "256"]),
     "gdn": (
         1,
         [sys.executable, "benchmarks/bench_gdn.py", "--kernel-time", "--rank-share", "2", "4", "--out", "{out}/gdn.md"],

@@ -11,7 +11,8 @@ device, the inclusive cumulative tile count per segment and a tile -> segment
 table, so grids depend on shapes only. A binary-search loop in the attention
 kernels themselves stops Triton's software pipeliner from pipelining the key
 loops that follow it (no async copies in the TTGIR, checked for sm_90 with
-triton 3.7), which costs the forward most of its speed. dk/dv runs one program per BLOCK_N-row tile of the key tensor, over the
+triton 3.7), which costs the forward most of its speed. dk/dv runs one program per
+BLOCK_N-row tile of the key tensor (two, one for dk and one for dv, at D = 256), over the
 segments whose key ranges reach it (a slice of the segments sorted by key
 start, also built on the device).
 
@@ -693,7 +694,8 @@ def _dkdv_program(
                 delta_base = DELTA + h * stride_lh + q_start
                 dk, dv = _dkdv_inner(
                     dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, b, offs_d,
-                    q_pos, q_len, k_len, left, right, qk_scale, lo, mid_lo, True, CAUSAL, EVEN_D, HEAD_DIM, BLOCK_M, WANT_DK, WANT_DV,
+                    q_pos, q_len, k_len, left, right, qk_scale, lo, mid_lo, True, CAUSAL, EVEN_D, HEAD_DIM, BLOCK_M,
+                    WANT_DK, WANT_DV,
                 )
                 dk, dv = _dkdv_inner(
                     dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, b, offs_d,
@@ -702,7 +704,8 @@ def _dkdv_program(
                 )
                 dk, dv = _dkdv_inner(
                     dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, b, offs_d,
-                    q_pos, q_len, k_len, left, right, qk_scale, mid_hi, hi, True, CAUSAL, EVEN_D, HEAD_DIM, BLOCK_M, WANT_DK, WANT_DV,
+                    q_pos, q_len, k_len, left, right, qk_scale, mid_hi, hi, True, CAUSAL, EVEN_D, HEAD_DIM, BLOCK_M,
+                    WANT_DK, WANT_DV,
                 )
     out_off = rows64[:, None] * stride_dkt + kvh * stride_dkh + offs_d[None, :]
     if WANT_DK:
