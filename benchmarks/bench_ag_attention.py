@@ -11,6 +11,7 @@ totalling 32768 and 65536 real tokens globally, bf16, causal, H = 16 query heads
   W 2L       the same with launches=2 (one launch per local chunk + thd_copy_valid_tokens)
   W 1L comp  the one-launch form under torch.compile(fullgraph=True): the segment tables,
              the K/V concatenation and the reorder fused, fewer launches than eager
+  1 GPU comp the one-GPU step compiled the same way (the compiled forms' baseline)
   all-gather the K,V all-gather alone (the communication part of the forward)
   G groups   the compiled one-launch form with head_groups=G (--head-groups, default 2 and 4):
              the KV heads in G groups, each gathered by its own all-gather and attended by
@@ -36,6 +37,10 @@ time to issue one step on an idle GPU (benchmarks.common.host_issue_ms) and, for
 rank, its idle time, its time with only NCCL running and its host issue time: a rank whose
 host cannot issue a step as fast as its GPU runs it makes its peers wait in the all-gathers.
 ``--cudagraphs`` compiles the CP forms with CUDA graphs (the launches replayed, not issued).
+The one-GPU step is timed twice: the op as called (``1 GPU``, the baseline of the eager
+forms) and compiled the way the CP forms are, graphs included (``1 GPU compiled``, the
+baseline of the compiled forms: the head-group columns and ``eff 1L compiled vs 1 GPU
+compiled``; ``eff 1L compiled`` keeps the eager baseline, as earlier tables had it).
 ``--nccl-max-ctas N [N ...]`` runs every CP form on one group per cap on NCCL's CTAs (0:
 NCCL's default; ``benchmarks.common.nccl_cta_groups``), a row per cap in the same run: the
 all-gathers' CTAs hold SMs that the attention kernels beside them then lack.
@@ -165,13 +170,19 @@ def _worker(
             with torch.no_grad():
                 want = shard_thd(one_gpu(q, k, v), cup, world, rank)
 
-            # one GPU: rank 0 alone; the other ranks wait at the barrier
-            t1 = [0.0, 0.0]
+            # one GPU: rank 0 alone; the other ranks wait at the barrier. The op as called, and
+            # compiled as the CP forms are (with CUDA graphs under --cudagraphs): the baseline
+            # of the compiled CP forms, like for like
+            t1, t1c = [0.0, 0.0], [0.0, 0.0]
             if rank == 0:
                 fwd, step = _fwd_and_step(one_gpu, q, k, v, dout)
                 t1 = [timed(fwd), timed(step)]
+                graphs = {"triton.cudagraphs": True} if cudagraphs else {}
+                fwd_c, step_c = _fwd_and_step(torch.compile(one_gpu, fullgraph=True, options=graphs), q, k, v, dout)
+                t1c = [timed(fwd_c), timed(step_c)]
                 if profile:
                     profiles[(total, "1 GPU")] = _profile_rows(step)
+                    profiles[(total, "1 GPU compiled")] = _profile_rows(step_c)
             dist.barrier()
             del q, k, v, dout
             if device.type == "cuda":
@@ -193,10 +204,11 @@ def _worker(
                     w1, w2, wc = (times[form]["ms"][idx] for form in (1, 2, "compiled"))
                     row = (total, len(lens), label + named, t1[idx], w1, w2,
                            t1[idx] / (world * w1), t1[idx] / (world * w2), w2 / w1,
-                           t_ag if idx == 0 else float("nan"), wc, t1[idx] / (world * wc))  # fmt: skip
-                    for g in head_groups:
+                           t_ag if idx == 0 else float("nan"), wc, t1[idx] / (world * wc),
+                           t1c[idx], t1c[idx] / (world * wc))  # fmt: skip
+                    for g in head_groups:  # compiled: against the compiled one-GPU step
                         tg = times[f"G={g}"]["ms"][idx]
-                        row += (tg, t1[idx] / (world * tg))
+                        row += (tg, t1c[idx] / (world * tg))
                     rows.append(row)
                 if rank == 0:  # a line per total and cap, so a run cut short by a time limit still reports
                     print(f"T={total} {cta_label(cap)}: " + ", ".join(
@@ -212,20 +224,21 @@ def _worker(
                 f"ag_thd_attention, {str(DTYPE).removeprefix('torch.')}, causal, H = {heads}, Hkv = {kv_heads}, "
                 f"D = {head_dim}; T = real tokens of the global batch (packed documents); times in ms, median "
                 f"over {runs} runs, max over ranks; eff = T_1 / (W * T_W)"
-                + ("; the compiled form with CUDA graphs (--cudagraphs)" if cudagraphs else "")
+                + ("; the compiled forms, one GPU's too, with CUDA graphs (--cudagraphs)" if cudagraphs else "")
                 + ("; a row per cap on NCCL's CTAs (--nccl-max-ctas), the 1 GPU times shared" if name_cap else "")
                 + "\n",
                 f"| T | docs | pass | 1 GPU | W={world} 1 launch | W={world} 2 launches | eff 1L | eff 2L | 2L / 1L "
-                f"| KV all-gather | W={world} 1L compiled | eff 1L compiled |"
+                f"| KV all-gather | W={world} 1L compiled | eff 1L compiled | 1 GPU compiled "
+                f"| eff 1L compiled vs 1 GPU compiled |"
                 + "".join(f" W={world} compiled, {g} head groups | eff, {g} groups |" for g in head_groups),
-                "|---" * (12 + 2 * len(head_groups)) + "|",
+                "|---" * (14 + 2 * len(head_groups)) + "|",
             ]
             for r in rows:
                 ag = "" if r[9] != r[9] else f"{r[9]:.3f}"
                 lines.append(
                     f"| {r[0]} | {r[1]} | {r[2]} | {r[3]:.3f} | {r[4]:.3f} | {r[5]:.3f} | {r[6]:.2f} | {r[7]:.2f} "
-                    f"| {r[8]:.2f} | {ag} | {r[10]:.3f} | {r[11]:.2f} |"
-                    + "".join(f" {t:.3f} | {e:.2f} |" for t, e in zip(r[12::2], r[13::2]))
+                    f"| {r[8]:.2f} | {ag} | {r[10]:.3f} | {r[11]:.2f} | {r[12]:.3f} | {r[13]:.2f} |"
+                    + "".join(f" {t:.3f} | {e:.2f} |" for t, e in zip(r[14::2], r[15::2]))
                 )
             if profiles:
                 keys = list(dict.fromkeys(k for p in profiles.values() for k in p))  # W columns add rank rows

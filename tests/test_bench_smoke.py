@@ -15,7 +15,7 @@ CASES = {
     # script, extra args, a header cell the table must have
     "cp2hp": ("benchmarks/bench_cp2hp.py", [], "bare a2a, no self block"),
     "gdn": ("benchmarks/bench_gdn.py", ["--cp", "2"], "scaling efficiency, compiled"),
-    "ag-attention": ("benchmarks/bench_ag_attention.py", [], "eff 1L compiled"),
+    "ag-attention": ("benchmarks/bench_ag_attention.py", [], "eff 1L compiled vs 1 GPU compiled"),
     "gdn-gemms": ("benchmarks/bench_gdn_gemms.py", [], "rank / (1 GPU / W)"),
 }
 
