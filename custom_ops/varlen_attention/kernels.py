@@ -381,6 +381,27 @@ def varlen_attn_fwd_kernel(
 
 
 @triton.jit
+def _load_rows(a_base, b_base, stride_a, stride_b, rows, row_ok, offs_d, MASK: tl.constexpr, EVEN_D: tl.constexpr,
+               HEAD_DIM: tl.constexpr):
+    """Two ``[len(rows), BLOCK_D]`` tiles of the same rows (int64 offsets) of two tensors, e.g.
+    K and V or q and dout: with MASK, rows where ``row_ok`` is false read 0; columns past
+    HEAD_DIM read 0 unless EVEN_D."""
+    a_ptrs = a_base + rows[:, None] * stride_a + offs_d[None, :]
+    b_ptrs = b_base + rows[:, None] * stride_b + offs_d[None, :]
+    if MASK:
+        mask = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+        a = tl.load(a_ptrs, mask=mask, other=0.0)
+        b = tl.load(b_ptrs, mask=mask, other=0.0)
+    elif EVEN_D:
+        a = tl.load(a_ptrs)
+        b = tl.load(b_ptrs)
+    else:
+        a = tl.load(a_ptrs, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
+    return a, b
+
+
+@triton.jit
 def _dq_inner(
     dq,
     q,
@@ -408,18 +429,8 @@ def _dq_inner(
     offs_n = tl.arange(0, BLOCK_N)
     for n in range(start, stop, BLOCK_N):
         b = n + offs_n
-        k_ptrs = k_base + b.to(tl.int64)[:, None] * stride_kt + offs_d[None, :]
-        v_ptrs = v_base + b.to(tl.int64)[:, None] * stride_vt + offs_d[None, :]
-        if MASK:
-            kv_mask = (b < k_len)[:, None] & (offs_d < HEAD_DIM)[None, :]
-            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-            v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
-        elif EVEN_D:
-            k = tl.load(k_ptrs)
-            v = tl.load(v_ptrs)
-        else:
-            k = tl.load(k_ptrs, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
-            v = tl.load(v_ptrs, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
+        k, v = _load_rows(k_base, v_base, stride_kt, stride_vt, b.to(tl.int64), b < k_len, offs_d, MASK, EVEN_D,
+                          HEAD_DIM)  # fmt: skip
         x = tl.dot(q, tl.trans(k)) * qk_scale
         p = tl.math.exp2(x - lse2[:, None])
         if MASK:
@@ -597,7 +608,7 @@ def _dkdv_inner(
         a = a0 + offs_m
         a64 = a.to(tl.int64)
         row_ok = a < q_len
-        q, do = _dkdv_query_rows(q_base, do_base, stride_qt, stride_dot, a64, row_ok, offs_d, MASK, EVEN_D, HEAD_DIM)
+        q, do = _load_rows(q_base, do_base, stride_qt, stride_dot, a64, row_ok, offs_d, MASK, EVEN_D, HEAD_DIM)
         if MASK:
             lse = tl.load(lse_base + a64, mask=row_ok, other=float("-inf"))
             delta = tl.load(delta_base + a64, mask=row_ok, other=0.0)
@@ -618,25 +629,6 @@ def _dkdv_inner(
             dst = pt * (dpt - delta[None, :])
             dk += tl.dot(dst.to(q.dtype), q)
     return dk, dv
-
-
-@triton.jit
-def _dkdv_query_rows(q_base, do_base, stride_qt, stride_dot, a64, row_ok, offs_d, MASK: tl.constexpr,
-                     EVEN_D: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """The q and dout tiles of query rows ``a64`` (``row_ok``: inside the segment) at columns ``offs_d``."""
-    q_ptrs = q_base + a64[:, None] * stride_qt + offs_d[None, :]
-    do_ptrs = do_base + a64[:, None] * stride_dot + offs_d[None, :]
-    if MASK:
-        mask = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
-        q = tl.load(q_ptrs, mask=mask, other=0.0)
-        do = tl.load(do_ptrs, mask=mask, other=0.0)
-    elif EVEN_D:
-        q = tl.load(q_ptrs)
-        do = tl.load(do_ptrs)
-    else:
-        q = tl.load(q_ptrs, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
-        do = tl.load(do_ptrs, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
-    return q, do
 
 
 @triton.jit
