@@ -77,6 +77,7 @@ from benchmarks.common import (  # noqa: E402
     environment,
     host_issue_ms,
     kernel_class,
+    kernel_totals,
     max_over_ranks,
     median_ms_counted,
     nccl_cta_groups,
@@ -114,6 +115,13 @@ def _fwd_and_step(fn, q, k, v, dout):
 PROFILE_RUNS = 5
 
 
+def _compiled(fn, cudagraphs: bool, options: dict | None = None):
+    """``fn`` compiled the way every compiled form of this benchmark is, the one-GPU baseline's
+    included: ``fullgraph=True``, with ``options``, and Inductor's CUDA graphs under --cudagraphs."""
+    graphs = {"triton.cudagraphs": True} if cudagraphs else {}
+    return torch.compile(fn, fullgraph=True, options={**(options or {}), **graphs})
+
+
 def _profile_rows(step) -> dict[str, float]:
     """Where one fwd+bwd step's GPU time goes: :func:`benchmarks.common.timeline_summary` of
     its kernels, and the kernel time of each attention kernel and of NCCL, per step (ms)."""
@@ -121,11 +129,7 @@ def _profile_rows(step) -> dict[str, float]:
     out = timeline_summary(kernels, PROFILE_RUNS)
     for name in ("varlen_attn_fwd", "varlen_attn_bwd_dq", "varlen_attn_bwd_dkdv", "nccl"):
         out[f"{name} kernels"] = sum(e - s for n, s, e in kernels if name in n.lower()) / PROFILE_RUNS / 1e3
-    other = {}
-    for n, s, e in kernels:
-        if kernel_class(n) == "other":
-            other[n] = other.get(n, 0.0) + (e - s) / PROFILE_RUNS / 1e3
-    top = sorted(other.items(), key=lambda kv: -kv[1])[:6]
+    top = [(n, t) for n, t in kernel_totals(kernels, PROFILE_RUNS).items() if kernel_class(n) == "other"][:6]
     print("  largest 'other' kernels (ms per step): " + "; ".join(f"{n[:70]} {t:.3f}" for n, t in top), flush=True)
     out["host issue"] = host_issue_ms(step)
     return out
@@ -177,8 +181,7 @@ def _worker(
             if rank == 0:
                 fwd, step = _fwd_and_step(one_gpu, q, k, v, dout)
                 t1 = [timed(fwd), timed(step)]
-                graphs = {"triton.cudagraphs": True} if cudagraphs else {}
-                fwd_c, step_c = _fwd_and_step(torch.compile(one_gpu, fullgraph=True, options=graphs), q, k, v, dout)
+                fwd_c, step_c = _fwd_and_step(_compiled(one_gpu, cudagraphs), q, k, v, dout)
                 t1c = [timed(fwd_c), timed(step_c)]
                 if profile:
                     profiles[(total, "1 GPU")] = _profile_rows(step)
@@ -275,10 +278,9 @@ def _time_cp_forms(group, cu, cup, local, want, head_groups, cudagraphs, timed) 
 
         return fn
 
-    graphs = {"triton.cudagraphs": True} if cudagraphs else {}
-    forms = {1: cp_fn(1), 2: cp_fn(2), "compiled": torch.compile(cp_fn(1), fullgraph=True, options=graphs)}
+    forms = {1: cp_fn(1), 2: cp_fn(2), "compiled": _compiled(cp_fn(1), cudagraphs)}
     for g in head_groups:  # pipelined: the scheduling pass of COMPILE_OPTIONS overlaps the groups
-        forms[f"G={g}"] = torch.compile(cp_fn(1, g), fullgraph=True, options={**COMPILE_OPTIONS, **graphs})
+        forms[f"G={g}"] = _compiled(cp_fn(1, g), cudagraphs, COMPILE_OPTIONS)
     with torch.no_grad():
         for form, fn in forms.items():
             err = rel_error(fn(*local[:3]), want)
