@@ -411,6 +411,9 @@ if __name__ == "__main__":
     parser.add_argument("--save", help="with --tune: write the best configs to this JSON file")
     parser.add_argument("--configs", help="JSON from --tune --save: use these configs instead of the table's")
     args = parser.parse_args()
+    if args.tune and set(args.head_dims) - set(kernels.CONFIGS["fwd"]):
+        raise SystemExit(f"--tune tunes the config table's head dims {sorted(kernels.CONFIGS['fwd'])}, "
+                         f"got {args.head_dims}")  # fmt: skip
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA device")
     if args.configs:

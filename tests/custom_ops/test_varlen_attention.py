@@ -753,4 +753,3 @@ def test_launch_configs_fit_hopper_shared_memory(kind, head_dim, element):
     except (ImportError, TypeError, AttributeError) as e:  # compile API of another triton release
         pytest.skip(f"cannot compile for sm_90 with triton {triton.__version__}: {e}")
     assert compiled.metadata.shared <= HOPPER_MAX_SHARED, (config, compiled.metadata.shared)
-
