@@ -97,14 +97,18 @@ def kernels_visible_to_compiler() -> bool:
     return False
 
 
-def kernel_op(qualname: str, *, mutates_args):
-    """Register an op whose body launches Triton kernels through ``wrap_triton``.
+def kernel_op(qualname: str, *, mutates_args, opaque: bool = False):
+    """Register an op whose body launches Triton kernels (through ``wrap_triton``, which a
+    ``triton_op`` needs; an op that is always opaque may launch them directly).
 
     ``torch.library.triton_op`` where the compiler can analyse the kernels,
-    ``torch.library.custom_op`` otherwise (:func:`kernels_visible_to_compiler`).
-    Both return the same kind of object (``register_fake``, ``register_autograd``).
+    ``torch.library.custom_op`` otherwise (:func:`kernels_visible_to_compiler`), or always
+    with ``opaque=True``: for bodies that pass host TMA descriptors to their kernels, which
+    torch cannot capture when it traces a ``triton_op``'s body (it records them as constants
+    of the traced graph). Both return the same kind of object (``register_fake``,
+    ``register_autograd``).
     """
-    register = triton_op if kernels_visible_to_compiler() else custom_op
+    register = triton_op if kernels_visible_to_compiler() and not opaque else custom_op
     return register(qualname, mutates_args=mutates_args)
 
 

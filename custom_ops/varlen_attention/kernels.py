@@ -20,6 +20,9 @@ For each tile the visible range of the other side is computed from the mask
 bounds; tiles entirely inside the mask run without the elementwise mask, only the
 boundary tiles apply it. The forward and dq grids run their query tiles last to
 first (:func:`_heavy_first`), so a causal launch ends on its shortest tiles.
+
+With ``TMA`` (Hopper, see TMA_CONFIGS) the streamed tiles come from host tensor descriptors
+instead of pointer loads (:func:`_load_rows`); everything else is the same code.
 """
 
 import triton
@@ -54,6 +57,29 @@ CONFIGS = {
     },
 }
 
+# The same kernels loading their streamed tiles (K and V in the forward and dq, q and dout in
+# dk/dv) through TMA tensor descriptors (Hopper and later, 2-byte elements, D a power of two,
+# heads adjacent in memory; see ``tma_usable`` in op.py). Head dims without an entry here use
+# the pointer loads and CONFIGS. On one H100 (torch 2.11, triton 3.6.0, 2026-11-23;
+# docs/benchmarks.md, "TMA loads"): the forward entries are the best of a sweep of tile shapes,
+# the backward ones the best of benchmarks/bench_varlen_attention.py --tune --kinds bwd_dq bwd_dkdv.
+# ``TMA_ENABLED = False`` makes every launch use the pointer loads (benchmarks time both forms).
+TMA_ENABLED = True
+TMA_CONFIGS = {
+    "fwd": {
+        64: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
+        128: dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),
+    },
+    "bwd_dkdv": {
+        64: dict(BLOCK_M=32, BLOCK_N=128, num_warps=4, num_stages=3),
+        128: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
+    },
+    "bwd_dq": {
+        64: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
+        128: dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
+    },
+}
+
 # float32 inputs: the tables above are tuned for 2-byte elements, and at 4 bytes their
 # tiles need more shared memory than a Hopper SM has (the D = 128 forward asks for 256 KiB
 # of 227). Smaller tiles and fewer stages, each kernel within about 160 KiB: q/k/v tiles
@@ -83,16 +109,33 @@ INTERPRET_CONFIGS = {
 }
 
 
-def kernel_config(kernel: str, block_d: int, interpreting: bool, element_size: int = 2) -> dict:
-    """The launch config of ``kernel`` for head-dim tile ``block_d`` and q/k/v elements of
-    ``element_size`` bytes."""
-    if interpreting:
-        return dict(INTERPRET_CONFIGS[kernel])
-    table = (CONFIGS if element_size <= 2 else WIDE_CONFIGS)[kernel]
+def _lookup(table: dict, block_d: int) -> dict | None:
+    """The first entry of ``table`` whose key is >= block_d (None past the largest)."""
     for bound in sorted(table):
         if block_d <= bound:
             return dict(table[bound])
-    return dict(table[max(table)])
+    return None
+
+
+def has_tma_config(kernel: str, block_d: int) -> bool:
+    """Whether TMA_CONFIGS serves ``kernel`` at head-dim tile ``block_d``."""
+    return _lookup(TMA_CONFIGS[kernel], block_d) is not None
+
+
+def kernel_config(kernel: str, block_d: int, interpreting: bool, element_size: int = 2, tma: bool = False) -> dict:
+    """The launch config of ``kernel`` for head-dim tile ``block_d``, q/k/v elements of
+    ``element_size`` bytes, and TMA loads or not (the config then carries ``TMA=True``, under
+    which the forward ignores ``K_ROWS``; the caller checks :func:`has_tma_config` first)."""
+    if interpreting:
+        cfg = dict(INTERPRET_CONFIGS[kernel])
+    elif tma:
+        cfg = _lookup(TMA_CONFIGS[kernel], block_d)
+    else:
+        table = (CONFIGS if element_size <= 2 else WIDE_CONFIGS)[kernel]
+        cfg = _lookup(table, block_d) or dict(table[max(table)])
+    if tma:
+        cfg["TMA"] = True
+    return cfg
 
 
 # Segments handled per step of the segment-table kernel's loops (any count of segments is served
@@ -219,6 +262,10 @@ def _fwd_inner(
     v_base,
     stride_kt,
     stride_vt,
+    desc_k,
+    desc_v,
+    k_start,
+    col,
     pos,
     offs_d,
     k_len,
@@ -233,31 +280,28 @@ def _fwd_inner(
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     K_ROWS: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     offs_n = tl.arange(0, BLOCK_N)
     for n in range(start, stop, BLOCK_N):
         b = n + offs_n
-        v_ptrs = v_base + b.to(tl.int64)[:, None] * stride_vt + offs_d[None, :]
-        if K_ROWS:
+        if K_ROWS or TMA:
             # K tile as stored ([N, D], D contiguous); the dot takes its transpose
-            k_ptrs = k_base + b.to(tl.int64)[:, None] * stride_kt + offs_d[None, :]
-            k_mask = (b < k_len)[:, None] & (offs_d < HEAD_DIM)[None, :]
-            d_mask = (offs_d < HEAD_DIM)[None, :]
+            k, v = _load_rows(k_base, v_base, stride_kt, stride_vt, b.to(tl.int64), b < k_len, offs_d, desc_k, desc_v,
+                              k_start + n, col, MASK, EVEN_D, HEAD_DIM, TMA)  # fmt: skip
+            kt = tl.trans(k)
         else:
             k_ptrs = k_base + b.to(tl.int64)[None, :] * stride_kt + offs_d[:, None]
-            k_mask = (b < k_len)[None, :] & (offs_d < HEAD_DIM)[:, None]
-            d_mask = (offs_d < HEAD_DIM)[:, None]
-        if MASK:
-            kt = tl.load(k_ptrs, mask=k_mask, other=0.0)
-            v = tl.load(v_ptrs, mask=(b < k_len)[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
-        elif EVEN_D:
-            kt = tl.load(k_ptrs)
-            v = tl.load(v_ptrs)
-        else:
-            kt = tl.load(k_ptrs, mask=d_mask, other=0.0)
-            v = tl.load(v_ptrs, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
-        if K_ROWS:
-            kt = tl.trans(kt)
+            v_ptrs = v_base + b.to(tl.int64)[:, None] * stride_vt + offs_d[None, :]
+            if MASK:
+                kt = tl.load(k_ptrs, mask=(b < k_len)[None, :] & (offs_d < HEAD_DIM)[:, None], other=0.0)
+                v = tl.load(v_ptrs, mask=(b < k_len)[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+            elif EVEN_D:
+                kt = tl.load(k_ptrs)
+                v = tl.load(v_ptrs)
+            else:
+                kt = tl.load(k_ptrs, mask=(offs_d < HEAD_DIM)[:, None], other=0.0)
+                v = tl.load(v_ptrs, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
         # scaled before the mask and the max: any sign of scale (folding it into the max and
         # the exponent instead measured no faster on the H100 and is wrong for scale <= 0)
         x = tl.dot(q, kt) * qk_scale
@@ -285,6 +329,8 @@ def varlen_attn_fwd_kernel(
     V,
     O,
     LSE,
+    desc_k,  # with TMA: descriptors over K and V as [rows, Hkv * HEAD_DIM], [BLOCK_N, BLOCK_D] tiles
+    desc_v,
     q_start_ptr,
     q_len_ptr,
     q_pos_ptr,
@@ -313,6 +359,7 @@ def varlen_attn_fwd_kernel(
     BLOCK_N: tl.constexpr,
     K_ROWS: tl.constexpr = True,
     HEAVY_FIRST: tl.constexpr = True,
+    TMA: tl.constexpr = False,
 ):
     """One query tile x one query head: online softmax over the visible key tiles.
 
@@ -356,16 +403,19 @@ def varlen_attn_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
     acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, pos, offs_d, k_len, left, right, qk_scale,
-        lo, mid_lo, True, CAUSAL, EVEN_D, HEAD_DIM, BLOCK_N, K_ROWS,
+        acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v, k_start, kvh * HEAD_DIM, pos, offs_d,
+        k_len, left, right, qk_scale,
+        lo, mid_lo, True, CAUSAL, EVEN_D, HEAD_DIM, BLOCK_N, K_ROWS, TMA,
     )
     acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, pos, offs_d, k_len, left, right, qk_scale,
-        mid_lo, mid_hi, False, CAUSAL, EVEN_D, HEAD_DIM, BLOCK_N, K_ROWS,
+        acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v, k_start, kvh * HEAD_DIM, pos, offs_d,
+        k_len, left, right, qk_scale,
+        mid_lo, mid_hi, False, CAUSAL, EVEN_D, HEAD_DIM, BLOCK_N, K_ROWS, TMA,
     )
     acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, pos, offs_d, k_len, left, right, qk_scale,
-        mid_hi, hi, True, CAUSAL, EVEN_D, HEAD_DIM, BLOCK_N, K_ROWS,
+        acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v, k_start, kvh * HEAD_DIM, pos, offs_d,
+        k_len, left, right, qk_scale,
+        mid_hi, hi, True, CAUSAL, EVEN_D, HEAD_DIM, BLOCK_N, K_ROWS, TMA,
     )
 
     seen = l_i > 0
@@ -381,11 +431,25 @@ def varlen_attn_fwd_kernel(
 
 
 @triton.jit
-def _load_rows(a_base, b_base, stride_a, stride_b, rows, row_ok, offs_d, MASK: tl.constexpr, EVEN_D: tl.constexpr,
-               HEAD_DIM: tl.constexpr):
-    """Two ``[len(rows), BLOCK_D]`` tiles of the same rows (int64 offsets) of two tensors, e.g.
-    K and V or q and dout: with MASK, rows where ``row_ok`` is false read 0; columns past
-    HEAD_DIM read 0 unless EVEN_D."""
+def _load_rows(a_base, b_base, stride_a, stride_b, rows, row_ok, offs_d, desc_a, desc_b, row0, col,
+               MASK: tl.constexpr, EVEN_D: tl.constexpr, HEAD_DIM: tl.constexpr, TMA: tl.constexpr):
+    """Two ``[len(rows), BLOCK_D]`` tiles of the same rows of two tensors, e.g. K and V or q
+    and dout: with MASK, rows where ``row_ok`` is false read 0; columns past HEAD_DIM read 0
+    unless EVEN_D.
+
+    Pointer loads take ``a_base``/``b_base`` and ``rows`` (int64 offsets from the bases).
+    With TMA the tiles come from the tensor descriptors ``desc_a``/``desc_b`` over the
+    ``[rows, heads * HEAD_DIM]`` view of the tensors, at row ``row0`` and column ``col``
+    (the launcher builds them only where EVEN_D); rows past the tensor read 0, and rows
+    of other segments are zeroed here (with MASK), since P = 0 times a non-finite value
+    of another segment's row would still be NaN."""
+    if TMA:
+        a = desc_a.load([row0, col])
+        b = desc_b.load([row0, col])
+        if MASK:
+            a = tl.where(row_ok[:, None], a, 0.0)
+            b = tl.where(row_ok[:, None], b, 0.0)
+        return a, b
     a_ptrs = a_base + rows[:, None] * stride_a + offs_d[None, :]
     b_ptrs = b_base + rows[:, None] * stride_b + offs_d[None, :]
     if MASK:
@@ -412,6 +476,10 @@ def _dq_inner(
     v_base,
     stride_kt,
     stride_vt,
+    desc_k,
+    desc_v,
+    k_start,
+    col,
     pos,
     offs_d,
     k_len,
@@ -425,12 +493,13 @@ def _dq_inner(
     EVEN_D: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     offs_n = tl.arange(0, BLOCK_N)
     for n in range(start, stop, BLOCK_N):
         b = n + offs_n
-        k, v = _load_rows(k_base, v_base, stride_kt, stride_vt, b.to(tl.int64), b < k_len, offs_d, MASK, EVEN_D,
-                          HEAD_DIM)  # fmt: skip
+        k, v = _load_rows(k_base, v_base, stride_kt, stride_vt, b.to(tl.int64), b < k_len, offs_d, desc_k, desc_v,
+                          k_start + n, col, MASK, EVEN_D, HEAD_DIM, TMA)  # fmt: skip
         x = tl.dot(q, tl.trans(k)) * qk_scale
         p = tl.math.exp2(x - lse2[:, None])
         if MASK:
@@ -452,6 +521,8 @@ def varlen_attn_bwd_dq_kernel(
     DLSE,  # [Hq, Tq] fp32, as LSE
     DELTA,  # [Hq, Tq] fp32, written here for the rows of every segment (the dk/dv kernel reads it)
     DQ,
+    desc_k,  # with TMA: descriptors over K and V as [rows, Hkv * HEAD_DIM], [BLOCK_N, BLOCK_D] tiles
+    desc_v,
     q_start_ptr,
     q_len_ptr,
     q_pos_ptr,
@@ -484,6 +555,7 @@ def varlen_attn_bwd_dq_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HEAVY_FIRST: tl.constexpr = True,
+    TMA: tl.constexpr = False,
 ):
     """One query tile x one query head: ``dq = scale * sum_b P (dP - delta) k_b``,
     P recomputed from the saved lse, over the same key phases as the forward.
@@ -531,16 +603,19 @@ def varlen_attn_bwd_dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
     dq = _dq_inner(
-        dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, pos, offs_d, k_len, left, right, qk_scale,
-        lo, mid_lo, True, CAUSAL, EVEN_D, HEAD_DIM, BLOCK_N,
+        dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v, k_start, kvh * HEAD_DIM, pos,
+        offs_d, k_len, left, right, qk_scale,
+        lo, mid_lo, True, CAUSAL, EVEN_D, HEAD_DIM, BLOCK_N, TMA,
     )
     dq = _dq_inner(
-        dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, pos, offs_d, k_len, left, right, qk_scale,
-        mid_lo, mid_hi, False, CAUSAL, EVEN_D, HEAD_DIM, BLOCK_N,
+        dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v, k_start, kvh * HEAD_DIM, pos,
+        offs_d, k_len, left, right, qk_scale,
+        mid_lo, mid_hi, False, CAUSAL, EVEN_D, HEAD_DIM, BLOCK_N, TMA,
     )
     dq = _dq_inner(
-        dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, pos, offs_d, k_len, left, right, qk_scale,
-        mid_hi, hi, True, CAUSAL, EVEN_D, HEAD_DIM, BLOCK_N,
+        dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v, k_start, kvh * HEAD_DIM, pos,
+        offs_d, k_len, left, right, qk_scale,
+        mid_hi, hi, True, CAUSAL, EVEN_D, HEAD_DIM, BLOCK_N, TMA,
     )
     tl.store(
         DQ + rows[:, None] * stride_dqt + h * stride_dqh + offs_d[None, :],
@@ -585,6 +660,10 @@ def _dkdv_inner(
     delta_base,
     stride_qt,
     stride_dot,
+    desc_q,
+    desc_do,
+    q_start,
+    col,
     b,
     offs_d,
     q_pos,
@@ -602,13 +681,15 @@ def _dkdv_inner(
     BLOCK_M: tl.constexpr,
     WANT_DK: tl.constexpr,
     WANT_DV: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     offs_m = tl.arange(0, BLOCK_M)
     for a0 in range(start, stop, BLOCK_M):
         a = a0 + offs_m
         a64 = a.to(tl.int64)
         row_ok = a < q_len
-        q, do = _load_rows(q_base, do_base, stride_qt, stride_dot, a64, row_ok, offs_d, MASK, EVEN_D, HEAD_DIM)
+        q, do = _load_rows(q_base, do_base, stride_qt, stride_dot, a64, row_ok, offs_d, desc_q, desc_do, q_start + a0,
+                           col, MASK, EVEN_D, HEAD_DIM, TMA)  # fmt: skip
         if MASK:
             lse = tl.load(lse_base + a64, mask=row_ok, other=float("-inf"))
             delta = tl.load(delta_base + a64, mask=row_ok, other=0.0)
@@ -620,21 +701,25 @@ def _dkdv_inner(
         xt = tl.dot(k, tl.trans(q)) * qk_scale
         pt = tl.math.exp2(xt - lse2[None, :])
         if MASK:
-            vis = _visible(q_pos + a[None, :], b[:, None], k_len, left, right, CAUSAL) & (a < q_len)[None, :]
+            vis = _visible(q_pos + a[None, :], b[:, None], k_len, left, right, CAUSAL) & row_ok[None, :]
             pt = tl.where(vis, pt, 0.0)
         if WANT_DV:
             dv += tl.dot(pt.to(do.dtype), do)
         if WANT_DK:
             dpt = tl.dot(v, tl.trans(do))
             dst = pt * (dpt - delta[None, :])
+            if MASK:
+                # key rows of the tile no segment reads may hold anything (NaN in padding): their
+                # dP is not finite, and P = 0 times it must still give 0
+                dst = tl.where(vis, dst, 0.0)
             dk += tl.dot(dst.to(q.dtype), q)
     return dk, dv
 
 
 @triton.jit
 def _dkdv_program(
-    Q, K, V, DO, LSE, DELTA, DK, DV, q_start_ptr, q_len_ptr, q_pos_ptr, k_start_ptr, k_len_ptr, order_ptr,
-    first_ptr, last_ptr, num_k_rows, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    Q, K, V, DO, LSE, DELTA, DK, DV, desc_q, desc_do, q_start_ptr, q_len_ptr, q_pos_ptr, k_start_ptr, k_len_ptr,
+    order_ptr, first_ptr, last_ptr, num_k_rows, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_dot, stride_doh, stride_dkt, stride_dkh, stride_lh, group, sm_scale, qk_scale, left, right,
     kvh,
     CAUSAL: tl.constexpr,
@@ -644,6 +729,7 @@ def _dkdv_program(
     BLOCK_N: tl.constexpr,
     WANT_DK: tl.constexpr,
     WANT_DV: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """The work of one dk/dv program (see :func:`varlen_attn_bwd_dkdv_kernel`): key tile
     ``program_id(0)`` of kv head ``kvh``, dk and/or dv."""
@@ -685,19 +771,22 @@ def _dkdv_program(
                 lse_base = LSE + h * stride_lh + q_start
                 delta_base = DELTA + h * stride_lh + q_start
                 dk, dv = _dkdv_inner(
-                    dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, b, offs_d,
+                    dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, desc_q, desc_do, q_start,
+                    h * HEAD_DIM, b, offs_d,
                     q_pos, q_len, k_len, left, right, qk_scale, lo, mid_lo, True, CAUSAL, EVEN_D, HEAD_DIM, BLOCK_M,
-                    WANT_DK, WANT_DV,
+                    WANT_DK, WANT_DV, TMA,
                 )
                 dk, dv = _dkdv_inner(
-                    dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, b, offs_d,
+                    dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, desc_q, desc_do, q_start,
+                    h * HEAD_DIM, b, offs_d,
                     q_pos, q_len, k_len, left, right, qk_scale, mid_lo, mid_hi, False, CAUSAL, EVEN_D, HEAD_DIM,
-                    BLOCK_M, WANT_DK, WANT_DV,
+                    BLOCK_M, WANT_DK, WANT_DV, TMA,
                 )
                 dk, dv = _dkdv_inner(
-                    dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, b, offs_d,
+                    dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, desc_q, desc_do, q_start,
+                    h * HEAD_DIM, b, offs_d,
                     q_pos, q_len, k_len, left, right, qk_scale, mid_hi, hi, True, CAUSAL, EVEN_D, HEAD_DIM, BLOCK_M,
-                    WANT_DK, WANT_DV,
+                    WANT_DK, WANT_DV, TMA,
                 )
     out_off = rows64[:, None] * stride_dkt + kvh * stride_dkh + offs_d[None, :]
     if WANT_DK:
@@ -716,6 +805,8 @@ def varlen_attn_bwd_dkdv_kernel(
     DELTA,
     DK,  # [Tk, Hkv, D] in k's dtype: every row is written (zero where no segment reads it)
     DV,
+    desc_q,  # with TMA: descriptors over Q and DO as [rows, Hq * HEAD_DIM], [BLOCK_M, BLOCK_D] tiles
+    desc_do,
     q_start_ptr,
     q_len_ptr,
     q_pos_ptr,
@@ -747,6 +838,7 @@ def varlen_attn_bwd_dkdv_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PARTS: tl.constexpr = 1,
+    TMA: tl.constexpr = False,
 ):
     """One tile of BLOCK_N rows of the key tensor x one kv head (x dk or dv, with PARTS = 2):
     ``dv_b = sum_a P_ab dout_a``, ``dk_b = scale * sum_a P_ab (dP_ab - delta_a) q_a``
@@ -783,22 +875,22 @@ def varlen_attn_bwd_dkdv_kernel(
     kvh = tl.program_id(1) // PARTS
     if PARTS == 1:
         _dkdv_program(
-            Q, K, V, DO, LSE, DELTA, DK, DV, q_start_ptr, q_len_ptr, q_pos_ptr, k_start_ptr, k_len_ptr, order_ptr,
-            first_ptr, last_ptr, num_k_rows, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+            Q, K, V, DO, LSE, DELTA, DK, DV, desc_q, desc_do, q_start_ptr, q_len_ptr, q_pos_ptr, k_start_ptr,
+            k_len_ptr, order_ptr, first_ptr, last_ptr, num_k_rows, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
             stride_dot, stride_doh, stride_dkt, stride_dkh, stride_lh, group, sm_scale, qk_scale, left, right, kvh,
-            CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, True,
+            CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, True, TMA,
         )
     elif tl.program_id(1) % 2 == 0:
         _dkdv_program(
-            Q, K, V, DO, LSE, DELTA, DK, DV, q_start_ptr, q_len_ptr, q_pos_ptr, k_start_ptr, k_len_ptr, order_ptr,
-            first_ptr, last_ptr, num_k_rows, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+            Q, K, V, DO, LSE, DELTA, DK, DV, desc_q, desc_do, q_start_ptr, q_len_ptr, q_pos_ptr, k_start_ptr,
+            k_len_ptr, order_ptr, first_ptr, last_ptr, num_k_rows, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
             stride_dot, stride_doh, stride_dkt, stride_dkh, stride_lh, group, sm_scale, qk_scale, left, right, kvh,
-            CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False, True,
+            CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False, True, TMA,
         )
     else:
         _dkdv_program(
-            Q, K, V, DO, LSE, DELTA, DK, DV, q_start_ptr, q_len_ptr, q_pos_ptr, k_start_ptr, k_len_ptr, order_ptr,
-            first_ptr, last_ptr, num_k_rows, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+            Q, K, V, DO, LSE, DELTA, DK, DV, desc_q, desc_do, q_start_ptr, q_len_ptr, q_pos_ptr, k_start_ptr,
+            k_len_ptr, order_ptr, first_ptr, last_ptr, num_k_rows, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
             stride_dot, stride_doh, stride_dkt, stride_dkh, stride_lh, group, sm_scale, qk_scale, left, right, kvh,
-            CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, False,
+            CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, False, TMA,
         )

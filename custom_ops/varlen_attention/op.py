@@ -7,13 +7,20 @@ returns ``(out, lse)``.
 
 ``custom_ops.varlen_attention`` is the same op with ``window=(left, right)``.
 The backward is its own op, ``torch.ops.cp_ops.varlen_attention_backward``.
+
+Both register as opaque custom ops (``kernel_op(opaque=True)``): on Hopper their kernels
+read K/V (q/dout in dk/dv) through host TMA descriptors, which torch cannot capture when it
+traces a ``triton_op``'s body. Their bodies therefore only ever see real tensors and launch
+the kernels directly, without ``wrap_triton`` (whose tracing machinery, run in eager mode
+too, cost more host time per launch than some of these kernels take on the GPU).
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
-from torch.library import wrap_triton
 
 from custom_ops._common import (
     NAMESPACE,
@@ -23,8 +30,10 @@ from custom_ops._common import (
     unit_last_stride,
     use_triton,
 )
+from custom_ops.varlen_attention import kernels
 from custom_ops.varlen_attention.kernels import (
     TABLE_BLOCK,
+    has_tma_config,
     kernel_config,
     segment_tables_kernel,
     varlen_attn_bwd_dkdv_kernel,
@@ -108,7 +117,7 @@ def _segment_tables(seg, num_q_rows: int, num_k_rows: int, block: int, num_tiles
     tab = torch.empty((5, n_seg), dtype=torch.int32, device=dev)
     cum = torch.empty(n_seg, dtype=torch.int32, device=dev)
     owner = torch.empty(num_tiles, dtype=torch.int32, device=dev)
-    wrap_triton(segment_tables_kernel)[(1,)](
+    segment_tables_kernel[(1,)](
         *seg, tab, cum, owner, n_seg, num_q_rows, num_k_rows, num_tiles, TILE=block, BLOCK=chunk, num_warps=4
     )
     return tab.unbind(0), cum, owner
@@ -147,6 +156,60 @@ def _block_d(head_dim) -> int:
     return block
 
 
+@functools.lru_cache(maxsize=None)
+def _device_has_tma(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def _tma_layout_ok(t: torch.Tensor, head_dim: int) -> bool:
+    """Whether a host TMA descriptor can read ``t`` ([rows, heads, head_dim]) as the 2-D view
+    ``[rows, heads * head_dim]``: heads adjacent, rows apart and 16-byte aligned, start 16-byte
+    aligned. The ops register as opaque custom ops (``kernel_op(opaque=True)``), so ``t`` is a
+    real tensor."""
+    size = t.element_size()
+    if t.shape[0] == 0 or t.stride(2) != 1 or (t.shape[1] > 1 and t.stride(1) != head_dim):
+        return False
+    if t.shape[0] > 1 and t.stride(0) < t.shape[1] * head_dim:  # rows overlap (e.g. expanded)
+        return False
+    return (t.stride(0) * size) % 16 == 0 and t.data_ptr() % 16 == 0
+
+
+def tma_usable(kernel: str, head_dim: int, block_d: int, *tensors: torch.Tensor) -> bool:
+    """Whether ``kernel`` loads its streamed tiles (``tensors``) through TMA descriptors:
+    enabled (``kernels.TMA_ENABLED``), a TMA config for the head dim, 2-byte elements, D a
+    power of two (the tile is exactly one head wide), a GPU with TMA (sm_90 and later; the
+    interpreter runs descriptors too), and the layout of :func:`_tma_layout_ok`."""
+    t = tensors[0]
+    if not kernels.TMA_ENABLED or block_d != head_dim or t.element_size() != 2:
+        return False
+    if not has_tma_config(kernel, block_d):
+        return False
+    if t.device.type == "cuda":
+        if not _device_has_tma(t.device.index if t.device.index is not None else torch.cuda.current_device()):
+            return False
+    elif not triton_interpreting():
+        return False
+    return all(_tma_layout_ok(x, head_dim) for x in tensors)
+
+
+# The tile dimension of each kernel's streamed rows: key rows in the forward and dq, query rows in dk/dv.
+_STREAMED_ROWS = {"fwd": "BLOCK_N", "bwd_dq": "BLOCK_N", "bwd_dkdv": "BLOCK_M"}
+
+
+def _launch_config(kernel: str, head_dim: int, block_d: int, *streamed: torch.Tensor):
+    """``(config, descriptors)`` for launching ``kernel``: the TMA config and host descriptors of
+    the ``streamed`` tensors (as ``[rows, heads * D]``, one tile of streamed rows by ``block_d``)
+    where :func:`tma_usable`, else the pointer-load config and Nones."""
+    tma = tma_usable(kernel, head_dim, block_d, *streamed)
+    cfg = kernel_config(kernel, block_d, triton_interpreting(), streamed[0].element_size(), tma)
+    if not tma:
+        return cfg, (None,) * len(streamed)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    box = [cfg[_STREAMED_ROWS[kernel]], block_d]
+    return cfg, tuple(TensorDescriptor.from_tensor(t.view(t.shape[0], -1), box) for t in streamed)
+
+
 def _forward_kernel(q, k, v, seg, causal, left, right, scale):
     tq, hq, d = q.shape
     hkv = k.shape[1]
@@ -158,11 +221,11 @@ def _forward_kernel(q, k, v, seg, causal, left, right, scale):
         return out, lse
     q, k, v = unit_last_stride(q), unit_last_stride(k), unit_last_stride(v)
     block_d = _block_d(d)
-    cfg = kernel_config("fwd", block_d, triton_interpreting(), q.element_size())
+    cfg, descriptors = _launch_config("fwd", d, block_d, k, v)
     grid = (triton.cdiv(tq, cfg["BLOCK_M"]) + n_seg, hq)
     (qs, ql, qp, ks, kl), cum, owner = _segment_tables(seg, tq, k.shape[0], cfg["BLOCK_M"], grid[0])
-    wrap_triton(varlen_attn_fwd_kernel)[grid](
-        q, k, v, out, lse,
+    varlen_attn_fwd_kernel[grid](
+        q, k, v, out, lse, *descriptors,
         qs, ql, qp, ks, kl, cum, owner, n_seg,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), lse.stride(0),
@@ -183,15 +246,14 @@ def _backward_kernel(dout, dlse, q, k, v, out, lse, seg, causal, left, right, sc
     lse = lse.contiguous()
     dlse = dlse.to(torch.float32).contiguous()
     block_d = _block_d(d)
-    interpreting = triton_interpreting()
 
     # written by the dq kernel for the rows of every segment, read by the dk/dv kernel after it
     delta = torch.empty((hq, tq), dtype=torch.float32, device=q.device)
-    cfg = kernel_config("bwd_dq", block_d, interpreting, q.element_size())
+    cfg, descriptors = _launch_config("bwd_dq", d, block_d, k, v)
     grid = (triton.cdiv(tq, cfg["BLOCK_M"]) + n_seg, hq)
     (qs, ql, qp, ks, kl), cum, owner = _segment_tables(seg, tq, tk, cfg["BLOCK_M"], grid[0])
-    wrap_triton(varlen_attn_bwd_dq_kernel)[grid](
-        q, k, v, out, dout, lse, dlse, delta, dq,
+    varlen_attn_bwd_dq_kernel[grid](
+        q, k, v, out, dout, lse, dlse, delta, dq, *descriptors,
         qs, ql, qp, ks, kl, cum, owner, n_seg,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), lse.stride(0),
@@ -199,14 +261,14 @@ def _backward_kernel(dout, dlse, q, k, v, out, lse, seg, causal, left, right, sc
         CAUSAL=causal, HEAD_DIM=d, BLOCK_D=block_d, **cfg,
     )  # fmt: skip
 
-    cfg = kernel_config("bwd_dkdv", block_d, interpreting, q.element_size())
+    cfg, descriptors = _launch_config("bwd_dkdv", d, block_d, q, dout)
     # one program per key tile of the key tensor: it writes every row, so no zero fill
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     grid = (triton.cdiv(tk, cfg["BLOCK_N"]), hkv * cfg.get("PARTS", 1))
     order, first, last = _key_tile_segments(qs, ql, ks, kl, cfg["BLOCK_N"], grid[0], tk)
-    wrap_triton(varlen_attn_bwd_dkdv_kernel)[grid](
-        q, k, v, dout, lse, delta, dk, dv,
+    varlen_attn_bwd_dkdv_kernel[grid](
+        q, k, v, dout, lse, delta, dk, dv, *descriptors,
         qs, ql, qp, ks, kl, order, first, last, tk,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         dout.stride(0), dout.stride(1), dk.stride(0), dk.stride(1), lse.stride(0),
@@ -216,7 +278,7 @@ def _backward_kernel(dout, dlse, q, k, v, out, lse, seg, causal, left, right, sc
     return dq, dk, dv
 
 
-@kernel_op(f"{NAMESPACE}::varlen_attention", mutates_args=())
+@kernel_op(f"{NAMESPACE}::varlen_attention", mutates_args=(), opaque=True)
 def _varlen_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -248,7 +310,7 @@ def _(q, k, v, q_start, q_len, q_pos, k_start, k_len, causal=True, window_left=-
     return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=lse_dtype(q.dtype))
 
 
-@kernel_op(f"{NAMESPACE}::varlen_attention_backward", mutates_args=())
+@kernel_op(f"{NAMESPACE}::varlen_attention_backward", mutates_args=(), opaque=True)
 def _varlen_attention_backward(
     dout: torch.Tensor,
     dlse: torch.Tensor,

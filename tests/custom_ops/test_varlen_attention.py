@@ -492,6 +492,42 @@ def test_kernel_crossing_key_ranges(layout, heads, causal, window):
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize("heads", [(2, 1), (3, 3)])
+@pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (False, (7, 3)), (True, (5, -1))])
+def test_kernel_tma_loads_match_pointer_loads(heads, causal, window, monkeypatch):
+    """With TMA descriptors (2-byte elements, heads adjacent: the H100 path; fp16 here, as the
+    interpreter computes bf16 dots wrongly) the kernels read whole tiles,
+    rows of other segments included, and zero those rows in the masked tiles; the pointer
+    loads never read them. The two must give the same bits, on segments of 0-50 queries over
+    crossing key ranges, with NaN in every row no segment covers (a row read and not zeroed
+    would turn P = 0 into NaN), and agree with the float64 reference."""
+    op_mod = sys.modules["custom_ops.varlen_attention.op"]
+    layout = ([0, 50, 50, 51, 90], [50, 0, 1, 33, 6], [0, 3, 0, 10, 2], [0, 50, 50, 60, 104],
+              [50, 10, 1, 40, 3], 100, 110)  # fmt: skip
+    q, k, v, seg = _tensors(layout, heads, 16, torch.float16)
+    q[84:90], q[96:] = float("nan"), float("nan")  # query rows in no segment
+    k[100:104], v[100:104], k[107:], v[107:] = (float("nan"),) * 4  # key rows no segment reads
+    assert op_mod.tma_usable("fwd", 16, 16, k, v) and op_mod.tma_usable("bwd_dkdv", 16, 16, q, q)
+    dout, dlse = _cotangents(q, 0)
+    dout[84:90], dout[96:] = float("nan"), float("nan")
+    runs = []
+    for enabled in (True, False):
+        monkeypatch.setattr(kernels_mod, "TMA_ENABLED", enabled)
+        with poisoned_allocations():
+            runs.append(_run(custom_ops.varlen_attention, q, k, v, seg, causal, window, dout, dlse))
+    (out, lse, grads), (out_p, lse_p, grads_p) = runs
+    rows = torch.cat([torch.arange(0, 84), torch.arange(90, 96)])
+    for a, b in [(out, out_p), (lse, lse_p), *zip(grads, grads_p)]:
+        assert torch.equal(a, b)
+    assert torch.isfinite(out).all() and torch.isfinite(grads[1]).all() and torch.isfinite(grads[2]).all()
+    assert torch.isfinite(grads[0][rows]).all()
+    clean = [t.double().nan_to_num(0.0) for t in (q, k, v)]
+    want = _run(varlen_attention_reference, *clean, seg, causal, window, dout.nan_to_num(0.0), dlse)
+    got = (out.double(), lse, [g.double() for g in grads])
+    _assert_agree(got, want, TOLERANCE[torch.float16])
+
+
+@pytest.mark.interpret
 def test_kernel_rows_without_keys():
     q, k, v, seg = _empty_rows_case(torch.float32)
     _check_empty_rows(*_kernel_vs_reference(q, k, v, seg, True, (-1, -1)))
@@ -648,16 +684,24 @@ def test_bad_input():
 def _compile_for_sm90(kernel, config: dict, head_dim: int = 128, float_type: str = "fp32", element: str = "*bf16"):
     """Compile ``kernel`` for sm_90 with ``config`` as the launcher would (q/k/v/o tensors of
     ``element``, int32 tables, 16-byte-aligned pointers and strides, float scalars of
-    ``float_type``) and return the compiled kernel (``.asm["ttgir"]``, ``.metadata.shared``)."""
+    ``float_type``; with ``TMA`` in the config, tensor descriptors of the launcher's tiles,
+    else None) and return the compiled kernel (``.asm["ttgir"]``, ``.metadata.shared``)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     config = dict(config)
     options = {"num_warps": config.pop("num_warps"), "num_stages": config.pop("num_stages")}
     constants = kernel_constexprs(kernel, dict(CAUSAL=True, HEAD_DIM=head_dim, BLOCK_D=head_dim, **config))
+    # the descriptors' tiles: key rows in the forward and dq (desc_k, desc_v), query rows in dk/dv
+    desc_rows = {"desc_k": "BLOCK_N", "desc_v": "BLOCK_N", "desc_q": "BLOCK_M", "desc_do": "BLOCK_M"}
     signature = {}
     for name in kernel.arg_names:
-        if name in constants:
+        if name in desc_rows:
+            if config.get("TMA"):
+                signature[name] = f"tensordesc<{element[1:]}[{config[desc_rows[name]]}, {head_dim}]>"
+            else:
+                signature[name], constants[name] = "constexpr", None
+        elif name in constants:
             signature[name] = "constexpr"
         elif name in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV"):
             signature[name] = element
@@ -691,9 +735,11 @@ _KERNELS = {
 }
 
 
+@pytest.mark.parametrize("tma", [False, True])
 @pytest.mark.parametrize("kind", list(_KERNELS))
-def test_key_and_query_loops_pipeline_on_hopper(kind):
-    """The inner loops must be software-pipelined (async copies into shared memory).
+def test_key_and_query_loops_pipeline_on_hopper(kind, tma):
+    """The inner loops must be software-pipelined (async copies into shared memory: cp.async
+    with pointer loads, TMA copies with descriptors).
 
     A loop in the kernel before them (an in-kernel binary search for the tile's
     segment) once stopped Triton from pipelining the forward's key loops: no async
@@ -701,13 +747,15 @@ def test_key_and_query_loops_pipeline_on_hopper(kind):
     compiles the kernels for sm_90 with their H100 launch configs, on the CPU.
     """
     pytest.importorskip("triton.backends.nvidia")
+    config = kernels_mod.kernel_config(kind, 128, interpreting=False, tma=tma)
     try:
-        ttgir = _compile_for_sm90(_KERNELS[kind], kernels_mod.kernel_config(kind, 128, interpreting=False)).asm["ttgir"]
+        ttgir = _compile_for_sm90(_KERNELS[kind], config).asm["ttgir"]
     except (ImportError, TypeError, AttributeError) as e:  # compile API of another triton release
         pytest.skip(f"cannot compile for sm_90 with triton {triton.__version__}: {e}")
     assert "ttng.warp_group_dot" in ttgir, "no wgmma: the dots are not on Hopper's matrix path"
     # three loop phases (masked, unmasked, masked), each with at least its K (or Q) tile async
-    assert ttgir.count("async_copy_global_to_local") >= 6, "the inner loops are not pipelined"
+    copy = "async_tma_copy_global_to_local" if tma else "async_copy_global_to_local"
+    assert ttgir.count(copy) >= 6, "the inner loops are not pipelined"
 
 
 def test_segment_table_kernel_compiles_for_hopper():
@@ -740,14 +788,20 @@ def test_kernels_take_fp64_scales(kind):
 HOPPER_MAX_SHARED = 232448
 
 
-@pytest.mark.parametrize("element", ["*bf16", "*fp32"])
+@pytest.mark.parametrize(
+    "element,tma", [("*bf16", False), ("*fp32", False), ("*bf16", True)]  # TMA: 2-byte elements only
+)
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("kind", list(_KERNELS))
-def test_launch_configs_fit_hopper_shared_memory(kind, head_dim, element):
-    """Every launch config the op picks fits an SM's shared memory, 2- and 4-byte inputs.
-    (The bf16-tuned D = 128 forward once asked 256 KiB for float32 and failed to launch.)"""
+def test_launch_configs_fit_hopper_shared_memory(kind, head_dim, element, tma):
+    """Every launch config the op picks fits an SM's shared memory, 2- and 4-byte inputs, with
+    pointer and TMA loads. (The bf16-tuned D = 128 forward once asked 256 KiB for float32 and
+    failed to launch.)"""
     pytest.importorskip("triton.backends.nvidia")
-    config = kernels_mod.kernel_config(kind, head_dim, interpreting=False, element_size=int(element[-2:]) // 8)
+    if tma and not kernels_mod.has_tma_config(kind, head_dim):
+        pytest.skip(f"no TMA config for {kind} at D = {head_dim}: the pointer loads serve it")
+    size = int(element[-2:]) // 8
+    config = kernels_mod.kernel_config(kind, head_dim, interpreting=False, element_size=size, tma=tma)
     try:
         compiled = _compile_for_sm90(_KERNELS[kind], config, head_dim=head_dim, element=element)
     except (ImportError, TypeError, AttributeError) as e:  # compile API of another triton release
