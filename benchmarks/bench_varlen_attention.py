@@ -6,6 +6,7 @@
     python benchmarks/bench_varlen_attention.py --profile  # CUDA time per kernel of one forward and one backward
     python benchmarks/bench_varlen_attention.py --tune --kinds bwd_dkdv --save tuned.json
     python benchmarks/bench_varlen_attention.py --configs tuned.json   # the table with the tuned entries
+    python benchmarks/bench_varlen_attention.py --pointer-loads   # everything without TMA loads
 
 Cases: (i) packed documents of mixed lengths totalling 32768 tokens, (ii) dense
 B = 8 x S = 4096 (eight segments); H = 16 query heads, D = 128 and 64 (``--head-dims``).
@@ -36,6 +37,7 @@ import custom_ops  # noqa: E402
 from benchmarks.common import kernel_breakdown  # noqa: E402
 from custom_ops.testing import TOLERANCE, rel_error  # noqa: E402
 from custom_ops.varlen_attention import kernels  # noqa: E402
+from custom_ops.varlen_attention import op as op_mod  # noqa: E402
 
 DTYPE = torch.bfloat16
 TOTAL_TOKENS = 32768
@@ -78,25 +80,19 @@ def varlen_fn(q, k, v, seg):
     return custom_ops.varlen_attention(q, k, v, *seg, causal=True)[0]
 
 
-# Earlier forms of the kernels, timed beside the current one: {row name: {kernel: overrides of
-# its launch configs}}.
-VARIANTS = {
-    # the forward and dq grids run in tile order, as before they took the longest causal tiles first
-    "varlen_attention, tiles in order": {"fwd": dict(HEAVY_FIRST=False), "bwd_dq": dict(HEAVY_FIRST=False)},
-}
-
-
 @contextlib.contextmanager
-def kernel_variant(overrides: dict):
-    """Launch the kernels with ``overrides`` ({kernel: config entries}) merged into every entry of
-    their config tables."""
-    saved = {kind: dict(kernels.CONFIGS[kind]) for kind in overrides}
-    for kind, extra in overrides.items():
-        kernels.CONFIGS[kind].update({bucket: dict(cfg, **extra) for bucket, cfg in saved[kind].items()})
+def pointer_loads():
+    """The kernels with pointer loads and their own tuned tiles (CONFIGS), as before TMA."""
+    saved = kernels.TMA_ENABLED
+    kernels.TMA_ENABLED = False
     try:
         yield
     finally:
-        kernels.CONFIGS.update(saved)
+        kernels.TMA_ENABLED = saved
+
+
+# Earlier forms of the kernels, timed beside the current one: {row name: context manager}.
+VARIANTS = {"varlen_attention, pointer loads": pointer_loads}
 
 
 def sdpa_dense_fn(backend, batch, seqlen):
@@ -218,7 +214,7 @@ def bench(gqa: int = 1, head_dims=HEAD_DIMS) -> None:
             print(f"D={d} {case} ({len(lens)} docs, {pairs / 1e6:.1f}M visible pairs per head)")
             for name, fn in impls:
                 try:
-                    with kernel_variant(VARIANTS.get(name, {})):
+                    with VARIANTS.get(name, contextlib.nullcontext)():
                         if name != ref_name and not check_agreement(name, fn, ref, q, k, v, seg):
                             rows.append((case, d, name, None, None, None, None, "disagrees with SDPA"))
                             continue
@@ -308,9 +304,16 @@ def candidates_for(kind: str, d: int) -> list[dict]:
     return {"fwd": FWD_CANDIDATES, "bwd_dkdv": DKDV_CANDIDATES, "bwd_dq": DQ_CANDIDATES}[kind]
 
 
-def _time_kernel(kind, cfg, bucket, q, k, v, seg, out, lse, dout, dlse):
-    saved = kernels.CONFIGS[kind][bucket]
-    kernels.CONFIGS[kind][bucket] = cfg
+def _table_in_use(kind: str, d: int, q, k, v) -> str:
+    """The name of the config table the op launches ``kind`` from for these inputs."""
+    streamed = (k, v) if kind in ("fwd", "bwd_dq") else (q, q)
+    return "TMA_CONFIGS" if op_mod.tma_usable(kind, d, d, *streamed) else "CONFIGS"
+
+
+def _time_kernel(kind, cfg, table, bucket, q, k, v, seg, out, lse, dout, dlse):
+    configs = getattr(kernels, table)
+    saved = configs[kind].get(bucket)
+    configs[kind][bucket] = cfg
     try:
         if kind == "fwd":
             fn = lambda: torch.ops.cp_ops.varlen_attention(q, k, v, *seg, True)  # noqa: E731
@@ -322,7 +325,10 @@ def _time_kernel(kind, cfg, bucket, q, k, v, seg, out, lse, dout, dlse):
         print(f"    {cfg}: {type(e).__name__}")
         return float("inf")
     finally:
-        kernels.CONFIGS[kind][bucket] = saved
+        if saved is None:
+            del configs[kind][bucket]
+        else:
+            configs[kind][bucket] = saved
 
 
 def tune(
@@ -331,16 +337,23 @@ def tune(
     """Time the candidate configs of each kernel on both cases at each of ``head_dims``; print
     the best (and write them to ``save`` as JSON, for ``--configs``).
 
-    The backward is timed as the whole backward op while one of its kernels varies
-    (the others keep their table entries).
+    Each kernel is tuned in the table the op launches it from on this GPU (TMA_CONFIGS where
+    the TMA loads serve it, else CONFIGS; ``--pointer-loads`` tunes CONFIGS). The backward is
+    timed as the whole backward op while one of its kernels varies (the others keep their
+    table entries).
     """
     device = torch.device("cuda")
     cases = [("packed 32k", packed_lengths()), ("dense B8 x 4096", [4096] * 8)]
-    best = {}
+    best, tables = {}, {}
     for d in head_dims:
         bucket = d
         for kind in kinds:
+            probe = make_inputs(16, HEADS, HEADS // gqa, d, device)
+            table = tables[kind] = _table_in_use(kind, d, *probe)
             candidates = candidates_for(kind, d)
+            if table == "TMA_CONFIGS":  # K_ROWS picks a pointer-load form: one row per tile shape
+                candidates = [c for c in candidates if c.get("K_ROWS", True)]
+            print(f"D={d} {kind}: tuning {table}")
             totals = {}
             for case, lens in cases:
                 q, k, v = (t.detach() for t in make_inputs(sum(lens), HEADS, HEADS // gqa, d, device))
@@ -350,31 +363,36 @@ def tune(
                 pairs = visible_pairs(lens)
                 factor = 1.0 if kind == "fwd" else 2.5
                 for i, cfg in enumerate(candidates):
-                    ms = _time_kernel(kind, cfg, bucket, q, k, v, seg, out, lse, dout, dlse)
+                    ms = _time_kernel(kind, cfg, table, bucket, q, k, v, seg, out, lse, dout, dlse)
                     totals[i] = totals.get(i, 0.0) + ms
                     print(f"  D={d} {kind:8s} {case:16s} {cfg}: {ms:.3f} ms, {tflops(pairs, HEADS, d, ms, factor):.0f} TFLOP/s")
             i = min(totals, key=totals.get)
             best[(kind, d)] = candidates[i]
             print(f"best D={d} {kind}: {candidates[i]} (sum over cases {totals[i]:.3f} ms)")
-    print("\n# paste into CONFIGS in custom_ops/varlen_attention/kernels.py")
+    print("\n# paste into custom_ops/varlen_attention/kernels.py")
     for kind in kinds:
         entries = ", ".join(f"{d}: dict({_fmt(best[(kind, d)])})" for d in sorted(head_dims))
-        print(f'"{kind}": {{{entries}}},')
+        print(f'{tables[kind]} "{kind}": {{{entries}}},')
     if save:
         with open(save, "w") as f:
-            json.dump({kind: {str(d): best[(kind, d)] for d in sorted(head_dims)} for kind in kinds}, f, indent=1)
+            json.dump(
+                {kind: {"table": tables[kind], **{str(d): best[(kind, d)] for d in sorted(head_dims)}} for kind in kinds},
+                f, indent=1,
+            )  # fmt: skip
 
 
 def load_configs(path: str) -> None:
-    """Overwrite entries of ``kernels.CONFIGS`` with those of a ``--tune --save`` file."""
+    """Overwrite entries of the config tables with those of a ``--tune --save`` file."""
     with open(path) as f:
         tuned = json.load(f)
     for kind, entries in tuned.items():
+        table = entries.pop("table", "CONFIGS")
+        configs = getattr(kernels, table)
         for bucket, cfg in entries.items():
-            if int(bucket) not in kernels.CONFIGS[kind]:
+            if table == "CONFIGS" and int(bucket) not in configs[kind]:
                 raise SystemExit(f"{path}: {kind} has no head-dim bucket {bucket} in CONFIGS")
-            kernels.CONFIGS[kind][int(bucket)] = cfg
-            print(f"config {kind} D<={bucket}: {_fmt(cfg)}")
+            configs[kind][int(bucket)] = cfg
+            print(f"config {table} {kind} D<={bucket}: {_fmt(cfg)}")
 
 
 def profile(gqa: int = 1, head_dims=HEAD_DIMS) -> None:
@@ -410,7 +428,11 @@ if __name__ == "__main__":
                         help="head dims D to run (default 128 64; 256 is Qwen3-Next's)")  # fmt: skip
     parser.add_argument("--save", help="with --tune: write the best configs to this JSON file")
     parser.add_argument("--configs", help="JSON from --tune --save: use these configs instead of the table's")
+    parser.add_argument("--pointer-loads", action="store_true",
+                        help="no TMA loads: run (and --tune) the pointer-load kernels and CONFIGS")  # fmt: skip
     args = parser.parse_args()
+    if args.pointer_loads:
+        kernels.TMA_ENABLED = False
     if args.tune and set(args.head_dims) - set(kernels.CONFIGS["fwd"]):
         raise SystemExit(f"--tune tunes the config table's head dims {sorted(kernels.CONFIGS['fwd'])}, "
                          f"got {args.head_dims}")  # fmt: skip
