@@ -445,6 +445,22 @@ def _exchange_bytes(snode) -> float:
         return 1.0
 
 
+def _serial_on_cpu(snode) -> bool:
+    """Whether ``snode`` is a functional all-gather on the CPU, which :func:`issue_early_wait_late`
+    never has in flight beside another collective. With gloo, two or more
+    ``_c10d_functional.all_gather_into_tensor`` in flight at once corrupted the heap (torch
+    2.13: ``malloc(): unaligned tcache chunk``, or a segfault, within a few hundred steps of
+    four in flight on two ranks); ``all_to_all_single`` and ``reduce_scatter_tensor`` in
+    flight four at a time, and ``dist.all_gather_into_tensor(async_op=True)``, did not in
+    thousands. CUDA graphs keep their overlap: this only holds back CPU (gloo) graphs."""
+    node = getattr(snode, "node", None)
+    kernel = getattr(node, "op_overload", None)
+    if kernel is not torch.ops._c10d_functional.all_gather_into_tensor.default:
+        return False
+    device = node.get_device()
+    return device is not None and device.type == "cpu"
+
+
 def issue_early_wait_late(snodes: list) -> list:
     """An Inductor scheduling pass: collectives as early as their inputs allow, waits as late as
     their work allows, and work no collective needs spread over the exchange windows.
@@ -500,8 +516,11 @@ def issue_early_wait_late(snodes: list) -> list:
     # Inductor orders collectives by a fake dependency of each on the one before it; after
     # buffer renaming that points at the earlier collective's *wait*, so no collective could be
     # issued while another is in flight. Keep the issue order, not the wait: each collective
-    # after the previous one.
+    # after the previous one. Except next to a functional all-gather on the CPU, which keeps
+    # the wait (:func:`_serial_on_cpu`).
     for prev, s in zip(comms, comms[1:]):
+        if _serial_on_cpu(prev) or _serial_on_cpu(s):
+            continue
         unmet[id(s)] = {dep.name for dep in s.unmet_dependencies if not getattr(dep, "is_fake", False)}
         unmet[id(s)].add(next(iter(prev.get_buffer_names())))
     users = defaultdict(list)

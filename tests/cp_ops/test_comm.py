@@ -578,6 +578,50 @@ def test_scheduling_pass_pipelines_independent_collectives(monkeypatch):
     assert got.index("ag1") > got.index("wait0"), got
 
 
+class _IRNode:
+    def __init__(self, op, device):
+        self.op_overload, self.device = op, torch.device(device)
+
+    def get_device(self):
+        return self.device
+
+
+def test_scheduling_pass_keeps_cpu_all_gathers_one_at_a_time(monkeypatch):
+    """The graph of the test above on the CPU: gloo corrupted memory with functional
+    all-gathers in flight side by side, so there the second gather keeps Inductor's fake
+    dependency on the first one's wait (the first group's attention may still run while
+    the second gather is in flight). On CUDA both are issued first."""
+    gather = torch.ops._c10d_functional.all_gather_into_tensor.default
+    for device, want in [
+        ("cpu", ["kv0", "ag0", "kv1", "wait0", "ag1", "attn0", "wait1", "attn1", "out"]),
+        ("cuda", ["kv0", "ag0", "kv1", "ag1", "wait0", "attn0", "wait1", "attn1", "out"]),
+    ]:
+        nodes = [
+            _Node("kv0", []),
+            _Node("ag0", ["kv0"], "comm"),
+            _Node("wait0", ["ag0"], "wait"),
+            _Node("attn0", ["wait0"]),
+            _Node("kv1", []),
+            _Node("ag1", ["kv1"], "comm"),
+            _Node("wait1", ["ag1"], "wait"),
+            _Node("attn1", ["wait1"]),
+            _Node("out", ["attn0", "attn1"]),
+        ]
+        nodes[5].unmet_dependencies.add(_Dep("wait0", is_fake=True))
+        for i in (1, 5):
+            nodes[i].node = _IRNode(gather, device)
+        got = _schedule(nodes, monkeypatch)
+        assert got == want, (device, got)
+    # an all-to-all on the CPU is not held back
+    nodes = [_Node("x0", []), _Node("a0", ["x0"], "comm"), _Node("w0", ["a0"], "wait"),
+             _Node("x1", []), _Node("a1", ["x1"], "comm"), _Node("w1", ["a1"], "wait")]  # fmt: skip
+    nodes[4].unmet_dependencies.add(_Dep("w0", is_fake=True))
+    for i in (1, 4):
+        nodes[i].node = _IRNode(torch.ops._c10d_functional.all_to_all_single.default, "cpu")
+    got = _schedule(nodes, monkeypatch)
+    assert got.index("a1") < got.index("w0"), got
+
+
 def test_scheduling_pass_refuses_a_cycle(monkeypatch):
     nodes = [_Node("a", ["b"]), _Node("b", ["a"])]
     for n in nodes:
