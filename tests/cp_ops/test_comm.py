@@ -554,10 +554,8 @@ def test_scheduling_pass_counts_work_that_becomes_ready_in_the_window(monkeypatc
     assert got == want, got
 
 
-def test_scheduling_pass_pipelines_independent_collectives(monkeypatch):
-    """All-gather CP attention with two head groups: Inductor orders the second gather after
-    the first one's wait (a fake dependency); the pass issues both gathers first, in graph
-    order, and the first group's attention runs while the second gather is in flight."""
+def _two_group_gathers():
+    """Two head groups' all-gathers, the second with Inductor's fake dependency on the first's wait."""
     nodes = [
         _Node("kv0", []),
         _Node("ag0", ["kv0"], "comm"),
@@ -570,6 +568,14 @@ def test_scheduling_pass_pipelines_independent_collectives(monkeypatch):
         _Node("out", ["attn0", "attn1"]),
     ]
     nodes[5].unmet_dependencies.add(_Dep("wait0", is_fake=True))
+    return nodes
+
+
+def test_scheduling_pass_pipelines_independent_collectives(monkeypatch):
+    """All-gather CP attention with two head groups: Inductor orders the second gather after
+    the first one's wait (a fake dependency); the pass issues both gathers first, in graph
+    order, and the first group's attention runs while the second gather is in flight."""
+    nodes = _two_group_gathers()
     got = _schedule(nodes, monkeypatch)
     assert got == ["kv0", "ag0", "kv1", "ag1", "wait0", "attn0", "wait1", "attn1", "out"], got
     # a real dependency on the wait still holds
@@ -596,18 +602,7 @@ def test_scheduling_pass_keeps_cpu_all_gathers_one_at_a_time(monkeypatch):
         ("cpu", ["kv0", "ag0", "kv1", "wait0", "ag1", "attn0", "wait1", "attn1", "out"]),
         ("cuda", ["kv0", "ag0", "kv1", "ag1", "wait0", "attn0", "wait1", "attn1", "out"]),
     ]:
-        nodes = [
-            _Node("kv0", []),
-            _Node("ag0", ["kv0"], "comm"),
-            _Node("wait0", ["ag0"], "wait"),
-            _Node("attn0", ["wait0"]),
-            _Node("kv1", []),
-            _Node("ag1", ["kv1"], "comm"),
-            _Node("wait1", ["ag1"], "wait"),
-            _Node("attn1", ["wait1"]),
-            _Node("out", ["attn0", "attn1"]),
-        ]
-        nodes[5].unmet_dependencies.add(_Dep("wait0", is_fake=True))
+        nodes = _two_group_gathers()
         for i in (1, 5):
             nodes[i].node = _IRNode(gather, device)
         got = _schedule(nodes, monkeypatch)
