@@ -81,18 +81,31 @@ def varlen_fn(q, k, v, seg):
 
 
 @contextlib.contextmanager
-def pointer_loads():
-    """The kernels with pointer loads and their own tuned tiles (CONFIGS), as before TMA."""
-    saved = kernels.TMA_ENABLED
-    kernels.TMA_ENABLED = False
+def _kernel_setting(name: str, value):
+    """The kernels with ``custom_ops.varlen_attention.kernels.<name> = value`` inside the block."""
+    saved = getattr(kernels, name)
+    setattr(kernels, name, value)
     try:
         yield
     finally:
-        kernels.TMA_ENABLED = saved
+        setattr(kernels, name, saved)
+
+
+def pointer_loads():
+    """The kernels with pointer loads and their own tuned tiles (CONFIGS), as before TMA."""
+    return _kernel_setting("TMA_ENABLED", False)
+
+
+def heads_one_at_a_time():
+    """Each head's programs in one stretch of the launch order (HEAD_GROUP 1), as before 2026-11-25."""
+    return _kernel_setting("HEAD_GROUP", dict.fromkeys(kernels.HEAD_GROUP, 1))
 
 
 # Earlier forms of the kernels, timed beside the current one: {row name: context manager}.
-VARIANTS = {"varlen_attention, pointer loads": pointer_loads}
+VARIANTS = {
+    "varlen_attention, pointer loads": pointer_loads,
+    "varlen_attention, one head at a time": heads_one_at_a_time,
+}
 
 
 def sdpa_dense_fn(backend, batch, seqlen):

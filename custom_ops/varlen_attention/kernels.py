@@ -18,8 +18,9 @@ start, also built on the device).
 
 For each tile the visible range of the other side is computed from the mask
 bounds; tiles entirely inside the mask run without the elementwise mask, only the
-boundary tiles apply it. The forward and dq grids run their query tiles last to
-first (:func:`_heavy_first`), so a causal launch ends on its shortest tiles.
+boundary tiles apply it. Grids are 1-D with the heads of one tile adjacent
+(:func:`_program_tile`); the forward and dq run their query tiles last to first
+(:func:`_query_tile`), so a causal launch ends on its shortest tiles.
 
 With ``TMA`` (Hopper, see TMA_CONFIGS) the streamed tiles come from host tensor descriptors
 instead of pointer loads (:func:`_load_rows`); everything else is the same code.
@@ -107,6 +108,18 @@ INTERPRET_CONFIGS = {
     "bwd_dkdv": dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1),
     "bwd_dq": dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1),
 }
+
+# Launch order (:func:`_program_tile`): per kernel, how many kv heads run their programs for
+# one tile side by side (the query heads of each in the forward and dq; its PARTS in dk/dv);
+# None for all of them, else the largest count dividing the kv heads too. 1 everywhere is the
+# order before 2026-11-25. Chosen from a sweep of 1, 2, 4, 8, 16 on one H100 (torch 2.11,
+# triton 3.6.0, 2026-11-25; bf16 causal, 16 query heads, the packed and dense cases of
+# benchmarks/bench_varlen_attention.py at D = 64, 128 (Hkv 16 and 4) and 256 (Hkv 2)). All
+# heads together: dk/dv 6-13% faster on the packed documents and 0-9% on the dense ones; dq
+# 8-14% faster at D = 256, between 2% slower and 4% faster elsewhere. In the forward no
+# group gained more than 3.4% and some lost up to 3% on the dense case; one kv head's query
+# heads together (the entry below) read the same K/V rows.
+HEAD_GROUP = {"fwd": 1, "bwd_dq": None, "bwd_dkdv": None}
 
 
 def _lookup(table: dict, block_d: int) -> dict | None:
@@ -207,14 +220,39 @@ def _tile_owner_from_table(owner_ptr, cum_ptr, n_seg, tile):
 
 
 @triton.jit
-def _heavy_first(pid, num_programs, HEAVY_FIRST: tl.constexpr):
-    """The query tile a program takes. Tiles are numbered by segment and, within one, by
-    position, so in a causal segment the work grows with the number: with HEAVY_FIRST the
-    grid runs them last to first, and the programs left for the end of the launch (its tail,
-    where SMs run idle while the last programs finish) are the short ones."""
+def _program_tile(num_parts, HEAD_GROUP: tl.constexpr):
+    """``(tile, part)`` of this program in a 1-D grid of ``num_tiles * num_parts`` programs
+    (parts: the heads, or kv heads x PARTS in dk/dv). Launch order: the parts in groups of
+    HEAD_GROUP (which divides num_parts), every tile of one group before the next group,
+    and within a group the HEAD_GROUP parts of one tile adjacent. HEAD_GROUP = 1 runs each
+    part's tiles in one stretch; HEAD_GROUP = num_parts runs all parts of a tile together.
+
+    Programs start in launch order as SMs free up, so the order decides two things: what
+    is left running at the end of the launch, and which K/V rows the programs running
+    together read. Parts of one tile have the same work; with the parts one at a time,
+    the last part's whole sequence of tiles, short and long, is what the launch ends on,
+    and a long tile started near the end leaves the other SMs idle while it finishes.
+    All parts of a tile together, the programs running at once read the K/V of every
+    head, more than the L2 cache holds. HEAD_GROUP sits between the two (see HEAD_GROUP
+    at the top of this module)."""
+    pid = tl.program_id(0)
+    num_tiles = tl.num_programs(0) // num_parts
+    per_group = num_tiles * HEAD_GROUP
+    group = pid // per_group
+    r = pid % per_group
+    return r // HEAD_GROUP, group * HEAD_GROUP + r % HEAD_GROUP
+
+
+@triton.jit
+def _query_tile(num_heads, HEAVY_FIRST: tl.constexpr, HEAD_GROUP: tl.constexpr):
+    """``(tile, head)`` of a forward or dq program. Tiles are numbered by segment and, within
+    one, by position, so in a causal segment the work grows with the number: with
+    HEAVY_FIRST the grid runs them last to first, and the programs left for the end of the
+    launch (its tail, where SMs run idle while the last programs finish) are short ones."""
+    tile, h = _program_tile(num_heads, HEAD_GROUP)
     if HEAVY_FIRST:
-        return num_programs - 1 - pid
-    return pid
+        tile = tl.num_programs(0) // num_heads - 1 - tile
+    return tile, h
 
 
 @triton.jit
@@ -349,6 +387,7 @@ def varlen_attn_fwd_kernel(
     stride_oh,
     stride_lh,
     group,  # Hq // Hkv
+    num_heads,  # Hq: the grid has num_tiles * Hq programs (:func:`_query_tile`)
     qk_scale,  # scale * log2(e)
     left,
     right,
@@ -359,6 +398,7 @@ def varlen_attn_fwd_kernel(
     BLOCK_N: tl.constexpr,
     K_ROWS: tl.constexpr = True,
     HEAVY_FIRST: tl.constexpr = True,
+    HEAD_GROUP: tl.constexpr = 1,
     TMA: tl.constexpr = False,
 ):
     """One query tile x one query head: online softmax over the visible key tiles.
@@ -370,8 +410,7 @@ def varlen_attn_fwd_kernel(
     # a float argument can arrive as an fp64 scalar (seen from Inductor's launcher, torch 2.11):
     # fp32 keeps every tensor of the kernel in fp32 (loop-carried types must not change)
     qk_scale = tl.cast(qk_scale, tl.float32)
-    tile = _heavy_first(tl.program_id(0), tl.num_programs(0), HEAVY_FIRST)
-    h = tl.program_id(1)
+    tile, h = _query_tile(num_heads, HEAVY_FIRST, HEAD_GROUP)
     s, j = _tile_owner_from_table(tile_owner_ptr, tile_cum_ptr, n_seg, tile)
     if s >= n_seg:
         return
@@ -545,6 +584,7 @@ def varlen_attn_bwd_dq_kernel(
     stride_dqh,
     stride_lh,
     group,
+    num_heads,
     sm_scale,
     qk_scale,
     left,
@@ -555,6 +595,7 @@ def varlen_attn_bwd_dq_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HEAVY_FIRST: tl.constexpr = True,
+    HEAD_GROUP: tl.constexpr = 1,
     TMA: tl.constexpr = False,
 ):
     """One query tile x one query head: ``dq = scale * sum_b P (dP - delta) k_b``,
@@ -566,8 +607,7 @@ def varlen_attn_bwd_dq_kernel(
     # fp32 scales, as in the forward
     sm_scale = tl.cast(sm_scale, tl.float32)
     qk_scale = tl.cast(qk_scale, tl.float32)
-    tile = _heavy_first(tl.program_id(0), tl.num_programs(0), HEAVY_FIRST)
-    h = tl.program_id(1)
+    tile, h = _query_tile(num_heads, HEAVY_FIRST, HEAD_GROUP)
     s, j = _tile_owner_from_table(tile_owner_ptr, tile_cum_ptr, n_seg, tile)
     if s >= n_seg:
         return
@@ -721,6 +761,7 @@ def _dkdv_program(
     Q, K, V, DO, LSE, DELTA, DK, DV, desc_q, desc_do, q_start_ptr, q_len_ptr, q_pos_ptr, k_start_ptr, k_len_ptr,
     order_ptr, first_ptr, last_ptr, num_k_rows, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_dot, stride_doh, stride_dkt, stride_dkh, stride_lh, group, sm_scale, qk_scale, left, right,
+    tile,
     kvh,
     CAUSAL: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -732,8 +773,7 @@ def _dkdv_program(
     TMA: tl.constexpr,
 ):
     """The work of one dk/dv program (see :func:`varlen_attn_bwd_dkdv_kernel`): key tile
-    ``program_id(0)`` of kv head ``kvh``, dk and/or dv."""
-    tile = tl.program_id(0)
+    ``tile`` of kv head ``kvh``, dk and/or dv."""
     t0 = tile * BLOCK_N
     rows = t0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -828,6 +868,7 @@ def varlen_attn_bwd_dkdv_kernel(
     stride_dkh,
     stride_lh,
     group,
+    num_kv_heads,  # the grid has num_key_tiles * Hkv * PARTS programs
     sm_scale,
     qk_scale,
     left,
@@ -839,6 +880,7 @@ def varlen_attn_bwd_dkdv_kernel(
     BLOCK_N: tl.constexpr,
     PARTS: tl.constexpr = 1,
     TMA: tl.constexpr = False,
+    HEAD_GROUP: tl.constexpr = 1,
 ):
     """One tile of BLOCK_N rows of the key tensor x one kv head (x dk or dv, with PARTS = 2):
     ``dv_b = sum_a P_ab dout_a``, ``dk_b = scale * sum_a P_ab (dP_ab - delta_a) q_a``
@@ -872,25 +914,26 @@ def varlen_attn_bwd_dkdv_kernel(
     # fp32 scales, as in the forward
     sm_scale = tl.cast(sm_scale, tl.float32)
     qk_scale = tl.cast(qk_scale, tl.float32)
-    kvh = tl.program_id(1) // PARTS
+    tile, part = _program_tile(num_kv_heads * PARTS, HEAD_GROUP)
+    kvh = part // PARTS
     if PARTS == 1:
         _dkdv_program(
             Q, K, V, DO, LSE, DELTA, DK, DV, desc_q, desc_do, q_start_ptr, q_len_ptr, q_pos_ptr, k_start_ptr,
             k_len_ptr, order_ptr, first_ptr, last_ptr, num_k_rows, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-            stride_dot, stride_doh, stride_dkt, stride_dkh, stride_lh, group, sm_scale, qk_scale, left, right, kvh,
+            stride_dot, stride_doh, stride_dkt, stride_dkh, stride_lh, group, sm_scale, qk_scale, left, right, tile, kvh,
             CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, True, TMA,
         )
-    elif tl.program_id(1) % 2 == 0:
+    elif part % 2 == 0:
         _dkdv_program(
             Q, K, V, DO, LSE, DELTA, DK, DV, desc_q, desc_do, q_start_ptr, q_len_ptr, q_pos_ptr, k_start_ptr,
             k_len_ptr, order_ptr, first_ptr, last_ptr, num_k_rows, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-            stride_dot, stride_doh, stride_dkt, stride_dkh, stride_lh, group, sm_scale, qk_scale, left, right, kvh,
+            stride_dot, stride_doh, stride_dkt, stride_dkh, stride_lh, group, sm_scale, qk_scale, left, right, tile, kvh,
             CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False, True, TMA,
         )
     else:
         _dkdv_program(
             Q, K, V, DO, LSE, DELTA, DK, DV, desc_q, desc_do, q_start_ptr, q_len_ptr, q_pos_ptr, k_start_ptr,
             k_len_ptr, order_ptr, first_ptr, last_ptr, num_k_rows, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-            stride_dot, stride_doh, stride_dkt, stride_dkh, stride_lh, group, sm_scale, qk_scale, left, right, kvh,
+            stride_dot, stride_doh, stride_dkt, stride_dkh, stride_lh, group, sm_scale, qk_scale, left, right, tile, kvh,
             CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, False, TMA,
         )

@@ -18,6 +18,7 @@ too, cost more host time per launch than some of these kernels take on the GPU).
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import triton
@@ -210,6 +211,14 @@ def _launch_config(kernel: str, head_dim: int, block_d: int, *streamed: torch.Te
     return cfg, tuple(TensorDescriptor.from_tensor(t.view(t.shape[0], -1), box) for t in streamed)
 
 
+def _head_group(kernel: str, num_kv_heads: int, per_kv_head: int) -> int:
+    """The HEAD_GROUP launch constant of ``kernel``: ``kernels.HEAD_GROUP[kernel]`` kv heads
+    (all of them for None; else the largest count dividing both), as grid parts, of which
+    each kv head has ``per_kv_head`` (its query heads in the forward and dq, PARTS in dk/dv)."""
+    group = kernels.HEAD_GROUP[kernel]
+    return (num_kv_heads if group is None else math.gcd(group, num_kv_heads)) * per_kv_head
+
+
 def _forward_kernel(q, k, v, seg, causal, left, right, scale):
     tq, hq, d = q.shape
     hkv = k.shape[1]
@@ -222,15 +231,15 @@ def _forward_kernel(q, k, v, seg, causal, left, right, scale):
     q, k, v = unit_last_stride(q), unit_last_stride(k), unit_last_stride(v)
     block_d = _block_d(d)
     cfg, descriptors = _launch_config("fwd", d, block_d, k, v)
-    grid = (triton.cdiv(tq, cfg["BLOCK_M"]) + n_seg, hq)
-    (qs, ql, qp, ks, kl), cum, owner = _segment_tables(seg, tq, k.shape[0], cfg["BLOCK_M"], grid[0])
-    varlen_attn_fwd_kernel[grid](
+    num_tiles = triton.cdiv(tq, cfg["BLOCK_M"]) + n_seg
+    (qs, ql, qp, ks, kl), cum, owner = _segment_tables(seg, tq, k.shape[0], cfg["BLOCK_M"], num_tiles)
+    varlen_attn_fwd_kernel[(num_tiles * hq,)](
         q, k, v, out, lse, *descriptors,
         qs, ql, qp, ks, kl, cum, owner, n_seg,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), lse.stride(0),
-        hq // hkv, scale * _LOG2E, left, right,
-        CAUSAL=causal, HEAD_DIM=d, BLOCK_D=block_d, **cfg,
+        hq // hkv, hq, scale * _LOG2E, left, right,
+        CAUSAL=causal, HEAD_DIM=d, BLOCK_D=block_d, HEAD_GROUP=_head_group("fwd", hkv, hq // hkv), **cfg,
     )  # fmt: skip
     return out, lse
 
@@ -250,30 +259,31 @@ def _backward_kernel(dout, dlse, q, k, v, out, lse, seg, causal, left, right, sc
     # written by the dq kernel for the rows of every segment, read by the dk/dv kernel after it
     delta = torch.empty((hq, tq), dtype=torch.float32, device=q.device)
     cfg, descriptors = _launch_config("bwd_dq", d, block_d, k, v)
-    grid = (triton.cdiv(tq, cfg["BLOCK_M"]) + n_seg, hq)
-    (qs, ql, qp, ks, kl), cum, owner = _segment_tables(seg, tq, tk, cfg["BLOCK_M"], grid[0])
-    varlen_attn_bwd_dq_kernel[grid](
+    num_tiles = triton.cdiv(tq, cfg["BLOCK_M"]) + n_seg
+    (qs, ql, qp, ks, kl), cum, owner = _segment_tables(seg, tq, tk, cfg["BLOCK_M"], num_tiles)
+    varlen_attn_bwd_dq_kernel[(num_tiles * hq,)](
         q, k, v, out, dout, lse, dlse, delta, dq, *descriptors,
         qs, ql, qp, ks, kl, cum, owner, n_seg,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), lse.stride(0),
-        hq // hkv, scale, scale * _LOG2E, left, right,
-        CAUSAL=causal, HEAD_DIM=d, BLOCK_D=block_d, **cfg,
+        hq // hkv, hq, scale, scale * _LOG2E, left, right,
+        CAUSAL=causal, HEAD_DIM=d, BLOCK_D=block_d, HEAD_GROUP=_head_group("bwd_dq", hkv, hq // hkv), **cfg,
     )  # fmt: skip
 
     cfg, descriptors = _launch_config("bwd_dkdv", d, block_d, q, dout)
     # one program per key tile of the key tensor: it writes every row, so no zero fill
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    grid = (triton.cdiv(tk, cfg["BLOCK_N"]), hkv * cfg.get("PARTS", 1))
-    order, first, last = _key_tile_segments(qs, ql, ks, kl, cfg["BLOCK_N"], grid[0], tk)
-    varlen_attn_bwd_dkdv_kernel[grid](
+    num_tiles = triton.cdiv(tk, cfg["BLOCK_N"])
+    order, first, last = _key_tile_segments(qs, ql, ks, kl, cfg["BLOCK_N"], num_tiles, tk)
+    varlen_attn_bwd_dkdv_kernel[(num_tiles * hkv * cfg.get("PARTS", 1),)](
         q, k, v, dout, lse, delta, dk, dv, *descriptors,
         qs, ql, qp, ks, kl, order, first, last, tk,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         dout.stride(0), dout.stride(1), dk.stride(0), dk.stride(1), lse.stride(0),
-        hq // hkv, scale, scale * _LOG2E, left, right,
-        CAUSAL=causal, HEAD_DIM=d, BLOCK_D=block_d, **cfg,
+        hq // hkv, hkv, scale, scale * _LOG2E, left, right,
+        CAUSAL=causal, HEAD_DIM=d, BLOCK_D=block_d, HEAD_GROUP=_head_group("bwd_dkdv", hkv, cfg.get("PARTS", 1)),
+        **cfg,
     )  # fmt: skip
     return dq, dk, dv
 

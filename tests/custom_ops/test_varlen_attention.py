@@ -429,20 +429,27 @@ def test_kernel_padded_head_dim_and_other_tiles(monkeypatch):
 @pytest.mark.interpret
 @pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (False, (7, 3))])
 def test_kernel_launch_order_changes_no_bit(causal, window, monkeypatch):
-    """The forward and dq grids take the longest causal tiles first (HEAVY_FIRST): each program
-    computes one tile the same way in either order, so the results are identical bit for bit,
-    and every tile is taken once (a tile skipped or done twice would show against the
-    reference). Segments with 0-50 queries over a grid padded past the last tile."""
+    """The launch order (query tiles longest first or in order, HEAVY_FIRST; heads grouped by
+    HEAD_GROUP) changes which program computes a tile, never how: the results are identical
+    bit for bit, and every tile is taken once (a tile skipped or done twice would show
+    against the reference). Segments with 0-50 queries over a grid padded past the last
+    tile; 4 query heads over 2 kv heads, run in groups of one and of both kv heads."""
     layout = ([0, 50, 50, 51], [50, 0, 1, 33], [0, 3, 0, 10], [0, 50, 50, 60], [50, 10, 1, 40], 84, 100)
-    q, k, v, seg = _tensors(layout, (2, 1), 16, torch.float32)
+    q, k, v, seg = _tensors(layout, (4, 2), 16, torch.float32)
     got = _kernel_vs_reference(q, k, v, seg, causal, window)
-    for name in ("fwd", "bwd_dq"):
-        in_order = dict(kernels_mod.INTERPRET_CONFIGS[name], HEAVY_FIRST=False)
-        monkeypatch.setitem(kernels_mod.INTERPRET_CONFIGS, name, in_order)
     dout, dlse = _cotangents(q, 0)
-    out, lse, grads = _run(custom_ops.varlen_attention, q, k, v, seg, causal, window, dout, dlse)
-    for a, b in zip([*got[:2], *got[2]], [out, lse, *grads]):
-        assert torch.equal(a, b)
+    orders = [("HEAVY_FIRST", False)] + [("HEAD_GROUP", g) for g in (1, None)]
+    for key, value in orders:
+        with monkeypatch.context() as m:
+            if key == "HEAVY_FIRST":
+                for name in ("fwd", "bwd_dq"):
+                    in_order = dict(kernels_mod.INTERPRET_CONFIGS[name], HEAVY_FIRST=False)
+                    m.setitem(kernels_mod.INTERPRET_CONFIGS, name, in_order)
+            else:
+                m.setattr(kernels_mod, "HEAD_GROUP", dict.fromkeys(kernels_mod.HEAD_GROUP, value))
+            out, lse, grads = _run(custom_ops.varlen_attention, q, k, v, seg, causal, window, dout, dlse)
+        for a, b in zip([*got[:2], *got[2]], [out, lse, *grads]):
+            assert torch.equal(a, b), (key, value)
 
 
 @pytest.mark.interpret
