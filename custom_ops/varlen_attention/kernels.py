@@ -116,15 +116,16 @@ INTERPRET_CONFIGS = {
 
 # Launch order (:func:`_program_tile`): per kernel, how many kv heads run their programs for
 # one tile side by side (the query heads of each in the forward and dq; its PARTS in dk/dv);
-# None for all of them, else the largest count dividing the kv heads too. 1 everywhere is the
-# order before 2026-11-25. Chosen from a sweep of 1, 2, 4, 8, 16 on one H100 (torch 2.11,
-# triton 3.6.0, 2026-11-25; bf16 causal, 16 query heads, the packed and dense cases of
-# benchmarks/bench_varlen_attention.py at D = 64, 128 (Hkv 16 and 4) and 256 (Hkv 2)). All
-# heads together: dk/dv 6-13% faster on the packed documents and 0-9% on the dense ones; dq
-# 8-14% faster at D = 256, between 2% slower and 4% faster elsewhere. In the forward no
-# group gained more than 3.4% and some lost up to 3% on the dense case; one kv head's query
-# heads together (the entry below) read the same K/V rows.
-HEAD_GROUP = {"fwd": 1, "bwd_dq": None, "bwd_dkdv": None}
+# the largest count dividing both the entry and the kv heads. 1 everywhere is the order
+# before 2026-11-25. Chosen from a sweep of 1, 2, 4, 8, 16 on one H100 (torch 2.11, triton
+# 3.6.0, 2026-11-25; bf16 causal, 16 query heads, the packed and dense cases of
+# benchmarks/bench_varlen_attention.py at D = 64, 128 (Hkv 16 and 4) and 256 (Hkv 2)), where
+# 16 was every head: dk/dv 6-13% faster on the packed documents and 0-9% on the dense ones;
+# dq 8-14% faster at D = 256, between 2% slower and 4% faster elsewhere. More than 16 kv
+# heads run in groups of at most 16 (not measured: past that the programs running together
+# read ever more K/V). In the forward no group gained more than 3.4% and some lost up to 3%
+# on the dense case; one kv head's query heads together (the entry below) read the same K/V.
+HEAD_GROUP = {"fwd": 1, "bwd_dq": 16, "bwd_dkdv": 16}
 
 
 def _lookup(table: dict, block_d: int) -> dict | None:

@@ -212,11 +212,10 @@ def _launch_config(kernel: str, head_dim: int, block_d: int, *streamed: torch.Te
 
 
 def _head_group(kernel: str, num_kv_heads: int, per_kv_head: int) -> int:
-    """The HEAD_GROUP launch constant of ``kernel``: ``kernels.HEAD_GROUP[kernel]`` kv heads
-    (all of them for None; else the largest count dividing both), as grid parts, of which
-    each kv head has ``per_kv_head`` (its query heads in the forward and dq, PARTS in dk/dv)."""
-    group = kernels.HEAD_GROUP[kernel]
-    return (num_kv_heads if group is None else math.gcd(group, num_kv_heads)) * per_kv_head
+    """The HEAD_GROUP launch constant of ``kernel``: the largest count of kv heads dividing
+    both ``kernels.HEAD_GROUP[kernel]`` and ``num_kv_heads``, as grid parts, of which each kv
+    head has ``per_kv_head`` (its query heads in the forward and dq, PARTS in dk/dv)."""
+    return math.gcd(kernels.HEAD_GROUP[kernel], num_kv_heads) * per_kv_head
 
 
 def _forward_kernel(q, k, v, seg, causal, left, right, scale):
