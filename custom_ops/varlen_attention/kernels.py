@@ -64,7 +64,8 @@ CONFIGS = {
 # the pointer loads and CONFIGS. On one H100 (torch 2.11, triton 3.6.0, 2026-11-23;
 # docs/benchmarks.md, "TMA loads"): the forward entries are the best of a sweep of tile shapes,
 # the backward ones the best of benchmarks/bench_varlen_attention.py --tune --kinds bwd_dq bwd_dkdv.
-# D = 128 dq: 4 stages since the launch-order change (HEAD_GROUP; re-tuned 2026-11-25).
+# Since the launch-order change (HEAD_GROUP; re-tuned 2026-11-25): dq at D = 128 takes 4
+# stages, dk/dv at D = 64 64 x 64 tiles (docs/benchmarks.md, "The backward's tiles re-tuned").
 # D = 256 (16 query, 2 kv heads; 2026-11-25): the forward the best of the tuner's D = 256
 # candidates; the backward kernels have no entry, as the best TMA form of each took more
 # time than the pointer loads (the whole backward 12-14 ms against 10.5 on the packed case).
@@ -77,7 +78,7 @@ TMA_CONFIGS = {
         256: dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2),
     },
     "bwd_dkdv": {
-        64: dict(BLOCK_M=32, BLOCK_N=128, num_warps=4, num_stages=3),
+        64: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
         128: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
     },
     "bwd_dq": {
