@@ -7,6 +7,8 @@
     python benchmarks/bench_varlen_attention.py --tune --kinds bwd_dkdv --save tuned.json
     python benchmarks/bench_varlen_attention.py --configs tuned.json   # the table with the tuned entries
     python benchmarks/bench_varlen_attention.py --pointer-loads   # everything without TMA loads
+    python benchmarks/bench_varlen_attention.py --tune --kinds bwd_dkdv --rounds 5   # 5 rounds, candidates in turn
+    python benchmarks/bench_varlen_attention.py --head-groups      # the launch order's HEAD_GROUP, 1 to 16 kv heads
 
 Cases: (i) packed documents of mixed lengths totalling 32768 tokens, (ii) dense
 B = 8 x S = 4096 (eight segments); H = 16 query heads, D = 128 and 64 (``--head-dims``).
@@ -24,6 +26,7 @@ import datetime
 import itertools
 import json
 import os
+import statistics
 import sys
 
 import torch
@@ -345,7 +348,7 @@ def _time_kernel(kind, cfg, table, bucket, q, k, v, seg, out, lse, dout, dlse):
 
 
 def tune(
-    gqa: int = 1, kinds=("fwd", "bwd_dkdv", "bwd_dq"), save: str | None = None, head_dims=HEAD_DIMS
+    gqa: int = 1, kinds=("fwd", "bwd_dkdv", "bwd_dq"), save: str | None = None, head_dims=HEAD_DIMS, rounds: int = 1
 ) -> None:
     """Time the candidate configs of each kernel on both cases at each of ``head_dims``; print
     the best (and write them to ``save`` as JSON, for ``--configs``).
@@ -353,7 +356,9 @@ def tune(
     Each kernel is tuned in the table the op launches it from on this GPU (TMA_CONFIGS where
     the TMA loads serve it, else CONFIGS; ``--pointer-loads`` tunes CONFIGS). The backward is
     timed as the whole backward op while one of its kernels varies (the others keep their
-    table entries).
+    table entries). With ``rounds`` > 1 every candidate is timed once per round, in turn, and
+    its time is the median over rounds: drift of the GPU over the run then falls on every
+    candidate alike.
     """
     device = torch.device("cuda")
     cases = [("packed 32k", packed_lengths()), ("dense B8 x 4096", [4096] * 8)]
@@ -375,10 +380,17 @@ def tune(
                 dout, dlse = torch.randn_like(out), torch.zeros_like(lse)
                 pairs = visible_pairs(lens)
                 factor = 1.0 if kind == "fwd" else 2.5
+                times = {}
+                for _ in range(rounds):
+                    for i, cfg in enumerate(candidates):
+                        ms = _time_kernel(kind, cfg, table, bucket, q, k, v, seg, out, lse, dout, dlse)
+                        times.setdefault(i, []).append(ms)
                 for i, cfg in enumerate(candidates):
-                    ms = _time_kernel(kind, cfg, table, bucket, q, k, v, seg, out, lse, dout, dlse)
+                    ms = statistics.median(times[i])
                     totals[i] = totals.get(i, 0.0) + ms
-                    print(f"  D={d} {kind:8s} {case:16s} {cfg}: {ms:.3f} ms, {tflops(pairs, HEADS, d, ms, factor):.0f} TFLOP/s")
+                    spread = f" (rounds {min(times[i]):.3f}-{max(times[i]):.3f})" if rounds > 1 else ""
+                    print(f"  D={d} {kind:8s} {case:16s} {cfg}: {ms:.3f} ms{spread}, "
+                          f"{tflops(pairs, HEADS, d, ms, factor):.0f} TFLOP/s")  # fmt: skip
             i = min(totals, key=totals.get)
             best[(kind, d)] = candidates[i]
             print(f"best D={d} {kind}: {candidates[i]} (sum over cases {totals[i]:.3f} ms)")
@@ -392,6 +404,58 @@ def tune(
                 {kind: {"table": tables[kind], **{str(d): best[(kind, d)] for d in sorted(head_dims)}} for kind in kinds},
                 f, indent=1,
             )  # fmt: skip
+
+
+HEAD_GROUP_SWEEP = (1, 2, 4, 8, 16)
+
+
+def sweep_head_groups(gqa: int = 1, head_dims=HEAD_DIMS, groups=HEAD_GROUP_SWEEP, rounds: int = 3) -> None:
+    """Time the three kernels with every kernel's ``HEAD_GROUP`` set to each of ``groups`` (kv
+    heads; see custom_ops/varlen_attention/kernels.py), in turn for ``rounds`` rounds: the
+    forward op with ``do_bench``, dq and dk/dv from the profiler over 20 backward calls (their
+    kernels alone). Prints the medians and the speedup against group 1 (the launch order
+    before 2026-11-25)."""
+    device = torch.device("cuda")
+    lines = []
+    for d in head_dims:
+        for case, lens in [("packed 32k", packed_lengths()), ("dense B8 x 4096", [4096] * 8)]:
+            q, k, v = (t.detach() for t in make_inputs(sum(lens), HEADS, HEADS // gqa, d, device))
+            seg = segments_for(lens, device)
+            out, lse = torch.ops.cp_ops.varlen_attention(q, k, v, *seg, True)
+            dout, dlse = torch.randn_like(out), torch.zeros_like(lse)
+
+            def fwd():
+                return torch.ops.cp_ops.varlen_attention(q, k, v, *seg, True)
+
+            def bwd():
+                return torch.ops.cp_ops.varlen_attention_backward(dout, dlse, q, k, v, out, lse, *seg, True)
+
+            times = {}
+            for _ in range(rounds):
+                for g in groups:
+                    with _kernel_setting("HEAD_GROUP", dict.fromkeys(kernels.HEAD_GROUP, g)):
+                        fwd(), bwd()  # compile outside the timing
+                        times.setdefault((g, "fwd"), []).append(
+                            triton.testing.do_bench(fwd, warmup=10, rep=100, return_mode="median")
+                        )
+                        for name, ms in kernel_breakdown(bwd, runs=20):
+                            for kind in ("dq", "dkdv"):
+                                if f"bwd_{kind}_kernel" in name:
+                                    times.setdefault((g, kind), []).append(ms)
+            med = {key: statistics.median(ts) for key, ts in times.items()}
+            for g in groups:
+                cells = " | ".join(
+                    f"{med[(g, kind)]:.3f} ({med[(groups[0], kind)] / med[(g, kind)]:.3f})"
+                    for kind in ("fwd", "dq", "dkdv")
+                )
+                lines.append(f"| {case} | {d} | {HEADS // gqa} | {g} | {cells} |")
+    props = torch.cuda.get_device_properties(0)
+    print(f"{props.name}, torch {torch.__version__}, triton {triton.__version__}, {datetime.date.today()}")
+    print(f"bf16, causal, H = {HEADS}; medians of {rounds} rounds; in brackets the speedup against group {groups[0]}")
+    print()
+    print("| case | D | Hkv | HEAD_GROUP (kv heads) | fwd ms | dq ms | dk/dv ms |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("\n".join(lines))
 
 
 def load_configs(path: str) -> None:
@@ -435,6 +499,10 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tune", action="store_true", help="time kernel configs instead of the comparison table")
     parser.add_argument("--profile", action="store_true", help="CUDA time per kernel instead of the table")
+    parser.add_argument("--head-groups", action="store_true",
+                        help="time the kernels at HEAD_GROUP 1, 2, 4, 8, 16 instead of the table")  # fmt: skip
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="rounds of timing every candidate in turn (--tune: default 1; --head-groups: 3)")  # fmt: skip
     parser.add_argument("--kinds", nargs="+", default=["fwd", "bwd_dkdv", "bwd_dq"], help="kernels to tune")
     parser.add_argument("--gqa", type=int, default=1, help="query heads per kv head (default 1)")
     parser.add_argument("--head-dims", type=int, nargs="+", default=list(HEAD_DIMS),
@@ -454,7 +522,9 @@ if __name__ == "__main__":
     if args.configs:
         load_configs(args.configs)
     if args.tune:
-        tune(args.gqa, args.kinds, args.save, args.head_dims)
+        tune(args.gqa, args.kinds, args.save, args.head_dims, args.rounds or 1)
+    elif args.head_groups:
+        sweep_head_groups(args.gqa, args.head_dims, rounds=args.rounds or 3)
     elif args.profile:
         profile(args.gqa, args.head_dims)
     else:
