@@ -177,6 +177,16 @@ def make_inputs(total, heads, kv_heads, d, device, seed=0):
     return [t.requires_grad_() for t in (q, k, v)]
 
 
+def op_inputs(lens, d, gqa, device):
+    """``(q, k, v, seg, out, lse, dout, dlse)`` for calling the forward and backward ops directly
+    on documents of lengths ``lens``: detached inputs, the forward's outputs, random ``dout``,
+    zero ``dlse``."""
+    q, k, v = (t.detach() for t in make_inputs(sum(lens), HEADS, HEADS // gqa, d, device))
+    seg = segments_for(lens, device)
+    out, lse = torch.ops.cp_ops.varlen_attention(q, k, v, *seg, True)
+    return q, k, v, seg, out, lse, torch.randn_like(out), torch.zeros_like(lse)
+
+
 def time_fwd_bwd(fn, q, k, v, seg):
     dout = torch.randn_like(q)
 
@@ -374,10 +384,7 @@ def tune(
             print(f"D={d} {kind}: tuning {table}")
             totals = {}
             for case, lens in cases:
-                q, k, v = (t.detach() for t in make_inputs(sum(lens), HEADS, HEADS // gqa, d, device))
-                seg = segments_for(lens, device)
-                out, lse = torch.ops.cp_ops.varlen_attention(q, k, v, *seg, True)
-                dout, dlse = torch.randn_like(out), torch.zeros_like(lse)
+                q, k, v, seg, out, lse, dout, dlse = op_inputs(lens, d, gqa, device)
                 pairs = visible_pairs(lens)
                 factor = 1.0 if kind == "fwd" else 2.5
                 times = {}
@@ -419,10 +426,7 @@ def sweep_head_groups(gqa: int = 1, head_dims=HEAD_DIMS, groups=HEAD_GROUP_SWEEP
     lines = []
     for d in head_dims:
         for case, lens in [("packed 32k", packed_lengths()), ("dense B8 x 4096", [4096] * 8)]:
-            q, k, v = (t.detach() for t in make_inputs(sum(lens), HEADS, HEADS // gqa, d, device))
-            seg = segments_for(lens, device)
-            out, lse = torch.ops.cp_ops.varlen_attention(q, k, v, *seg, True)
-            dout, dlse = torch.randn_like(out), torch.zeros_like(lse)
+            q, k, v, seg, out, lse, dout, dlse = op_inputs(lens, d, gqa, device)
 
             def fwd():
                 return torch.ops.cp_ops.varlen_attention(q, k, v, *seg, True)
@@ -477,10 +481,7 @@ def profile(gqa: int = 1, head_dims=HEAD_DIMS) -> None:
     device = torch.device("cuda")
     for case, lens in [("dense B8 x 4096", [4096] * 8), ("packed 32k", packed_lengths())]:
         for d in head_dims:
-            q, k, v = (t.detach() for t in make_inputs(sum(lens), HEADS, HEADS // gqa, d, device))
-            seg = segments_for(lens, device)
-            out, lse = torch.ops.cp_ops.varlen_attention(q, k, v, *seg, True)
-            dout, dlse = torch.randn_like(out), torch.zeros_like(lse)
+            q, k, v, seg, out, lse, dout, dlse = op_inputs(lens, d, gqa, device)
 
             def step():
                 torch.ops.cp_ops.varlen_attention(q, k, v, *seg, True)

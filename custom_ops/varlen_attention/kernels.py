@@ -67,8 +67,9 @@ CONFIGS = {
 # Since the launch-order change (HEAD_GROUP; re-tuned 2026-11-25): dq at D = 128 takes 4
 # stages, dk/dv at D = 64 64 x 64 tiles (docs/benchmarks.md, "The backward's tiles re-tuned").
 # D = 256 (16 query, 2 kv heads; 2026-11-25): the forward the best of the tuner's D = 256
-# candidates; the backward kernels have no entry, as the best TMA form of each took more
-# time than the pointer loads (the whole backward 12-14 ms against 10.5 on the packed case).
+# candidates; the backward kernels have no entry, as with TMA loads in both the best whole
+# backward took more time than the pointer loads (12.3 against 10.5 ms packed, 13.5 against
+# 11.3 dense).
 # ``TMA_ENABLED = False`` makes every launch use the pointer loads (benchmarks time both forms).
 TMA_ENABLED = True
 TMA_CONFIGS = {
