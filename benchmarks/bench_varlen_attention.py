@@ -9,6 +9,7 @@
     python benchmarks/bench_varlen_attention.py --pointer-loads   # everything without TMA loads
     python benchmarks/bench_varlen_attention.py --tune --kinds bwd_dkdv --rounds 5   # 5 rounds, candidates in turn
     python benchmarks/bench_varlen_attention.py --head-groups      # the launch order's HEAD_GROUP, 1 to 16 kv heads
+    python benchmarks/bench_varlen_attention.py --head-groups 1 2  # only these groups (both segment orders)
 
 Cases: (i) packed documents of mixed lengths totalling 32768 tokens, (ii) dense
 B = 8 x S = 4096 (eight segments); H = 16 query heads, D = 128 and 64 (``--head-dims``).
@@ -104,10 +105,17 @@ def heads_one_at_a_time():
     return _kernel_setting("HEAD_GROUP", dict.fromkeys(kernels.HEAD_GROUP, 1))
 
 
+def segments_last_to_first():
+    """The forward and dq running the segments last to first, not heaviest first (SEGMENTS_BY_WORK),
+    as before 2026-11-25."""
+    return _kernel_setting("SEGMENTS_BY_WORK", dict.fromkeys(kernels.SEGMENTS_BY_WORK, False))
+
+
 # Earlier forms of the kernels, timed beside the current one: {row name: context manager}.
 VARIANTS = {
     "varlen_attention, pointer loads": pointer_loads,
     "varlen_attention, one head at a time": heads_one_at_a_time,
+    "varlen_attention, segments last to first": segments_last_to_first,
 }
 
 
@@ -418,10 +426,11 @@ HEAD_GROUP_SWEEP = (1, 2, 4, 8, 16)
 
 def sweep_head_groups(gqa: int = 1, head_dims=HEAD_DIMS, groups=HEAD_GROUP_SWEEP, rounds: int = 3) -> None:
     """Time the three kernels with every kernel's ``HEAD_GROUP`` set to each of ``groups`` (kv
-    heads; see custom_ops/varlen_attention/kernels.py), in turn for ``rounds`` rounds: the
+    heads; see custom_ops/varlen_attention/kernels.py), and the forward's and dq's segments
+    last to first and heaviest first (``SEGMENTS_BY_WORK``), in turn for ``rounds`` rounds: the
     forward op with ``do_bench``, dq and dk/dv from the profiler over 20 backward calls (their
-    kernels alone). Prints the medians and the speedup against group 1 (the launch order
-    before 2026-11-25)."""
+    kernels alone). Prints the medians and the speedup against the first group with the
+    segments last to first."""
     device = torch.device("cuda")
     lines = []
     for d in head_dims:
@@ -435,30 +444,37 @@ def sweep_head_groups(gqa: int = 1, head_dims=HEAD_DIMS, groups=HEAD_GROUP_SWEEP
                 return torch.ops.cp_ops.varlen_attention_backward(dout, dlse, q, k, v, out, lse, *seg, True)
 
             times = {}
+            settings = [(order, g) for order in ("last to first", "by work") for g in groups]
             for _ in range(rounds):
-                for g in groups:
-                    with _kernel_setting("HEAD_GROUP", dict.fromkeys(kernels.HEAD_GROUP, g)):
+                for order, g in settings:
+                    by_work = dict.fromkeys(kernels.SEGMENTS_BY_WORK, order == "by work")
+                    with _kernel_setting("HEAD_GROUP", dict.fromkeys(kernels.HEAD_GROUP, g)), _kernel_setting(
+                        "SEGMENTS_BY_WORK", by_work
+                    ):
                         fwd(), bwd()  # compile outside the timing
-                        times.setdefault((g, "fwd"), []).append(
+                        times.setdefault((order, g, "fwd"), []).append(
                             triton.testing.do_bench(fwd, warmup=10, rep=100, return_mode="median")
                         )
                         for name, ms in kernel_breakdown(bwd, runs=20):
                             for kind in ("dq", "dkdv"):
                                 if f"bwd_{kind}_kernel" in name:
-                                    times.setdefault((g, kind), []).append(ms)
+                                    times.setdefault((order, g, kind), []).append(ms)
             med = {key: statistics.median(ts) for key, ts in times.items()}
-            for g in groups:
+            for order, g in settings:
                 cells = " | ".join(
-                    f"{med[(g, kind)]:.3f} ({med[(groups[0], kind)] / med[(g, kind)]:.3f})"
+                    f"{med[(order, g, kind)]:.3f} ({med[settings[0] + (kind,)] / med[(order, g, kind)]:.3f})"
                     for kind in ("fwd", "dq", "dkdv")
                 )
-                lines.append(f"| {case} | {d} | {HEADS // gqa} | {g} | {cells} |")
+                lines.append(f"| {case} | {d} | {HEADS // gqa} | {order} | {g} | {cells} |")
     props = torch.cuda.get_device_properties(0)
     print(f"{props.name}, torch {torch.__version__}, triton {triton.__version__}, {datetime.date.today()}")
-    print(f"bf16, causal, H = {HEADS}; medians of {rounds} rounds; in brackets the speedup against group {groups[0]}")
+    print(
+        f"bf16, causal, H = {HEADS}; medians of {rounds} rounds; in brackets the speedup against group "
+        f"{groups[0]}, segments last to first"
+    )
     print()
-    print("| case | D | Hkv | HEAD_GROUP (kv heads) | fwd ms | dq ms | dk/dv ms |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| case | D | Hkv | segments | HEAD_GROUP (kv heads) | fwd ms | dq ms | dk/dv ms |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     print("\n".join(lines))
 
 
@@ -500,8 +516,9 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tune", action="store_true", help="time kernel configs instead of the comparison table")
     parser.add_argument("--profile", action="store_true", help="CUDA time per kernel instead of the table")
-    parser.add_argument("--head-groups", action="store_true",
-                        help="time the kernels at HEAD_GROUP 1, 2, 4, 8, 16 instead of the table")  # fmt: skip
+    parser.add_argument("--head-groups", type=int, nargs="*", default=None,
+                        help="time the kernels at these HEAD_GROUP values (none given: 1, 2, 4, 8, 16) "
+                             "instead of the table")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=None,
                         help="rounds of timing every candidate in turn (--tune: default 1; --head-groups: 3)")  # fmt: skip
     parser.add_argument("--kinds", nargs="+", default=["fwd", "bwd_dkdv", "bwd_dq"], help="kernels to tune")
@@ -524,8 +541,8 @@ if __name__ == "__main__":
         load_configs(args.configs)
     if args.tune:
         tune(args.gqa, args.kinds, args.save, args.head_dims, args.rounds or 1)
-    elif args.head_groups:
-        sweep_head_groups(args.gqa, args.head_dims, rounds=args.rounds or 3)
+    elif args.head_groups is not None:
+        sweep_head_groups(args.gqa, args.head_dims, tuple(args.head_groups or HEAD_GROUP_SWEEP), args.rounds or 3)
     elif args.profile:
         profile(args.gqa, args.head_dims)
     else:

@@ -7,8 +7,8 @@ Notation (see reference.py): segment s has query rows ``q_start + a`` at positio
 
 The forward and dq cut each segment's queries into tiles of BLOCK_M rows; a
 small kernel launched before them (:func:`segment_tables_kernel`) computes, on the
-device, the inclusive cumulative tile count per segment and a tile -> segment
-table, so grids depend on shapes only. A binary-search loop in the attention
+device, a table of every query tile's segment and place in it, in launch order
+(heaviest segments first), so grids depend on shapes only. A binary-search loop in the attention
 kernels themselves stops Triton's software pipeliner from pipelining the key
 loops that follow it (no async copies in the TTGIR, checked for sm_90 with
 triton 3.7), which costs the forward most of its speed. dk/dv runs one program per
@@ -19,8 +19,8 @@ start, also built on the device).
 For each tile the visible range of the other side is computed from the mask
 bounds; tiles entirely inside the mask run without the elementwise mask, only the
 boundary tiles apply it. Grids are 1-D with the heads of one tile adjacent
-(:func:`_program_tile`); the forward and dq run their query tiles last to first
-(:func:`_query_tile`), so a causal launch ends on its shortest tiles.
+(:func:`_program_tile`); the forward and dq run the segments heaviest first and each
+segment's tiles last to first (:func:`segment_tables_kernel`), so a launch ends on short tiles.
 
 With ``TMA`` (Hopper, see TMA_CONFIGS) the streamed tiles come from host tensor descriptors
 instead of pointer loads (:func:`_load_rows`); everything else is the same code.
@@ -29,7 +29,6 @@ instead of pointer loads (:func:`_load_rows`); everything else is the same code.
 import triton
 import triton.language as tl
 
-from custom_ops._triton_utils import search_sorted_right
 
 # Launch configurations, one table so they can be tuned on the GPU (the benchmark
 # overwrites entries). Per kernel: {largest BLOCK_D served: config}; the first
@@ -72,6 +71,10 @@ CONFIGS = {
 # 11.3 dense).
 # ``TMA_ENABLED = False`` makes every launch use the pointer loads (benchmarks time both forms).
 TMA_ENABLED = True
+# Per kernel: whether the forward and dq run the segments heaviest first (True) or last to
+# first (False, the order before 2026-11-25); each segment's tiles last to first either way
+# (:func:`segment_tables_kernel`; benchmarks time both orders).
+SEGMENTS_BY_WORK = {"fwd": True, "bwd_dq": True}
 TMA_CONFIGS = {
     "fwd": {
         64: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
@@ -159,12 +162,21 @@ def kernel_config(kernel: str, block_d: int, interpreting: bool, element_size: i
     return cfg
 
 
-# Segments handled per step of the segment-table kernel's loops (any count of segments is served
-# by looping, so the kernel is compiled once whatever the packing).
+# Segments, and tiles, handled per step of the segment-table kernel's loops (any count is
+# served by looping, so the kernel is compiled once whatever the packing); a power of two.
 TABLE_BLOCK = 1024
+# Launch-order buckets of the segments' work (:func:`segment_tables_kernel`): eight per
+# doubling of the key-tile count of a segment's last query tile, the last one holding every
+# segment of 2**15 key tiles and more.
+WORK_BUCKETS = 128
 
 
-@triton.jit(do_not_specialize=["n_seg", "num_q_rows", "num_k_rows", "num_tiles"])
+@triton.jit
+def _maximum(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit(do_not_specialize=["n_seg", "num_q_rows", "num_k_rows", "num_tiles", "left", "right"])
 def segment_tables_kernel(
     q_start_ptr,
     q_len_ptr,
@@ -173,21 +185,52 @@ def segment_tables_kernel(
     k_len_ptr,
     tab_ptr,  # [5, n_seg] int32: q_start, q_len, q_pos, k_start, k_len, clamped into the tensors
     cum_ptr,  # [n_seg] int32: inclusive cumulative count of TILE-row query tiles per segment
-    owner_ptr,  # [num_tiles] int32: the number of cum entries <= t, for every tile t of the grid
+    tiles_ptr,  # [5, num_tiles] int32: rows 0 and 1 the launch order, rows 2 to 4 scratch
     n_seg,
     num_q_rows,
     num_k_rows,
     num_tiles,
+    left,
+    right,
+    CAUSAL: tl.constexpr,
     TILE: tl.constexpr,
+    KEY_TILE: tl.constexpr,
+    BY_WORK: tl.constexpr,
     BLOCK: tl.constexpr,
+    BUCKETS: tl.constexpr,
 ):
-    """Every table a segment-attention launch needs, in one program: one launch where the
-    torch ops building them took about twenty small kernels.
+    """Every table a forward or dq launch needs, in one program: the clamped segment tables,
+    and for each of the grid's ``num_tiles`` query tiles, in the order the grid runs them,
+    its segment (row 0 of ``tiles``; ``n_seg`` for a tile past the last segment's) and its
+    index within the segment (row 1).
 
     Starts and lengths are clamped so that an invalid layout gives wrong rows but never
     an out-of-bounds access: ``start`` into ``[0, rows]``, ``len`` into
     ``[0, rows - start]``. Index tensors may be int32 or int64.
+
+    Launch order. Programs start in launch order as SMs free up, so a long tile started
+    near the end of the launch keeps its SM busy while the others idle; and the programs
+    running together share the L2, where tiles of one segment read the same K/V rows.
+    Without ``BY_WORK`` the segments run last to first, each segment's tiles last to first
+    (the whole table reversed; under a causal mask a segment's last tile is its longest).
+    With ``BY_WORK`` the segments run heaviest first, each one's tiles last to first: a
+    stable counting sort of the tiles on a bucket of their segment's work w, the number of
+    ``KEY_TILE``-row tiles of keys that the segment's last query tile sees
+    (:func:`_key_range`; under a causal mask the segment's longest tile), ``8 * floor(log2(w
+    + 1))`` plus the three bits after the leading one, so eight buckets per doubling and
+    segments whose work differs by less than an eighth keep their order. The launch then
+    ends on the short documents, and a segment's tiles still run side by side. (Sorting
+    the tiles themselves, longest first, mixes the tiles of many segments among the programs
+    running together: 4-7% slower forward at D = 256, docs/benchmarks.md.) Tiles past the
+    last segment's come last.
     """
+    # row 0 first holds, at tile t, one more than the last segment whose cum entry is t (its
+    # tiles and those of every segment before it end before t), so that the running maximum
+    # over the tiles up to t is the number of cum entries <= t: the segment of tile t
+    for c in range(0, num_tiles, BLOCK):
+        t = c + tl.arange(0, BLOCK)
+        tl.store(tiles_ptr + t, tl.zeros([BLOCK], dtype=tl.int32), mask=t < num_tiles)
+    tl.debug_barrier()
     carry = tl.full([], 0, tl.int32)
     for c in range(0, n_seg, BLOCK):
         i = c + tl.arange(0, BLOCK)
@@ -203,28 +246,78 @@ def segment_tables_kernel(
         tl.store(tab_ptr + 3 * n_seg + i, ks.to(tl.int32), mask=m)
         tl.store(tab_ptr + 4 * n_seg + i, kl.to(tl.int32), mask=m)
         tiles = ((ql + TILE - 1) // TILE).to(tl.int32)  # 0 past n_seg (ql = 0 there)
-        tl.store(cum_ptr + i, tl.cumsum(tiles, 0) + carry, mask=m)
+        cum = tl.cumsum(tiles, 0) + carry
+        tl.store(cum_ptr + i, cum, mask=m)
+        # the tile after segment i's last is the first of segment i + 1 (or of a later one,
+        # past segments without tiles: the largest i with that cum wins)
+        tl.atomic_max(tiles_ptr + cum, i + 1, mask=m & (cum < num_tiles))
         carry += tl.sum(tiles, 0)
-    # the loop below reads cum back: the whole program's stores first
+    num_live = tl.minimum(carry, num_tiles)  # the tiles that belong to a segment: 0 .. num_live - 1
+    # the loops below read cum and the scratch rows back: the program's stores first
     tl.debug_barrier()
+
+    # every tile's segment and index within it (BY_WORK: last to first, and the rank of its
+    # segment's work bucket, heaviest 0, and the tiles per rank) in scratch rows 2-4
+    count = tl.zeros([BUCKETS], dtype=tl.int32)
+    seg_before = tl.full([], 0, tl.int32)
     for c in range(0, num_tiles, BLOCK):
         t = c + tl.arange(0, BLOCK)
-        below = search_sorted_right(cum_ptr, n_seg, t) + 1
-        tl.store(owner_ptr + t, below.to(tl.int32), mask=t < num_tiles)
+        m = t < num_tiles
+        # the segment of tile t (n_seg past the last segment's tiles)
+        ends = tl.load(tiles_ptr + t, mask=m, other=0, cache_modifier=".cg")  # from L2, where the atomics went
+        s = tl.maximum(tl.associative_scan(ends, 0, _maximum), seg_before)
+        seg_before = tl.max(s, 0)
+        live = m & (s < n_seg)
+        seg_first = tl.load(cum_ptr + s - 1, mask=live & (s > 0), other=0)  # the segment's first tile
+        j = t - seg_first
+        if BY_WORK:
+            last = tl.load(cum_ptr + s, mask=live, other=0) - 1  # the segment's last tile
+            j = last - t  # the segment's tiles last to first
+            ql = tl.load(tab_ptr + n_seg + s, mask=live, other=0)
+            qp = tl.load(tab_ptr + 2 * n_seg + s, mask=live, other=0)
+            kl = tl.load(tab_ptr + 4 * n_seg + s, mask=live, other=0)
+            pos_lo = qp + (last - seg_first) * TILE
+            pos_hi = qp + ql - 1
+            lo, _, _, hi = _key_range(pos_lo, pos_hi, kl, left, right, CAUSAL, KEY_TILE)
+            work = (hi - lo + KEY_TILE - 1) // KEY_TILE
+            # 8 * floor(log2(work + 1)) + the 3 bits after the leading one: exponent and top
+            # mantissa bits of the float (exact below 2**24)
+            bits = (work + 1).to(tl.float32).to(tl.int32, bitcast=True)
+            bucket = tl.minimum(((bits >> 23) - 127) * 8 + ((bits >> 20) & 7), BUCKETS - 1)
+            rank = tl.where(live, BUCKETS - 1 - bucket, BUCKETS - 1)
+            tl.store(tiles_ptr + 4 * num_tiles + t, rank, mask=m)
+            count += tl.histogram(rank, BUCKETS, mask=m)
+        tl.store(tiles_ptr + 2 * num_tiles + t, s, mask=m)
+        tl.store(tiles_ptr + 3 * num_tiles + t, j, mask=m)
+    tl.debug_barrier()
 
-
-@triton.jit
-def _tile_owner_from_table(owner_ptr, cum_ptr, n_seg, tile):
-    """(s, j) from ``owner[tile]`` (the number of ``cum`` entries <= tile, built by the
-    launcher): two loads and no loop, so the loops after it pipeline.
-
-    A segment's tiles are handed out last first (the segment's first program gets
-    its last query tile): under a causal mask the last tiles see the most keys, and
-    starting the longest work first shortens the tail of the launch.
-    """
-    s = tl.load(owner_ptr + tile)
-    last = tl.load(cum_ptr + s, mask=s < n_seg, other=0) - 1  # the segment's last tile index
-    return s, last - tile
+    # BY_WORK: a stable counting sort by rank: a tile's place is the tiles of lower ranks, plus
+    # those of its rank in earlier blocks, plus those before it in its block (a sort of the
+    # block). Otherwise the live tiles reversed.
+    first = tl.cumsum(count, 0) - count  # per rank: its first place
+    lane = tl.arange(0, BLOCK)
+    for c in range(0, num_tiles, BLOCK):
+        t = c + lane
+        m = t < num_tiles
+        s = tl.load(tiles_ptr + 2 * num_tiles + t, mask=m, other=0)
+        j = tl.load(tiles_ptr + 3 * num_tiles + t, mask=m, other=0)
+        if BY_WORK:
+            rank = tl.load(tiles_ptr + 4 * num_tiles + t, mask=m, other=BUCKETS)  # lanes past the end last
+            key = tl.sort(rank * BLOCK + lane)
+            sorted_rank = key // BLOCK
+            sorted_lane = key % BLOCK
+            in_block = tl.histogram(rank, BUCKETS, mask=m)
+            # place of the i-th tile of the sorted block: first[r] + i - (tiles of lower ranks in the block)
+            shift = first - (tl.cumsum(in_block, 0) - in_block)
+            place = lane + tl.gather(shift, tl.minimum(sorted_rank, BUCKETS - 1), 0)
+            ok = sorted_rank < BUCKETS
+            tl.store(tiles_ptr + place, tl.gather(s, sorted_lane, 0), mask=ok)
+            tl.store(tiles_ptr + num_tiles + place, tl.gather(j, sorted_lane, 0), mask=ok)
+            first += in_block
+        else:
+            place = tl.where(t < num_live, num_live - 1 - t, t)
+            tl.store(tiles_ptr + place, s, mask=m)
+            tl.store(tiles_ptr + num_tiles + place, j, mask=m)
 
 
 @triton.jit
@@ -252,15 +345,13 @@ def _program_tile(num_parts, HEAD_GROUP: tl.constexpr):
 
 
 @triton.jit
-def _query_tile(num_heads, HEAVY_FIRST: tl.constexpr, HEAD_GROUP: tl.constexpr):
-    """``(tile, head)`` of a forward or dq program. Tiles are numbered by segment and, within
-    one, by position, so in a causal segment the work grows with the number: with
-    HEAVY_FIRST the grid runs them last to first, and the programs left for the end of the
-    launch (its tail, where SMs run idle while the last programs finish) are short ones."""
+def _query_tile(tile_seg_ptr, tile_row_ptr, num_heads, HEAD_GROUP: tl.constexpr):
+    """``(s, j, head)`` of a forward or dq program: query tile j of segment s, in the launch
+    order of the tile table (:func:`segment_tables_kernel`), the heads
+    as :func:`_program_tile` orders them. Two loads and no loop, so the loops after it
+    pipeline."""
     tile, h = _program_tile(num_heads, HEAD_GROUP)
-    if HEAVY_FIRST:
-        tile = tl.num_programs(0) // num_heads - 1 - tile
-    return tile, h
+    return tl.load(tile_seg_ptr + tile), tl.load(tile_row_ptr + tile), h
 
 
 @triton.jit
@@ -382,8 +473,8 @@ def varlen_attn_fwd_kernel(
     q_pos_ptr,
     k_start_ptr,
     k_len_ptr,
-    tile_cum_ptr,  # inclusive cumsum of cdiv(q_len, BLOCK_M)
-    tile_owner_ptr,  # [grid]: the segment of each query tile (n_seg past the last)
+    tile_seg_ptr,  # [num_tiles]: the segment of each query tile in launch order (n_seg: none)
+    tile_row_ptr,  # [num_tiles]: the tile's index within its segment (BLOCK_M-row tiles)
     n_seg,
     stride_qt,
     stride_qh,
@@ -405,7 +496,6 @@ def varlen_attn_fwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     K_ROWS: tl.constexpr = True,
-    HEAVY_FIRST: tl.constexpr = True,
     HEAD_GROUP: tl.constexpr = 1,
     TMA: tl.constexpr = False,
 ):
@@ -418,8 +508,7 @@ def varlen_attn_fwd_kernel(
     # a float argument can arrive as an fp64 scalar (seen from Inductor's launcher, torch 2.11):
     # fp32 keeps every tensor of the kernel in fp32 (loop-carried types must not change)
     qk_scale = tl.cast(qk_scale, tl.float32)
-    tile, h = _query_tile(num_heads, HEAVY_FIRST, HEAD_GROUP)
-    s, j = _tile_owner_from_table(tile_owner_ptr, tile_cum_ptr, n_seg, tile)
+    s, j, h = _query_tile(tile_seg_ptr, tile_row_ptr, num_heads, HEAD_GROUP)
     if s >= n_seg:
         return
     q_start = tl.load(q_start_ptr + s)
@@ -575,8 +664,8 @@ def varlen_attn_bwd_dq_kernel(
     q_pos_ptr,
     k_start_ptr,
     k_len_ptr,
-    tile_cum_ptr,  # inclusive cumsum of cdiv(q_len, BLOCK_M)
-    tile_owner_ptr,  # [grid]: the segment of each query tile (n_seg past the last)
+    tile_seg_ptr,  # [num_tiles]: the segment of each query tile in launch order (n_seg: none)
+    tile_row_ptr,  # [num_tiles]: the tile's index within its segment (BLOCK_M-row tiles)
     n_seg,
     stride_qt,
     stride_qh,
@@ -602,7 +691,6 @@ def varlen_attn_bwd_dq_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    HEAVY_FIRST: tl.constexpr = True,
     HEAD_GROUP: tl.constexpr = 1,
     TMA: tl.constexpr = False,
 ):
@@ -615,8 +703,7 @@ def varlen_attn_bwd_dq_kernel(
     # fp32 scales, as in the forward
     sm_scale = tl.cast(sm_scale, tl.float32)
     qk_scale = tl.cast(qk_scale, tl.float32)
-    tile, h = _query_tile(num_heads, HEAVY_FIRST, HEAD_GROUP)
-    s, j = _tile_owner_from_table(tile_owner_ptr, tile_cum_ptr, n_seg, tile)
+    s, j, h = _query_tile(tile_seg_ptr, tile_row_ptr, num_heads, HEAD_GROUP)
     if s >= n_seg:
         return
     q_start = tl.load(q_start_ptr + s)

@@ -34,6 +34,7 @@ from custom_ops._common import (
 from custom_ops.varlen_attention import kernels
 from custom_ops.varlen_attention.kernels import (
     TABLE_BLOCK,
+    WORK_BUCKETS,
     has_tma_config,
     kernel_config,
     segment_tables_kernel,
@@ -105,23 +106,31 @@ def _use_kernel(q: torch.Tensor) -> bool:
     return True
 
 
-def _segment_tables(seg, num_q_rows: int, num_k_rows: int, block: int, num_tiles: int, chunk: int = TABLE_BLOCK):
-    """``((q_start, q_len, q_pos, k_start, k_len), cum, owner)``, int32 on the device, from one
-    launch of :func:`segment_tables_kernel`: the segment tables clamped into the tensors (an
-    invalid layout gives wrong rows but never an out-of-bounds access; validate with
-    validate_varlen_segments), ``cum`` the inclusive cumulative count of ``block``-row query
-    tiles per segment, ``owner[t]`` the segment owning tile t of a ``num_tiles`` grid (the
-    number of ``cum`` entries <= t; ``len(cum)`` past the last tile). Sized from shapes only."""
+def _segment_tables(
+    seg, num_q_rows: int, num_k_rows: int, kernel: str, cfg: dict, num_tiles: int, causal: bool, left: int,
+    right: int, chunk: int = TABLE_BLOCK,
+):
+    """``((q_start, q_len, q_pos, k_start, k_len), tile_seg, tile_row)``, int32 on the device,
+    from one launch of :func:`segment_tables_kernel`: the segment tables clamped into the
+    tensors (an invalid layout gives wrong rows but never an out-of-bounds access; validate
+    with validate_varlen_segments), and for the ``num_tiles`` programs of a forward or dq grid
+    (``kernel``) with ``cfg``'s tiles, in launch order, each one's segment (``len(q_start)``
+    past the last query tile) and query tile within it. The segments run heaviest first (by
+    the visible keys of their last query tile under the mask) where
+    ``kernels.SEGMENTS_BY_WORK[kernel]``, else last to first; each segment's tiles last to
+    first. Sized from shapes only."""
     seg = [t.contiguous() for t in seg]  # the kernel reads them with unit stride
     n_seg = seg[0].shape[0]
     dev = seg[0].device
     tab = torch.empty((5, n_seg), dtype=torch.int32, device=dev)
     cum = torch.empty(n_seg, dtype=torch.int32, device=dev)
-    owner = torch.empty(num_tiles, dtype=torch.int32, device=dev)
+    tiles = torch.empty((5, num_tiles), dtype=torch.int32, device=dev)
     segment_tables_kernel[(1,)](
-        *seg, tab, cum, owner, n_seg, num_q_rows, num_k_rows, num_tiles, TILE=block, BLOCK=chunk, num_warps=4
-    )
-    return tab.unbind(0), cum, owner
+        *seg, tab, cum, tiles, n_seg, num_q_rows, num_k_rows, num_tiles, left, right,
+        CAUSAL=causal, TILE=cfg["BLOCK_M"], KEY_TILE=cfg["BLOCK_N"], BY_WORK=kernels.SEGMENTS_BY_WORK[kernel],
+        BLOCK=chunk, BUCKETS=WORK_BUCKETS, num_warps=4,
+    )  # fmt: skip
+    return tab.unbind(0), tiles[0], tiles[1]
 
 
 def _key_tile_segments(qs, ql, ks, kl, block: int, num_tiles: int, num_k_rows: int):
@@ -231,10 +240,12 @@ def _forward_kernel(q, k, v, seg, causal, left, right, scale):
     block_d = _block_d(d)
     cfg, descriptors = _launch_config("fwd", d, block_d, k, v)
     num_tiles = triton.cdiv(tq, cfg["BLOCK_M"]) + n_seg
-    (qs, ql, qp, ks, kl), cum, owner = _segment_tables(seg, tq, k.shape[0], cfg["BLOCK_M"], num_tiles)
+    (qs, ql, qp, ks, kl), tile_seg, tile_row = _segment_tables(
+        seg, tq, k.shape[0], "fwd", cfg, num_tiles, causal, left, right
+    )
     varlen_attn_fwd_kernel[(num_tiles * hq,)](
         q, k, v, out, lse, *descriptors,
-        qs, ql, qp, ks, kl, cum, owner, n_seg,
+        qs, ql, qp, ks, kl, tile_seg, tile_row, n_seg,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), lse.stride(0),
         hq // hkv, hq, scale * _LOG2E, left, right,
@@ -259,10 +270,12 @@ def _backward_kernel(dout, dlse, q, k, v, out, lse, seg, causal, left, right, sc
     delta = torch.empty((hq, tq), dtype=torch.float32, device=q.device)
     cfg, descriptors = _launch_config("bwd_dq", d, block_d, k, v)
     num_tiles = triton.cdiv(tq, cfg["BLOCK_M"]) + n_seg
-    (qs, ql, qp, ks, kl), cum, owner = _segment_tables(seg, tq, tk, cfg["BLOCK_M"], num_tiles)
+    (qs, ql, qp, ks, kl), tile_seg, tile_row = _segment_tables(
+        seg, tq, tk, "bwd_dq", cfg, num_tiles, causal, left, right
+    )
     varlen_attn_bwd_dq_kernel[(num_tiles * hq,)](
         q, k, v, out, dout, lse, dlse, delta, dq, *descriptors,
-        qs, ql, qp, ks, kl, cum, owner, n_seg,
+        qs, ql, qp, ks, kl, tile_seg, tile_row, n_seg,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), lse.stride(0),
         hq // hkv, hq, scale, scale * _LOG2E, left, right,

@@ -429,8 +429,8 @@ def test_kernel_padded_head_dim_and_other_tiles(monkeypatch):
 @pytest.mark.interpret
 @pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (False, (7, 3))])
 def test_kernel_launch_order_changes_no_bit(causal, window, monkeypatch):
-    """The launch order (query tiles longest first or in order, HEAVY_FIRST; heads grouped by
-    HEAD_GROUP) changes which program computes a tile, never how: the results are identical
+    """The launch order (segments heaviest first or last to first, SEGMENTS_BY_WORK; heads
+    grouped by HEAD_GROUP) changes which program computes a tile, never how: the results are identical
     bit for bit, and every tile is taken once (a tile skipped or done twice would show
     against the reference). Segments with 0-50 queries over a grid padded past the last
     tile; 4 query heads over 2 kv heads, run in groups of one and of both kv heads (an entry
@@ -439,13 +439,11 @@ def test_kernel_launch_order_changes_no_bit(causal, window, monkeypatch):
     q, k, v, seg = _tensors(layout, (4, 2), 16, torch.float32)
     got = _kernel_vs_reference(q, k, v, seg, causal, window)
     dout, dlse = _cotangents(q, 0)
-    orders = [("HEAVY_FIRST", False)] + [("HEAD_GROUP", g) for g in (1, 2, 3)]
+    orders = [("SEGMENTS_BY_WORK", False)] + [("HEAD_GROUP", g) for g in (1, 2, 3)]
     for key, value in orders:
         with monkeypatch.context() as m:
-            if key == "HEAVY_FIRST":
-                for name in ("fwd", "bwd_dq"):
-                    in_order = dict(kernels_mod.INTERPRET_CONFIGS[name], HEAVY_FIRST=False)
-                    m.setitem(kernels_mod.INTERPRET_CONFIGS, name, in_order)
+            if key == "SEGMENTS_BY_WORK":
+                m.setattr(kernels_mod, "SEGMENTS_BY_WORK", dict.fromkeys(kernels_mod.SEGMENTS_BY_WORK, False))
             else:
                 m.setattr(kernels_mod, "HEAD_GROUP", dict.fromkeys(kernels_mod.HEAD_GROUP, value))
             out, lse, grads = _run(custom_ops.varlen_attention, q, k, v, seg, causal, window, dout, dlse)
@@ -541,44 +539,105 @@ def test_kernel_rows_without_keys():
     _check_empty_rows(*_kernel_vs_reference(q, k, v, seg, True, (-1, -1)))
 
 
-def _tables_oracle(seg, num_q_rows, num_k_rows, block, num_tiles):
-    """What the segment-table kernel computes, in torch ops (the launchers' former code)."""
+def _bucket(work: torch.Tensor) -> torch.Tensor:
+    """The launch-order bucket of a segment's work w: 8 * floor(log2(w + 1)) plus the three bits
+    after the leading one (w < 2**24), at most kernels.WORK_BUCKETS - 1."""
+    w = work.to(torch.int64) + 1
+    exp = torch.floor(torch.log2(w.double())).long()
+    top = (w << 3) >> exp  # the leading one and the three bits after it: 8 .. 15
+    return torch.clamp(exp * 8 + top - 8, max=kernels_mod.WORK_BUCKETS - 1)
+
+
+def _tables_oracle(seg, num_q_rows, num_k_rows, block, key_block, num_tiles, causal, left, right, by_work):
+    """What the segment-table kernel computes, by a loop over the segments: the clamped tables,
+    the (segment, tile within it) of the grid's first ``num_tiles`` tiles in segment order, each
+    segment's tiles last to first, then put in launch order: with ``by_work`` sorted stably by
+    the bucket of the key tiles that the segment's last query tile sees, heaviest first;
+    otherwise reversed. Returns the tables, the segment of every program (``len(q_start)``
+    past the last tile) and the tile within its segment of every program that has one."""
     q_start, q_len, q_pos, k_start, k_len = (t.long() for t in seg)
     qs = q_start.clamp(0, num_q_rows)
     ql = torch.minimum(q_len.clamp(min=0), num_q_rows - qs)
     ks = k_start.clamp(0, num_k_rows)
     kl = torch.minimum(k_len.clamp(min=0), num_k_rows - ks)
-    cum = torch.cumsum((ql + block - 1) // block, 0)
-    owner = torch.searchsorted(cum, torch.arange(num_tiles), right=True)
-    return [t.int() for t in (qs, ql, q_pos, ks, kl)], cum.int(), owner.int()
+    qp = q_pos.int().tolist()  # the kernel keeps positions as int32
+    n = len(ql)
+
+    def work(s, last):  # key tiles visible to the query positions [pos_lo, pos_hi] of tile `last`
+        pos_lo, pos_hi = qp[s] + last * block, qp[s] + int(ql[s]) - 1
+        hi = int(kl[s])
+        if causal:
+            hi = min(hi, pos_hi + 1)
+        if right >= 0:
+            hi = min(hi, pos_hi + right + 1)
+        lo = max(pos_lo - left, 0) if left >= 0 else 0
+        return -(-max(hi - lo, 0) // key_block)
+
+    tiles, buckets = [], []  # (segment, tile) in segment order, each segment's last to first
+    for s in range(n):
+        count = -(-int(ql[s]) // block)
+        bucket = int(_bucket(torch.tensor(work(s, count - 1)))) if count else 0
+        for j in range(count):
+            tiles.append((s, count - 1 - j if by_work else j))
+            buckets.append(bucket)
+    tiles, buckets = tiles[:num_tiles], buckets[:num_tiles]
+    if by_work:
+        order = sorted(range(len(tiles)), key=lambda i: -buckets[i])  # stable
+    else:
+        order = range(len(tiles) - 1, -1, -1)
+    tile_seg = [tiles[i][0] for i in order] + [n] * (num_tiles - len(tiles))
+    tile_row = [tiles[i][1] for i in order]
+    as_int = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    return [x.int() for x in (qs, ql, q_pos, ks, kl)], as_int(tile_seg), as_int(tile_row)
 
 
 @st.composite
 def raw_segment_tables(draw):
     """Segment tables as a caller may pass them, invalid ones included: negative and oversized
-    starts and lengths, int32 or int64, up to 40 segments (several chunks of 16)."""
+    starts and lengths, int32 or int64, up to 40 segments (several chunks of 16); positions and
+    masks for the launch order; tile counts below, at and above what the segments need."""
     n = draw(st.integers(0, 40))
     tq, tk = draw(st.integers(0, 300)), draw(st.integers(0, 300))
     ints = st.integers(-20, 320)
     dtype = draw(st.sampled_from([torch.int32, torch.int64]))
     seg = [torch.tensor(draw(st.lists(ints, min_size=n, max_size=n)), dtype=dtype) for _ in range(5)]
-    return seg, tq, tk, draw(st.sampled_from([1, 16, 64])), draw(st.integers(0, 60))
+    mask = dict(
+        causal=draw(st.booleans()),
+        left=draw(st.sampled_from([-1, 0, 5, 100])),
+        right=draw(st.sampled_from([-1, 0, 7])),
+        by_work=draw(st.booleans()),
+    )
+    block, key_block = draw(st.sampled_from([1, 16, 64])), draw(st.sampled_from([1, 16, 32]))
+    return seg, tq, tk, block, key_block, draw(st.integers(0, 60)), mask
 
 
 @pytest.mark.interpret
-@settings(max_examples=25)
+@settings(max_examples=30)
 @given(raw_segment_tables())
 def test_segment_table_kernel_matches_torch(case):
-    """One launch builds the clamped tables, the tile counts and the tile -> segment table as the
-    torch ops did; chunks of 16 segments make the running count cross chunk boundaries."""
-    seg, tq, tk, block, num_tiles = case
+    """One launch builds the clamped tables and the tile table in launch order (heaviest
+    segments first, or last to first) as the oracle does; chunks of 16 segments make the
+    running count cross chunk boundaries, and so do the sort's running counts (up to 60 tiles)."""
+    seg, tq, tk, block, key_block, num_tiles, mask = case
     op_mod = sys.modules["custom_ops.varlen_attention.op"]
-    with poisoned_allocations():
-        tables, cum, owner = op_mod._segment_tables(seg, tq, tk, block, num_tiles, chunk=16)
-    want_tables, want_cum, want_owner = _tables_oracle(seg, tq, tk, block, num_tiles)
+    cfg = dict(BLOCK_M=block, BLOCK_N=key_block)
+    with poisoned_allocations(), pytest.MonkeyPatch.context() as m:
+        m.setitem(kernels_mod.SEGMENTS_BY_WORK, "fwd", mask["by_work"])
+        tables, tile_seg, tile_row = op_mod._segment_tables(
+            seg, tq, tk, "fwd", cfg, num_tiles, mask["causal"], mask["left"], mask["right"], chunk=16
+        )
+    want_tables, want_seg, want_row = _tables_oracle(seg, tq, tk, block, key_block, num_tiles, **mask)
     for got, want in zip(tables, want_tables):
         assert torch.equal(got, want)
-    assert torch.equal(cum, want_cum) and torch.equal(owner, want_owner)
+    assert torch.equal(tile_seg, want_seg)
+    n_live = len(want_row)  # the rows of tiles past the last segment's are not read
+    assert torch.equal(tile_row[:n_live], want_row)
+
+
+def test_work_bucket_oracle():
+    """The oracle's bucket: eight per doubling of w + 1, exact at the edges."""
+    w = torch.tensor([0, 1, 2, 3, 6, 7, 8, 15, 16, 17, 2**15 - 1, 2**20])
+    assert _bucket(w).tolist() == [0, 8, 12, 16, 22, 24, 25, 32, 32, 33, 120, 127]
 
 
 # --- the kernels on a GPU ------------------------------------------------------------------------
@@ -766,11 +825,15 @@ def test_key_and_query_loops_pipeline_on_hopper(kind, tma):
     assert ttgir.count(copy) >= 6, "the inner loops are not pipelined"
 
 
-def test_segment_table_kernel_compiles_for_hopper():
+@pytest.mark.parametrize("by_work", [True, False])
+def test_segment_table_kernel_compiles_for_hopper(by_work):
     """The table kernel runs only in the interpreter on CPU machines: compile it for sm_90 with
     the launch parameters of the op, so a construct the GPU compiler refuses fails here."""
     pytest.importorskip("triton.backends.nvidia")
-    config = dict(TILE=128, BLOCK=kernels_mod.TABLE_BLOCK, num_warps=4, num_stages=1)
+    config = dict(
+        TILE=128, KEY_TILE=128, BY_WORK=by_work, BLOCK=kernels_mod.TABLE_BLOCK,
+        BUCKETS=kernels_mod.WORK_BUCKETS, num_warps=4, num_stages=1,
+    )  # fmt: skip
     try:
         compiled = _compile_for_sm90(kernels_mod.segment_tables_kernel, config)
     except (ImportError, TypeError, AttributeError) as e:  # compile API of another triton release
