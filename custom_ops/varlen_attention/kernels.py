@@ -130,7 +130,11 @@ INTERPRET_CONFIGS = {
 # heads run in groups of at most 16 (not measured: past that the programs running together
 # read ever more K/V). In the forward no group gained more than 3.4% and some lost up to 3%
 # on the dense case; one kv head's query heads together (the entry below) read the same K/V.
-HEAD_GROUP = {"fwd": 1, "bwd_dq": 16, "bwd_dkdv": 16}
+# dq runs groups of 2 since the segments run heaviest first (SEGMENTS_BY_WORK; a sweep of 1,
+# 2, 16 the same day, three rounds): 1.254 against 1.282 ms at 16 on the packed case at D =
+# 128, 0.690 against 0.710 at D = 64, within 1% elsewhere (docs/benchmarks.md, "Segments
+# heaviest first").
+HEAD_GROUP = {"fwd": 1, "bwd_dq": 2, "bwd_dkdv": 16}
 
 
 def _lookup(table: dict, block_d: int) -> dict | None:
