@@ -188,7 +188,7 @@ def segment_tables_kernel(
     k_start_ptr,
     k_len_ptr,
     tab_ptr,  # [5, n_seg] int32: q_start, q_len, q_pos, k_start, k_len, clamped into the tensors
-    cum_ptr,  # [n_seg] int32: inclusive cumulative count of TILE-row query tiles per segment
+    cum_ptr,  # [n_seg] int32 scratch: inclusive cumulative count of TILE-row query tiles per segment
     tiles_ptr,  # [5, num_tiles] int32: rows 0 and 1 the launch order, rows 2 to 4 scratch
     n_seg,
     num_q_rows,

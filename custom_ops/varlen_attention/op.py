@@ -123,7 +123,7 @@ def _segment_tables(
     n_seg = seg[0].shape[0]
     dev = seg[0].device
     tab = torch.empty((5, n_seg), dtype=torch.int32, device=dev)
-    cum = torch.empty(n_seg, dtype=torch.int32, device=dev)
+    cum = torch.empty(n_seg, dtype=torch.int32, device=dev)  # scratch: the kernel reads it back
     tiles = torch.empty((5, num_tiles), dtype=torch.int32, device=dev)
     segment_tables_kernel[(1,)](
         *seg, tab, cum, tiles, n_seg, num_q_rows, num_k_rows, num_tiles, left, right,
