@@ -383,13 +383,17 @@ def _key_range(pos_lo, pos_hi, k_len, left, right, CAUSAL: tl.constexpr, BLOCK_N
 
 
 @triton.jit
-def _visible(pos, b, k_len, left, right, CAUSAL: tl.constexpr):
-    """Elementwise mask for query positions ``pos`` [M, 1] and key positions ``b`` [1, N]."""
+def _visible(pos, b, k_len, left, right, CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+    """Elementwise mask for query positions ``pos`` [M, 1] and key positions ``b`` [1, N].
+
+    The window's terms only where WINDOW (the launch has left >= 0 or right >= 0): for a
+    causal or full mask they are per-entry work with a known result."""
     vis = (b < k_len) & (b >= 0)
     if CAUSAL:
         vis = vis & (b <= pos)
-    vis = vis & ((left < 0) | (pos - b <= left))
-    vis = vis & ((right < 0) | (b - pos <= right))
+    if WINDOW:
+        vis = vis & ((left < 0) | (pos - b <= left))
+        vis = vis & ((right < 0) | (b - pos <= right))
     return vis
 
 
@@ -417,6 +421,7 @@ def _fwd_inner(
     stop,
     MASK: tl.constexpr,
     CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
     EVEN_D: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -447,7 +452,7 @@ def _fwd_inner(
         # the exponent instead measured no faster on the H100 and is wrong for scale <= 0)
         x = tl.dot(q, kt) * qk_scale
         if MASK:
-            x = tl.where(_visible(pos[:, None], b[None, :], k_len, left, right, CAUSAL), x, float("-inf"))
+            x = tl.where(_visible(pos[:, None], b[None, :], k_len, left, right, CAUSAL, WINDOW), x, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(x, 1))
         if MASK:
             # a row that has seen no visible key yet keeps m = -inf; shift by 0 instead
@@ -502,6 +507,7 @@ def varlen_attn_fwd_kernel(
     K_ROWS: tl.constexpr = True,
     HEAD_GROUP: tl.constexpr = 1,
     TMA: tl.constexpr = False,
+    WINDOW: tl.constexpr = True,  # whether left >= 0 or right >= 0 (:func:`_visible`)
 ):
     """One query tile x one query head: online softmax over the visible key tiles.
 
@@ -545,17 +551,17 @@ def varlen_attn_fwd_kernel(
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v, k_start, kvh * HEAD_DIM, pos, offs_d,
         k_len, left, right, qk_scale,
-        lo, mid_lo, True, CAUSAL, EVEN_D, HEAD_DIM, BLOCK_N, K_ROWS, TMA,
+        lo, mid_lo, True, CAUSAL, WINDOW, EVEN_D, HEAD_DIM, BLOCK_N, K_ROWS, TMA,
     )
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v, k_start, kvh * HEAD_DIM, pos, offs_d,
         k_len, left, right, qk_scale,
-        mid_lo, mid_hi, False, CAUSAL, EVEN_D, HEAD_DIM, BLOCK_N, K_ROWS, TMA,
+        mid_lo, mid_hi, False, CAUSAL, WINDOW, EVEN_D, HEAD_DIM, BLOCK_N, K_ROWS, TMA,
     )
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v, k_start, kvh * HEAD_DIM, pos, offs_d,
         k_len, left, right, qk_scale,
-        mid_hi, hi, True, CAUSAL, EVEN_D, HEAD_DIM, BLOCK_N, K_ROWS, TMA,
+        mid_hi, hi, True, CAUSAL, WINDOW, EVEN_D, HEAD_DIM, BLOCK_N, K_ROWS, TMA,
     )
 
     seen = l_i > 0
@@ -630,6 +636,7 @@ def _dq_inner(
     stop,
     MASK: tl.constexpr,
     CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
     EVEN_D: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -643,7 +650,7 @@ def _dq_inner(
         x = tl.dot(q, tl.trans(k)) * qk_scale
         p = tl.math.exp2(x - lse2[:, None])
         if MASK:
-            p = tl.where(_visible(pos[:, None], b[None, :], k_len, left, right, CAUSAL), p, 0.0)
+            p = tl.where(_visible(pos[:, None], b[None, :], k_len, left, right, CAUSAL, WINDOW), p, 0.0)
         dp = tl.dot(do, tl.trans(v))
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k)
@@ -697,6 +704,7 @@ def varlen_attn_bwd_dq_kernel(
     BLOCK_N: tl.constexpr,
     HEAD_GROUP: tl.constexpr = 1,
     TMA: tl.constexpr = False,
+    WINDOW: tl.constexpr = True,  # whether left >= 0 or right >= 0 (:func:`_visible`)
 ):
     """One query tile x one query head: ``dq = scale * sum_b P (dP - delta) k_b``,
     P recomputed from the saved lse, over the same key phases as the forward.
@@ -744,17 +752,17 @@ def varlen_attn_bwd_dq_kernel(
     dq = _dq_inner(
         dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v, k_start, kvh * HEAD_DIM, pos,
         offs_d, k_len, left, right, qk_scale,
-        lo, mid_lo, True, CAUSAL, EVEN_D, HEAD_DIM, BLOCK_N, TMA,
+        lo, mid_lo, True, CAUSAL, WINDOW, EVEN_D, HEAD_DIM, BLOCK_N, TMA,
     )
     dq = _dq_inner(
         dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v, k_start, kvh * HEAD_DIM, pos,
         offs_d, k_len, left, right, qk_scale,
-        mid_lo, mid_hi, False, CAUSAL, EVEN_D, HEAD_DIM, BLOCK_N, TMA,
+        mid_lo, mid_hi, False, CAUSAL, WINDOW, EVEN_D, HEAD_DIM, BLOCK_N, TMA,
     )
     dq = _dq_inner(
         dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, desc_k, desc_v, k_start, kvh * HEAD_DIM, pos,
         offs_d, k_len, left, right, qk_scale,
-        mid_hi, hi, True, CAUSAL, EVEN_D, HEAD_DIM, BLOCK_N, TMA,
+        mid_hi, hi, True, CAUSAL, WINDOW, EVEN_D, HEAD_DIM, BLOCK_N, TMA,
     )
     tl.store(
         DQ + rows[:, None] * stride_dqt + h * stride_dqh + offs_d[None, :],
@@ -815,6 +823,7 @@ def _dkdv_inner(
     stop,
     MASK: tl.constexpr,
     CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
     EVEN_D: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -840,7 +849,7 @@ def _dkdv_inner(
         xt = tl.dot(k, tl.trans(q)) * qk_scale
         pt = tl.math.exp2(xt - lse2[None, :])
         if MASK:
-            vis = _visible(q_pos + a[None, :], b[:, None], k_len, left, right, CAUSAL) & row_ok[None, :]
+            vis = _visible(q_pos + a[None, :], b[:, None], k_len, left, right, CAUSAL, WINDOW) & row_ok[None, :]
             pt = tl.where(vis, pt, 0.0)
         if WANT_DV:
             dv += tl.dot(pt.to(do.dtype), do)
@@ -863,6 +872,7 @@ def _dkdv_program(
     tile,
     kvh,
     CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -912,20 +922,20 @@ def _dkdv_program(
                 dk, dv = _dkdv_inner(
                     dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, desc_q, desc_do, q_start,
                     h * HEAD_DIM, b, offs_d,
-                    q_pos, q_len, k_len, left, right, qk_scale, lo, mid_lo, True, CAUSAL, EVEN_D, HEAD_DIM, BLOCK_M,
-                    WANT_DK, WANT_DV, TMA,
-                )
-                dk, dv = _dkdv_inner(
-                    dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, desc_q, desc_do, q_start,
-                    h * HEAD_DIM, b, offs_d,
-                    q_pos, q_len, k_len, left, right, qk_scale, mid_lo, mid_hi, False, CAUSAL, EVEN_D, HEAD_DIM,
+                    q_pos, q_len, k_len, left, right, qk_scale, lo, mid_lo, True, CAUSAL, WINDOW, EVEN_D, HEAD_DIM,
                     BLOCK_M, WANT_DK, WANT_DV, TMA,
                 )
                 dk, dv = _dkdv_inner(
                     dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, desc_q, desc_do, q_start,
                     h * HEAD_DIM, b, offs_d,
-                    q_pos, q_len, k_len, left, right, qk_scale, mid_hi, hi, True, CAUSAL, EVEN_D, HEAD_DIM, BLOCK_M,
-                    WANT_DK, WANT_DV, TMA,
+                    q_pos, q_len, k_len, left, right, qk_scale, mid_lo, mid_hi, False, CAUSAL, WINDOW, EVEN_D, HEAD_DIM,
+                    BLOCK_M, WANT_DK, WANT_DV, TMA,
+                )
+                dk, dv = _dkdv_inner(
+                    dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, desc_q, desc_do, q_start,
+                    h * HEAD_DIM, b, offs_d,
+                    q_pos, q_len, k_len, left, right, qk_scale, mid_hi, hi, True, CAUSAL, WINDOW, EVEN_D, HEAD_DIM,
+                    BLOCK_M, WANT_DK, WANT_DV, TMA,
                 )
     out_off = rows64[:, None] * stride_dkt + kvh * stride_dkh + offs_d[None, :]
     if WANT_DK:
@@ -980,6 +990,7 @@ def varlen_attn_bwd_dkdv_kernel(
     PARTS: tl.constexpr = 1,
     TMA: tl.constexpr = False,
     HEAD_GROUP: tl.constexpr = 1,
+    WINDOW: tl.constexpr = True,  # whether left >= 0 or right >= 0 (:func:`_visible`)
 ):
     """One tile of BLOCK_N rows of the key tensor x one kv head (x dk or dv, with PARTS = 2):
     ``dv_b = sum_a P_ab dout_a``, ``dk_b = scale * sum_a P_ab (dP_ab - delta_a) q_a``
@@ -1020,19 +1031,19 @@ def varlen_attn_bwd_dkdv_kernel(
             Q, K, V, DO, LSE, DELTA, DK, DV, desc_q, desc_do, q_start_ptr, q_len_ptr, q_pos_ptr, k_start_ptr,
             k_len_ptr, order_ptr, first_ptr, last_ptr, num_k_rows, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
             stride_dot, stride_doh, stride_dkt, stride_dkh, stride_lh, group, sm_scale, qk_scale, left, right, tile, kvh,
-            CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, True, TMA,
+            CAUSAL, WINDOW, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, True, TMA,
         )
     elif part % 2 == 0:
         _dkdv_program(
             Q, K, V, DO, LSE, DELTA, DK, DV, desc_q, desc_do, q_start_ptr, q_len_ptr, q_pos_ptr, k_start_ptr,
             k_len_ptr, order_ptr, first_ptr, last_ptr, num_k_rows, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
             stride_dot, stride_doh, stride_dkt, stride_dkh, stride_lh, group, sm_scale, qk_scale, left, right, tile, kvh,
-            CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False, True, TMA,
+            CAUSAL, WINDOW, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False, True, TMA,
         )
     else:
         _dkdv_program(
             Q, K, V, DO, LSE, DELTA, DK, DV, desc_q, desc_do, q_start_ptr, q_len_ptr, q_pos_ptr, k_start_ptr,
             k_len_ptr, order_ptr, first_ptr, last_ptr, num_k_rows, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
             stride_dot, stride_doh, stride_dkt, stride_dkh, stride_lh, group, sm_scale, qk_scale, left, right, tile, kvh,
-            CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, False, TMA,
+            CAUSAL, WINDOW, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, False, TMA,
         )

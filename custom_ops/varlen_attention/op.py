@@ -227,6 +227,12 @@ def _head_group(kernel: str, num_kv_heads: int, per_kv_head: int) -> int:
     return math.gcd(kernels.HEAD_GROUP[kernel], num_kv_heads) * per_kv_head
 
 
+def _has_window(left: int, right: int) -> bool:
+    """The kernels' WINDOW: whether the mask has a window side (compiled out of the elementwise
+    mask without one; two specializations per kernel, not one per window)."""
+    return left >= 0 or right >= 0
+
+
 def _forward_kernel(q, k, v, seg, causal, left, right, scale):
     tq, hq, d = q.shape
     hkv = k.shape[1]
@@ -249,7 +255,8 @@ def _forward_kernel(q, k, v, seg, causal, left, right, scale):
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), lse.stride(0),
         hq // hkv, hq, scale * _LOG2E, left, right,
-        CAUSAL=causal, HEAD_DIM=d, BLOCK_D=block_d, HEAD_GROUP=_head_group("fwd", hkv, hq // hkv), **cfg,
+        CAUSAL=causal, WINDOW=_has_window(left, right), HEAD_DIM=d, BLOCK_D=block_d,
+        HEAD_GROUP=_head_group("fwd", hkv, hq // hkv), **cfg,
     )  # fmt: skip
     return out, lse
 
@@ -279,7 +286,8 @@ def _backward_kernel(dout, dlse, q, k, v, out, lse, seg, causal, left, right, sc
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), lse.stride(0),
         hq // hkv, hq, scale, scale * _LOG2E, left, right,
-        CAUSAL=causal, HEAD_DIM=d, BLOCK_D=block_d, HEAD_GROUP=_head_group("bwd_dq", hkv, hq // hkv), **cfg,
+        CAUSAL=causal, WINDOW=_has_window(left, right), HEAD_DIM=d, BLOCK_D=block_d,
+        HEAD_GROUP=_head_group("bwd_dq", hkv, hq // hkv), **cfg,
     )  # fmt: skip
 
     cfg, descriptors = _launch_config("bwd_dkdv", d, block_d, q, dout)
@@ -294,7 +302,8 @@ def _backward_kernel(dout, dlse, q, k, v, out, lse, seg, causal, left, right, sc
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         dout.stride(0), dout.stride(1), dk.stride(0), dk.stride(1), lse.stride(0),
         hq // hkv, hkv, scale, scale * _LOG2E, left, right,
-        CAUSAL=causal, HEAD_DIM=d, BLOCK_D=block_d, HEAD_GROUP=_head_group("bwd_dkdv", hkv, cfg.get("PARTS", 1)),
+        CAUSAL=causal, WINDOW=_has_window(left, right), HEAD_DIM=d, BLOCK_D=block_d,
+        HEAD_GROUP=_head_group("bwd_dkdv", hkv, cfg.get("PARTS", 1)),
         **cfg,
     )  # fmt: skip
     return dq, dk, dv
