@@ -452,6 +452,22 @@ def test_kernel_launch_order_changes_no_bit(causal, window, monkeypatch):
 
 
 @pytest.mark.interpret
+@pytest.mark.parametrize("causal", [True, False])
+def test_kernel_window_terms_change_no_bit(causal, monkeypatch):
+    """Launches without a window compile the window's mask terms out (WINDOW off); with them
+    compiled in, every term is true there: the results are the same bits."""
+    op_mod = sys.modules["custom_ops.varlen_attention.op"]
+    layout = ([0, 50, 50, 51], [50, 0, 1, 33], [0, 3, 0, 10], [0, 50, 50, 60], [50, 10, 1, 40], 84, 100)
+    q, k, v, seg = _tensors(layout, (2, 1), 16, torch.float32)
+    got = _kernel_vs_reference(q, k, v, seg, causal, (-1, -1))
+    dout, dlse = _cotangents(q, 0)
+    monkeypatch.setattr(op_mod, "_has_window", lambda left, right: True)
+    out, lse, grads = _run(custom_ops.varlen_attention, q, k, v, seg, causal, (-1, -1), dout, dlse)
+    for a, b in zip([*got[:2], *got[2]], [out, lse, *grads]):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.interpret
 @pytest.mark.parametrize("head_dim", [16, 24])
 @pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (False, (7, 3))])
 def test_kernel_dkdv_in_two_programs(head_dim, causal, window, monkeypatch):
@@ -802,11 +818,13 @@ _KERNELS = {
 }
 
 
+@pytest.mark.parametrize("window", [False, True])
 @pytest.mark.parametrize("tma", [False, True])
 @pytest.mark.parametrize("kind", list(_KERNELS))
-def test_key_and_query_loops_pipeline_on_hopper(kind, tma):
+def test_key_and_query_loops_pipeline_on_hopper(kind, tma, window):
     """The inner loops must be software-pipelined (async copies into shared memory: cp.async
-    with pointer loads, TMA copies with descriptors).
+    with pointer loads, TMA copies with descriptors), with the window's mask terms compiled
+    in and without (``WINDOW``, the causal launches).
 
     A loop in the kernel before them (an in-kernel binary search for the tile's
     segment) once stopped Triton from pipelining the forward's key loops: no async
@@ -814,7 +832,7 @@ def test_key_and_query_loops_pipeline_on_hopper(kind, tma):
     compiles the kernels for sm_90 with their H100 launch configs, on the CPU.
     """
     pytest.importorskip("triton.backends.nvidia")
-    config = kernels_mod.kernel_config(kind, 128, interpreting=False, tma=tma)
+    config = dict(kernels_mod.kernel_config(kind, 128, interpreting=False, tma=tma), WINDOW=window)
     try:
         ttgir = _compile_for_sm90(_KERNELS[kind], config).asm["ttgir"]
     except (ImportError, TypeError, AttributeError) as e:  # compile API of another triton release
