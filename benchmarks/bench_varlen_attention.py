@@ -111,11 +111,25 @@ def segments_last_to_first():
     return _kernel_setting("SEGMENTS_BY_WORK", dict.fromkeys(kernels.SEGMENTS_BY_WORK, False))
 
 
+@contextlib.contextmanager
+def window_terms_always():
+    """The kernels compiled with the window's terms in the elementwise mask for every launch
+    (WINDOW always on), as before 2026-11-25's last change: the same results, more work per
+    masked entry under causal and full masks."""
+    saved = op_mod._has_window
+    op_mod._has_window = lambda left, right: True
+    try:
+        yield
+    finally:
+        op_mod._has_window = saved
+
+
 # Earlier forms of the kernels, timed beside the current one: {row name: context manager}.
 VARIANTS = {
     "varlen_attention, pointer loads": pointer_loads,
     "varlen_attention, one head at a time": heads_one_at_a_time,
     "varlen_attention, segments last to first": segments_last_to_first,
+    "varlen_attention, window terms always": window_terms_always,
 }
 
 
