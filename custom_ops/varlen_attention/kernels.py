@@ -18,7 +18,8 @@ start, also built on the device).
 
 For each tile the visible range of the other side is computed from the mask
 bounds; tiles entirely inside the mask run without the elementwise mask, only the
-boundary tiles apply it. Grids are 1-D with the heads of one tile adjacent
+boundary tiles apply it (with the window's terms only in launches that have a window,
+``WINDOW``). Grids are 1-D with the heads of one tile adjacent
 (:func:`_program_tile`); the forward and dq run the segments heaviest first and each
 segment's tiles last to first (:func:`segment_tables_kernel`), so a launch ends on short tiles.
 
