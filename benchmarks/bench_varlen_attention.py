@@ -85,14 +85,15 @@ def varlen_fn(q, k, v, seg):
 
 
 @contextlib.contextmanager
-def _kernel_setting(name: str, value):
-    """The kernels with ``custom_ops.varlen_attention.kernels.<name> = value`` inside the block."""
-    saved = getattr(kernels, name)
-    setattr(kernels, name, value)
+def _kernel_setting(name: str, value, module=kernels):
+    """The kernels with ``<module>.<name> = value`` inside the block (``module``: by default
+    custom_ops.varlen_attention.kernels; the launcher, op_mod, for what it decides)."""
+    saved = getattr(module, name)
+    setattr(module, name, value)
     try:
         yield
     finally:
-        setattr(kernels, name, saved)
+        setattr(module, name, saved)
 
 
 def pointer_loads():
@@ -111,17 +112,11 @@ def segments_last_to_first():
     return _kernel_setting("SEGMENTS_BY_WORK", dict.fromkeys(kernels.SEGMENTS_BY_WORK, False))
 
 
-@contextlib.contextmanager
 def window_terms_always():
     """The kernels compiled with the window's terms in the elementwise mask for every launch
     (WINDOW always on), as before 2026-11-25's last change: the same results, more work per
     masked entry under causal and full masks."""
-    saved = op_mod._has_window
-    op_mod._has_window = lambda left, right: True
-    try:
-        yield
-    finally:
-        op_mod._has_window = saved
+    return _kernel_setting("_has_window", lambda left, right: True, op_mod)
 
 
 # Earlier forms of the kernels, timed beside the current one: {row name: context manager}.

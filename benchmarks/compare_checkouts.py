@@ -36,7 +36,6 @@ def child(tree: str, head_dims: list[int]) -> None:
 
     if not torch.cuda.is_available():
         raise SystemExit("this comparison needs a CUDA device")
-
     if not bench.custom_ops.__file__.startswith(os.path.join(tree, "")):
         raise SystemExit(f"imported {bench.custom_ops.__file__}, not the checkout {tree}")
     for d in head_dims:
@@ -54,7 +53,7 @@ def child(tree: str, head_dims: list[int]) -> None:
                 triton.testing.do_bench(fwd, warmup=10, rep=200, return_mode="median") for _ in range(3)
             )}  # fmt: skip
             for name, t in kernel_breakdown(bwd, runs=20):
-                for kind in ("dq", "dkdv"):
+                for kind in KINDS[1:]:
                     if f"bwd_{kind}_kernel" in name:
                         ms[kind] = ms.get(kind, 0.0) + t
             print("TIMES", json.dumps({"d": d, "case": case, **ms}), flush=True)
