@@ -335,23 +335,32 @@ class RMSNorm(nn.Module):
         return (normed * (1.0 + self.weight.to(wide))).to(x.dtype)
 
 
-def apply_rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary position embedding, rotate-half convention, over the whole head dim.
+def apply_rotary(
+    x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int | None = None
+) -> torch.Tensor:
+    """Rotary position embedding, rotate-half convention, on the first ``rotary_dim`` features.
 
-    x ``[T, H, D]`` (D even), positions ``[T]`` (integer). With
-    ``f_m = theta ** (-2m / D)`` for ``m < D/2`` and ``x = [x1, x2]`` (halves)::
+    x ``[T, H, D]``, positions ``[T]`` (integer), ``rotary_dim`` R (even, ``0 < R <= D``;
+    None: all D). With ``f_m = theta ** (-2m / R)`` for ``m < R/2`` and the first R
+    features of x split in halves ``[x1, x2]``::
 
-        out = [x1 cos - x2 sin, x2 cos + x1 sin],   angle = position * f_m
+        out = [x1 cos - x2 sin, x2 cos + x1 sin, x[..., R:]],   angle = position * f_m
 
-    Angles and products in at least float32; the result has x's dtype.
+    the last ``D - R`` features passed through (transformers' partial rotary embedding,
+    ``R = int(head_dim * partial_rotary_factor)``). Angles and products in at least
+    float32; the result has x's dtype.
     """
     d = x.shape[-1]
+    rd = d if rotary_dim is None else rotary_dim
+    if rd % 2 or not 0 < rd <= d:
+        raise ValueError(f"rotary_dim must be even and in (0, {d}] for x of shape {tuple(x.shape)}, got {rd}")
     wide = torch.promote_types(x.dtype, torch.float32)
-    inv_freq = theta ** (-torch.arange(0, d, 2, device=x.device, dtype=wide) / d)
-    angle = positions.to(wide)[:, None] * inv_freq[None, :]  # [T, D/2]
+    inv_freq = theta ** (-torch.arange(0, rd, 2, device=x.device, dtype=wide) / rd)
+    angle = positions.to(wide)[:, None] * inv_freq[None, :]  # [T, R/2]
     cos, sin = angle.cos()[:, None, :], angle.sin()[:, None, :]
-    x1, x2 = x.to(wide).chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    x1, x2 = x[..., :rd].to(wide).chunk(2, dim=-1)
+    rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    return rotated if rd == d else torch.cat([rotated, x[..., rd:]], dim=-1)
 
 
 class Attention(nn.Module):
@@ -362,7 +371,9 @@ class Attention(nn.Module):
         q, gate = q_proj(x)              gated: per head, D query features then D gate features
         k, v = k_proj(x), v_proj(x)      [Hkv, D] each
         q, k = q_norm(q), k_norm(k)      qk_norm: per-head zero-centred RMSNorm (RMSNorm above)
-        q, k = rope(q), rope(k)          rotate-half, all D features, at each token's sequence position
+        q, k = rope(q), rope(k)          rotate-half on the first R = int(D * partial_rotary_factor)
+                                         features (frequencies over R), at each token's sequence
+                                         position; the other D - R features passed through
         o = ag_thd_attention(q, k, v)    causal / window as configured, scale D ** -0.5
         out = o_proj(o * sigmoid(gate))  gated; o_proj(o) otherwise
 
@@ -370,9 +381,13 @@ class Attention(nn.Module):
     (rows grouped per head: head h's D query rows, then its D gate rows, as
     Qwen3-Next lays them out), ``k_proj.weight``, ``v_proj.weight [Hkv*D, hidden]``,
     ``o_proj.weight [hidden, Hq*D]``, and with qk_norm ``q_norm.weight``,
-    ``k_norm.weight [D]`` (zeros at init: the scale is ``1 + weight``). Qwen3-Next
-    rotates only the first quarter of the head dim (``partial_rotary_factor``);
-    this layer rotates all D features.
+    ``k_norm.weight [D]`` (zeros at init: the scale is ``1 + weight``).
+
+    Qwen3-Next's attention is this layer with ``partial_rotary_factor=0.25`` (64 of
+    its 256 features rotated, inverse frequencies ``rope_theta ** (-2m / 64)``) and
+    ``rope_theta`` from the checkpoint's config (``config.rope_parameters["rope_theta"]``,
+    1e7 in the released Qwen3-Next checkpoints): the rotary embedding of transformers'
+    ``Qwen3NextRotaryEmbedding`` and ``apply_rotary_pos_emb`` (see :func:`apply_rotary`).
 
     ``forward(x, cu_seqlens, cu_seqlens_padded, group=None)``: x ``[T/W, hidden]``,
     this rank's THD shard (the whole batch when group is None), with the *global*
@@ -393,6 +408,7 @@ class Attention(nn.Module):
         *,
         gated: bool = True,
         rope_theta: float = 10000.0,
+        partial_rotary_factor: float = 1.0,
         qk_norm: bool = True,
         norm_eps: float = 1e-6,
         causal: bool = True,
@@ -406,11 +422,17 @@ class Attention(nn.Module):
         self.head_groups = head_groups
         if num_kv_heads < 1 or num_heads % num_kv_heads:
             raise ValueError(f"num_heads = {num_heads} must be a multiple of num_kv_heads = {num_kv_heads}")
-        if head_dim % 2:
-            raise ValueError(f"head_dim must be even for the rotary embedding, got {head_dim}")
+        rotary_dim = int(head_dim * partial_rotary_factor)
+        if not 0 < partial_rotary_factor <= 1 or rotary_dim < 2 or rotary_dim % 2:
+            raise ValueError(
+                f"partial_rotary_factor = {partial_rotary_factor} with head_dim = {head_dim} rotates "
+                f"int(head_dim * partial_rotary_factor) = {rotary_dim} features; the factor must be in (0, 1] "
+                "and the rotated width even and at least 2"
+            )
         self.hidden_size = hidden_size
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.gated, self.rope_theta, self.causal = gated, rope_theta, causal
+        self.partial_rotary_factor, self.rotary_dim = partial_rotary_factor, rotary_dim
         self.window = (int(window[0]), int(window[1]))
         self.q_proj = nn.Linear(hidden_size, num_heads * head_dim * (2 if gated else 1), bias=False)
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
@@ -426,7 +448,7 @@ class Attention(nn.Module):
         rank = group_rank(group)
         rows = x.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        q = self.q_proj(x).view(rows, hq, -1)
+        q = self.q_proj(x).view(rows, hq, 2 * d if self.gated else d)  # sizes given, not -1: rows may be 0
         gate = None
         if self.gated:
             q, gate = q[..., :d], q[..., d:]
@@ -435,8 +457,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         positions = local_positions(cu_seqlens_padded, world, rank, rows)
-        q = apply_rotary(q, positions, self.rope_theta)
-        k = apply_rotary(k, positions, self.rope_theta)
+        q = apply_rotary(q, positions, self.rope_theta, self.rotary_dim)
+        k = apply_rotary(k, positions, self.rope_theta, self.rotary_dim)
         o = ag_thd_attention(
             q, k, v, cu_seqlens, cu_seqlens_padded, causal=self.causal, window=self.window, group=group,
             head_groups=self.head_groups,

@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 import cp_ops
 import custom_ops
 from cp_ops import Attention, ag_thd_attention, ag_thd_attention_reference, ag_thd_segments, pad_cu_seqlens, shard_thd
+from cp_ops.attention import apply_rotary
 from custom_ops.testing import TOLERANCE, random_seqlens, rel_error, thd_layouts
 from custom_ops.thd_copy_valid_tokens.reference import valid_token_mask
 from tests._dist import collective_windows, run_ranks
@@ -177,6 +178,11 @@ def test_bad_input():
             ag_thd_attention(q, k, v, cu, cup, head_groups=groups)
     with pytest.raises(ValueError, match="head_groups must be a positive divisor of num_kv_heads = 2"):
         Attention(HIDDEN, 4, 2, 8, head_groups=3)
+    for factor in (0.1, 0.375, 1.5, 0.0):  # 0, 3 (odd), 12 (> head_dim) and 0 features rotated
+        with pytest.raises(ValueError, match=f"partial_rotary_factor = {factor} with head_dim = 8 rotates"):
+            Attention(HIDDEN, 4, 2, 8, partial_rotary_factor=factor)
+    with pytest.raises(ValueError, match="rotary_dim must be even and in \\(0, 4\\] for x of shape \\(8, 2, 4\\), got 6"):
+        apply_rotary(q, torch.arange(8), 10000.0, 6)
     with pytest.raises(ValueError, match="query heads \\(1\\) must be a multiple of the kv heads \\(2\\)"):
         ag_thd_attention(q[:, :1], torch.cat([k, k], 1), torch.cat([v, v], 1), cu, cup)
     with pytest.raises(ValueError, match="must be a multiple of the kv heads \\(0\\)"):  # no kv heads
@@ -198,10 +204,51 @@ def _layer(heads, seed=0, **kwargs):
     return layer
 
 
-def test_layer_matches_its_formula():
-    """The layer on one device, written out with the global reference (the docstring's formula)."""
-    layer = _layer((4, 2))
-    cu, cup = pad_cu_seqlens([7, 0, 1, 12], 1)
+def _sequence_positions(cu, cup):
+    """Every row's position in its sequence, padding rows included, from a loop over sequences."""
+    pos = torch.zeros(int(cup[-1]), dtype=torch.float64)
+    for start, end in zip(cup[:-1].tolist(), cup[1:].tolist()):
+        pos[start:end] = torch.arange(end - start, dtype=torch.float64)
+    return pos
+
+
+def _rope_formula(t, pos, theta, rotary_dim):
+    """Partial rotary embedding written out: feature pairs (m, m + R/2) of the first R features
+    turned by pos * theta^(-2m/R), the rest left as they are."""
+    half = rotary_dim // 2
+    out = t.clone()
+    for m in range(half):
+        ang = (pos * theta ** (-2 * m / rotary_dim))[:, None]
+        a, b = t[..., m], t[..., m + half]
+        out[..., m] = a * ang.cos() - b * ang.sin()
+        out[..., m + half] = b * ang.cos() + a * ang.sin()
+    return out
+
+
+@given(thd_layouts(max_seqs=4, max_len=30, cp_sizes=(1, 2, 3, 4)), st.sampled_from([0.25, 0.5, 1.0]))
+def test_rotary_on_every_shard_matches_the_formula(layout, factor):
+    """apply_rotary on rank r's shard at local_positions equals rank r's shard of the formula
+    applied at the global sequence positions: partial widths and the CP positions together."""
+    world, seqlens = layout
+    cu, cup = pad_cu_seqlens(seqlens, world)
+    x = torch.randn(int(cup[-1]), 3, 16, dtype=torch.float64)
+    rotary_dim = int(16 * factor)
+    want = _rope_formula(x, _sequence_positions(cu, cup), 500.0, rotary_dim)
+    for rank in range(world):
+        local = shard_thd(x, cup, world, rank)
+        pos = cp_ops.local_positions(cup, world, rank, local.shape[0])
+        got = apply_rotary(local, pos, 500.0, rotary_dim)
+        assert rel_error(got, shard_thd(want, cup, world, rank)) < TOL, f"rank {rank}"
+        assert torch.equal(got[..., rotary_dim:], local[..., rotary_dim:])  # passed through untouched
+
+
+@given(thd_layouts(max_seqs=4, max_len=20, cp_sizes=(1, 2, 3)), st.sampled_from([0.25, 0.5, 1.0]))
+def test_layer_matches_its_formula(layout, factor):
+    """The layer on one device, written out with the global reference (the docstring's formula),
+    rotating the first int(8 * factor) of the 8 features of each head."""
+    _, seqlens = layout
+    layer = _layer((4, 2), partial_rotary_factor=factor, rope_theta=300.0)
+    cu, cup = pad_cu_seqlens(seqlens, layout[0])
     x = torch.randn(int(cup[-1]), HIDDEN, dtype=torch.float64)
     rows, d = x.shape[0], 8
     qg = layer.q_proj(x).view(rows, 4, 2 * d)
@@ -211,16 +258,55 @@ def test_layer_matches_its_formula():
     def norm(t, w):
         return t / (t.square().mean(-1, keepdim=True) + 1e-6).sqrt() * (1 + w)
 
-    def rope(t):
-        pos = cp_ops.local_positions(cup, 1, 0, rows).double()
-        ang = pos[:, None] * 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
-        cos, sin = torch.cat([ang, ang], -1).cos()[:, None], torch.cat([ang, ang], -1).sin()[:, None]
-        return t * cos + torch.cat([-t[..., d // 2 :], t[..., : d // 2]], -1) * sin
-
-    q, k = rope(norm(q, layer.q_norm.weight)), rope(norm(k, layer.k_norm.weight))
+    pos = _sequence_positions(cu, cup)
+    q = _rope_formula(norm(q, layer.q_norm.weight), pos, 300.0, int(d * factor))
+    k = _rope_formula(norm(k, layer.k_norm.weight), pos, 300.0, int(d * factor))
     o = ag_thd_attention_reference(q, k, v, cu, cup)
-    want = layer.o_proj((o * torch.sigmoid(gate)).reshape(rows, -1))
+    want = layer.o_proj((o * torch.sigmoid(gate)).reshape(rows, 4 * d))
     assert rel_error(layer(x, cu, cup).detach(), want.detach()) < TOL
+
+
+def test_layer_matches_transformers_qwen3_next_attention():
+    """Qwen3NextAttention's weights loaded into Attention(partial_rotary_factor=0.25, rope_theta
+    from its config) give its output, float64, every sequence run alone through transformers.
+
+    transformers computes the rotary angles in float32 whatever the dtype; the cos / sin given
+    to it here are its formula (``Qwen3NextRotaryEmbedding``) evaluated in float64, so the two
+    agree to float64 rounding, not float32 angles. Its q/k RMSNorm runs in float32 (``x.float()``
+    in ``Qwen3NextRMSNorm``; ours in float64), which leaves differences of about 1e-7: the bound
+    is 1e-6 rather than 1e-10."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextAttention
+
+    theta, head_dim = 1e6, 16
+    config = transformers.Qwen3NextConfig(
+        hidden_size=HIDDEN, num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
+        rope_parameters={"rope_type": "default", "rope_theta": theta, "partial_rotary_factor": 0.25},
+        attn_implementation="eager", num_hidden_layers=1, layer_types=["full_attention"],
+    )  # fmt: skip
+    torch.manual_seed(4)
+    theirs = Qwen3NextAttention(config, layer_idx=0).double()
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.copy_(torch.randn_like(p) * (HIDDEN**-0.5 if p.dim() == 2 else 0.3))
+    ours = Attention(HIDDEN, 4, 2, head_dim, rope_theta=theta, partial_rotary_factor=0.25,
+                     norm_eps=config.rms_norm_eps).double()  # fmt: skip
+    ours.load_state_dict(theirs.state_dict())  # the same names and layouts
+
+    rotary_dim = int(head_dim * config.rope_parameters["partial_rotary_factor"])
+    inv_freq = 1.0 / theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
+    seqlens = [1, 9, 0, 70]
+    cu, cup = pad_cu_seqlens(seqlens, 1)
+    x = torch.randn(int(cup[-1]), HIDDEN, dtype=torch.float64)
+    got = ours(x, cu, cup)
+    for length, start in zip(seqlens, cup[:-1].tolist()):
+        if length == 0:
+            continue
+        freqs = torch.arange(length, dtype=torch.float64)[None, :, None] * inv_freq
+        emb = torch.cat([freqs, freqs], dim=-1)
+        causal = torch.full((length, length), float("-inf"), dtype=torch.float64).triu(1)[None, None]
+        want, _ = theirs(x[None, start : start + length], (emb.cos(), emb.sin()), attention_mask=causal)
+        assert rel_error(got[start : start + length], want[0]) < 1e-6, f"sequence of {length}"
 
 
 # --- spawned: the collective, the reorder and their gradients ------------------------------------------
@@ -355,11 +441,13 @@ def _aot_graph_codes(step, q, k, v, dout, cu, cup):
 
 def _layer_rank(rank, world, group, compiled):
     """CP layer vs the same layer on one rank: outputs, input grads, parameter grads summed over ranks."""
-    for heads, kwargs in (((4, 2), {}), ((3, 3), {"gated": False, "qk_norm": False, "causal": False, "window": (3, 2)})):
-        if compiled and kwargs:
+    configs = (((4, 2), {"partial_rotary_factor": 0.25}),
+               ((3, 3), {"gated": False, "qk_norm": False, "causal": False, "window": (3, 2)}))  # fmt: skip
+    for heads, kwargs in configs:
+        if compiled and heads != (4, 2):
             continue  # one compiled configuration keeps the compile time down
         if compiled:  # compiled as recommended, the K/V exchange in two pipelined pieces
-            kwargs = {"head_groups": 2}
+            kwargs = {**kwargs, "head_groups": 2}
         layer = _layer(heads, **kwargs)
         cu, cup = pad_cu_seqlens([9, 0, 1, 23, 6], world)
         gen = torch.Generator().manual_seed(1)
