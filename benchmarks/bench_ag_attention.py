@@ -136,10 +136,10 @@ def _profile_rows(step) -> dict[str, float]:
 
 
 def _worker(
-    rank: int, world: int, port: int, gqa: int, out: str | None, smoke: bool, profile: bool, cudagraphs: bool,
+    rank: int, world: int, init_method: str, gqa: int, out: str | None, smoke: bool, profile: bool, cudagraphs: bool,
     head_groups: tuple[int, ...] = (), max_ctas: tuple[int, ...] = (0,), head_dim: int = HEAD_DIM,
 ) -> None:
-    device = init_local_rank(rank, world, port, "cpu" if smoke else "cuda")
+    device = init_local_rank(rank, world, init_method, "cpu" if smoke else "cuda")
     groups = nccl_cta_groups(max_ctas)  # {cap: group}: the CP forms are timed on each
     name_cap = len(groups) > 1
     totals, heads, head_dim = (SMOKE_TOTALS, SMOKE_HEADS, SMOKE_HEAD_DIM) if smoke else (TOTALS, HEADS, head_dim)

@@ -126,8 +126,8 @@ def hp2cp_per_sequence(y_hp: torch.Tensor, cu_seqlens_padded: torch.Tensor, sect
     return torch.cat(seqs)
 
 
-def _worker(rank: int, world: int, port: int, out: str | None, smoke: bool, profile: bool = False) -> None:
-    device = init_local_rank(rank, world, port, "cpu" if smoke else "cuda")
+def _worker(rank: int, world: int, init_method: str, out: str | None, smoke: bool, profile: bool = False) -> None:
+    device = init_local_rank(rank, world, init_method, "cpu" if smoke else "cuda")
     group = dist.group.WORLD
     sections, shapes = (SMOKE_SECTIONS, SMOKE_SHAPES) if smoke else (SECTIONS, SHAPES)
     warmup, runs, seq_warmup, seq_runs = (1, 3, 1, 2) if smoke else (5, 30, 2, 10)

@@ -293,11 +293,11 @@ def a2a_steps(layer: GatedDeltaNet, x_cp: torch.Tensor, cup: torch.Tensor, group
     }
 
 
-def _cp_worker(rank, world, port, tokens, seqs, out, smoke, opts: dict) -> None:
+def _cp_worker(rank, world, init_method, tokens, seqs, out, smoke, opts: dict) -> None:
     """One CP rank of the multi-rank benchmark; ``opts``: the flags ``eager_only``, ``compiled_only``,
     ``cudagraphs``, ``profile`` and ``nccl_max_ctas`` of the command line."""
     eager_only, profile, full = opts["eager_only"], opts["profile"], not opts["compiled_only"]
-    device = init_local_rank(rank, world, port, "cpu" if smoke else "cuda")
+    device = init_local_rank(rank, world, init_method, "cpu" if smoke else "cuda")
     groups = nccl_cta_groups(opts["nccl_max_ctas"])  # {cap: group}; one column per cap and shape
     caps = list(groups)
     hidden, hk, hv, dk, dv = SMOKE_DIMS if smoke else (HIDDEN, HK, HV, DK, DV)

@@ -11,7 +11,7 @@ import time
 import torch
 import triton
 
-from cp_ops._local_ranks import free_port, leave_local_rank
+from cp_ops._local_ranks import leave_local_rank, local_rendezvous
 
 
 def median_ms(fn, warmup_ms: int = 50, rep_ms: int = 300) -> float:
@@ -272,7 +272,7 @@ def default_world() -> int:
 
 
 def spawn_ranks(worker, world: int, *args, device: str = "cuda") -> None:
-    """Run ``worker(rank, world, port, *args)`` in ``world`` processes and wait for all.
+    """Run ``worker(rank, world, init_method, *args)`` in ``world`` processes and wait for all.
 
     ``device="cuda"`` needs ``world`` visible GPUs (one per rank, NCCL); ``"cpu"`` runs gloo.
     A worker that returns ends its process with :func:`cp_ops._local_ranks.leave_local_rank`.
@@ -284,7 +284,8 @@ def spawn_ranks(worker, world: int, *args, device: str = "cuda") -> None:
     # set here as well so the spawned workers inherit them before any NCCL initialisation
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    torch.multiprocessing.spawn(_run_worker, args=(worker, world, free_port(), *args), nprocs=world, join=True)
+    with local_rendezvous() as init_method:
+        torch.multiprocessing.spawn(_run_worker, args=(worker, world, init_method, *args), nprocs=world, join=True)
 
 
 def add_nccl_cta_argument(parser) -> None:

@@ -1,38 +1,50 @@
 """Joining a process group of W local ranks: the one piece the demo, the multi-rank tests and
 the multi-rank benchmarks share (each spawns its ranks itself).
 
-Rank r of a CUDA group computes on GPU r (NCCL); a CPU group uses gloo. Ports come free
-from the OS, never fixed. NVLink multicast stays off (NCCL_NVLS_ENABLE=0,
+Rank r of a CUDA group computes on GPU r (NCCL); a CPU group uses gloo. The ranks meet through
+a file store in a fresh temporary directory (:func:`local_rendezvous`), so no TCP port is
+needed and two groups started at once on one machine can never take each other's. NVLink multicast stays off (NCCL_NVLS_ENABLE=0,
 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 unless set): a program that uses it can put a shared
 host's GPUs out of service.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-import socket
+import shutil
 import sys
+import tempfile
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that the OS reports free now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@contextlib.contextmanager
+def local_rendezvous() -> Iterator[str]:
+    """An ``init_method`` (``file://...``) for one group of local ranks, removed on exit.
+
+    Each call makes its own temporary directory, so concurrent groups never share a store.
+    Spawn the ranks inside the ``with`` block and pass them the string.
+    """
+    folder = tempfile.mkdtemp(prefix="cp_ops_rendezvous_")
+    try:
+        yield "file://" + os.path.join(folder, "store")
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
-def init_local_rank(rank: int, world: int, port: int, device: str, num_threads: int | None = None) -> torch.device:
-    """Join the ``world``-rank group rendezvousing on 127.0.0.1:``port`` as ``rank``.
+def init_local_rank(
+    rank: int, world: int, init_method: str, device: str, num_threads: int | None = None
+) -> torch.device:
+    """Join the ``world``-rank group that meets at ``init_method`` (from :func:`local_rendezvous`)
+    as ``rank``.
 
     ``device="cuda"``: NCCL, this rank on GPU ``rank``; ``"cpu"``: gloo. ``num_threads``
     sets torch's intra-op threads (default on the CPU: the cores shared out over the
     ranks; on CUDA: left as it is). Returns the device this rank computes on.
     """
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
     if num_threads is None and device == "cpu":
         num_threads = max(1, (os.cpu_count() or 1) // world)
     if num_threads is not None:
@@ -42,11 +54,11 @@ def init_local_rank(rank: int, world: int, port: int, device: str, num_threads: 
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
         torch.cuda.set_device(rank)
         dev = torch.device("cuda", rank)
-        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=dev)
+        dist.init_process_group("nccl", init_method=init_method, rank=rank, world_size=world, device_id=dev)
         return dev
     if device != "cpu":
         raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
     return torch.device("cpu")
 
 

@@ -11,7 +11,7 @@ then a final RMSNorm and an LM head over a small vocabulary. It is trained with
 next-token cross-entropy on packed random variable-length sequences (THD layout
 from :func:`cp_ops.pad_cu_seqlens`, sharded with :func:`cp_ops.shard_thd`), AdamW,
 for ``--steps`` steps, on W = ``--cp-size`` local ranks that this module spawns
-itself (``torch.multiprocessing``, a free port from the OS): gloo on CPU, NCCL on
+itself (``torch.multiprocessing``, meeting at a file store in a temporary directory): gloo on CPU, NCCL on
 GPUs (rank r on GPU r). Every rank builds the same weights and the same global
 batch and keeps its shard.
 
@@ -88,7 +88,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import cp_ops
-from cp_ops._local_ranks import free_port, init_local_rank, leave_local_rank
+from cp_ops._local_ranks import init_local_rank, leave_local_rank, local_rendezvous
 from cp_ops.attention import RMSNorm
 from custom_ops._common import kernels_visible_to_compiler
 
@@ -607,14 +607,14 @@ def _reduce_results(res: dict, group, device: torch.device) -> dict:
     return out
 
 
-def _rank_entry(rank: int, world: int, port: int, args: argparse.Namespace, result_path: str) -> None:
+def _rank_entry(rank: int, world: int, init_method: str, args: argparse.Namespace, result_path: str) -> None:
     import torch._inductor.config
 
     if "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
         # W ranks compile at once: share the cores instead of W pools of cpu_count workers each
         # (on 2 cores with 2 ranks this cuts the cold compile of the defaults by about a quarter)
         torch._inductor.config.compile_threads = max(1, (os.cpu_count() or 1) // world)
-    device = init_local_rank(rank, world, port, args.device)
+    device = init_local_rank(rank, world, init_method, args.device)
     try:
         group = dist.group.WORLD
         # the GDN layers overlap their all-to-all with the gate projection; these Inductor options
@@ -725,9 +725,9 @@ def run(argv: Sequence[str] | None = None) -> dict:
         res = _train(0, 1, None, args, device)
         res["backend"] = "none (one process, group=None)"
     else:
-        with tempfile.TemporaryDirectory() as tmp:
+        with tempfile.TemporaryDirectory() as tmp, local_rendezvous() as init_method:
             path = os.path.join(tmp, "results.json")
-            mp.spawn(_rank_entry, args=(world, free_port(), args, path), nprocs=world, join=True)
+            mp.spawn(_rank_entry, args=(world, init_method, args, path), nprocs=world, join=True)
             with open(path) as f:
                 res = json.load(f)
     res = _summarise(args, res)

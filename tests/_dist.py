@@ -3,7 +3,7 @@ per rank) group.
 
 The rank function must be a module-level function (it is pickled by name):
 ``fn(rank, world_size, *args)``. Exceptions in any rank fail the test with
-that rank's traceback. Ports are taken free from the OS, never fixed.
+that rank's traceback. Each run meets at its own file store (no TCP port).
 """
 
 import re
@@ -11,11 +11,11 @@ import re
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from cp_ops._local_ranks import free_port, init_local_rank, leave_local_rank
+from cp_ops._local_ranks import init_local_rank, leave_local_rank, local_rendezvous
 
 
-def _entry(rank: int, world_size: int, port: int, backend: str, fn, args) -> None:
-    init_local_rank(rank, world_size, port, "cuda" if backend == "nccl" else "cpu", num_threads=1)
+def _entry(rank: int, world_size: int, init_method: str, backend: str, fn, args) -> None:
+    init_local_rank(rank, world_size, init_method, "cuda" if backend == "nccl" else "cpu", num_threads=1)
     try:
         fn(rank, world_size, *args)
         dist.barrier()
@@ -29,7 +29,8 @@ def run_ranks(world_size: int, fn, *args, backend: str = "gloo") -> None:
 
     ``backend="nccl"`` puts rank r on GPU r (needs ``world_size`` GPUs).
     """
-    mp.spawn(_entry, args=(world_size, free_port(), backend, fn, args), nprocs=world_size, join=True)
+    with local_rendezvous() as init_method:
+        mp.spawn(_entry, args=(world_size, init_method, backend, fn, args), nprocs=world_size, join=True)
 
 
 _WAIT = "_c10d_functional.wait_tensor.default("

@@ -29,3 +29,38 @@ def test_a_failing_rank_fails_the_run():
 @pytest.mark.dist
 def test_passing_ranks_exit_cleanly():
     run_ranks(2, _all_pass)
+
+
+def _meets_its_own_group(rank, world, tag):
+    import torch
+    import torch.distributed as dist
+
+    got = [None] * world
+    dist.all_gather_object(got, (tag, rank))
+    assert got == [(tag, r) for r in range(world)], got  # no rank of the other group joined
+    t = torch.tensor([rank + 1.0])
+    dist.all_reduce(t)
+    assert t.item() == world * (world + 1) / 2
+
+
+@pytest.mark.dist
+def test_concurrent_groups_never_collide():
+    """Two groups started at the same moment, several times over: each meets at its own store,
+    so neither fails to rendezvous nor takes a rank of the other."""
+    import threading
+
+    errors = []
+
+    def start(tag):
+        try:
+            run_ranks(2, _meets_its_own_group, tag)
+        except Exception as e:  # noqa: BLE001 (reported below with the tag)
+            errors.append((tag, e))
+
+    for round_ in range(3):
+        threads = [threading.Thread(target=start, args=(f"{round_}-{g}",)) for g in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert not errors, errors
