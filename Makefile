@@ -1,17 +1,20 @@
-# make test   install what is missing into the active Python, then run the CPU test suite
+# make test         install the pinned versions (constraints.txt) into the active Python, run the CPU suite
+# make demo         the same install, then train a small hybrid GDN / attention model with CP (python -m cp_ops demo)
+# make test-latest  the suite in .venv-latest against the newest versions pyproject.toml allows
+# make pins         regenerate constraints.txt from a fresh environment
 # GPU tests and benchmarks (on a GPU machine): python benchmarks/gpu_suite.py
-# make demo   install what is missing, then train a small hybrid GDN / attention model with CP (python -m cp_ops demo)
 PYTHON ?= python3
+EXTRAS = test,hf
 
-.PHONY: test deps test-cpu test-interpret test-opaque demo
+.PHONY: test deps test-cpu test-interpret test-opaque test-latest pins demo
 
 test: deps test-cpu test-interpret test-opaque
 
-# torch first, pinned to the CPU build on a fresh machine (a bare `torch` requirement pulls a
-# multi-GB CUDA build); an installed torch is kept. Then this package and its test extras.
+# Always applied: an installed package of another version is replaced by the pinned one. The
+# pinned torch is the CPU build (a bare `torch` requirement pulls a multi-GB CUDA build).
 deps:
-	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install -q torch==2.13.0
-	@$(PYTHON) -c "import triton, fla, einops, pytest, hypothesis, matplotlib, custom_ops" 2>/dev/null || $(PYTHON) -m pip install -q -e ".[test]"
+	$(PYTHON) -m pip install -q -c constraints.txt -e ".[$(EXTRAS)]"
+	@$(PYTHON) tools/pins.py check constraints.txt
 
 test-cpu:
 	$(PYTHON) -m pytest -m "not interpret"
@@ -32,3 +35,19 @@ test-opaque:
 
 demo: deps
 	$(PYTHON) -m cp_ops demo
+
+# The newest versions allowed, in an environment of their own, torch kept at its pin (a newer
+# torch from PyPI is a multi-GB CUDA build); prints what differs from constraints.txt first.
+test-latest:
+	$(PYTHON) -m venv .venv-latest
+	grep '^torch==' constraints.txt > .venv-latest/torch-pin.txt
+	.venv-latest/bin/python -m pip install -q -c .venv-latest/torch-pin.txt --upgrade --upgrade-strategy eager -e ".[$(EXTRAS)]"
+	.venv-latest/bin/python tools/pins.py diff constraints.txt
+	$(MAKE) test-cpu test-interpret test-opaque PYTHON=.venv-latest/bin/python
+
+pins:
+	rm -rf .venv-pins && $(PYTHON) -m venv .venv-pins
+	.venv-pins/bin/python -m pip install -q torch==2.13.0
+	.venv-pins/bin/python -m pip install -q -e ".[$(EXTRAS)]"
+	.venv-pins/bin/python tools/pins.py freeze > constraints.txt
+	rm -rf .venv-pins
