@@ -24,6 +24,7 @@ from cp_ops.comm import (
     thd_hp2cp_reference,
 )
 from cp_ops.gdn import GatedDeltaNet, from_qwen3_next_state_dict
+from custom_ops.validation import checks_enabled, set_checks
 from cp_ops.layout import (
     local_cu_seqlens,
     local_positions,
@@ -40,6 +41,8 @@ from cp_ops.layout import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "set_checks",
+    "checks_enabled",
     "pad_cu_seqlens",
     "validate_thd",
     "validate_offsets",

@@ -15,8 +15,10 @@ from cp_ops.comm import (
     thd_hp2cp,
     thd_hp2cp_blocks,
 )
+from cp_ops.inputs import check_hidden_states, check_layout_tensors
 from custom_ops.gdn.op import causal_conv1d, causal_conv1d_gather, chunk_gated_delta_rule
 from custom_ops.thd_reorder.reference import rank_to_seq_index
+from custom_ops.validation import checked
 
 # FLA's and Qwen3-Next's epsilon for the q/k l2 normalisation
 L2NORM_EPS = 1e-6
@@ -206,7 +208,10 @@ class GatedDeltaNet(nn.Module):
         CP group (as data parallelism does) to get the single-device gradients.
         """
         world = self._cp_size(group)
+        check_hidden_states(self, x, self.hidden_size)
+        check_layout_tensors(x, None, cu_seqlens_padded)
         rows, hv, dv = x.shape[0], self.num_v_heads, self.head_v_dim
+        cu_seqlens_padded = checked("padded", cu_seqlens_padded, (), world, rows * world)
         if world == 1:
             qkvba, z = self.project(x)
             o = self.head_parallel_core(qkvba, cu_seqlens_padded, 0, self.num_k_heads)

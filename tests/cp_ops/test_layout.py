@@ -110,3 +110,63 @@ def test_local_positions_match_shard_of_global_positions(layout):
     for r in range(cp_size):
         expected = cp_ops.shard_thd(global_pos, cup, cp_size, r)
         assert torch.equal(cp_ops.local_positions(cup, cp_size, r, int(cup[-1]) // cp_size), expected)
+
+
+# --- data preparation refuses layouts it would turn into wrong rows ------------------------------
+
+
+def test_pad_cu_seqlens_refuses_int32_overflow_and_non_integers():
+    with pytest.raises(ValueError, match="past int32 .* from sequence 0 on"):
+        cp_ops.pad_cu_seqlens([3, 5], 2**30)
+    with pytest.raises(ValueError, match="past int32 .* from sequence 1 on"):
+        cp_ops.pad_cu_seqlens([2**30, 2**30], 1)
+    with pytest.raises(ValueError, match="past int32"):
+        cp_ops.pad_cu_seqlens([2**30, 2**30], 1)
+    with pytest.raises(ValueError, match="sequence 1 has length 2.5, not an int"):
+        cp_ops.pad_cu_seqlens([3, 2.5], 2)
+    with pytest.raises(ValueError, match="1-D integer tensor"):
+        cp_ops.pad_cu_seqlens(torch.tensor([3.0, 2.0]), 2)
+    cu, cup = cp_ops.pad_cu_seqlens([2**30 - 1, 2**30 - 8], 4)  # just inside int32
+    assert int(cup[-1]) == 2**31 - 8 and cu.dtype == torch.int32
+
+
+def test_pack_refuses_a_tensor_of_rows():
+    with pytest.raises(ValueError, match="got one tensor of shape \\(3, 2\\)"):
+        cp_ops.pack(torch.randn(3, 2), 2)
+    with pytest.raises(ValueError, match="tensor 1 is a list"):
+        cp_ops.pack([torch.randn(3, 2), [1.0, 2.0]], 2)
+
+
+@pytest.mark.parametrize(
+    "cup, message",
+    [
+        ([0, 8, 4, 12], "sequence 1 has cu_seqlens_padded\\[1\\] = 8 > cu_seqlens_padded\\[2\\] = 4"),  # non-monotone
+        ([0, 6, 12], "sequence 0 has padded length 6, not a multiple of 2\\*cp_size = 4"),
+        ([0, 4, 8], "cu_seqlens_padded\\[-1\\] = 8 but the tensor has 12 rows"),
+        ([2, 8, 12], "must start at 0"),
+    ],
+)
+def test_shard_unshard_and_local_offsets_refuse_bad_padded_layouts(cup, message):
+    cup = torch.tensor(cup, dtype=torch.int32)
+    x = torch.randn(12, 3)
+    with pytest.raises(ValueError, match=message):
+        cp_ops.shard_thd(x, cup, 2, 1)
+    with pytest.raises(ValueError, match=message):
+        cp_ops.unshard_thd([x[:6], x[6:]], cup, 2)
+    if "rows" not in message:
+        with pytest.raises(ValueError, match=message):
+            cp_ops.local_cu_seqlens(cup, 2)
+
+
+def test_unshard_refuses_shards_that_differ():
+    _, cup = cp_ops.pad_cu_seqlens([5, 7], 2)
+    with pytest.raises(ValueError, match="shard 1 is \\(6, 3\\)"):
+        cp_ops.unshard_thd([torch.randn(6, 2), torch.randn(6, 3)], cup, 2)
+    with pytest.raises(ValueError, match="got one tensor"):
+        cp_ops.unshard_thd(torch.randn(2, 6, 2), cup, 2)
+
+
+def test_validate_thd_names_swapped_lengths():
+    cu, cup = cp_ops.pad_cu_seqlens([5, 7], 2)
+    with pytest.raises(ValueError, match="swapped"):
+        cp_ops.validate_thd(cup, cu, 2)
