@@ -70,6 +70,7 @@ a dict (the tests and ``notebooks/03_training_with_cp.ipynb`` call it).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import math
@@ -78,6 +79,7 @@ import resource
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 
@@ -526,6 +528,13 @@ def _train(rank: int, world: int, group, args: argparse.Namespace, device: torch
         if rank == 0 and not args.quiet:
             print(f"[{time.perf_counter() - t_start:6.1f} s] {text}", file=sys.stderr, flush=True)
 
+    def busy(compiling: bool):  # a heartbeat while a first step compiles, which can take minutes
+        return _heartbeat(say, every=15.0) if compiling and not args.eager else contextlib.nullcontext()
+
+    if not args.eager:
+        say("compiling: the first run on a machine compiles for minutes (Inductor, Triton, autotuning); "
+            "later runs reuse the caches and start in seconds")  # fmt: skip
+
     reference, errors = None, {}
     ref_eager = reference_is_eager(args)
     if check_skipped(args) is None:
@@ -535,8 +544,9 @@ def _train(rank: int, world: int, group, args: argparse.Namespace, device: torch
         ref_model = copy.deepcopy(model).to(check_dtype)
         ref_fn = ref_model if ref_eager else compile_fresh(ref_model)[0]
         tokens, labels, cu, cup = batch(0)
-        ref_loss = ref_fn(tokens, labels, cu, cup) / num_targets
-        ref_loss.backward()
+        with busy(not ref_eager):
+            ref_loss = ref_fn(tokens, labels, cu, cup) / num_targets
+            ref_loss.backward()
         reference = (ref_loss.detach().float(), {n: p.grad for n, p in ref_model.named_parameters()})
         del ref_model, ref_fn
         if check_dtype != dtype:
@@ -544,7 +554,8 @@ def _train(rank: int, world: int, group, args: argparse.Namespace, device: torch
             # before training; training then compiles afresh in its own dtype
             say(f"step 1 on {world} rank(s), {'eager' if args.eager else 'compiling'}, {args.check_dtype} (the check)")
             check_model = copy.deepcopy(model).to(check_dtype)
-            loss = step_grads(compile_fresh(check_model)[0], check_model, 0)
+            with busy(True):
+                loss = step_grads(compile_fresh(check_model)[0], check_model, 0)
             errors = _errors(loss, check_model, reference)
             reference = None
             del check_model
@@ -560,7 +571,8 @@ def _train(rank: int, world: int, group, args: argparse.Namespace, device: torch
     for step in range(args.steps):
         _sync(device)
         start = time.perf_counter()
-        loss = step_grads(fn, model, step)
+        with busy(step == 0):
+            loss = step_grads(fn, model, step)
         checking = 0.0
         if step == 0 and reference is not None:  # not part of the step's time
             t0 = time.perf_counter()
@@ -589,6 +601,25 @@ def _train(rank: int, world: int, group, args: argparse.Namespace, device: torch
         "num_targets": num_targets,
         "num_rows": int(cp_ops.pad_cu_seqlens(args.seqlens, world)[1][-1]),
     }
+
+
+@contextlib.contextmanager
+def _heartbeat(say, every: float):
+    """Say every ``every`` seconds how long the enclosed work has run, until it ends."""
+    done = threading.Event()
+    start = time.perf_counter()
+
+    def beat():
+        while not done.wait(every):
+            say(f"still compiling ({time.perf_counter() - start:.0f} s in this step)")
+
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 def _reduce_results(res: dict, group, device: torch.device) -> dict:
