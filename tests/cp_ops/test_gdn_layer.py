@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+import cp_ops
 from cp_ops import GatedDeltaNet, from_qwen3_next_state_dict, pad_cu_seqlens
 from custom_ops.testing import TOLERANCE, random_tensor, rel_error
 
@@ -209,3 +210,16 @@ def test_layer_cuda_bf16_matches_float64_cpu(compiled):
     for (n, p), (_, q) in zip(gpu.named_parameters(), cpu.named_parameters()):
         errors[n] = rel_error(p.grad.cpu(), q.grad)
     assert errors["out"] < 1e-2 and max(errors.values()) < 2e-2, errors
+
+
+def test_layer_errors_name_the_users_input():
+    layer = cp_ops.GatedDeltaNet(32, 2, 4, 8, 8)
+    _, cup = cp_ops.pad_cu_seqlens([5, 7], 1)
+    with pytest.raises(ValueError, match="x must be \\[T/W, hidden\\] = \\[T/W, 32\\], got shape \\(1, 14, 32\\); packed"):
+        layer(torch.randn(1, 14, 32), cup)
+    with pytest.raises(ValueError, match="x must be \\[T/W, 32\\] \\(hidden_size\\), got shape \\(14, 48\\)"):
+        layer(torch.randn(14, 48), cup)
+    with pytest.raises(TypeError, match="x is torch.float64 on cpu but the layer's parameters are torch.float32"):
+        layer(torch.randn(14, 32, dtype=torch.float64), cup)
+    with pytest.raises(TypeError, match="cu_seqlens_padded must be int32 or int64"):
+        layer(torch.randn(14, 32), cup.float())
