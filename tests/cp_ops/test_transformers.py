@@ -1,0 +1,385 @@
+"""cp_ops.integrations.transformers: transformers' Qwen3-Next trained with CP equals the model
+it patches, run one sequence at a time.
+
+The oracle is the unpatched ``Qwen3NextForCausalLM`` (a copy taken before patching) fed each
+sequence alone, with ``num_items_in_batch`` = the batch's label count so that its per-sequence
+losses add up to the batch loss. Each rank compares its shard: logits of its real tokens, the
+sum over ranks of its loss, and every parameter's gradient summed over ranks.
+
+Tolerance 1e-6 (relative), float64. transformers computes part of a float64 model in float32
+in both paths alike (its RMSNorms and gated norm call ``x.float()`` / ``.to(torch.float32)``,
+the loss upcasts logits with ``.float()``), so the two paths agree to float32 rounding of
+nearly equal inputs: about 2e-7 measured. Its torch Gated DeltaNet core (``torch_chunk_gated_
+delta_rule``) also runs in float32, and on the CPU FLA's kernel, which transformers picks when
+FLA is installed, cannot run at all; the oracle runs :func:`_float64_gated_delta_rule` instead,
+transformers' recurrent form written out in float64. Its rotary angles are float32 as well
+(``Qwen3NextRotaryEmbedding``), which stays below 1e-7 at these positions and theta.
+
+Spawns are the main cost (each rank imports transformers), so each spawned test runs every
+check of its W in one go.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given
+
+from cp_ops import pad_cu_seqlens, shard_thd, unshard_thd
+from custom_ops.testing import rel_error, thd_layouts
+from tests._dist import run_ranks
+
+transformers = pytest.importorskip("transformers")
+
+from transformers import Qwen3NextConfig, Qwen3NextForCausalLM  # noqa: E402
+from transformers.models.qwen3_next import modeling_qwen3_next  # noqa: E402
+
+from cp_ops.integrations.transformers import (  # noqa: E402
+    ContextParallelQwen3NextAttention,
+    ContextParallelQwen3NextGatedDeltaNet,
+    apply_context_parallel,
+    cu_seqlens_padded,
+    shard_batch,
+)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TOL = 1e-6
+VOCAB = 61
+# lengths 1, odd, 0, and 70 (> 64: more than one chunk of the gated delta rule)
+SEQLENS = [1, 9, 0, 70, 6]
+
+
+def _config(num_k_heads: int = 12, moe: bool = True, **overrides) -> Qwen3NextConfig:
+    """Both layer types (GDN, attention, GDN) with partial_rotary_factor 0.25; 12 GDN key heads
+    (24 value heads) divide W = 1, 2, 3, 4; the last layer's MLP is a mixture of experts."""
+    settings = dict(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=40, num_hidden_layers=3,
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        linear_num_key_heads=num_k_heads, linear_num_value_heads=2 * num_k_heads,
+        linear_key_head_dim=4, linear_value_head_dim=4,
+        num_experts=4 if moe else 0, num_experts_per_tok=2, moe_intermediate_size=12,
+        shared_expert_intermediate_size=12, mlp_only_layers=[0, 1],
+        attn_implementation="eager", experts_implementation="eager",
+    )  # fmt: skip
+    settings.update(overrides)
+    return Qwen3NextConfig(**settings)
+
+
+def _model(config: Qwen3NextConfig, seed: int = 0) -> Qwen3NextForCausalLM:
+    """A float64 model with the zero-initialised norm weights and the decay parameters random,
+    so that their gradients are not hidden."""
+    torch.manual_seed(seed)
+    model = Qwen3NextForCausalLM(config).double()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0.0, 0.3)
+            elif name.endswith("A_log"):
+                p.uniform_(-2.0, 1.0)
+            elif name.endswith("dt_bias"):
+                p.normal_(0.0, 0.5)
+    return model
+
+
+def _float64_gated_delta_rule(query, key, value, g, beta, use_qk_l2norm_in_kernel=False, initial_state=None,
+                              output_final_state=False, **kwargs):  # fmt: skip
+    """transformers' ``torch_recurrent_gated_delta_rule`` in float64 (it computes in float32):
+    per value head, ``S <- S * exp(g)``, ``S <- S + k (beta (v - S^T k))^T``, ``o = S^T q / sqrt(dk)``."""
+    if initial_state is not None or output_final_state:
+        raise ValueError("the oracle runs without a cache")
+    group = value.shape[2] // key.shape[2]
+    q, k = (t.repeat_interleave(group, dim=2).double() for t in (query, key))
+    v, beta, g = value.double(), beta.double(), g.double()
+    if use_qk_l2norm_in_kernel:
+        q = q * torch.rsqrt(q.square().sum(-1, keepdim=True) + 1e-6)
+        k = k * torch.rsqrt(k.square().sum(-1, keepdim=True) + 1e-6)
+    q = q * q.shape[-1] ** -0.5
+    state = q.new_zeros(k.shape[0], k.shape[2], k.shape[3], v.shape[3])
+    out = []
+    for t in range(k.shape[1]):
+        state = state * g[:, t].exp()[..., None, None]
+        delta = (v[:, t] - (state * k[:, t, ..., None]).sum(-2)) * beta[:, t, :, None]
+        state = state + k[:, t, ..., None] * delta[:, :, None, :]
+        out.append((state * q[:, t, ..., None]).sum(-2))
+    return torch.stack(out, 1).to(value.dtype), None
+
+
+def _sequences(seqlens, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (n,), generator=gen) for n in seqlens]
+
+
+def _reference(model, sequences):
+    """The unpatched model over each sequence alone: (loss, logits of the real tokens packed
+    with zeros on the padding rows of ``cup`` for W, grads)."""
+    count = sum(max(len(s) - 1, 0) for s in sequences)
+    model.zero_grad()
+    loss, logits = 0.0, []
+    with mock.patch.object(modeling_qwen3_next, "torch_chunk_gated_delta_rule", _float64_gated_delta_rule):
+        for seq in sequences:
+            if len(seq) == 0:
+                logits.append(torch.zeros(0, VOCAB, dtype=torch.float64))
+                continue
+            out = model(input_ids=seq[None], labels=seq[None], num_items_in_batch=count, use_cache=False)
+            loss = loss + out.loss
+            logits.append(out.logits[0].detach())
+        loss.backward()
+    return loss.detach(), logits, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _packed_logits(logits, world):
+    from cp_ops import pack
+
+    packed, _, cup = pack(logits, world)
+    real, _, _ = pack([torch.ones(len(t), dtype=torch.bool) for t in logits], world)
+    return packed, real, cup
+
+
+def _check_equivalence(model, reference, sequences, group, rank, world, what=""):
+    """The patched ``model`` on rank ``rank``'s shard against :func:`_reference`."""
+    want_loss, want_logits, want_grads = reference
+    batch = shard_batch(sequences, world, rank)
+    model.zero_grad()
+    out = model(**batch.model_inputs())
+    out.loss.backward()
+    loss = out.loss.detach().clone()
+    if group is not None:
+        dist.all_reduce(loss, group=group)
+    what = f"W={world} rank {rank}{what}"
+    assert rel_error(loss, want_loss) < TOL, f"{what}: loss {loss.item()} vs {want_loss.item()}"
+    packed, real, cup = _packed_logits(want_logits, world)
+    mine_real = shard_thd(real, cup, world, rank)
+    got = out.logits[0].detach()[mine_real]
+    assert rel_error(got, shard_thd(packed, cup, world, rank)[mine_real]) < TOL, f"{what}: logits"
+    for name, p in model.named_parameters():
+        grad = p.grad.clone()
+        if group is not None:
+            dist.all_reduce(grad, group=group)
+        assert rel_error(grad, want_grads[name]) < TOL, f"{what}: gradient of {name}"
+
+
+def _patched_pair(config, group, seed=0):
+    """(patched model, its unpatched copy)."""
+    model = _model(config, seed)
+    return apply_context_parallel(copy.deepcopy(model), group), model
+
+
+# --- one process (W = 1) ------------------------------------------------------------------------
+
+
+def test_patched_model_equals_transformers_one_rank():
+    model, reference_model = _patched_pair(_config(), None)
+    sequences = _sequences(SEQLENS)
+    _check_equivalence(model, _reference(reference_model, sequences), sequences, None, 0, 1)
+
+
+def test_patching_keeps_parameters_checkpoints_and_classes(tmp_path):
+    """The same parameter objects under the same names; save_pretrained of the patched model
+    loads into an unpatched one; the layers keep their transformers classes as bases."""
+    model = _model(_config(num_k_heads=2, moe=False))
+    before = dict(model.named_parameters())
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    apply_context_parallel(model)
+    after = dict(model.named_parameters())
+    assert list(after) == list(before) and all(after[n] is before[n] for n in before)
+    assert list(model.state_dict()) == list(state)
+    layers = model.model.layers
+    assert type(layers[0].linear_attn) is ContextParallelQwen3NextGatedDeltaNet
+    assert isinstance(layers[0].linear_attn, modeling_qwen3_next.Qwen3NextGatedDeltaNet)
+    assert type(layers[1].self_attn) is ContextParallelQwen3NextAttention
+    assert isinstance(layers[1].self_attn, modeling_qwen3_next.Qwen3NextAttention)
+    model.save_pretrained(tmp_path)
+    loaded = Qwen3NextForCausalLM.from_pretrained(tmp_path, torch_dtype=torch.float64)
+    assert not isinstance(loaded.model.layers[0].linear_attn, ContextParallelQwen3NextGatedDeltaNet)
+    for name, value in loaded.state_dict().items():
+        assert torch.equal(value, state[name]), name
+    apply_context_parallel(model)  # again: re-targets, nothing doubles
+    assert len(model._forward_pre_hooks) == 1 and len(model.model._forward_pre_hooks) == 1
+
+
+@given(thd_layouts(max_seqs=6, max_len=40, cp_sizes=(1, 2, 3, 4)))
+def test_cu_seqlens_padded_is_the_package_rule(layout):
+    world, seqlens = layout
+    cu, cup = pad_cu_seqlens(seqlens, world)
+    assert torch.equal(cu_seqlens_padded(cu, world), cup)
+    assert torch.equal(cu_seqlens_padded(cu.long(), world), cup.long())
+
+
+@given(thd_layouts(max_seqs=5, max_len=30, cp_sizes=(1, 2, 3, 4)))
+def test_shard_batch_shards_shifted_labels(layout):
+    """Unsharded, the W ranks' tokens are the packed sequences and their labels each sequence
+    shifted by one, ignore_index at its last token and on the padding."""
+    world, seqlens = layout
+    sequences = _sequences(seqlens)
+    shards = [shard_batch(sequences, world, r, ignore_index=-7, pad_token_id=3) for r in range(world)]
+    cup = shards[0].cu_seqlens_padded
+    ids = unshard_thd([s.input_ids for s in shards], cup, world)
+    labels = unshard_thd([s.shift_labels for s in shards], cup, world)
+    for seq, start, end in zip(sequences, cup[:-1].tolist(), cup[1:].tolist()):
+        n = len(seq)
+        assert torch.equal(ids[start : start + n], seq) and (ids[start + n : end] == 3).all()
+        assert torch.equal(labels[start : start + max(n - 1, 0)], seq[1:])
+        assert (labels[start + max(n - 1, 0) : end] == -7).all()
+    for s in shards:
+        assert int(s.num_items_in_batch) == sum(max(n - 1, 0) for n in seqlens)
+        assert s.model_inputs()["ignore_index"] == -7 and s.input_ids.shape[0] == int(cup[-1]) // world
+
+
+def test_bad_input():
+    model = _model(_config(num_k_heads=2, moe=False))
+    with pytest.raises(ValueError, match="has no Qwen3NextGatedDeltaNet or Qwen3NextAttention module"):
+        apply_context_parallel(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        apply_context_parallel("model")
+    with pytest.raises(ValueError, match="rope_type 'linear'"):
+        bad = _model(_config(num_k_heads=2, moe=False, num_hidden_layers=2, layer_types=["full_attention"] * 2,
+                             rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}))  # fmt: skip
+        apply_context_parallel(bad)
+    apply_context_parallel(model)
+    batch = shard_batch(_sequences([5, 4]), 1, 0)
+    inputs = batch.model_inputs()
+
+    def call(**changes):
+        return model(**{**inputs, **changes})
+
+    missing = {k: v for k, v in inputs.items() if k not in ("cu_seq_lens_q", "cu_seq_lens_k")}
+    with pytest.raises(ValueError, match="cu_seq_lens_q is missing"):
+        model(**missing)
+    with pytest.raises(ValueError, match=r"labels has shape \(1, 9\) but input_ids has \(1, 10\)"):
+        call(labels=inputs["labels"][:, 1:])
+    with pytest.raises(ValueError, match=r"shift_labels has shape \(10,\) but input_ids has \(1, 10\)"):
+        call(shift_labels=inputs["shift_labels"][0])
+    with pytest.raises(ValueError, match="labels without shift_labels"):
+        model(**{k: v for k, v in inputs.items() if k != "shift_labels"})
+    with pytest.raises(ValueError, match=r"one packed row \[1, T/W\].*got shape \(2, 5\)"):
+        call(input_ids=inputs["input_ids"].view(2, 5), labels=None, shift_labels=None)
+    with pytest.raises(ValueError, match="a key/value cache is refused"):
+        call(use_cache=True)
+    with pytest.raises(ValueError, match="pass attention_mask=None"):
+        call(attention_mask=torch.ones_like(inputs["input_ids"]))
+    with pytest.raises(TypeError, match="pass every argument after input_ids by keyword"):
+        model(inputs["input_ids"], None)
+    # a decoder layer called on its own reports the missing layout too
+    hidden = torch.zeros(1, 10, 32, dtype=torch.float64)
+    with pytest.raises(ValueError, match="ContextParallelQwen3NextGatedDeltaNet: cu_seq_lens_q is missing"):
+        model.model.layers[0](hidden, position_embeddings=None)
+    with pytest.raises(ValueError, match=r"hidden_states must be one packed batch \[1, T/W, hidden\]"):
+        model.model.layers[1].self_attn(hidden.view(2, 5, 32), cu_seq_lens_q=batch.cu_seqlens)
+    for bad, message in (([], "non-empty list"), ([torch.zeros(2, 3, dtype=torch.long)], r"sequences\[0\] must be a 1-D"),
+                         ([torch.zeros(3)], "integer tensor")):  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            shard_batch(bad, 2, 0)
+    with pytest.raises(ValueError, match=r"rank must be in \[0, cp_size = 2\)"):
+        shard_batch(_sequences([3]), 2, 2)
+
+
+# --- compiled -------------------------------------------------------------------------------------
+
+# five packings; no row count or B+1 equals a model dimension or another size on the first call
+# (dynamo's duck sizing would tie them and recompile when they part)
+PACKINGS = ([9, 0, 1, 23, 6], [31, 2, 0, 5, 1, 17], [70], [3, 3, 3, 50], [13, 41])
+
+
+def _check_compiled_layers(group, rank, world):
+    """torch.compile(fullgraph=True, dynamic=True) over each patched decoder layer: no graph
+    break (fullgraph), no graph added after the first of five packings (one of them a single
+    sequence), the same loss and gradients as eager."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    eager, _ = _patched_pair(_config(moe=False), group)
+    compiled = copy.deepcopy(eager)
+    counter = CompileCounterWithBackend("aot_eager")
+    for layer in compiled.model.layers:
+        layer.compile(backend=counter, fullgraph=True, dynamic=True)
+    for i, seqlens in enumerate(PACKINGS):
+        inputs = shard_batch(_sequences(seqlens, seed=i), world, rank).model_inputs()
+        results = []
+        for model in (eager, compiled):
+            model.zero_grad()
+            loss = model(**inputs).loss
+            loss.backward()
+            results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+        (want, want_grads), (got, got_grads) = results
+        what = f"W={world} rank {rank} packing {i}"
+        assert rel_error(got, want) < 1e-10, what
+        for name in want_grads:
+            assert rel_error(got_grads[name], want_grads[name]) < 1e-10, f"{what}: {name}"
+        if i == 0:
+            first = counter.frame_count  # the two layer types (dynamo may trace one twice: a restart)
+    assert counter.frame_count == first, f"W={world} rank {rank}: recompiled ({first} -> {counter.frame_count})"
+
+
+def test_compiled_decoder_layers_one_rank():
+    _check_compiled_layers(None, 0, 1)
+
+
+def test_explain_whole_model_one_graph():
+    """torch._dynamo.explain over the whole patched model (embeddings to loss, a mixture-of-experts
+    MLP with transformers' default grouped-GEMM experts, float32): one graph, no break."""
+    model = apply_context_parallel(_model(_config(num_k_heads=2, experts_implementation="grouped_mm")).float())
+    torch._dynamo.reset()
+    explain = torch._dynamo.explain(model)(**shard_batch(_sequences(SEQLENS), 1, 0).model_inputs())
+    assert (explain.graph_count, explain.graph_break_count) == (1, 0), explain.break_reasons
+
+
+# --- spawned ------------------------------------------------------------------------------------
+
+
+def _rank(rank, world, compiled):
+    group = dist.group.WORLD
+    sequences = _sequences(SEQLENS)
+    model, reference_model = _patched_pair(_config(), group)
+    _check_equivalence(model, _reference(reference_model, sequences), sequences, group, rank, world)
+    if world == 3:
+        with pytest.raises(ValueError, match="linear_num_key_heads = 2 and linear_num_value_heads = 4 must be "
+                                             "divisible by the CP size 3"):  # fmt: skip
+            apply_context_parallel(_model(_config(num_k_heads=2)), group)
+        inputs = shard_batch(sequences, world, rank).model_inputs()
+        with pytest.raises(ValueError, match="num_items_in_batch is missing: with 3 CP ranks"):
+            model(**{k: v for k, v in inputs.items() if k != "num_items_in_batch"})
+    if world == 2:  # a 1-D DeviceMesh is accepted as the group
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (world,))
+        model, reference_model = _patched_pair(_config(num_k_heads=2), mesh)
+        _check_equivalence(model, _reference(reference_model, sequences), sequences, group, rank, world, ", mesh")
+    if compiled:
+        _check_compiled_layers(group, rank, world)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world", [3, 4])
+def test_patched_model_equals_transformers(world):
+    run_ranks(world, _rank, False)
+
+
+@pytest.mark.dist
+def test_patched_model_equals_transformers_w2_compiled():
+    run_ranks(2, _rank, True)
+
+
+# --- the benchmark ------------------------------------------------------------------------------
+
+
+def test_benchmark_smoke_run(tmp_path):
+    """benchmarks/bench_qwen3_next.py --smoke on the CPU: its checks pass, it writes its table
+    and results."""
+    out = tmp_path / "qwen3_next"
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("TRITON_INTERPRET", None)
+    run = subprocess.run(
+        [sys.executable, "benchmarks/bench_qwen3_next.py", "--smoke", "--out", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    assert "tokens/s" in run.stdout and (out / "results.json").exists()
