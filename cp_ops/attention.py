@@ -2,7 +2,7 @@
 
 On rank r of a CP group of W ranks, the local shard holds, for every sequence i,
 chunks ``r`` and ``2W-1-r`` (``c_i = P_i / 2W`` rows each) of its padded length
-``P_i`` (DESIGN section 2). :func:`ag_thd_attention` computes, for those local
+``P_i`` (docs/design.md section 1). :func:`ag_thd_attention` computes, for those local
 query rows, exactly what attention over the whole sequence computes:
 
 1. all-gather K and V in one collective (``[T/W, 2*Hkv, D]`` -> ``[T, 2*Hkv, D]``,
@@ -89,7 +89,7 @@ def _chunk_segments(cu_seqlens, cu_seqlens_padded, cp_size: int, chunk, second: 
     q_pos = chunk * c
     if causal:
         # a query in chunk j sits at a position < (j+1)*c, so later keys are masked by causality
-        # (and right is irrelevant under causality, kept to follow the formula in DESIGN 5)
+        # (and right is irrelevant under causality, kept to follow the formula in docs/design.md section 4)
         k_len = torch.minimum(lens, (chunk + 1) * c + max(right, 0))
     else:
         k_len = lens

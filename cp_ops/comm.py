@@ -277,7 +277,7 @@ def thd_cp2hp(
 ) -> torch.Tensor:
     """Context parallel -> head parallel, with one all-to-all for all sequences and sections.
 
-    x_cp: ``[T/W, ..., F]`` this rank's THD shard (see DESIGN section 2); its last dim
+    x_cp: ``[T/W, ..., F]`` this rank's THD shard (see docs/design.md section 1); its last dim
     is a concatenation of sections of widths ``sections`` (each divisible by W).
     cu_seqlens_padded: ``[B+1]`` global padded offsets (``T = cu_seqlens_padded[-1]``).
     group: ``ProcessGroup``, 1-D ``DeviceMesh``, or ``None`` (no CP: W = 1 and the

@@ -2,7 +2,7 @@
 
 Rank order is the concatenation of the W local shards, rank 0 first. Rank r
 holds, for every sequence i in order, chunk r then chunk 2W-1-r of its padded
-rows, each chunk ``c_i = P_i / (2W)`` rows long (see DESIGN.md section 2).
+rows, each chunk ``c_i = P_i / (2W)`` rows long (see docs/design.md section 1).
 
 ``thd_*_reference`` are vectorised (no host sync) and are what the ops run on
 CPU. ``thd_*_loop`` spell the definition out as a Python loop over (rank,

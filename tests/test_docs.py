@@ -1,0 +1,79 @@
+"""docs/design.md, the design document the code's docstrings cite, stays in step with the code.
+
+It exists, describes every public op of README's op table, and has a numbered section for
+every "docs/design.md section <number>" the code cites (a renumbered section fails here,
+not when someone next follows a citation).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DESIGN = ROOT / "docs" / "design.md"
+
+# a citation, possibly broken over a docstring's or comment's line
+CITATION = re.compile(r"docs/design\.md,?\s+(?:#\s*)?section\s+(\d+)")
+
+
+def _design() -> str:
+    assert DESIGN.is_file(), "docs/design.md is missing"
+    return DESIGN.read_text()
+
+
+def _readme_ops() -> list[str]:
+    """The op names of the first column of README's op table (section "## The ops")."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## The ops") :]
+    section = section[: section.index("\n## ", 1)]
+    names = re.findall(r"^\| `(\w+)\(", section, re.M)
+    assert names, "README's op table has no rows"
+    return names
+
+
+def _python_files() -> list[Path]:
+    """The repository's Python files (hidden folders, such as virtual environments, left out)."""
+    files = []
+    for top in ROOT.iterdir():
+        if top.name.startswith(".") or top.name.endswith(".egg-info"):
+            continue
+        if top.is_file() and top.suffix == ".py":
+            files.append(top)
+        elif top.is_dir():
+            files.extend(p for p in top.rglob("*.py") if not any(part.startswith(".") for part in p.parts))
+    return files
+
+
+def test_design_document_exists():
+    assert _design().startswith("# "), "docs/design.md should start with its title"
+
+
+def test_every_public_op_is_described():
+    text = _design()
+    missing = [name for name in _readme_ops() if not re.search(rf"(?<![\w.]){re.escape(name)}(?!\w)", text)]
+    assert not missing, f"ops of README's table that docs/design.md never names: {missing}"
+
+
+def test_cited_sections_exist():
+    headings = set(re.findall(r"^## (\d+)\. ", _design(), re.M))
+    cited = {}
+    for path in _python_files():
+        for m in CITATION.finditer(path.read_text(errors="replace")):
+            cited.setdefault(m.group(1), []).append(str(path.relative_to(ROOT)))
+    assert cited, "no code cites docs/design.md: has the citation form changed?"
+    dangling = {n: sorted(set(paths)) for n, paths in cited.items() if n not in headings}
+    assert not dangling, f"cited sections with no '## N.' heading in docs/design.md: {dangling}"
+
+
+def test_no_code_cites_the_old_design_notes():
+    old = re.compile(r"\bDESIGN(?:\.md)?\s+(?:section\s+)?\d")
+    stale = [str(p.relative_to(ROOT)) for p in _python_files() if old.search(p.read_text(errors="replace"))]
+    assert not stale, f"citations of a design document outside the repository: {stale}"
+
+
+def test_linked_images_exist_and_are_small():
+    for link in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", _design()):
+        image = DESIGN.parent / link
+        assert image.is_file(), f"docs/design.md shows {link}, which does not exist"
+        assert image.stat().st_size < 200_000, f"{link} is {image.stat().st_size} bytes; keep pictures under 200 KB"
