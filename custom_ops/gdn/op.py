@@ -31,9 +31,8 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-import triton
 
-from custom_ops._common import NAMESPACE, check_index_tensor, unit_last_stride, use_triton
+from custom_ops._common import NAMESPACE, cdiv, check_index_tensor, launch_direct, unit_last_stride, use_triton
 from custom_ops.gdn.kernels import MAX_TAPS
 from custom_ops.gdn.reference import (
     causal_conv1d_gather_reference,
@@ -189,8 +188,9 @@ def _conv_forward(x, weight, bias, cu_seqlens, activation, rows=None) -> torch.T
     block_rows, block_c, warps, stages = FWD_CONFIG if x.is_cuda else INTERPRETER_CONFIG
     y = torch.empty(num_rows, channels, dtype=x.dtype, device=x.device)
     pos = _conv_positions(cu_seqlens, num_rows)
-    grid = (triton.cdiv(num_rows, block_rows), triton.cdiv(channels, block_c))
-    cp_causal_conv1d_fwd_kernel[grid](
+    grid = (cdiv(num_rows, block_rows), cdiv(channels, block_c))
+    launch_direct(
+        cp_causal_conv1d_fwd_kernel, grid,
         x, weight, weight if bias is None else bias.contiguous(), y, pos, pos if rows is None else rows, num_rows,
         channels, x.stride(0), K=weight.shape[1], HAS_BIAS=bias is not None, SILU=_is_silu(activation),
         ROWS=block_rows, BLOCK_C=block_c, GATHER=rows is not None, num_warps=warps, num_stages=stages,
@@ -208,13 +208,14 @@ def _conv_backward_kernel(grad_y, x, weight, bias, cu_seqlens, activation, rows=
     num_rows, channels = x.shape
     kernel = w.shape[1]
     block_rows, block_c, warps, stages = BWD_CONFIG if x.is_cuda else INTERPRETER_CONFIG
-    programs = triton.cdiv(num_rows, block_rows)
+    programs = cdiv(num_rows, block_rows)
     if dx is None:
         dx = torch.empty(num_rows, channels, dtype=x.dtype, device=x.device)
     dw_parts = torch.empty(programs, channels, MAX_TAPS, dtype=torch.float32, device=x.device)
     db_parts = torch.empty(programs, channels, dtype=torch.float32, device=x.device)
     pos = _conv_positions(cu_seqlens, num_rows)
-    cp_causal_conv1d_bwd_kernel[(programs, triton.cdiv(channels, block_c))](
+    launch_direct(
+        cp_causal_conv1d_bwd_kernel, (programs, cdiv(channels, block_c)),
         x, w, w if bias is None else bias.contiguous(), grad_y, dx, dw_parts, db_parts, pos,
         pos if rows is None else rows, num_rows, channels, x.stride(0), grad_y.stride(0), dx.stride(0), K=kernel,
         HAS_BIAS=bias is not None, SILU=_is_silu(activation), ROWS=block_rows, BLOCK_C=block_c,

@@ -8,13 +8,12 @@ so the all-to-all send buffer is built in one pass with no separate transpose.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
-import triton
-from torch.library import wrap_triton
 
-from custom_ops._common import NAMESPACE, kernel_op, check_cp_size, from_words, to_words, use_triton, word_dtype
+from custom_ops._common import NAMESPACE, cdiv, kernel_op, launch, next_power_of_2, check_cp_size, from_words, to_words, use_triton, word_dtype
 from custom_ops.permute_sections.kernels import permute_sections_kernel
 from custom_ops.permute_sections.reference import permute_sections_reference, unpermute_sections_reference
 
@@ -27,6 +26,22 @@ def check_sections(name: str, width: int, sections, cp_size: int, world: str = "
     they are model constants and the kernel is specialised on them, so they are
     specialised (guarded) here.
     """
+    key = (name, width, cp_size, *sections) if type(sections) in (list, tuple) else None
+    # plain ints only (a symbolic size must still be guarded, and True would hash as 1), and not
+    # while dynamo traces a caller, which would guard on the cache's contents
+    if key is not None and set(map(type, key[1:])) == {int} and not torch.compiler.is_compiling():
+        local = _CHECKED.get(key)
+        if local is None:
+            local = _CHECKED[key] = tuple(_check_sections(name, width, sections, cp_size, world))
+        return list(local)
+    return _check_sections(name, width, sections, cp_size, world)
+
+
+# (name, width, cp_size, *sections) of every plain-int layout already checked -> local widths
+_CHECKED: dict = {}
+
+
+def _check_sections(name: str, width: int, sections, cp_size: int, world: str) -> list[int]:
     cp_size = _concrete(cp_size)
     check_cp_size(cp_size)
     if not isinstance(sections, (list, tuple)) or not all(
@@ -83,34 +98,44 @@ def section_tiles(
     """(column tile of each section, rows per program, column tiles of the widest section) for
     :func:`permute_sections_kernel` over local section widths in words. Under Triton's
     interpreter the tiles are tiny, so CPU tests run several column tiles per section."""
-    from triton import next_power_of_2
-
     cap = 4 if interpreting else max(1, SECTION_TILE["max_run_bytes"] // word_bytes)
     blocks = tuple(min(next_power_of_2(max(w, 1)), cap) for w in local_widths)
     block_r = 2 if interpreting else max(1, min(64, SECTION_TILE["tile_bytes"] // (max(blocks) * word_bytes)))
-    tiles = max(triton.cdiv(w, bc) for w, bc in zip(local_widths, blocks))
+    tiles = max(cdiv(w, bc) for w, bc in zip(local_widths, blocks))
     return blocks, block_r, tiles
+
+
+@functools.lru_cache(maxsize=256)
+def _tiles(local_widths: tuple, k: int, word_bytes: int, interpreting: bool, tile: tuple):
+    """``(LOFF, BLOCKS, BLOCK_R, column tiles)`` of a launch (``tile``: SECTION_TILE's values,
+    which a sweep may change)."""
+    words = [w * k for w in local_widths]
+    loff = [0]
+    for w in words:
+        loff.append(loff[-1] + w)
+    blocks, block_r, tiles = section_tiles(words, word_bytes, interpreting=interpreting)
+    return tuple(loff), blocks, block_r, tiles
 
 
 def _launch(plain: torch.Tensor, blocked: torch.Tensor, local_widths, cp_size: int, k: int, blocked_strides, to_blocks):
     rows, cols = plain.shape
     if rows == 0 or cols == 0:
         return
-    words = [w * k for w in local_widths]
-    loff = [0]
-    for w in words:
-        loff.append(loff[-1] + w)
     # CPU tensors reach the kernel only under Triton's interpreter
-    blocks, block_r, tiles = section_tiles(words, plain.element_size(), interpreting=plain.device.type == "cpu")
-    grid = (triton.cdiv(rows, block_r), cp_size, tiles)
-    wrap_triton(permute_sections_kernel)[grid](
+    loff, blocks, block_r, tiles = _tiles(
+        tuple(local_widths), k, plain.element_size(), plain.device.type == "cpu", tuple(SECTION_TILE.values())
+    )
+    grid = (cdiv(rows, block_r), cp_size, tiles)
+    launch(
+        permute_sections_kernel,
+        grid,
         plain,
         blocked,
         rows,
         cp_size,
         blocked_strides[0],
         blocked_strides[1],
-        LOFF=tuple(loff),
+        LOFF=loff,
         BLOCKS=blocks,
         TO_BLOCKS=to_blocks,
         BLOCK_R=block_r,

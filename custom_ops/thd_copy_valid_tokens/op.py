@@ -1,10 +1,8 @@
 """Valid-token copy between THD tensors, functional and in place."""
 
 import torch
-import triton
-from torch.library import wrap_triton
 
-from custom_ops._common import NAMESPACE, kernel_op, as_words, from_words, check_index_tensor, check_rows, row_tile, use_triton
+from custom_ops._common import NAMESPACE, cdiv, kernel_op, launch, as_words, from_words, check_index_tensor, check_rows, row_tile, use_triton
 from custom_ops.thd_copy_valid_tokens.kernels import thd_copy_valid_tokens_kernel
 from custom_ops.thd_copy_valid_tokens.reference import thd_copy_valid_tokens_reference, valid_token_mask
 
@@ -35,8 +33,10 @@ def _launch(dst: torch.Tensor, src: torch.Tensor, offsets: torch.Tensor, cu_seql
     if rows == 0 or cols == 0:
         return
     block_r, block_d, num_warps = row_tile(cols, dst_w.element_size())
-    grid = (triton.cdiv(rows, block_r), triton.cdiv(cols, block_d))
-    wrap_triton(thd_copy_valid_tokens_kernel)[grid](
+    grid = (cdiv(rows, block_r), cdiv(cols, block_d))
+    launch(
+        thd_copy_valid_tokens_kernel,
+        grid,
         dst_w,
         src_w,
         out_w,

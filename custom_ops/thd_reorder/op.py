@@ -1,10 +1,8 @@
 """THD reorder between sequence order and CP rank order, as torch.library ops."""
 
 import torch
-import triton
-from torch.library import wrap_triton
 
-from custom_ops._common import NAMESPACE, kernel_op, as_words, from_words, check_cp_size, check_index_tensor, check_rows, row_tile, use_triton
+from custom_ops._common import NAMESPACE, cdiv, kernel_op, launch, as_words, from_words, check_cp_size, check_index_tensor, check_rows, row_tile, use_triton
 from custom_ops.thd_reorder.kernels import thd_reorder_kernel
 from custom_ops.thd_reorder.reference import thd_rank_to_seq_order_reference, thd_seq_to_rank_order_reference
 
@@ -26,8 +24,10 @@ def _launch(x: torch.Tensor, cu_seqlens_padded: torch.Tensor, cp_size: int, to_r
     rows, cols = words.shape
     if rows > 0 and cols > 0:
         block_r, block_d, num_warps = row_tile(cols, words.element_size())
-        grid = (triton.cdiv(rows, block_r), triton.cdiv(cols, block_d))
-        wrap_triton(thd_reorder_kernel)[grid](
+        grid = (cdiv(rows, block_r), cdiv(cols, block_d))
+        launch(
+            thd_reorder_kernel,
+            grid,
             words,
             out,
             cu_seqlens_padded,

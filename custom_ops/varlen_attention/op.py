@@ -21,12 +21,13 @@ import functools
 import math
 
 import torch
-import triton
 
 from custom_ops._common import (
     NAMESPACE,
+    cdiv,
     check_index_tensor,
     kernel_op,
+    launch_direct,
     triton_interpreting,
     unit_last_stride,
     use_triton,
@@ -125,7 +126,8 @@ def _segment_tables(
     tab = torch.empty((5, n_seg), dtype=torch.int32, device=dev)
     cum = torch.empty(n_seg, dtype=torch.int32, device=dev)  # scratch: the kernel reads it back
     tiles = torch.empty((5, num_tiles), dtype=torch.int32, device=dev)
-    segment_tables_kernel[(1,)](
+    launch_direct(
+        segment_tables_kernel, (1,),
         *seg, tab, cum, tiles, n_seg, num_q_rows, num_k_rows, num_tiles, left, right,
         CAUSAL=causal, TILE=cfg["BLOCK_M"], KEY_TILE=cfg["BLOCK_N"], BY_WORK=kernels.SEGMENTS_BY_WORK[kernel],
         BLOCK=chunk, BUCKETS=WORK_BUCKETS, num_warps=4,
@@ -245,11 +247,12 @@ def _forward_kernel(q, k, v, seg, causal, left, right, scale):
     q, k, v = unit_last_stride(q), unit_last_stride(k), unit_last_stride(v)
     block_d = _block_d(d)
     cfg, descriptors = _launch_config("fwd", d, block_d, k, v)
-    num_tiles = triton.cdiv(tq, cfg["BLOCK_M"]) + n_seg
+    num_tiles = cdiv(tq, cfg["BLOCK_M"]) + n_seg
     (qs, ql, qp, ks, kl), tile_seg, tile_row = _segment_tables(
         seg, tq, k.shape[0], "fwd", cfg, num_tiles, causal, left, right
     )
-    varlen_attn_fwd_kernel[(num_tiles * hq,)](
+    launch_direct(
+        varlen_attn_fwd_kernel, (num_tiles * hq,),
         q, k, v, out, lse, *descriptors,
         qs, ql, qp, ks, kl, tile_seg, tile_row, n_seg,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -276,11 +279,12 @@ def _backward_kernel(dout, dlse, q, k, v, out, lse, seg, causal, left, right, sc
     # written by the dq kernel for the rows of every segment, read by the dk/dv kernel after it
     delta = torch.empty((hq, tq), dtype=torch.float32, device=q.device)
     cfg, descriptors = _launch_config("bwd_dq", d, block_d, k, v)
-    num_tiles = triton.cdiv(tq, cfg["BLOCK_M"]) + n_seg
+    num_tiles = cdiv(tq, cfg["BLOCK_M"]) + n_seg
     (qs, ql, qp, ks, kl), tile_seg, tile_row = _segment_tables(
         seg, tq, tk, "bwd_dq", cfg, num_tiles, causal, left, right
     )
-    varlen_attn_bwd_dq_kernel[(num_tiles * hq,)](
+    launch_direct(
+        varlen_attn_bwd_dq_kernel, (num_tiles * hq,),
         q, k, v, out, dout, lse, dlse, delta, dq, *descriptors,
         qs, ql, qp, ks, kl, tile_seg, tile_row, n_seg,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -294,9 +298,10 @@ def _backward_kernel(dout, dlse, q, k, v, out, lse, seg, causal, left, right, sc
     # one program per key tile of the key tensor: it writes every row, so no zero fill
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    num_tiles = triton.cdiv(tk, cfg["BLOCK_N"])
+    num_tiles = cdiv(tk, cfg["BLOCK_N"])
     order, first, last = _key_tile_segments(qs, ql, ks, kl, cfg["BLOCK_N"], num_tiles, tk)
-    varlen_attn_bwd_dkdv_kernel[(num_tiles * hkv * cfg.get("PARTS", 1),)](
+    launch_direct(
+        varlen_attn_bwd_dkdv_kernel, (num_tiles * hkv * cfg.get("PARTS", 1),),
         q, k, v, dout, lse, delta, dk, dv, *descriptors,
         qs, ql, qp, ks, kl, order, first, last, tk,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),

@@ -1,0 +1,597 @@
+"""Host time per eager call of every cp_ops op, in both registration forms.
+
+    python benchmarks/bench_host.py [--out FILE.json] [--baseline DIR] [--ops NAME ...]
+                                    [--breakdown] [--layout-sweep] [--smoke]
+
+For each op (forward, and backward through autograd where it is differentiable):
+
+  host us    wall time to issue N calls / N, with the calls queued behind a long GPU sleep
+             (``torch.cuda._sleep``) so that the GPU never waits and no launch waits for it;
+             a CUDA event recorded after the sleep must still be pending when issuing ends
+             (else the GPU ran dry, or the call synchronised, and the row says so)
+  call ms    ``triton.testing.do_bench`` of one call (GPU time, or host time where that is longer)
+  kernels ms the device time of everything one call launches (torch.profiler)
+  clone ms   ``do_bench`` of a clone of the op's main input (the same bytes moved)
+
+The registration form (``triton_op`` or opaque ``custom_op``) is decided when ``custom_ops``
+is imported, so each form runs in a subprocess of its own (``CP_OPS_OPAQUE_KERNELS=0`` and
+``=1``). ``--baseline DIR`` also times the ``custom_ops`` package found in DIR (a copy of an
+older checkout) in two more subprocesses, so before and after come from one run on one
+machine. ``--breakdown`` times the pieces of one ``thd_seq_to_rank_order`` call (dispatch,
+body, launch) and prints a cProfile of it; ``--layout-sweep`` times the four THD layout ops
+against a clone at both row widths of bench_thd_layout.py and W = 2, 4, 8. ``--smoke`` runs
+tiny shapes on the CPU (the torch references, wall-clock timing, no sleep).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+FORMS = {"0": "triton_op", "1": "opaque"}
+
+
+# --- what is timed ----------------------------------------------------------------------------
+
+
+class Case:
+    """One op: ``fwd()`` is one eager call; ``make_bwd()`` returns a function that runs one
+    backward through autograd from a fresh forward's output (the forward issued beforehand,
+    not timed), or None where the op is not differentiable. ``main`` is the input a clone of
+    which moves the same bytes (None: no clone row). ``calls`` is N per timed batch."""
+
+    def __init__(self, name, group, fwd, make_bwd=None, main=None, calls=50):
+        self.name, self.group, self.fwd, self.make_bwd, self.main, self.calls = name, group, fwd, make_bwd, main, calls
+
+
+def _grad_case(fn, inputs, grads_like):
+    """``make_bwd`` for ``fn(*inputs)``: each call of the returned factory runs one forward with
+    ``inputs`` requiring grad and returns a closure that runs its backward
+    (``torch.autograd.grad``, so no gradient accumulates between calls)."""
+    import torch
+
+    leaves = [t.detach().requires_grad_(True) if req else t for t, req in inputs]
+    wanted = [t for t, (_, req) in zip(leaves, inputs) if req]
+
+    def make():
+        out = fn(*leaves)
+        outs = [o for o in (out if isinstance(out, tuple) else (out,)) if o.requires_grad]
+        grads = grads_like(outs)
+        return lambda: torch.autograd.grad(outs, wanted, grads)
+
+    return make
+
+
+def build_cases(device, smoke: bool, only=None):
+    import torch
+
+    import custom_ops
+
+    bf16 = torch.bfloat16
+    gen = torch.Generator(device="cpu").manual_seed(0)
+
+    def rand(*shape, dtype=bf16):
+        return torch.randn(shape, generator=gen).to(dtype).to(device)
+
+    def same_grads(outs):
+        return [torch.ones_like(o) for o in outs]
+
+    def cu(lengths):
+        return torch.tensor([0] + list(_cumsum(lengths)), dtype=torch.int32, device=device)
+
+    w = 4
+    seqs, seq_len = (4, 16) if smoke else (16, 4096)
+    rows = seqs * seq_len
+    real = [seq_len - 3 * (i % 3) for i in range(seqs)]  # a few padding rows per sequence
+    cup, cur = cu([seq_len] * seqs), cu(real)
+    trailing = (2, 4) if smoke else (16, 64)
+    x = rand(rows, *trailing)
+    src = rand(rows, *trailing)
+    dst = x.clone()
+    feats = 8 * w if smoke else 1024
+    sections = [feats // 4, feats // 4, feats // 2]
+    xf = rand(rows, feats)
+    blocks = rand(w, rows, feats // w)
+    cases = [
+        Case("clone (floor)", "floor", lambda: x.clone(), _grad_case(lambda a: a.clone(), [(x, True)], same_grads), x),
+        Case("thd_seq_to_rank_order", "layout", lambda: custom_ops.thd_seq_to_rank_order(x, cup, w),
+             _grad_case(lambda a: custom_ops.thd_seq_to_rank_order(a, cup, w), [(x, True)], same_grads), x),
+        Case("thd_rank_to_seq_order", "layout", lambda: custom_ops.thd_rank_to_seq_order(x, cup, w),
+             _grad_case(lambda a: custom_ops.thd_rank_to_seq_order(a, cup, w), [(x, True)], same_grads), x),
+        Case("thd_copy_valid_tokens", "layout", lambda: custom_ops.thd_copy_valid_tokens(dst, src, cup, cur),
+             _grad_case(lambda a, b: custom_ops.thd_copy_valid_tokens(a, b, cup, cur), [(dst, True), (src, True)],
+                        same_grads), x),
+        Case("thd_copy_valid_tokens_", "layout", lambda: custom_ops.thd_copy_valid_tokens_(dst, src, cup, cur), None, x),
+        Case("permute_sections", "layout", lambda: custom_ops.permute_sections(xf, sections, w),
+             _grad_case(lambda a: custom_ops.permute_sections(a, sections, w), [(xf, True)], same_grads), xf),
+        Case("unpermute_sections", "layout", lambda: custom_ops.unpermute_sections(xf, sections, w),
+             _grad_case(lambda a: custom_ops.unpermute_sections(a, sections, w), [(xf, True)], same_grads), xf),
+        Case("sections_to_rank_blocks", "layout", lambda: custom_ops.sections_to_rank_blocks(xf, sections, w),
+             _grad_case(lambda a: custom_ops.sections_to_rank_blocks(a, sections, w), [(xf, True)], same_grads), xf),
+        Case("rank_blocks_to_sections", "layout", lambda: custom_ops.rank_blocks_to_sections(blocks, sections, w),
+             _grad_case(lambda a: custom_ops.rank_blocks_to_sections(a, sections, w), [(blocks, True)], same_grads),
+             blocks),
+    ]  # fmt: skip
+
+    # attention: 4 causal segments, 16 heads, D = 128
+    a_seqs, a_len, heads, dim = (2, 16, 2, 16) if smoke else (4, 4096, 16, 128)
+    a_rows = a_seqs * a_len
+    q, k, v = (rand(a_rows, heads, dim) for _ in range(3))
+    starts = torch.arange(a_seqs, dtype=torch.int32, device=device) * a_len
+    lens = torch.full((a_seqs,), a_len, dtype=torch.int32, device=device)
+    seg = (starts, lens, torch.zeros_like(starts), starts, lens)
+
+    def attn(q_, k_, v_):
+        return custom_ops.varlen_attention(q_, k_, v_, *seg, causal=True)
+
+    cases.append(Case("varlen_attention", "attention", lambda: attn(q, k, v),
+                      _grad_case(attn, [(q, True), (k, True), (v, True)],
+                                 lambda outs: [torch.ones_like(outs[0])] + [torch.zeros_like(o) for o in outs[1:]]),
+                      None, calls=30))  # fmt: skip
+
+    # the GDN layer's conv: C = 2048 channels of K = 4 taps over the layout above
+    channels = 16 if smoke else 2048
+    xc = rand(rows, channels)
+    weight = rand(channels, 4)
+    xg = rand(rows, channels + channels // 4)
+    perm = custom_ops.thd_seq_to_rank_order(torch.arange(rows, device=device), cup, w)
+
+    def conv(a, wt):
+        return custom_ops.causal_conv1d(a, wt, None, cup, "silu")
+
+    def conv_gather(a, wt):
+        return custom_ops.causal_conv1d_gather(a, perm, wt, None, cup, "silu")
+
+    cases.append(Case("causal_conv1d", "conv", lambda: conv(xc, weight),
+                      _grad_case(conv, [(xc, True), (weight, True)], same_grads), None, calls=30))
+    cases.append(Case("causal_conv1d_gather", "conv", lambda: conv_gather(xg, weight),
+                      _grad_case(conv_gather, [(xg, True), (weight, True)], same_grads), None, calls=30))  # fmt: skip
+
+    # gated delta rule: Hk = 4, Hv = 8, d = 128 over 4 sequences of 4096 (FLA's kernels on CUDA)
+    if device == "cpu" or _has_fla():
+        g_seqs, g_len, hk, hv, dk = (2, 8, 1, 2, 8) if smoke else (4, 4096, 4, 8, 128)
+        g_rows = g_seqs * g_len
+        gq, gk = rand(g_rows, hk, dk), rand(g_rows, hk, dk)
+        gq, gk = (torch.nn.functional.normalize(t.float(), dim=-1).to(bf16) for t in (gq, gk))
+        gv = rand(g_rows, hv, dk)
+        gg = torch.nn.functional.logsigmoid(rand(g_rows, hv, dtype=torch.float32))
+        gb = torch.sigmoid(rand(g_rows, hv, dtype=torch.float32)).to(bf16)
+        gcu = cu([g_len] * g_seqs)
+
+        def gdn(q_, k_, v_, g_, b_):
+            return custom_ops.chunk_gated_delta_rule(q_, k_, v_, g_, b_, gcu)
+
+        cases.append(Case("chunk_gated_delta_rule", "gdn", lambda: gdn(gq, gk, gv, gg, gb),
+                          _grad_case(gdn, [(gq, True), (gk, True), (gv, True), (gg, True), (gb, True)], same_grads),
+                          None, calls=10))  # fmt: skip
+    if only:
+        cases = [c for c in cases if c.name in only or c.group in only or c.group == "floor"]
+    return cases
+
+
+def _cumsum(values):
+    total = 0
+    for v in values:
+        total += v
+        yield total
+
+
+def _has_fla() -> bool:
+    try:
+        import fla  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# --- timing -----------------------------------------------------------------------------------
+
+
+def host_us(fn, calls: int, cuda: bool, reps: int = 3) -> dict:
+    """Host microseconds per call of ``fn``: ``{"us": median over reps, "min": best rep,
+    "gpu_waited": whether the sleep ran out in any rep}``. On the CPU, plain wall time."""
+    import torch
+
+    fn()  # compiles, allocates
+    if not cuda:
+        times = []
+        for _ in range(calls):
+            fn()
+        for _ in range(reps):
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times.append((time.perf_counter() - start) / calls * 1e6)
+        return {"us": statistics.median(times), "min": min(times), "gpu_waited": False}
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    estimate = (time.perf_counter() - start) / 3  # seconds per call, GPU time included: an upper bound
+    cycles = int(2 * calls * estimate * 2e9) + 2_000_000
+    times, waited = [], False
+    for rep in range(reps + 1):  # the first round warms the allocator for N live results
+        for _attempt in range(3):
+            torch.cuda.synchronize()
+            torch.cuda._sleep(cycles)
+            slept = torch.cuda.Event()
+            slept.record()
+            start = time.perf_counter()
+            keep = [fn() for _ in range(calls)]
+            elapsed = time.perf_counter() - start
+            pending = not slept.query()
+            del keep
+            if pending:
+                break
+            cycles *= 4
+        waited |= not pending
+        if rep:
+            times.append(elapsed / calls * 1e6)
+    torch.cuda.synchronize()
+    return {"us": statistics.median(times), "min": min(times), "gpu_waited": waited}
+
+
+def host_us_backward(make_bwd, calls: int, cuda: bool, reps: int = 2) -> dict:
+    """:func:`host_us` of backward calls alone: N forwards are issued first (not timed)."""
+    import torch
+
+    results = []
+    estimate = 0.0
+    if cuda:
+        first = make_bwd()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        first()
+        torch.cuda.synchronize()
+        estimate = time.perf_counter() - start  # seconds per call, GPU time included: an upper bound
+    for rep in range(reps + 1):
+        backwards = [make_bwd() for _ in range(calls)]
+        if cuda:
+            torch.cuda.synchronize()
+        pending = True
+        if cuda:
+            torch.cuda._sleep(int(2 * calls * estimate * 2e9) + 2_000_000)
+            slept = torch.cuda.Event()
+            slept.record()
+        start = time.perf_counter()
+        keep = [b() for b in backwards]
+        elapsed = time.perf_counter() - start
+        if cuda:
+            pending = not slept.query()
+            torch.cuda.synchronize()
+        del keep, backwards
+        if rep:
+            results.append((elapsed / calls * 1e6, pending))
+    times = [t for t, _ in results]
+    return {"us": statistics.median(times), "min": min(times), "gpu_waited": not all(p for _, p in results)}
+
+
+def device_ms(fn, runs: int = 5) -> float:
+    """Device time in ms of everything one ``fn()`` launches (torch.profiler, kernels and memsets)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(runs):
+            fn()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages()) / runs / 1e3
+
+
+def bench_ms(fn) -> float:
+    import triton
+
+    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def _first_tensor(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+def consistent(fn) -> bool | None:
+    """Whether two calls give the same bits: the first goes through Triton's own launch path
+    (a new launch key), the second through the cached launch. None for in-place ops."""
+    import torch
+
+    a, b = fn(), fn()
+    if a is None:
+        return None
+    a, b = (a if isinstance(a, tuple) else (a,)), (b if isinstance(b, tuple) else (b,))
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def run_child(args) -> dict:
+    import torch
+
+    cuda = not args.smoke
+    if cuda and not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA device (or --smoke)")
+    device = "cuda" if cuda else "cpu"
+    torch.manual_seed(0)
+    import custom_ops
+    from custom_ops import _common
+
+    result = {
+        "form": "triton_op" if _common.kernels_visible_to_compiler() else "opaque",
+        "package": os.path.dirname(os.path.dirname(os.path.abspath(custom_ops.__file__))),
+        "rows": [],
+    }
+    for case in build_cases(device, args.smoke, args.ops):
+        calls = min(case.calls, 5) if args.smoke else case.calls
+        row = {"op": case.name, "group": case.group}
+        with torch.no_grad():
+            row["same bits twice"] = consistent(case.fwd) if cuda else None
+            fwd = host_us(case.fwd, calls, cuda)
+        row["fwd host us"], row["fwd host us min"], row["fwd gpu waited"] = fwd["us"], fwd["min"], fwd["gpu_waited"]
+        if case.make_bwd is not None:
+            bwd = host_us_backward(case.make_bwd, calls, cuda)
+            row["bwd host us"], row["bwd host us min"], row["bwd gpu waited"] = bwd["us"], bwd["min"], bwd["gpu_waited"]
+        if cuda and not args.host_only:
+            with torch.no_grad():
+                row["call ms"] = bench_ms(case.fwd)
+                row["kernels ms"] = device_ms(case.fwd)
+                if case.main is not None:
+                    main = case.main
+                    row["clone ms"] = bench_ms(lambda: main.clone())
+        result["rows"].append(row)
+        print(json.dumps(row), flush=True)
+    if args.layout_sweep and cuda and not args.host_only:
+        result["layout_sweep"] = layout_sweep()
+    if args.breakdown and not args.host_only:
+        result["breakdown"] = breakdown(cuda)
+    return result
+
+
+def layout_sweep() -> list[dict]:
+    """The four THD layout ops against a clone, do_bench, at bench_thd_layout.py's row widths."""
+    import torch
+
+    import custom_ops
+
+    out = []
+    for trailing, seqs, seq_len in (((16, 64), 16, 4096), ((32, 128), 8, 8192)):
+        for w in (2, 4, 8):
+            cup = torch.arange(seqs + 1, dtype=torch.int32, device="cuda") * seq_len
+            cur = cup  # all rows valid
+            x = torch.randn((seqs * seq_len,) + trailing, device="cuda", dtype=torch.bfloat16)
+            src, dst = torch.randn_like(x), x.clone()
+            clone = bench_ms(lambda: x.clone())
+            row = {"shape": f"{seqs}x{seq_len} tok, {trailing[0]}x{trailing[1]}", "W": w, "clone ms": clone}
+            for name, fn in (
+                ("seq_to_rank", lambda: custom_ops.thd_seq_to_rank_order(x, cup, w)),
+                ("rank_to_seq", lambda: custom_ops.thd_rank_to_seq_order(x, cup, w)),
+                ("copy_valid", lambda: custom_ops.thd_copy_valid_tokens(x, src, cup, cur)),
+                ("copy_valid_", lambda: custom_ops.thd_copy_valid_tokens_(dst, src, cup, cur)),
+            ):
+                row[f"{name} / clone"] = bench_ms(fn) / clone
+            out.append(row)
+            print(json.dumps(row), flush=True)
+    return out
+
+
+def breakdown(cuda: bool) -> dict:
+    """Host us of the pieces of one thd_seq_to_rank_order call, outermost first, and a cProfile."""
+    import cProfile
+    import io
+    import pstats
+
+    import torch
+    import triton
+    from torch._library.triton import set_wrap_triton_enabled
+
+    import custom_ops
+    from custom_ops import _common
+    from custom_ops.thd_reorder import op as reorder
+    from custom_ops.thd_reorder.kernels import thd_reorder_kernel
+
+    device = "cuda" if cuda else "cpu"
+    seqs, seq_len, w = (16, 4096, 4) if cuda else (4, 16, 2)
+    cup = torch.arange(seqs + 1, dtype=torch.int32, device=device) * seq_len
+    x = torch.randn(seqs * seq_len, 16, 64, device=device, dtype=torch.bfloat16)
+    words = x.reshape(x.shape[0], -1)
+    out = torch.empty_like(words)
+    block_r, block_d, num_warps = _common.row_tile(words.shape[1], words.element_size())
+    grid = (triton.cdiv(words.shape[0], block_r), triton.cdiv(words.shape[1], block_d))
+    kernel_args = (words, out, cup, seqs, words.shape[0], words.shape[1], w)
+    kernel_kwargs = dict(TO_RANK=True, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=num_warps)
+
+    def body_without_wrap():  # the function each registration form wraps, wrap_triton off
+        with set_wrap_triton_enabled(False):
+            return custom_ops.thd_seq_to_rank_order._init_fn(x, cup, w)
+
+    def launch_without_wrap():
+        with set_wrap_triton_enabled(False):
+            return reorder._launch(x, cup, w, True)
+
+    def empty(a, b, n):
+        return torch.empty_like(a)
+
+    schema = "(Tensor a, Tensor b, int n) -> Tensor"
+    for name in ("trivial", "trivial_raw", "trivial_raw_autograd"):
+        op = torch.library.custom_op(f"cp_ops_bench::{name}", empty, mutates_args=(), schema=schema)
+        op.register_fake(empty)
+        op.register_autograd(lambda ctx, g: (g, None, None))
+    lib = torch.library.Library("cp_ops_bench", "IMPL")
+    lib.impl("trivial_raw", empty, "CUDA" if cuda else "CPU")  # beside custom_op's own, which it shadows
+    lib.impl("trivial_raw_autograd", empty, "CUDA" if cuda else "CPU")
+    raw_op = torch.ops.cp_ops_bench.trivial_raw_autograd.default
+
+    def autograd_kernel(keyset, a, b, n):  # the no-grad half of custom_op's autograd kernel
+        if torch.is_grad_enabled() and torch._C._any_requires_grad(a, b, n):
+            raise NotImplementedError
+        with torch._C._AutoDispatchBelowAutograd():
+            return raw_op.redispatch(keyset & torch._C._after_autograd_keyset, a, b, n)
+
+    lib.impl("trivial_raw_autograd", autograd_kernel, "Autograd", with_keyset=True)
+
+    pieces = {
+        "torch.ops.cp_ops.thd_seq_to_rank_order": lambda: torch.ops.cp_ops.thd_seq_to_rank_order(x, cup, w),
+        "custom_ops.thd_seq_to_rank_order": lambda: custom_ops.thd_seq_to_rank_order(x, cup, w),
+        "op body, wrap_triton off": body_without_wrap,
+        "trivial custom_op (empty_like body)": lambda: torch.ops.cp_ops_bench.trivial(x, cup, w),
+        "trivial custom_op, raw backend kernel": lambda: torch.ops.cp_ops_bench.trivial_raw(x, cup, w),
+        "trivial custom_op, raw backend and autograd kernels": lambda: raw_op(x, cup, w),
+        "torch.empty_like": lambda: torch.empty_like(words),
+        "x.clone()": lambda: x.clone(),
+    }
+    if cuda:
+        pieces["_launch (words, empty_like, tiles, launch)"] = launch_without_wrap
+        pieces["kernel[grid](...) (JITFunction.run)"] = lambda: thd_reorder_kernel[grid](*kernel_args, **kernel_kwargs)
+        if hasattr(_common, "launch_direct"):
+            pieces["launch_direct (cached compiled kernel)"] = lambda: _common.launch_direct(
+                thd_reorder_kernel, grid, *kernel_args, **kernel_kwargs
+            )
+        pieces["wrap_triton(kernel)[grid](...), eager"] = lambda: torch.library.wrap_triton(thd_reorder_kernel)[grid](
+            *kernel_args, **kernel_kwargs
+        )
+    result = {}
+    for name, fn in pieces.items():
+        result[name] = host_us(fn, 100, cuda)["us"]
+        print(f"breakdown: {name}: {result[name]:.1f} us", flush=True)
+    prof = cProfile.Profile()
+    for _ in range(20):
+        custom_ops.thd_seq_to_rank_order(x, cup, w)
+    prof.enable()
+    for _ in range(200):
+        custom_ops.thd_seq_to_rank_order(x, cup, w)
+    prof.disable()
+    if cuda:
+        torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(18)
+    print(text.getvalue(), flush=True)
+    return {"pieces us": result, "cprofile": text.getvalue()}
+
+
+# --- the parent: one subprocess per form (and package) ------------------------------------------
+
+
+def environment_line(cuda: bool) -> str:
+    import torch
+    import triton
+
+    dev = torch.cuda.get_device_name() if cuda and torch.cuda.is_available() else (platform.processor() or "cpu")
+    return (
+        f"{dev}, torch {torch.__version__}, triton {triton.__version__}, CUDA {torch.version.cuda}, "
+        f"{datetime.date.today().isoformat()}"
+    )
+
+
+def spawn(form: str, package: str, args, tmp: str, host_only: bool) -> dict:
+    out = os.path.join(tmp, f"{os.path.basename(package) or 'tree'}-{form}.json")
+    env = dict(os.environ, CP_OPS_OPAQUE_KERNELS=form, PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package, ROOT, env.get("PYTHONPATH")) if p)
+    env.pop("TRITON_INTERPRET", None)
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--child-out", out]
+    cmd += ["--smoke"] * args.smoke + ["--breakdown"] * args.breakdown + ["--layout-sweep"] * args.layout_sweep
+    cmd += ["--host-only"] * host_only
+    if args.ops:
+        cmd += ["--ops", *args.ops]
+    print(f"===== {FORMS[form]} form, package {package}", flush=True)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env)
+    if proc.returncode != 0:
+        raise SystemExit(f"the {FORMS[form]} run of {package} failed (rc {proc.returncode})")
+    with open(out) as f:
+        return json.load(f)
+
+
+def table(runs: dict, smoke: bool) -> str:
+    """One row per op and form: host us (baseline -> this tree where there is a baseline)."""
+    names = list(runs)
+    tree = names[-1]
+    lines = []
+    header = ["op", "form"]
+    for label in names:
+        header += [f"fwd host us ({label})", f"bwd host us ({label})"]
+    if not smoke:
+        header += ["call ms", "kernels ms", "clone ms", "call / clone"]
+    lines.append("| " + " | ".join(header) + " |")
+    lines.append("|" + "---|" * len(header))
+    for form in ("triton_op", "opaque"):
+        rows_by_label = {label: {r["op"]: r for r in runs[label][form]["rows"]} for label in names}
+        for op, row in rows_by_label[tree].items():
+            cells = [op, form]
+            for label in names:
+                r = rows_by_label[label].get(op, {})
+                cells += [_fmt_us(r, "fwd"), _fmt_us(r, "bwd")]
+            if not smoke:
+                call, kernels, clone = row.get("call ms"), row.get("kernels ms"), row.get("clone ms")
+                cells += [_fmt_ms(call), _fmt_ms(kernels), _fmt_ms(clone), f"{call / clone:.2f}x" if call and clone else ""]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _fmt_ms(ms) -> str:
+    return "" if ms is None else f"{ms:.3f}"
+
+
+def _fmt_us(row: dict, which: str) -> str:
+    us = row.get(f"{which} host us")
+    if us is None:
+        return ""
+    return f"{us:.1f}" + (" (GPU waited)" if row.get(f"{which} gpu waited") else "")
+
+
+def sweep_table(runs: dict) -> str:
+    tree = list(runs)[-1]
+    lines = ["| form | shape | W | clone ms | seq_to_rank | rank_to_seq | copy_valid | copy_valid_ |", "|" + "---|" * 8]
+    for form in ("triton_op", "opaque"):
+        for r in runs[tree][form].get("layout_sweep", []):
+            cells = [form, r["shape"], str(r["W"]), f"{r['clone ms']:.3f}"]
+            cells += [f"{r[f'{n} / clone']:.2f}x" for n in ("seq_to_rank", "rank_to_seq", "copy_valid", "copy_valid_")]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", help="write the JSON results here")
+    parser.add_argument("--baseline", help="a folder holding an older custom_ops package to time as well")
+    parser.add_argument("--ops", nargs="+", help="only these ops (names or groups: layout, attention, conv, gdn)")
+    parser.add_argument("--breakdown", action="store_true", help="time the pieces of one call and cProfile it")
+    parser.add_argument("--layout-sweep", action="store_true", help="the THD layout ops against a clone, W = 2, 4, 8")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
+    parser.add_argument("--host-only", action="store_true", help="host times only (the baseline's runs)")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--child-out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        result = run_child(args)
+        with open(args.child_out, "w") as f:
+            json.dump(result, f)
+        return
+    header = environment_line(not args.smoke)
+    print(header, flush=True)
+    packages = ([("baseline", os.path.abspath(args.baseline))] if args.baseline else []) + [("this tree", ROOT)]
+    runs = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for label, package in packages:
+            runs[label] = {}
+            for form in FORMS:
+                result = spawn(form, package, args, tmp, host_only=label == "baseline")
+                runs[label][result["form"]] = result
+    command = "python benchmarks/bench_host.py " + " ".join(sys.argv[1:])
+    text = f"{header}\n`{command}`\n\n" + table(runs, args.smoke)
+    if args.layout_sweep and not args.smoke:
+        text += "\n\n" + sweep_table(runs)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"environment": header, "command": command, "runs": runs, "table": text}, f, indent=1)
+    print("\n" + text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+"""benchmarks/bench_host.py runs end to end in its ``--smoke`` mode (tiny shapes on the CPU, both
+registration forms in subprocesses) and reports every op, so the GPU benchmark does not rot
+between GPU runs."""
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+DIFFERENTIABLE = {
+    "thd_seq_to_rank_order", "thd_rank_to_seq_order", "thd_copy_valid_tokens", "permute_sections",
+    "unpermute_sections", "sections_to_rank_blocks", "rank_blocks_to_sections", "varlen_attention", "causal_conv1d",
+    "causal_conv1d_gather", "chunk_gated_delta_rule",
+}  # fmt: skip
+
+
+def test_bench_host_smoke(tmp_path):
+    out = tmp_path / "host.json"
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("TRITON_INTERPRET", None)
+    env.pop("CP_OPS_OPAQUE_KERNELS", None)
+    run = subprocess.run(
+        [sys.executable, "benchmarks/bench_host.py", "--smoke", "--breakdown", "--out", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+    result = json.loads(out.read_text())
+    runs = result["runs"]["this tree"]
+    assert set(runs) == {"triton_op", "opaque"}
+    for form, r in runs.items():
+        rows = {row["op"]: row for row in r["rows"]}
+        assert DIFFERENTIABLE | {"thd_copy_valid_tokens_", "clone (floor)"} <= set(rows), form
+        for name, row in rows.items():
+            assert row["fwd host us"] > 0
+            assert ("bwd host us" in row) == (name in DIFFERENTIABLE | {"clone (floor)"}), (form, name)
+        assert r["breakdown"]["pieces us"]["torch.ops.cp_ops.thd_seq_to_rank_order"] > 0
+    table = run.stdout.strip().splitlines()
+    assert table[-1].startswith("| rank_blocks_to_sections | opaque") or "| opaque |" in table[-1]
+    assert "fwd host us (this tree)" in result["table"]
