@@ -1,0 +1,311 @@
+"""transformers' Qwen3-Next with this package's layers (apply_context_parallel) against its own
+layers, on one GPU: error against a float32 reference, and fwd+bwd throughput.
+
+    python benchmarks/bench_qwen3_next.py [--tokens 16384] [--seqs 8] [--out DIR]
+    python benchmarks/bench_qwen3_next.py --smoke --out DIR     # tiny shapes on the CPU, seconds
+
+The model: ``Qwen3NextForCausalLM`` with two decoder layers, a Gated DeltaNet then a gated
+attention, at Qwen3-Next-80B-A3B's widths (hidden 2048; GDN 16 key / 32 value heads of 128;
+attention 16 query / 2 kv heads of 256, partial_rotary_factor 0.25, rope_theta 1e7), a dense
+SwiGLU MLP (intermediate 5632) and a 32000-token vocabulary, random weights, bf16. The batch:
+``--seqs`` sequences of mixed lengths, ``--tokens`` real tokens in all.
+
+Forms (the same weights):
+
+  ours, compiled    apply_context_parallel(model) (group None: one GPU), the packed batch,
+                    torch.compile(model, fullgraph=True)
+  ours, eager       the same model uncompiled
+  hf, looped        transformers' model, bf16, one sequence at a time (its default kernels:
+                    FLA for the delta rule on the GPU)
+  hf, packed        transformers' model, bf16, the whole batch in one row with position_ids
+                    restarting per sequence and cu_seq_lens_q / cu_seq_lens_k (its packed path;
+                    sdpa with a block-diagonal mask; its causal conv reads across sequences)
+
+Error: ``||x - x_ref|| / ||x_ref||`` of the real tokens' logits and of each mixer's parameter
+gradients (loss: the batch's mean next-token cross-entropy), against transformers' model in
+float32 run one sequence at a time with its torch delta rule and TF32 off. The check: ours no
+more than 2x the error of ``hf, looped`` on the logits and on every mixer's gradients (the scalar loss
+agrees to rounding noise in every form: reported only). Throughput: real tokens per second
+of one fwd+bwd step (median of timed runs, CUDA events). Prints a table; ``--out DIR`` writes
+``results.json`` and ``results.md`` there. ``--smoke`` compiles with the ``aot_eager`` backend
+(dynamo and AOT autograd, as on the GPU, without Inductor's CPU code) and fails unless the
+check holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+from unittest import mock
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.common import environment, markdown_table, median_ms_counted  # noqa: E402
+
+SIZES = {
+    "full": dict(
+        hidden_size=2048, intermediate_size=5632, vocab_size=32000, num_attention_heads=16, num_key_value_heads=2,
+        head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+        linear_value_head_dim=128,
+    ),
+    "smoke": dict(
+        hidden_size=64, intermediate_size=96, vocab_size=128, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16,
+    ),
+}  # fmt: skip
+MAX_ERROR_RATIO = 2.0
+
+
+def make_config(sizes: dict):
+    from transformers import Qwen3NextConfig
+
+    return Qwen3NextConfig(
+        **sizes, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], num_experts=0,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
+        attn_implementation="sdpa", use_cache=False,
+    )  # fmt: skip
+
+
+def sequence_lengths(tokens: int, seqs: int, seed: int = 0) -> list[int]:
+    """``seqs`` mixed lengths summing to ``tokens`` (random proportions, fixed seed)."""
+    gen = torch.Generator().manual_seed(seed)
+    weights = torch.rand(seqs, generator=gen) + 0.2
+    lengths = (weights / weights.sum() * tokens).floor().long()
+    lengths[0] += tokens - int(lengths.sum())
+    return lengths.tolist()
+
+
+def build_model(config, seed: int = 0):
+    """A random Qwen3NextForCausalLM in float32 with its zero-initialised norm weights random."""
+    from transformers import Qwen3NextForCausalLM
+
+    torch.manual_seed(seed)
+    model = Qwen3NextForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") and "linear_attn" not in name:
+                p.normal_(0.0, 0.1)
+    return model
+
+
+@contextlib.contextmanager
+def torch_delta_rule(enabled: bool):
+    """While active (when ``enabled``), transformers' Qwen3-Next runs its torch delta rule instead
+    of the kernel it picked at import (FLA's, which needs CUDA)."""
+    from transformers.models.qwen3_next import modeling_qwen3_next as hf
+
+    if not enabled:
+        yield
+        return
+    with mock.patch.object(hf, "torch_chunk_gated_delta_rule", hf.torch_chunk_gated_delta_rule.__wrapped__):
+        yield
+
+
+@contextlib.contextmanager
+def no_tf32():
+    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
+
+
+def run_looped(model, sequences, count):
+    """transformers' model over each sequence alone: (real-token logits, loss), backward done."""
+    loss, logits = 0.0, []
+    for seq in sequences:
+        out = model(input_ids=seq[None], labels=seq[None], num_items_in_batch=count)
+        loss = loss + out.loss
+        logits.append(out.logits[0])
+    loss.backward()
+    return torch.cat(logits).detach(), loss.detach()
+
+
+def packed_hf_inputs(sequences, count):
+    """transformers' packed path: one row, positions restarting per sequence, flash-style lengths."""
+    ids = torch.cat(sequences)
+    labels = torch.cat([torch.cat([s[1:], s.new_full((1,), -100)]) for s in sequences])
+    lengths = torch.tensor([len(s) for s in sequences])
+    cu = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(torch.int32).to(ids.device)
+    positions = torch.cat([torch.arange(len(s), device=ids.device) for s in sequences])
+    return dict(
+        input_ids=ids[None], position_ids=positions[None], labels=labels[None], shift_labels=labels[None],
+        num_items_in_batch=count, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=int(lengths.max()),
+        max_length_k=int(lengths.max()),
+    )  # fmt: skip
+
+
+def run_packed(step, inputs):
+    out = step(**inputs)
+    out.loss.backward()
+    return out.logits[0].detach(), out.loss.detach()
+
+
+def real_rows(batch) -> torch.Tensor:
+    """Rows of the packed (padded) batch that hold real tokens, in sequence order."""
+    cu, cup = batch.cu_seqlens.long().cpu(), batch.cu_seqlens_padded.long().cpu()
+    rows = [torch.arange(s, s + n) for s, n in zip(cup[:-1].tolist(), cu.diff().tolist())]
+    return torch.cat(rows).to(batch.input_ids.device)
+
+
+def mixer_gradients(model) -> dict[str, torch.Tensor]:
+    """Every mixer's parameter gradients (float32), flattened and concatenated per mixer."""
+    out = {}
+    for i, layer in enumerate(model.model.layers):
+        mixer = layer.linear_attn if hasattr(layer, "linear_attn") else layer.self_attn
+        name = f"layer {i} {'GDN' if hasattr(layer, 'linear_attn') else 'attention'} grads"
+        out[name] = torch.cat([p.grad.float().flatten() for p in mixer.parameters()])
+    return out
+
+
+def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm())
+
+
+def errors(logits, loss, grads, ref) -> dict[str, float]:
+    ref_logits, ref_loss, ref_grads = ref
+    out = {"logits": rel_error(logits, ref_logits), "loss": rel_error(loss, ref_loss)}
+    out.update({k: rel_error(grads[k], ref_grads[k]) for k in ref_grads})
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=16384, help="real tokens in the batch")
+    parser.add_argument("--seqs", type=int, default=8, help="sequences in the batch")
+    parser.add_argument("--runs", type=int, default=20, help="timed fwd+bwd steps per form")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, few runs")
+    parser.add_argument("--out", help="directory for results.json and results.md")
+    args = parser.parse_args()
+
+    from cp_ops.integrations.transformers import apply_context_parallel, shard_batch
+
+    if args.smoke:
+        device, sizes, tokens, seqs, runs, warmup = torch.device("cpu"), SIZES["smoke"], 192, 4, 1, 0
+        backend = "aot_eager"  # dynamo and AOT autograd as on the GPU; Inductor's CPU code would only cost time
+    else:
+        backend = "inductor"
+        if not torch.cuda.is_available():
+            raise SystemExit("needs a CUDA GPU (or --smoke for the CPU)")
+        device, sizes, tokens, seqs = torch.device("cuda"), SIZES["full"], args.tokens, args.seqs
+        runs, warmup = args.runs, 3
+    cpu = device.type == "cpu"
+    config = make_config(sizes)
+    lengths = sequence_lengths(tokens, seqs)
+    gen = torch.Generator().manual_seed(1)
+    sequences = [torch.randint(0, config.vocab_size, (n,), generator=gen).to(device) for n in lengths]
+    count = sum(n - 1 for n in lengths)
+    base = build_model(config).to(device)
+
+    # the float32 reference: transformers' model, one sequence at a time, torch delta rule, no TF32
+    with torch_delta_rule(True), no_tf32():
+        ref_logits, ref_loss = run_looped(base, sequences, count)
+    reference = (ref_logits, ref_loss, mixer_gradients(base))
+
+    theirs = build_model(config).to(device, torch.bfloat16)
+    ours = apply_context_parallel(build_model(config).to(device, torch.bfloat16))
+    batch = shard_batch(sequences, 1, 0)
+    ours_inputs, rows = batch.model_inputs(), real_rows(batch)
+    compiled = torch.compile(ours, fullgraph=True, backend=backend)
+    hf_packed = packed_hf_inputs(sequences, count)
+
+    def ours_step(model):
+        def step():
+            model.zero_grad(set_to_none=True)
+            logits, loss = run_packed(model, ours_inputs)
+            return logits[rows], loss
+
+        return step
+
+    def theirs_looped():
+        theirs.zero_grad(set_to_none=True)
+        with torch_delta_rule(cpu):
+            return run_looped(theirs, sequences, count)
+
+    def theirs_packed():
+        theirs.zero_grad(set_to_none=True)
+        with torch_delta_rule(cpu):
+            return run_packed(theirs, hf_packed)
+
+    forms = {
+        "ours, compiled": (ours_step(compiled), ours),
+        "ours, eager": (ours_step(ours), ours),
+        "hf, looped": (theirs_looped, theirs),
+        "hf, packed": (theirs_packed, theirs),
+    }
+    results = {}
+    for name, (step, model) in forms.items():
+        try:
+            logits, loss = step()
+            errs = errors(logits, loss, mixer_gradients(model), reference)
+            ms = median_ms_counted(step, warmup=warmup, runs=runs, device=device)
+        except Exception as err:  # noqa: BLE001 (a form that fails is reported, the others still run)
+            if name.startswith("ours"):
+                raise
+            results[name] = {"error": f"{type(err).__name__}: {err}"[:300]}
+            print(f"{name}: failed, {results[name]['error']}", flush=True)
+            continue
+        results[name] = {"ms": ms, "tokens_per_s": tokens / ms * 1e3, "errors": errs}
+        print(f"{name}: {ms:.2f} ms, {tokens / ms * 1e3:,.0f} tokens/s, logits error {errs['logits']:.2e}", flush=True)
+
+    checks = {}
+    if "errors" in results.get("hf, looped", {}):
+        theirs_err = results["hf, looped"]["errors"]
+        for form in ("ours, compiled", "ours, eager"):
+            # the scalar loss agrees to rounding noise in every form: reported, not compared
+            ratios = {k: v / max(theirs_err[k], 1e-12) for k, v in results[form]["errors"].items() if k != "loss"}
+            ok = all(r <= MAX_ERROR_RATIO for r in ratios.values())
+            checks[form] = {"error ratios vs hf, looped": ratios, "ok": ok}
+
+    keys = list(reference[2]) + ["logits", "loss"]
+    header = ["form", "ms / step", "tokens/s"] + [f"error: {k}" for k in keys]
+    table = []
+    for name, res in results.items():
+        if "error" in res:
+            table.append([name, "failed", res["error"][:60]] + [""] * len(keys))
+            continue
+        errs = [f"{res['errors'][k]:.2e}" for k in keys]
+        table.append([name, f"{res['ms']:.2f}", f"{res['tokens_per_s']:,.0f}"] + errs)
+    check_lines = [
+        f"- {form}: error <= {MAX_ERROR_RATIO}x hf, looped's on the logits and the mixers' gradients: "
+        f"{'yes' if c['ok'] else 'NO'} "
+        f"(largest ratio {max(c['error ratios vs hf, looped'].values()):.2f})"
+        for form, c in checks.items()
+    ]
+    text = "\n".join([
+        f"## Qwen3-Next, 2 layers (GDN + attention), {'smoke sizes' if args.smoke else 'Qwen3-Next widths'}, bf16",
+        "",
+        environment(),
+        "",
+        f"{tokens} real tokens in {seqs} sequences {lengths}; fwd+bwd of the batch loss; median of {runs} runs; "
+        "errors against transformers' model in float32 run one sequence at a time",
+        "",
+        markdown_table(header, table),
+        "",
+        *check_lines,
+    ])  # fmt: skip
+    print(text)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        summary = {
+            "environment": environment(), "sizes": sizes, "sequence_lengths": lengths, "tokens": tokens,
+            "runs": runs, "results": results, "checks": checks,
+        }  # fmt: skip
+        with open(os.path.join(args.out, "results.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        with open(os.path.join(args.out, "results.md"), "w") as f:
+            f.write(text + "\n")
+    if args.smoke and not all(c["ok"] for c in checks.values()):
+        raise SystemExit(f"error check failed: {checks}")
+
+
+if __name__ == "__main__":
+    main()
