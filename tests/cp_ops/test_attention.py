@@ -181,7 +181,7 @@ def test_bad_input():
     for factor in (0.1, 0.375, 1.5, 0.0):  # 0, 3 (odd), 12 (> head_dim) and 0 features rotated
         with pytest.raises(ValueError, match=f"partial_rotary_factor = {factor} with head_dim = 8 rotates"):
             Attention(HIDDEN, 4, 2, 8, partial_rotary_factor=factor)
-    with pytest.raises(ValueError, match="rotary_dim must be even and in \\(0, 4\\] for x of shape \\(8, 2, 4\\), got 6"):
+    with pytest.raises(ValueError, match=r"rotary_dim must be even and in \(0, 4\] for x of shape \(8, 2, 4\), got 6"):
         apply_rotary(q, torch.arange(8), 10000.0, 6)
     with pytest.raises(ValueError, match="query heads \\(1\\) must be a multiple of the kv heads \\(2\\)"):
         ag_thd_attention(q[:, :1], torch.cat([k, k], 1), torch.cat([v, v], 1), cu, cup)

@@ -205,6 +205,16 @@ def test_patching_keeps_parameters_checkpoints_and_classes(tmp_path):
     apply_context_parallel(model)  # again: re-targets, nothing doubles
     assert len(model._forward_pre_hooks) == 1 and len(model.model._forward_pre_hooks) == 1
 
+    class OwnGatedDeltaNet(modeling_qwen3_next.Qwen3NextGatedDeltaNet):
+        pass
+
+    other = _model(_config(num_k_heads=2, moe=False))
+    other.model.layers[0].linear_attn.__class__ = OwnGatedDeltaNet  # a subclass of transformers' layer
+    apply_context_parallel(other)
+    patched = other.model.layers[0].linear_attn
+    assert type(patched).__name__ == "ContextParallelOwnGatedDeltaNet" and isinstance(patched, OwnGatedDeltaNet)
+    assert isinstance(patched, ContextParallelQwen3NextGatedDeltaNet)
+
 
 @given(thd_layouts(max_seqs=6, max_len=40, cp_sizes=(1, 2, 3, 4)))
 def test_cu_seqlens_padded_is_the_package_rule(layout):
@@ -274,8 +284,12 @@ def test_bad_input():
         model.model.layers[0](hidden, position_embeddings=None)
     with pytest.raises(ValueError, match=r"hidden_states must be one packed batch \[1, T/W, hidden\]"):
         model.model.layers[1].self_attn(hidden.view(2, 5, 32), cu_seq_lens_q=batch.cu_seqlens)
-    for bad, message in (([], "non-empty list"), ([torch.zeros(2, 3, dtype=torch.long)], r"sequences\[0\] must be a 1-D"),
-                         ([torch.zeros(3)], "integer tensor")):  # fmt: skip
+    bad_sequences = (
+        ([], "non-empty list"),
+        ([torch.zeros(2, 3, dtype=torch.long)], r"sequences\[0\] must be a 1-D"),
+        ([torch.zeros(3)], "integer tensor"),
+    )
+    for bad, message in bad_sequences:
         with pytest.raises(ValueError, match=message):
             shard_batch(bad, 2, 0)
     with pytest.raises(ValueError, match=r"rank must be in \[0, cp_size = 2\)"):
