@@ -385,9 +385,9 @@ class Attention(nn.Module):
 
     Qwen3-Next's attention is this layer with ``partial_rotary_factor=0.25`` (64 of
     its 256 features rotated, inverse frequencies ``rope_theta ** (-2m / 64)``) and
-    ``rope_theta`` from the checkpoint's config (``config.rope_parameters["rope_theta"]``,
-    1e7 in the released Qwen3-Next checkpoints): the rotary embedding of transformers'
-    ``Qwen3NextRotaryEmbedding`` and ``apply_rotary_pos_emb`` (see :func:`apply_rotary`).
+    ``rope_theta`` from the checkpoint's config (``config.rope_parameters["rope_theta"]``):
+    the rotary embedding of transformers' ``Qwen3NextRotaryEmbedding`` and
+    ``apply_rotary_pos_emb`` (see :func:`apply_rotary`).
 
     ``forward(x, cu_seqlens, cu_seqlens_padded, group=None)``: x ``[T/W, hidden]``,
     this rank's THD shard (the whole batch when group is None), with the *global*
