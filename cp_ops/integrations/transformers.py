@@ -129,7 +129,8 @@ def _layout(layer: nn.Module, cache, attention_mask, kwargs) -> tuple[torch.Tens
             "lengths of the packed batch (int32 [B+1] on the device; shard_batch(...).model_inputs() has them)"
         )
     if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"{name}: cu_seq_lens_q must be a 1-D int32 or int64 tensor [B+1], got {cu!r:.80}")
+        what = f"{cu.dtype} of shape {tuple(cu.shape)}" if isinstance(cu, torch.Tensor) else type(cu).__name__
+        raise ValueError(f"{name}: cu_seq_lens_q must be a 1-D int32 or int64 tensor [B+1], got {what}")
     return cu, cu_seqlens_padded(cu, layer.cp_size)
 
 

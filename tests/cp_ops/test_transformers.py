@@ -282,6 +282,9 @@ def test_bad_input():
     hidden = torch.zeros(1, 10, 32, dtype=torch.float64)
     with pytest.raises(ValueError, match="ContextParallelQwen3NextGatedDeltaNet: cu_seq_lens_q is missing"):
         model.model.layers[0](hidden, position_embeddings=None)
+    with pytest.raises(ValueError, match=r"cu_seq_lens_q must be a 1-D int32 or int64 tensor \[B\+1\], got "
+                                         r"torch.float32 of shape \(3,\)"):  # fmt: skip
+        model.model.layers[1].self_attn(hidden, cu_seq_lens_q=torch.zeros(3))
     with pytest.raises(ValueError, match=r"hidden_states must be one packed batch \[1, T/W, hidden\]"):
         model.model.layers[1].self_attn(hidden.view(2, 5, 32), cu_seq_lens_q=batch.cu_seqlens)
     bad_sequences = (
