@@ -50,8 +50,9 @@ class Case:
     not timed), or None where the op is not differentiable. ``main`` is the input a clone of
     which moves the same bytes (None: no clone row). ``calls`` is N per timed batch."""
 
-    def __init__(self, name, group, fwd, make_bwd=None, main=None, calls=50):
+    def __init__(self, name, group, fwd, make_bwd=None, main=None, calls=50, reference=None):
         self.name, self.group, self.fwd, self.make_bwd, self.main, self.calls = name, group, fwd, make_bwd, main, calls
+        self.reference = reference  # what fwd() must return, bit for bit (the layout ops)
 
 
 def _grad_case(fn, inputs, grads_like):
@@ -78,10 +79,13 @@ def build_cases(device, smoke: bool, only=None):
     import custom_ops
 
     bf16 = torch.bfloat16
-    gen = torch.Generator(device="cpu").manual_seed(0)
+    gen = torch.Generator(device=device).manual_seed(0)
 
     def rand(*shape, dtype=bf16):
-        return torch.randn(shape, generator=gen).to(dtype).to(device)
+        return torch.randn(shape, generator=gen, device=device).to(dtype)
+
+    def wanted(group):
+        return not only or group in only or any(name.startswith(group) for name in only) or group == "floor"
 
     def same_grads(outs):
         return [torch.ones_like(o) for o in outs]
@@ -123,6 +127,21 @@ def build_cases(device, smoke: bool, only=None):
              blocks),
     ]  # fmt: skip
 
+    references = {
+        "thd_seq_to_rank_order": lambda: custom_ops.thd_seq_to_rank_order_reference(x, cup, w),
+        "thd_rank_to_seq_order": lambda: custom_ops.thd_rank_to_seq_order_reference(x, cup, w),
+        "thd_copy_valid_tokens": lambda: custom_ops.thd_copy_valid_tokens_reference(dst, src, cup, cur),
+        "permute_sections": lambda: custom_ops.permute_sections_reference(xf, sections, w),
+        "unpermute_sections": lambda: custom_ops.unpermute_sections_reference(xf, sections, w),
+        "sections_to_rank_blocks": lambda: custom_ops.permute_sections_reference(xf, sections, w)
+        .unflatten(-1, (w, -1)).movedim(-2, 0),
+        "rank_blocks_to_sections": lambda: custom_ops.unpermute_sections_reference(
+            blocks.movedim(0, -2).flatten(-2), sections, w),
+    }  # fmt: skip
+    for c in cases:
+        c.reference = references.get(c.name)
+    if not wanted("varlen_attention"):
+        return _select(cases, only)
     # attention: 4 causal segments, 16 heads, D = 128
     a_seqs, a_len, heads, dim = (2, 16, 2, 16) if smoke else (4, 4096, 16, 128)
     a_rows = a_seqs * a_len
@@ -139,6 +158,8 @@ def build_cases(device, smoke: bool, only=None):
                                  lambda outs: [torch.ones_like(outs[0])] + [torch.zeros_like(o) for o in outs[1:]]),
                       None, calls=30))  # fmt: skip
 
+    if not (wanted("causal_conv1d") or wanted("chunk_gated_delta_rule")):
+        return _select(cases, only)
     # the GDN layer's conv: C = 2048 channels of K = 4 taps over the layout above
     channels = 16 if smoke else 2048
     xc = rand(rows, channels)
@@ -174,9 +195,11 @@ def build_cases(device, smoke: bool, only=None):
         cases.append(Case("chunk_gated_delta_rule", "gdn", lambda: gdn(gq, gk, gv, gg, gb),
                           _grad_case(gdn, [(gq, True), (gk, True), (gv, True), (gg, True), (gb, True)], same_grads),
                           None, calls=10))  # fmt: skip
-    if only:
-        cases = [c for c in cases if c.name in only or c.group in only or c.group == "floor"]
-    return cases
+    return _select(cases, only)
+
+
+def _select(cases, only):
+    return [c for c in cases if not only or c.name in only or c.group in only or c.group == "floor"]
 
 
 def _cumsum(values):
@@ -219,7 +242,7 @@ def host_us(fn, calls: int, cuda: bool, reps: int = 3) -> dict:
         fn()
     torch.cuda.synchronize()
     estimate = (time.perf_counter() - start) / 3  # seconds per call, GPU time included: an upper bound
-    cycles = int(2 * calls * estimate * 2e9) + 2_000_000
+    cycles = _sleep_cycles(calls, estimate)
     times, waited = [], False
     for rep in range(reps + 1):  # the first round warms the allocator for N live results
         for _attempt in range(3):
@@ -242,6 +265,12 @@ def host_us(fn, calls: int, cuda: bool, reps: int = 3) -> dict:
     return {"us": statistics.median(times), "min": min(times), "gpu_waited": waited}
 
 
+def _sleep_cycles(calls: int, seconds_per_call: float) -> int:
+    """GPU clock cycles (at most 2 GHz) that outlast issuing ``calls`` calls twice over, capped at
+    2 s: a row whose sleep still runs out says so."""
+    return int(min(2 * calls * seconds_per_call, 2.0) * 2e9) + 2_000_000
+
+
 def host_us_backward(make_bwd, calls: int, cuda: bool, reps: int = 2) -> dict:
     """:func:`host_us` of backward calls alone: N forwards are issued first (not timed)."""
     import torch
@@ -249,6 +278,7 @@ def host_us_backward(make_bwd, calls: int, cuda: bool, reps: int = 2) -> dict:
     results = []
     estimate = 0.0
     if cuda:
+        make_bwd()()  # compiles the backward's kernels
         first = make_bwd()
         torch.cuda.synchronize()
         start = time.perf_counter()
@@ -261,7 +291,7 @@ def host_us_backward(make_bwd, calls: int, cuda: bool, reps: int = 2) -> dict:
             torch.cuda.synchronize()
         pending = True
         if cuda:
-            torch.cuda._sleep(int(2 * calls * estimate * 2e9) + 2_000_000)
+            torch.cuda._sleep(_sleep_cycles(calls, estimate))
             slept = torch.cuda.Event()
             slept.record()
         start = time.perf_counter()
@@ -334,6 +364,8 @@ def run_child(args) -> dict:
         row = {"op": case.name, "group": case.group}
         with torch.no_grad():
             row["same bits twice"] = consistent(case.fwd) if cuda else None
+            if case.reference is not None:
+                row["matches reference"] = bool(torch.equal(case.fwd(), case.reference()))
             fwd = host_us(case.fwd, calls, cuda)
         row["fwd host us"], row["fwd host us min"], row["fwd gpu waited"] = fwd["us"], fwd["min"], fwd["gpu_waited"]
         if case.make_bwd is not None:
@@ -521,6 +553,8 @@ def table(runs: dict, smoke: bool) -> str:
     lines.append("| " + " | ".join(header) + " |")
     lines.append("|" + "---|" * len(header))
     for form in ("triton_op", "opaque"):
+        if any(form not in runs[label] for label in names):
+            continue
         rows_by_label = {label: {r["op"]: r for r in runs[label][form]["rows"]} for label in names}
         for op, row in rows_by_label[tree].items():
             cells = [op, form]
@@ -549,7 +583,7 @@ def sweep_table(runs: dict) -> str:
     tree = list(runs)[-1]
     lines = ["| form | shape | W | clone ms | seq_to_rank | rank_to_seq | copy_valid | copy_valid_ |", "|" + "---|" * 8]
     for form in ("triton_op", "opaque"):
-        for r in runs[tree][form].get("layout_sweep", []):
+        for r in runs[tree].get(form, {}).get("layout_sweep", []):
             cells = [form, r["shape"], str(r["W"]), f"{r['clone ms']:.3f}"]
             cells += [f"{r[f'{n} / clone']:.2f}x" for n in ("seq_to_rank", "rank_to_seq", "copy_valid", "copy_valid_")]
             lines.append("| " + " | ".join(cells) + " |")
@@ -564,7 +598,10 @@ def main() -> None:
     parser.add_argument("--breakdown", action="store_true", help="time the pieces of one call and cProfile it")
     parser.add_argument("--layout-sweep", action="store_true", help="the THD layout ops against a clone, W = 2, 4, 8")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
-    parser.add_argument("--host-only", action="store_true", help="host times only (the baseline's runs)")
+    parser.add_argument("--host-only", action="store_true", help="host times only (as the baseline's runs)")
+    parser.add_argument("--package", help="time the custom_ops package in this folder instead of this tree's")
+    parser.add_argument("--forms", nargs="+", choices=list(FORMS), default=list(FORMS),
+                        help="CP_OPS_OPAQUE_KERNELS values to run (default: 0 1)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--child-out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -575,13 +612,14 @@ def main() -> None:
         return
     header = environment_line(not args.smoke)
     print(header, flush=True)
-    packages = ([("baseline", os.path.abspath(args.baseline))] if args.baseline else []) + [("this tree", ROOT)]
+    tree = ("this tree", ROOT) if args.package is None else (os.path.basename(args.package), os.path.abspath(args.package))
+    packages = ([("baseline", os.path.abspath(args.baseline))] if args.baseline else []) + [tree]
     runs = {}
     with tempfile.TemporaryDirectory() as tmp:
         for label, package in packages:
             runs[label] = {}
-            for form in FORMS:
-                result = spawn(form, package, args, tmp, host_only=label == "baseline")
+            for form in args.forms:
+                result = spawn(form, package, args, tmp, host_only=args.host_only or label == "baseline")
                 runs[label][result["form"]] = result
     command = "python benchmarks/bench_host.py " + " ".join(sys.argv[1:])
     text = f"{header}\n`{command}`\n\n" + table(runs, args.smoke)
