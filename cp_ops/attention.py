@@ -58,8 +58,10 @@ import torch.nn as nn
 
 import custom_ops
 from cp_ops.comm import all_gather_rows, group_rank, group_size, resolve_group
+from cp_ops.inputs import check_hidden_states, check_layout_tensors
 from cp_ops.layout import local_positions
 from custom_ops._common import NAMESPACE, check_index_tensor
+from custom_ops.validation import checked
 from custom_ops.varlen_attention.op import check_gqa_heads
 
 __all__ = [
@@ -172,6 +174,7 @@ def _ag_thd_attention(q, k, v, cu_seqlens, cu_seqlens_padded, causal, window_lef
     """The decomposition: per head group one collective, one reorder and one (or two)
     segment-attention launches; the groups' outputs concatenated over heads."""
     _check(q, k, v, cu_seqlens, cu_seqlens_padded, launches, head_groups)
+    cu_seqlens = checked("thd", cu_seqlens, (cu_seqlens_padded,), cp_size, q.shape[0] * cp_size)
     window = (window_left, window_right)
     if group_name is None:
         if cp_size != 1:
@@ -445,8 +448,11 @@ class Attention(nn.Module):
         self, x: torch.Tensor, cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor, group=None
     ) -> torch.Tensor:
         _, world = resolve_group(group)
+        check_hidden_states(self, x, self.hidden_size)
+        check_layout_tensors(x, cu_seqlens, cu_seqlens_padded)
         rank = group_rank(group)
         rows = x.shape[0]
+        cu_seqlens = checked("thd", cu_seqlens, (cu_seqlens_padded,), world, rows * world)
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         q = self.q_proj(x).view(rows, hq, 2 * d if self.gated else d)  # sizes given, not -1: rows may be 0
         gate = None

@@ -43,6 +43,7 @@ from custom_ops.gdn.reference import (
     chunk_gated_delta_rule_reference_backward,
     row_positions,
 )
+from custom_ops.validation import checked
 
 # FLA's chunk length for both kernels (its default; the GDN kernels take 16, 32 or 64).
 FLA_CHUNK = 64
@@ -143,6 +144,7 @@ def causal_conv1d(
     ``causal_conv1d_bwd``; either way only the inputs are saved.
     """
     _check_conv(x, weight, bias, cu_seqlens, activation)
+    cu_seqlens = checked("cumulative", cu_seqlens, (), x.shape[0])
     if not use_triton(x) or x.numel() == 0:
         return causal_conv1d_reference(x, weight, bias, cu_seqlens, activation).contiguous()
     if weight.shape[1] > MAX_TAPS:
@@ -316,6 +318,8 @@ def causal_conv1d_gather(
     reference adds, as the gradient of ``x[rows]`` does; the two agree on permutations).
     """
     _check_conv_gather(x, rows, weight, bias, cu_seqlens, activation)
+    rows = checked("permutation", rows, (), x.shape[0])
+    cu_seqlens = checked("cumulative", cu_seqlens, (), x.shape[0])
     channels = weight.shape[0]
     if not use_triton(x) or x.numel() == 0:
         return causal_conv1d_gather_reference(x, rows, weight, bias, cu_seqlens, activation)
@@ -565,6 +569,7 @@ torch.library.define(
 
 @torch.library.impl(f"{NAMESPACE}::chunk_gated_delta_rule", "CompositeImplicitAutograd")
 def _chunk_gated_delta_rule_composite(q, k, v, g, beta, cu_seqlens, scale=None):
+    cu_seqlens = checked("cumulative", cu_seqlens, (), q.shape[0])
     return torch.ops.cp_ops.chunk_gated_delta_rule_forward(q, k, v, g, beta, cu_seqlens, scale)[0]
 
 

@@ -5,6 +5,7 @@ import torch
 from custom_ops._common import NAMESPACE, cdiv, kernel_op, launch, as_words, from_words, check_index_tensor, check_rows, row_tile, use_triton
 from custom_ops.thd_copy_valid_tokens.kernels import thd_copy_valid_tokens_kernel
 from custom_ops.thd_copy_valid_tokens.reference import thd_copy_valid_tokens_reference, valid_token_mask
+from custom_ops.validation import checked
 
 
 def _check(dst: torch.Tensor, src: torch.Tensor, offsets: torch.Tensor, cu_seqlens: torch.Tensor) -> None:
@@ -65,6 +66,7 @@ def thd_copy_valid_tokens(
     same mask).
     """
     _check(dst, src, offsets, cu_seqlens)
+    offsets = checked("offsets", offsets, (cu_seqlens,), dst.shape[0])
     if not use_triton(dst):
         return thd_copy_valid_tokens_reference(dst, src, offsets, cu_seqlens).contiguous()
     out = torch.empty_like(as_words(dst))
@@ -100,6 +102,7 @@ def thd_copy_valid_tokens_(dst: torch.Tensor, src: torch.Tensor, offsets: torch.
     differentiable: use the functional form where gradients flow.
     """
     _check(dst, src, offsets, cu_seqlens)
+    offsets = checked("offsets", offsets, (cu_seqlens,), dst.shape[0])
     if not use_triton(dst):
         mask = valid_token_mask(offsets, cu_seqlens, dst.shape[0])
         dst.copy_(torch.where(mask.view((-1,) + (1,) * (dst.dim() - 1)), src, dst))

@@ -5,6 +5,7 @@ import torch
 from custom_ops._common import NAMESPACE, cdiv, kernel_op, launch, as_words, from_words, check_cp_size, check_index_tensor, check_rows, row_tile, use_triton
 from custom_ops.thd_reorder.kernels import thd_reorder_kernel
 from custom_ops.thd_reorder.reference import thd_rank_to_seq_order_reference, thd_seq_to_rank_order_reference
+from custom_ops.validation import checked
 
 
 def _check(x: torch.Tensor, cu_seqlens_padded: torch.Tensor, cp_size: int) -> None:
@@ -53,6 +54,7 @@ def thd_seq_to_rank_order(x: torch.Tensor, cu_seqlens_padded: torch.Tensor, cp_s
     computed on the device. Differentiable (the gradient is the inverse reorder).
     """
     _check(x, cu_seqlens_padded, cp_size)
+    cu_seqlens_padded = checked("padded", cu_seqlens_padded, (), cp_size, x.shape[0])
     if not use_triton(x):
         return thd_seq_to_rank_order_reference(x, cu_seqlens_padded, cp_size)
     return _launch(x, cu_seqlens_padded, cp_size, to_rank=True)
@@ -71,6 +73,7 @@ def thd_rank_to_seq_order(x: torch.Tensor, cu_seqlens_padded: torch.Tensor, cp_s
     x: ``[T, ...]`` in rank order (what an all-gather of the local shards returns).
     """
     _check(x, cu_seqlens_padded, cp_size)
+    cu_seqlens_padded = checked("padded", cu_seqlens_padded, (), cp_size, x.shape[0])
     if not use_triton(x):
         return thd_rank_to_seq_order_reference(x, cu_seqlens_padded, cp_size)
     return _launch(x, cu_seqlens_padded, cp_size, to_rank=False)

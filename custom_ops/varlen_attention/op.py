@@ -49,6 +49,7 @@ from custom_ops.varlen_attention.reference import (
     resolve_scale,
     varlen_attention_backward_reference,
 )
+from custom_ops.validation import checked
 
 _INDEX_NAMES = ("q_start", "q_len", "q_pos", "k_start", "k_len")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -330,8 +331,9 @@ def _varlen_attention(
     scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.ops.cp_ops.varlen_attention``: :func:`varlen_attention` with the window as two ints."""
+    _check(q, k, v, (q_start, q_len, q_pos, k_start, k_len), causal, window_left, window_right)
+    q_start = checked("segments", q_start, (q_len, q_pos, k_start, k_len), q.shape[0], k.shape[0])
     seg = (q_start, q_len, q_pos, k_start, k_len)
-    _check(q, k, v, seg, causal, window_left, window_right)
     scale = resolve_scale(scale, q.shape[2])
     if not _use_kernel(q):
         out, lse = _attention(q, k, v, *seg, causal, window_left, window_right, scale)
