@@ -494,3 +494,16 @@ def test_random_layouts_through_the_op_in_process():
         cu, cup, q, k, v, dout = _global_case(seqlens, (2, 1), 4, 1, seed=20 + i)
         got = _cp_run(ag_thd_attention, q, k, v, dout, cu, cup, True, (-1, -1))
         _assert_close(got, _reference(q, k, v, dout, cu, cup, True, (-1, -1)), TOL, f"seqlens {seqlens}")
+
+
+def test_layer_errors_name_the_users_input():
+    layer = cp_ops.Attention(32, 4, 2, 8)
+    cu, cup = cp_ops.pad_cu_seqlens([5, 7], 1)
+    with pytest.raises(ValueError, match="x must be \\[T/W, hidden\\] = \\[T/W, 32\\], got shape \\(1, 14, 32\\); packed"):
+        layer(torch.randn(1, 14, 32), cu, cup)
+    with pytest.raises(ValueError, match="x must be \\[T/W, 32\\] \\(hidden_size\\), got shape \\(14, 48\\)"):
+        layer(torch.randn(14, 48), cu, cup)
+    with pytest.raises(ValueError, match="cu_seqlens has 2 entries and cu_seqlens_padded 3"):
+        layer(torch.randn(14, 32), cu[:2], cup)
+    with pytest.raises(TypeError, match="cu_seqlens must be int32 or int64"):
+        layer(torch.randn(14, 32), cu.float(), cup)
