@@ -295,6 +295,8 @@ def _score_tolerance(q, k, scale):
     """The float32 bound for inputs whose scores reach ``|s|``: a float32 score carries an error
     of about ``|s| * eps``, which becomes the same relative error in its softmax weight, so the
     bound grows with the largest score (``TOLERANCE`` holds for scores of order 1)."""
+    if q.shape[0] == 0 or k.shape[0] == 0:
+        return TOLERANCE[torch.float32]
     bound = abs(scale if scale is not None else q.shape[-1] ** -0.5)
     largest = bound * (q.abs().amax(dim=(0, 1)) @ k.abs().amax(dim=(0, 1))).item()
     return max(TOLERANCE[torch.float32], torch.finfo(torch.float32).eps * largest)
