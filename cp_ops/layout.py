@@ -44,6 +44,7 @@ __all__ = [
 
 
 _INT32_MAX = torch.iinfo(torch.int32).max
+_INTEGER_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
 
 def pad_cu_seqlens(
@@ -58,7 +59,7 @@ def pad_cu_seqlens(
     check_cp_size(cp_size)
     if isinstance(seqlens, torch.Tensor):
         device = seqlens.device if device is None else device
-        if seqlens.dim() != 1 or seqlens.dtype.is_floating_point or seqlens.dtype.is_complex or seqlens.dtype == torch.bool:
+        if seqlens.dim() != 1 or seqlens.dtype not in _INTEGER_DTYPES:
             raise ValueError(f"seqlens must be a 1-D integer tensor, got shape {tuple(seqlens.shape)} {seqlens.dtype}")
         lens = seqlens.to(torch.int64)
     else:
