@@ -416,7 +416,8 @@ def thd_hp2cp_blocks(
 
 
 # Work is weighed as FLOPs plus this many FLOPs per byte a node reads and writes: about the ratio
-# of bf16 tensor-core throughput to memory bandwidth on H100 / H200 (989 TFLOP/s / 3.35-4.8 TB/s).
+# of bf16 tensor-core throughput to memory bandwidth on H100 / H200 (docs/benchmarks.md, section
+# "Work spread over every exchange window; out_proj per received block").
 # Only the ratio between the work items matters (which ones share a window), never a clock.
 _FLOPS_PER_BYTE = 250
 

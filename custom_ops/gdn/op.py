@@ -4,8 +4,8 @@ The ops are opaque ``torch.library.custom_op``s: under ``torch.compile`` Inducto
 sees one extern call per op and never traces into flash-linear-attention (FLA),
 whose own autograd entry points are ``@torch.compiler.disable``. On CUDA the conv
 runs this package's Triton kernels for kernel widths up to 4
-(:mod:`custom_ops.gdn.kernels`; 1.8-2.1x faster than FLA's forward+backward at
-the layer's shapes, ``benchmarks/bench_conv.py``) and FLA's for wider ones; the delta
+(:mod:`custom_ops.gdn.kernels`, faster than FLA's forward+backward at the layer's
+shapes; docs/benchmarks.md, section "The causal conv1d kernels") and FLA's for wider ones; the delta
 rule calls FLA's internal forward/backward functions directly.
 ``causal_conv1d_gather`` is the conv of rows held in another order, read and
 written through a row map by the same kernels. On CPU all run the torch references

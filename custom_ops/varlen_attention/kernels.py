@@ -35,11 +35,9 @@ import triton.language as tl
 # overwrites entries). Per kernel: {largest BLOCK_D served: config}; the first
 # entry whose key is >= BLOCK_D is used.
 CONFIGS = {
-    # D = 64 and 128: the best of benchmarks/bench_varlen_attention.py --tune on one H100
-    # (torch 2.11, triton 3.7.1, 2026-11-22, after the tile -> segment table made the key
-    # loops pipeline; dk/dv at D = 64 re-tuned on triton 3.6.0 the same day); D = 256: the
-    # same tune with --gqa 8 --head-dims 256 (Qwen3-Next's attention heads; triton 3.6.0,
-    # 2026-11-23). K_ROWS picks how the forward loads K tiles; PARTS = 2 computes dk and dv
+    # Each entry is the best of benchmarks/bench_varlen_attention.py --tune (D = 256 with --gqa 8
+    # --head-dims 256, Qwen3-Next's attention heads; docs/benchmarks.md, section "Segment
+    # attention"). K_ROWS picks how the forward loads K tiles; PARTS = 2 computes dk and dv
     # of a key tile in two programs (varlen_attn_bwd_dkdv_kernel).
     "fwd": {
         64: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, K_ROWS=False),
@@ -61,19 +59,15 @@ CONFIGS = {
 # The same kernels loading their streamed tiles (K and V in the forward and dq, q and dout in
 # dk/dv) through TMA tensor descriptors (Hopper and later, 2-byte elements, D a power of two,
 # heads adjacent in memory; see ``tma_usable`` in op.py). Head dims without an entry here use
-# the pointer loads and CONFIGS. On one H100 (torch 2.11, triton 3.6.0, 2026-11-23;
-# docs/benchmarks.md, "TMA loads"): the forward entries are the best of a sweep of tile shapes,
-# the backward ones the best of benchmarks/bench_varlen_attention.py --tune --kinds bwd_dq bwd_dkdv.
-# Since the launch-order change (HEAD_GROUP; re-tuned 2026-11-25): dq at D = 128 takes 4
-# stages, dk/dv at D = 64 64 x 64 tiles (docs/benchmarks.md, "The backward's tiles re-tuned").
-# D = 256 (16 query, 2 kv heads; 2026-11-25): the forward the best of the tuner's D = 256
-# candidates; the backward kernels have no entry, as with TMA loads in both the best whole
-# backward took more time than the pointer loads (12.3 against 10.5 ms packed, 13.5 against
-# 11.3 dense).
+# the pointer loads and CONFIGS. The entries are the best of a sweep of tile shapes (forward) and of
+# benchmarks/bench_varlen_attention.py --tune --kinds bwd_dq bwd_dkdv (backward) under the
+# HEAD_GROUP launch order; D = 256 has no backward entry because its backward is slower with TMA
+# loads than with the pointer loads (docs/benchmarks.md, sections "TMA loads", "Launch order, and
+# TMA loads in the D = 256 forward" and "The backward's tiles re-tuned").
 # ``TMA_ENABLED = False`` makes every launch use the pointer loads (benchmarks time both forms).
 TMA_ENABLED = True
 # Per kernel: whether the forward and dq run the segments heaviest first (True) or last to
-# first (False, the order before 2026-11-25); each segment's tiles last to first either way
+# first (False); each segment's tiles last to first either way
 # (:func:`segment_tables_kernel`; benchmarks time both orders).
 SEGMENTS_BY_WORK = {"fwd": True, "bwd_dq": True}
 TMA_CONFIGS = {
@@ -122,19 +116,12 @@ INTERPRET_CONFIGS = {
 
 # Launch order (:func:`_program_tile`): per kernel, how many kv heads run their programs for
 # one tile side by side (the query heads of each in the forward and dq; its PARTS in dk/dv);
-# the largest count dividing both the entry and the kv heads. 1 everywhere is the order
-# before 2026-11-25. Chosen from a sweep of 1, 2, 4, 8, 16 on one H100 (torch 2.11, triton
-# 3.6.0, 2026-11-25; bf16 causal, 16 query heads, the packed and dense cases of
-# benchmarks/bench_varlen_attention.py at D = 64, 128 (Hkv 16 and 4) and 256 (Hkv 2)), where
-# 16 was every head: dk/dv 6-13% faster on the packed documents and 0-9% on the dense ones;
-# dq 8-14% faster at D = 256, between 2% slower and 4% faster elsewhere. More than 16 kv
-# heads run in groups of at most 16 (not measured: past that the programs running together
-# read ever more K/V). In the forward no group gained more than 3.4% and some lost up to 3%
-# on the dense case; one kv head's query heads together (the entry below) read the same K/V.
-# dq runs groups of 2 since the segments run heaviest first (SEGMENTS_BY_WORK; a sweep of 1,
-# 2, 16 the same day, three rounds): 1.254 against 1.282 ms at 16 on the packed case at D =
-# 128, 0.690 against 0.710 at D = 64, within 1% elsewhere (docs/benchmarks.md, "Segments
-# heaviest first").
+# the largest count dividing both the entry and the kv heads. Heads side by side keep a launch
+# from ending on one head's long tiles, and groups stop at 16 kv heads because past that the
+# programs running together read ever more K/V; the forward keeps one kv head's query heads
+# together (they read the same K/V) since larger groups did not gain, and dq runs groups of 2
+# since the segments run heaviest first (SEGMENTS_BY_WORK) (docs/benchmarks.md, sections
+# "Launch order, and TMA loads in the D = 256 forward" and "Segments heaviest first").
 HEAD_GROUP = {"fwd": 1, "bwd_dq": 2, "bwd_dkdv": 16}
 
 
@@ -226,7 +213,7 @@ def segment_tables_kernel(
     segments whose work differs by less than an eighth keep their order. The launch then
     ends on the short documents, and a segment's tiles still run side by side. (Sorting
     the tiles themselves, longest first, mixes the tiles of many segments among the programs
-    running together: 4-7% slower forward at D = 256, docs/benchmarks.md.) Tiles past the
+    running together and is slower; docs/benchmarks.md, section "Segments heaviest first".) Tiles past the
     last segment's come last.
     """
     # row 0 first holds, at tile t, one more than the last segment whose cum entry is t (its
@@ -1019,8 +1006,9 @@ def varlen_attn_bwd_dkdv_kernel(
     tile in all instead of four (both compute the scores; dv skips dP), and half the
     accumulator registers. At D = 256 the two accumulators alone are 128 registers a
     thread at 64 x 256 with 8 warps and the kernel spills heavily; the split form still
-    spills (read from the sm_90 cubin) but took 13% less time for the whole backward on
-    the H100, and 26-28% more at D = 128 (docs/benchmarks.md), so D = 256 uses it.
+    spills (read from the sm_90 cubin) but is faster there for the whole backward and slower
+    at D = 128, so only D = 256 uses it (docs/benchmarks.md, section "D = 256 with 16 query
+    heads on 2 kv heads").
     """
     # fp32 scales, as in the forward
     sm_scale = tl.cast(sm_scale, tl.float32)
