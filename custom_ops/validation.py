@@ -73,6 +73,10 @@ def validate_cumulative(name: str, cu: torch.Tensor, num_rows: int | None = None
             f"{name} must be non-decreasing: sequence {bad} has {name}[{bad}] = {int(cu[bad])} > "
             f"{name}[{bad + 1}] = {int(cu[bad + 1])}"
         )
+    _check_end(name, cu, num_rows)
+
+
+def _check_end(name: str, cu: torch.Tensor, num_rows: int | None) -> None:
     if num_rows is not None and int(cu[-1]) != num_rows:
         raise ValueError(f"{name}[-1] = {int(cu[-1])} but the tensor has {num_rows} rows")
 
@@ -82,6 +86,10 @@ def validate_padded(cu_seqlens_padded: torch.Tensor, cp_size: int, num_rows: int
     it ends at ``num_rows`` if given (the rows of the sequence-order tensor, W times a shard's)."""
     check_cp_size(cp_size)
     validate_cumulative("cu_seqlens_padded", cu_seqlens_padded, num_rows)
+    _check_multiples(cu_seqlens_padded, cp_size)
+
+
+def _check_multiples(cu_seqlens_padded: torch.Tensor, cp_size: int) -> None:
     padded = cu_seqlens_padded.to(torch.int64).diff()
     block = 2 * cp_size
     bad = _first_bad(padded % block != 0)
@@ -119,7 +127,8 @@ def validate_thd(
             f"cu_seqlens: sequence {bad} has real length {int(lens[bad])} > padded length {int(padded[bad])} "
             "(are cu_seqlens and cu_seqlens_padded swapped?)"
         )
-    validate_padded(cu_seqlens_padded, cp_size, num_rows)
+    _check_end("cu_seqlens_padded", cu_seqlens_padded, num_rows)
+    _check_multiples(cu_seqlens_padded, cp_size)
 
 
 def validate_offsets(offsets: torch.Tensor, cu_seqlens: torch.Tensor, num_rows: int) -> None:
