@@ -136,6 +136,27 @@ def kernel_op(qualname: str, *, mutates_args, opaque: bool = False):
     return register
 
 
+def opaque_op(qualname: str, *, mutates_args):
+    """Register an op the compiler calls as one extern node whatever triton is installed: bodies
+    that launch kernels torch cannot trace (FLA's autotuned kernels, host TMA descriptors) or
+    that read process state (a process group's rank). :func:`kernel_op` with ``opaque=True``."""
+    return kernel_op(qualname, mutates_args=mutates_args, opaque=True)
+
+
+def composite_op(qualname: str, schema: str):
+    """Register the decorated function as op ``qualname`` with ``schema``, implemented as
+    ``CompositeImplicitAutograd``: the op is its decomposition into other ops, so autograd, fake
+    tensors and ``torch.compile`` see those ops (each with its own fake and backward), and the op
+    needs neither of its own."""
+
+    def register(fn):
+        torch.library.define(qualname, schema)
+        torch.library.impl(qualname, "CompositeImplicitAutograd")(fn)
+        return fn
+
+    return register
+
+
 def _without_wrap_triton(fn):
     """``fn`` run with ``wrap_triton`` off (what ``set_wrap_triton_enabled(False)`` does, without
     a generator-based context manager's cost where torch's thread-local flag is reachable)."""
