@@ -1,0 +1,199 @@
+"""The repository's shape stays easy to change: small library files, settings passed rather than
+patched, benchmarks that import the package as installed, no references outside the repository."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+LIBRARY = ("custom_ops", "cp_ops")
+MAX_LINES = 500
+
+
+def _python_files(*tops: str) -> list[Path]:
+    """Python files under ``tops`` (all top-level folders when empty), hidden folders left out."""
+    roots = [ROOT / t for t in tops] if tops else [p for p in ROOT.iterdir() if p.is_dir()]
+    files = []
+    for root in roots:
+        if root.name.startswith(".") or root.name.endswith(".egg-info") or not root.is_dir():
+            continue
+        files.extend(p for p in root.rglob("*.py") if not any(part.startswith(".") for part in p.relative_to(ROOT).parts))
+    return sorted(files)
+
+
+def _rel(p: Path) -> str:
+    return p.relative_to(ROOT).as_posix() if p.is_relative_to(ROOT) else p.name
+
+
+def test_library_files_are_at_most_500_lines():
+    long = {_rel(p): n for p in _python_files(*LIBRARY) if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"library files over {MAX_LINES} lines (split them by job): {long}"
+
+
+def test_benchmarks_do_not_edit_sys_path():
+    edits = [_rel(p) for p in _python_files("benchmarks") if re.search(r"\bsys\.path\s*(\.|\[|=|\+=)", p.read_text())]
+    assert not edits, f"benchmarks import the package as installed, without sys.path edits: {edits}"
+
+
+# --- nothing assigns another module's attributes --------------------------------------------------
+
+
+def _library_module(dotted: str) -> bool:
+    """Whether ``dotted`` names a module (not a function or class) of the library packages."""
+    parts = dotted.split(".")
+    if parts[0] not in LIBRARY:
+        return False
+    path = ROOT.joinpath(*parts)
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def _module_aliases(tree: ast.AST) -> dict[str, str]:
+    """Local names bound to library modules by the file's imports: name -> dotted module."""
+    aliases = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if _library_module(a.name):
+                    aliases[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for a in node.names:
+                dotted = f"{node.module}.{a.name}"
+                if _library_module(dotted):
+                    aliases[a.asname or a.name] = dotted
+        elif isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            # m = sys.modules["custom_ops.x.op"] or importlib.import_module("custom_ops.x.op")
+            value = node.value
+            key = None
+            if isinstance(value, ast.Subscript):
+                key = value.slice
+            elif isinstance(value, ast.Call) and value.args:
+                key = value.args[0]
+            if isinstance(key, ast.Constant) and isinstance(key.value, str) and _library_module(key.value):
+                aliases[node.targets[0].id] = key.value
+    return aliases
+
+
+def _dotted(expr: ast.AST, aliases: dict[str, str]) -> str | None:
+    """The library module an expression such as ``m`` or ``custom_ops.x.kernels`` names, if any."""
+    names = []
+    while isinstance(expr, ast.Attribute):
+        names.append(expr.attr)
+        expr = expr.value
+    if not isinstance(expr, ast.Name) or expr.id not in aliases:
+        return None
+    dotted = ".".join([aliases[expr.id], *reversed(names)])
+    return dotted if _library_module(dotted) else None
+
+
+def _outside_assignments(path: Path) -> list[str]:
+    """``module.attr = ...``, ``setattr(module, ...)``, ``monkeypatch.setattr(module, ...)``,
+    ``patch.object(module, ...)`` and ``patch("custom_ops....")`` on library modules in ``path``."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    aliases = _module_aliases(tree)
+    hits = []
+    for node in ast.walk(tree):
+        targets = []
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            flat = []
+            for t in targets:
+                flat.extend(t.elts if isinstance(t, (ast.Tuple, ast.List)) else [t])
+            for t in flat:
+                if isinstance(t, ast.Attribute) and (module := _dotted(t.value, aliases)):
+                    hits.append(f"{_rel(path)}:{node.lineno}: {module}.{t.attr} assigned")
+        elif isinstance(node, ast.Call) and node.args:
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            first = node.args[0]
+            if name in ("setattr", "object", "delattr") and (module := _dotted(first, aliases)):
+                hits.append(f"{_rel(path)}:{node.lineno}: {name}({module}, ...)")
+            elif name in ("setattr", "patch", "delattr") and isinstance(first, ast.Constant):
+                if isinstance(first.value, str) and first.value.split(".")[0] in LIBRARY:
+                    hits.append(f"{_rel(path)}:{node.lineno}: {name}({first.value!r}, ...)")
+    return hits
+
+
+def test_no_module_attribute_is_assigned_from_outside():
+    """Kernel settings and test seams are arguments: no module of the library has its attributes
+    assigned, set or patched by another file (library, tests, benchmarks, examples)."""
+    hits = [h for p in _python_files() for h in _outside_assignments(p)]
+    assert not hits, "pass settings or parameters instead of patching modules:\n" + "\n".join(hits)
+
+
+def test_the_assignment_check_sees_each_form(tmp_path):
+    src = (
+        "import custom_ops._common as c\n"
+        "from custom_ops.varlen_attention import op as vop\n"
+        "import cp_ops\n"
+        "c.ROW_TILE = {}\n"
+        "vop.X, y = 1, 2\n"
+        "cp_ops.layout.Y += 1\n"
+        "setattr(c, 'Z', 1)\n"
+        "def t(monkeypatch):\n"
+        "    monkeypatch.setattr(vop, 'W', 1)\n"
+        "    monkeypatch.setattr('custom_ops._common.V', 1)\n"
+        "    mock.patch.object(c, 'U', 1)\n"
+        "m = sys.modules['custom_ops.varlen_attention.op']\n"
+        "monkeypatch.setattr(m, '_has_window', 1)\n"
+        "c.f(1)\n"
+        "x = c.ROW_TILE\n"
+    )
+    f = tmp_path / "probe.py"
+    f.write_text(src)
+    hits = _outside_assignments(f)
+    assert len(hits) == 8, hits
+
+
+# --- references ----------------------------------------------------------------------------------
+
+
+OUTSIDE = re.compile(r"\.\./shared|/work/|\bSTYLE\.md|(?<![\w/])DESIGN\.md")
+
+
+def test_nothing_refers_to_files_outside_the_repository():
+    texts = _python_files() + sorted(ROOT.glob("*.md")) + sorted((ROOT / "docs").rglob("*.md"))
+    texts += sorted((ROOT / "notebooks").glob("*.ipynb")) + [ROOT / "Makefile", ROOT / "pyproject.toml"]
+    texts = [p for p in texts if p.is_file() and p != Path(__file__).resolve()]  # this file holds the pattern
+    bad = [f"{_rel(p)}: {m.group()}" for p in texts for m in OUTSIDE.finditer(p.read_text())]
+    assert not bad, f"references to files outside the repository: {bad}"
+
+
+# --- README's layout of the repository -----------------------------------------------------------
+
+
+def _readme_layout() -> list[str]:
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Layout of the repository") :]
+    block = section[section.index("```") + 3 :]
+    block = block[: block.index("```")]
+    return [line.split()[0] for line in block.strip().splitlines() if line.strip()]
+
+
+def test_readme_layout_names_existing_paths():
+    missing = []
+    for entry in _readme_layout():
+        if "<" in entry:  # a pattern such as custom_ops/<op>/kernels.py: some folder has it
+            pattern = re.sub(r"<[^>]+>", "*", entry)
+            if not list(ROOT.glob(pattern.rstrip("/"))):
+                missing.append(entry)
+        elif not (ROOT / entry).exists():
+            missing.append(entry)
+    assert not missing, f"README's layout names paths the tree does not have: {missing}"
+
+
+def test_readme_layout_names_every_library_module():
+    entries = _readme_layout()
+    patterns = [re.compile(re.sub(r"<[^>]+>", "[^/]+", re.escape(e).replace(r"\<", "<").replace(r"\>", ">")))
+                for e in entries if "<" in e]  # fmt: skip
+    unnamed = []
+    for p in _python_files(*LIBRARY):
+        rel = _rel(p)
+        if p.name == "__init__.py" or p.name == "__main__.py":
+            continue
+        folder = rel.rsplit("/", 1)[0] + "/"
+        if rel in entries or folder in entries or any(pat.fullmatch(rel) for pat in patterns):
+            continue
+        unnamed.append(rel)
+    assert not unnamed, f"library modules README's layout does not name (file or folder): {unnamed}"
