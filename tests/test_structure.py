@@ -197,3 +197,16 @@ def test_readme_layout_names_every_library_module():
             continue
         unnamed.append(rel)
     assert not unnamed, f"library modules README's layout does not name (file or folder): {unnamed}"
+
+
+def test_paths_the_docs_name_exist():
+    """Every library, test, benchmark or example path README and docs/design.md name is in the tree."""
+    path = re.compile(r"(?<![\w./-])((?:custom_ops|cp_ops|tests|benchmarks|examples|tools|notebooks)/[\w./<>-]*\w)")
+    missing = []
+    for doc in (ROOT / "README.md", ROOT / "docs" / "design.md"):
+        for m in path.finditer(doc.read_text()):
+            entry = m.group(1)
+            pattern = re.sub(r"<[^>]+>", "*", entry)
+            if not (ROOT / entry).exists() and not list(ROOT.glob(pattern)):
+                missing.append(f"{_rel(doc)}: {entry}")
+    assert not missing, f"paths the docs name that the tree does not have: {sorted(set(missing))}"
