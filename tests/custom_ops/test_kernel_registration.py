@@ -1,69 +1,69 @@
 """Which way the ops register their Triton kernels: visible to Inductor, or opaque; and,
 for the visible form, that torch's analysis of each kernel finds what it writes.
 
-The rule lives in ``custom_ops._common.kernels_visible_to_compiler``; ``make test``
-also reruns the compile tests with ``CP_OPS_OPAQUE_KERNELS=1`` (``make test-opaque``).
+The rule lives in ``custom_ops.registration`` (``visible_to_compiler``, which
+``kernels_visible_to_compiler`` applies to the installed versions); ``make test`` also reruns
+the compile tests with ``CP_OPS_OPAQUE_KERNELS=1`` (``make test-opaque``).
 """
 
 import pytest
 import torch
 import triton
 
-from custom_ops import _common
+from custom_ops import registration
 from custom_ops.permute_sections.kernels import permute_sections_kernel
 from custom_ops.testing import kernel_constexprs
 from custom_ops.thd_copy_valid_tokens.kernels import thd_copy_valid_tokens_kernel
 from custom_ops.thd_reorder.kernels import thd_reorder_kernel
 
 
-@pytest.fixture
-def rule(monkeypatch):
-    """Evaluate the rule for a given torch pin / installed triton / environment."""
-
-    def evaluate(pin, installed, env=None):
-        monkeypatch.setattr(_common, "_torch_triton_pin", lambda: pin)
-        monkeypatch.setattr(triton, "__version__", installed)
-        if env is None:
-            monkeypatch.delenv("CP_OPS_OPAQUE_KERNELS", raising=False)
-        else:
-            monkeypatch.setenv("CP_OPS_OPAQUE_KERNELS", env)
-        return _common.kernels_visible_to_compiler.__wrapped__()
-
-    return evaluate
+def rule(pin, installed, env=None):
+    """The rule for a given torch pin / installed triton / ``CP_OPS_OPAQUE_KERNELS``."""
+    return registration.visible_to_compiler(pin, installed, env)
 
 
-def test_kernels_visible_with_the_pinned_triton_or_an_older_one(rule):
+def test_kernels_visible_with_the_pinned_triton_or_an_older_one():
     assert rule("3.6.0", "3.6.0")
     assert rule("3.6.0", "3.6.1")  # same minor release
     assert rule("3.7.1", "3.6.0")
 
 
-def test_kernels_opaque_with_a_newer_triton_than_torch_pins(rule):
+def test_kernels_opaque_with_a_newer_triton_than_torch_pins():
     # torch 2.11 pins triton 3.6.0; FLA's GDN backward on Hopper needs 3.7.1
     assert not rule("3.6.0", "3.7.1")
     assert not rule("3.6.0+git1234", "4.0.0")
 
 
-def test_kernels_visible_without_a_pin(rule):
+def test_kernels_visible_without_a_pin():
     # CPU wheels pin no triton; there the ops run torch references under compile
     assert rule(None, "3.9.0")
 
 
-def test_environment_forces_the_choice(rule):
+def test_environment_forces_the_choice(monkeypatch):
     assert not rule("3.6.0", "3.6.0", env="1")
     assert rule("3.6.0", "3.7.1", env="0")
     with pytest.raises(ValueError, match="CP_OPS_OPAQUE_KERNELS"):
         rule("3.6.0", "3.6.0", env="yes")
+    # what the registration reads: the environment, whatever the versions
+    for env, visible in (("1", False), ("0", True)):
+        monkeypatch.setenv("CP_OPS_OPAQUE_KERNELS", env)
+        assert registration.kernels_visible_to_compiler.__wrapped__() is visible
+    monkeypatch.setenv("CP_OPS_OPAQUE_KERNELS", "yes")
+    with pytest.raises(ValueError, match="CP_OPS_OPAQUE_KERNELS"):
+        registration.kernels_visible_to_compiler.__wrapped__()
+    # unset: the rule for this torch's pin and the installed triton
+    monkeypatch.delenv("CP_OPS_OPAQUE_KERNELS")
+    expected = rule(registration.torch_triton_pin(), triton.__version__)
+    assert registration.kernels_visible_to_compiler.__wrapped__() is expected
 
 
-def test_pin_is_read_from_torch_metadata(monkeypatch):
+def test_pin_is_read_from_torch_metadata():
     requires = ["filelock", 'triton==3.6.0; platform_system == "Linux"', "sympy>=1.13.3"]
-    monkeypatch.setattr(_common.importlib.metadata, "requires", lambda name: requires)
-    assert _common._torch_triton_pin() == "3.6.0"
-    monkeypatch.setattr(_common.importlib.metadata, "requires", lambda name: ["pytorch-triton==3.7.0+git4c3"])
-    assert _common._torch_triton_pin() == "3.7.0+git4c3"
-    monkeypatch.setattr(_common.importlib.metadata, "requires", lambda name: ["filelock"])
-    assert _common._torch_triton_pin() is None
+    assert registration.triton_pin(requires) == "3.6.0"
+    assert registration.triton_pin(["pytorch-triton==3.7.0+git4c3"]) == "3.7.0+git4c3"
+    assert registration.triton_pin(["filelock"]) is None
+    pin = registration.torch_triton_pin()  # this torch's own metadata
+    assert pin is None or registration.triton_pin([f"triton=={pin}"]) == pin
 
 
 # Every kernel a visible op launches through wrap_triton: (kernel, constexprs, tensors it writes,

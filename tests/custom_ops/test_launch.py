@@ -1,4 +1,4 @@
-"""The direct kernel launches of ``custom_ops._common`` (``launch_direct``): the key that picks a
+"""The direct kernel launches of ``custom_ops.launch`` (``launch_direct``): the key that picks a
 cached compiled kernel must tell apart every pair of arguments Triton compiles apart, and a
 cached launch must pass the arguments Triton's own launch would.
 
@@ -11,7 +11,9 @@ import itertools
 import pytest
 import torch
 
-from custom_ops import _common
+from triton import knobs
+
+from custom_ops import launch
 
 
 def _triton_specialization():
@@ -53,15 +55,15 @@ def test_key_tells_apart_what_triton_compiles_apart():
         except Exception:  # a value this triton does not take as an argument
             continue
         if sa != sb:
-            assert _common._spec_key(a) != _common._spec_key(b), (a, b, sa, sb)
+            assert launch.spec_key(a) != launch.spec_key(b), (a, b, sa, sb)
 
 
 def test_key_of_a_size_ignores_its_value_within_its_class():
-    assert _common._spec_key(4096) == _common._spec_key(8192)
-    assert _common._spec_key(4095) == _common._spec_key(17)
-    assert _common._spec_key(1) != _common._spec_key(17)
-    assert _common._spec_key(2**31) != _common._spec_key(2**31 - 16)
-    assert _common._spec_key([1, 2]) is _common._NO_KEY
+    assert launch.spec_key(4096) == launch.spec_key(8192)
+    assert launch.spec_key(4095) == launch.spec_key(17)
+    assert launch.spec_key(1) != launch.spec_key(17)
+    assert launch.spec_key(2**31) != launch.spec_key(2**31 - 16)
+    assert launch.spec_key([1, 2]) is launch.NO_KEY
 
 
 # --- a stand-in kernel ---------------------------------------------------------------------------
@@ -107,26 +109,38 @@ class _Kernel:
         return run
 
 
+class _Launcher:
+    """A direct launcher of its own that takes the stand-in kernel for a compiled one, on a
+    device the test sets (``device``) and stream ``1234 + device``."""
+
+    def __init__(self, compiled=True):
+        self.device = 0
+        self.launch_direct = launch.direct_launcher(
+            device=lambda: self.device, stream=lambda device: 1234 + device, compiled=lambda kernel: compiled
+        )
+
+
 @pytest.fixture
-def kernel(monkeypatch):
-    k = _Kernel()
-    monkeypatch.setitem(_common._KERNELS, id(k), (k, True, {}))
-    monkeypatch.setattr(_common, "_device", lambda: 0)
-    monkeypatch.setattr(_common, "_stream", lambda device: 1234 + device)
-    return k
+def launcher():
+    return _Launcher()
+
+
+@pytest.fixture
+def kernel():
+    return _Kernel()
 
 
 def _kinds(log):
     return [entry[0] for entry in log]
 
 
-def test_first_call_goes_through_triton_then_direct(kernel):
+def test_first_call_goes_through_triton_then_direct(kernel, launcher):
     x, out = torch.zeros(64), torch.zeros(64)
-    _common.launch_direct(kernel, (4, 2), x, out, 4096, 0.5, BLOCK=64, num_warps=4)
-    _common.launch_direct(kernel, (8,), x, out, 8192, 0.25, BLOCK=64, num_warps=4)
+    launcher.launch_direct(kernel, (4, 2), x, out, 4096, 0.5, BLOCK=64, num_warps=4)
+    launcher.launch_direct(kernel, (8,), x, out, 8192, 0.25, BLOCK=64, num_warps=4)
     assert _kinds(kernel.log) == ["triton", "direct"]
     assert kernel.log[0][1:] == ((4, 2), (x, out, 4096, 0.5), {"BLOCK": 64, "num_warps": 4})
-    runtime = _common.knobs.runtime
+    runtime = knobs.runtime
     launch = kernel.log[1][1]
     # grid padded to 3-D, the stream, the compiled kernel's handles, no metadata without hooks,
     # then every argument in signature order: constexprs from the keywords, defaults for the rest
@@ -143,10 +157,10 @@ def test_first_call_goes_through_triton_then_direct(kernel):
         "num_warps", "device",
     ],
 )  # fmt: skip
-def test_a_change_triton_compiles_apart_goes_through_triton(kernel, change, monkeypatch):
+def test_a_change_triton_compiles_apart_goes_through_triton(kernel, launcher, change):
     x, out = torch.zeros(64), torch.zeros(64)
     args, kwargs = [x, out, 4096, 0.5], {"BLOCK": 64, "num_warps": 4}
-    _common.launch_direct(kernel, (1,), *args, **kwargs)
+    launcher.launch_direct(kernel, (1,), *args, **kwargs)
     if change == "dtype":
         args[0] = x.double()
     elif change == "misaligned":
@@ -164,28 +178,28 @@ def test_a_change_triton_compiles_apart_goes_through_triton(kernel, change, monk
     elif change == "num_warps":
         kwargs["num_warps"] = 8
     elif change == "device":
-        monkeypatch.setattr(_common, "_device", lambda: 1)
-    _common.launch_direct(kernel, (1,), *args, **kwargs)
-    _common.launch_direct(kernel, (1,), *args, **kwargs)
+        launcher.device = 1
+    launcher.launch_direct(kernel, (1,), *args, **kwargs)
+    launcher.launch_direct(kernel, (1,), *args, **kwargs)
     assert _kinds(kernel.log) == ["triton", "triton", "direct"]
 
 
-def test_runtime_argument_by_keyword_never_launches_directly(kernel):
+def test_runtime_argument_by_keyword_never_launches_directly(kernel, launcher):
     x, out = torch.zeros(64), torch.zeros(64)
     for _ in range(3):
-        _common.launch_direct(kernel, (1,), x, out, scale=0.5, n=16, BLOCK=64)
+        launcher.launch_direct(kernel, (1,), x, out, scale=0.5, n=16, BLOCK=64)
     assert _kinds(kernel.log) == ["triton"] * 3
 
 
-def test_unhashable_argument_goes_through_triton(kernel):
+def test_unhashable_argument_goes_through_triton(kernel, launcher):
     x, out = torch.zeros(64), torch.zeros(64)
     for _ in range(2):
-        _common.launch_direct(kernel, (1,), x, out, [16], 0.5, BLOCK=64)
+        launcher.launch_direct(kernel, (1,), x, out, [16], 0.5, BLOCK=64)
     assert _kinds(kernel.log) == ["triton"] * 2
 
 
-def test_launch_hooks_get_their_metadata(kernel):
-    hook = _common.knobs.runtime.launch_enter_hook
+def test_launch_hooks_get_their_metadata(kernel, launcher):
+    hook = knobs.runtime.launch_enter_hook
     if not hasattr(hook, "add"):
         pytest.skip("this triton's launch hooks are not a HookChain")
     x, out = torch.zeros(64), torch.zeros(64)
@@ -196,17 +210,16 @@ def test_launch_hooks_get_their_metadata(kernel):
     hook.add(seen)
     try:
         for _ in range(2):
-            _common.launch_direct(kernel, (3,), x, out, 16, 0.5, BLOCK=64)
+            launcher.launch_direct(kernel, (3,), x, out, 16, 0.5, BLOCK=64)
     finally:
         hook.remove(seen)
     assert kernel.log[1][1][6] == ("metadata", (3,))
 
 
-def test_interpreted_kernels_always_go_through_triton(monkeypatch):
-    k = _Kernel()
-    monkeypatch.setitem(_common._KERNELS, id(k), (k, False, {}))
+def test_interpreted_kernels_always_go_through_triton():
+    k, launcher = _Kernel(), _Launcher(compiled=False)
     for _ in range(2):
-        _common.launch_direct(k, (1,), torch.zeros(4), torch.zeros(4), 4, 0.5, BLOCK=4)
+        launcher.launch_direct(k, (1,), torch.zeros(4), torch.zeros(4), 4, 0.5, BLOCK=4)
     assert _kinds(k.log) == ["triton"] * 2
 
 

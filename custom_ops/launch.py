@@ -1,0 +1,169 @@
+"""Kernel launches with less host work per call (docs/design.md section 2, "Registration forms").
+
+``kernel[grid](...)`` (Triton's ``JITFunction.run``) binds the arguments, computes their
+specialization and an options string, looks the compiled kernel up and launches it, all in
+Python at every call; through ``wrap_triton`` outside tracing, torch's kernel wrapper adds
+more. :func:`launch_direct` keeps, per kernel, the compiled kernel for each key that determines
+Triton's specialization, and launches it directly; :func:`launch` is its traceable form for
+the bodies of ``triton_op``\\ s.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+
+import torch
+from torch._library.triton import is_wrap_triton_enabled
+from torch.library import wrap_triton
+from triton import knobs
+
+__all__ = ["direct_launcher", "launch", "launch_direct"]
+
+_I32, _I63 = 2**31, 2**63
+NO_KEY = object()
+MAX_KEYS = 1024
+
+
+def spec_key(a):
+    """What Triton specializes a kernel argument on, or a finer key; :data:`NO_KEY` when unknown.
+
+    Tensors: dtype and 16-byte alignment of the pointer. Ints: equal to 1, divisible by 16,
+    32- or 64-bit, signed or not (never the value, so a size that changes every call reuses
+    one entry). Floats: their type. Bools, None, TMA descriptors (dtype, block shape,
+    padding) and other hashable values (tuples, dtypes): themselves.
+    """
+    t = type(a)
+    if t is int:
+        return (a == 1, a % 16 == 0, -_I32 <= a < _I32, a >= _I63)
+    if t is float:
+        return 0.5
+    if t is bool or a is None:
+        return a
+    if isinstance(a, torch.Tensor):
+        return (a.dtype, a.data_ptr() % 16 == 0)
+    block_shape = getattr(a, "block_shape", None)
+    if block_shape is not None and isinstance(getattr(a, "base", None), torch.Tensor):  # a TensorDescriptor
+        return (a.base.dtype, tuple(block_shape), getattr(a, "padding", None), getattr(a, "round_f32_to_tf32", None))
+    try:
+        hash(a)
+    except TypeError:
+        return NO_KEY
+    return (t, a)
+
+
+def current_device() -> int:
+    return torch._C._cuda_getDevice()
+
+
+def current_stream(device: int) -> int:
+    return torch._C._cuda_getCurrentRawStream(device)
+
+
+def compiles(kernel) -> bool:
+    """Whether ``kernel`` is compiled by Triton (under ``TRITON_INTERPRET=1``, when the kernel
+    was defined, it is an interpreted function instead)."""
+    from triton.runtime.jit import JITFunction
+
+    return isinstance(kernel, JITFunction)
+
+
+def direct_launcher(
+    device: Callable[[], int] = current_device,
+    stream: Callable[[int], int] = current_stream,
+    compiled: Callable[[object], bool] = compiles,
+) -> Callable[..., None]:
+    """A :func:`launch_direct` with its own cache of compiled kernels, reading the current device
+    from ``device()``, its stream from ``stream(device)`` and whether a kernel compiles (rather
+    than being interpreted) from ``compiled(kernel)``, once per kernel."""
+    # id(kernel) -> (kernel, whether it compiles, {key: (compiled kernel, arguments past the
+    # positional ones) or False where that key cannot launch directly})
+    kernels: dict = {}
+
+    def launch_direct(kernel, grid, *args, **kwargs) -> None:
+        """``kernel[grid](*args, **kwargs)`` on real tensors, with less host work per call.
+
+        Positional arguments are the kernel's runtime arguments; keyword arguments its
+        constexprs and launch options (``num_warps``, ...). The first call with a given key
+        (:func:`spec_key` of every positional argument, the keyword arguments, the current
+        device) goes through Triton, which compiles and launches; later ones launch the compiled
+        kernel that call returned. Interpreted kernels (``TRITON_INTERPRET=1``) always go
+        through Triton.
+        """
+        entry = kernels.get(id(kernel))
+        if entry is None or entry[0] is not kernel:
+            entry = kernels[id(kernel)] = (kernel, compiled(kernel), {})
+        _, is_compiled, cache = entry
+        if not is_compiled:
+            kernel[grid](*args, **kwargs)
+            return
+        dev = device()
+        key = [dev]
+        for a in args:
+            k = spec_key(a)
+            if k is NO_KEY:
+                kernel[grid](*args, **kwargs)
+                return
+            key.append(k)
+        key.append(tuple(kwargs.items()))
+        key = tuple(key)
+        entry = cache.get(key)
+        if entry is None:
+            result = kernel[grid](*args, **kwargs)
+            if len(cache) >= MAX_KEYS:
+                cache.clear()
+            cache[key] = _direct_entry(kernel, result, len(args), kwargs)
+            return
+        if entry is False:
+            kernel[grid](*args, **kwargs)
+            return
+        fn, tail = entry
+        grid_0 = grid[0]
+        grid_1 = grid[1] if len(grid) > 1 else 1
+        grid_2 = grid[2] if len(grid) > 2 else 1
+        s = stream(dev)
+        runtime = knobs.runtime
+        enter = runtime.launch_enter_hook
+        # the metadata is for launch hooks (profilers); with none registered nothing reads it
+        metadata = fn.launch_metadata(grid, s, *args, *tail) if getattr(enter, "calls", enter) else None
+        fn.run(grid_0, grid_1, grid_2, s, fn.function, fn.packed_metadata, metadata, enter,
+               runtime.launch_exit_hook, *args, *tail)  # fmt: skip
+
+    return launch_direct
+
+
+def _direct_entry(kernel, compiled, num_positional: int, kwargs):
+    """``(compiled kernel, the arguments after the positional ones)`` for direct launches, or
+    False where they are not possible: a compiled kernel that is not Triton's
+    ``CompiledKernel`` (whose ``run`` takes the launch in the form used above), or a keyword
+    argument that is a runtime argument rather than a constexpr or an option."""
+    if hasattr(compiled, "result"):  # a compilation future
+        compiled = compiled.result()
+    if not all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata", "launch_metadata")):
+        return False
+    tail = []
+    for p in kernel.params[num_positional:]:
+        if p.name in kwargs:
+            if not p.is_constexpr:
+                return False
+            tail.append(kwargs[p.name])
+        else:
+            default = kernel.signature.parameters[p.name].default
+            if default is inspect.Parameter.empty:
+                return False
+            tail.append(default)
+    return compiled, tuple(tail)
+
+
+#: The package's launcher: one cache for every kernel, on the current CUDA device and stream.
+launch_direct = direct_launcher()
+
+
+def launch(kernel, grid, *args, **kwargs) -> None:
+    """:func:`launch_direct` from the body of a ``kernel_op``, traceable: where torch traces a
+    ``triton_op``'s body (``torch.compile``, ``make_fx``), ``wrap_triton`` is on and the launch
+    goes through it, which records it in the graph."""
+    if is_wrap_triton_enabled():
+        wrap_triton(kernel)[grid](*args, **kwargs)
+    else:
+        launch_direct(kernel, grid, *args, **kwargs)

@@ -1,0 +1,169 @@
+"""How every op of the package is registered (docs/design.md section 2, "Registration forms").
+
+- :func:`kernel_op`: ops whose bodies launch this package's Triton kernels, a ``triton_op``
+  where the compiler can analyse those kernels (:func:`kernels_visible_to_compiler`), an
+  opaque ``custom_op`` otherwise or on request;
+- :func:`opaque_op`: ops the compiler always calls as one extern node;
+- :func:`composite_op`: ops that are their decomposition (``CompositeImplicitAutograd``).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import logging
+import os
+import re
+from collections.abc import Iterable
+
+import torch
+from torch._library.infer_schema import infer_schema
+from torch._library.triton import set_wrap_triton_enabled
+from torch.library import custom_op, triton_op
+
+__all__ = ["composite_op", "kernel_op", "kernels_visible_to_compiler", "opaque_op"]
+
+
+def _major_minor(version: str) -> tuple[int, int] | None:
+    m = re.match(r"(\d+)\.(\d+)", version)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def triton_pin(requires: Iterable[str]) -> str | None:
+    """The triton version pinned by a package's requirement strings (``triton==X`` or
+    ``pytorch-triton==X``, markers allowed), or None."""
+    for req in requires:
+        m = re.match(r"\s*(?:pytorch-)?triton\s*==\s*([0-9][^;\s]*)", req)
+        if m:
+            return m.group(1)
+    return None
+
+
+def torch_triton_pin() -> str | None:
+    """The triton version this torch build pins (CUDA wheels do), or None."""
+    try:
+        requires = importlib.metadata.requires("torch") or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return triton_pin(requires)
+
+
+def visible_to_compiler(pin: str | None, installed: str, forced: str | None) -> bool:
+    """The rule of :func:`kernels_visible_to_compiler` for a torch pin, an installed triton
+    version and the value of ``CP_OPS_OPAQUE_KERNELS`` (None when unset)."""
+    if forced in ("0", "1"):
+        return forced == "0"
+    if forced is not None:
+        raise ValueError(f"CP_OPS_OPAQUE_KERNELS must be 0 or 1, got {forced!r}")
+    have = _major_minor(installed)
+    pinned = _major_minor(pin) if pin else None
+    return pinned is None or have is None or have <= pinned
+
+
+@functools.cache
+def kernels_visible_to_compiler() -> bool:
+    """Whether ops register as ``triton_op`` (Inductor sees their Triton kernels).
+
+    ``torch.compile`` analyses the Triton IR of every kernel launched inside a
+    ``triton_op`` to learn which arguments it writes. That analysis is written
+    against the triton release a torch build pins; with a newer triton (torch
+    2.11 pins 3.6; FLA's GDN backward on Hopper needs 3.7.1) it fails for every
+    kernel, torch then assumes every input is written and clones all of them at
+    each launch, and Inductor's lowering of those clones fails (seen on torch
+    2.11 + triton 3.7.1 compiling the GDN CP layer's backward; pytorch issue
+    181735). So when the installed triton is newer than the pinned one, the ops
+    register as opaque ``custom_op``s instead: the same kernels, launched by the
+    op at run time; Inductor calls each op as one extern node, and graphs still
+    have no breaks.
+
+    ``CP_OPS_OPAQUE_KERNELS=1`` (or ``0``) forces the choice. Read once, when
+    ``custom_ops`` is imported.
+    """
+    import triton
+
+    forced = os.environ.get("CP_OPS_OPAQUE_KERNELS")
+    pin = None if forced in ("0", "1") else torch_triton_pin()
+    visible = visible_to_compiler(pin, triton.__version__, forced)
+    if not visible and forced is None:
+        logging.getLogger("cp_ops").info(
+            "triton %s is newer than the %s torch %s pins: cp_ops kernels run as opaque ops under torch.compile",
+            triton.__version__, pin, torch.__version__,
+        )  # fmt: skip
+    return visible
+
+
+def kernel_op(qualname: str, *, mutates_args, opaque: bool = False):
+    """Register an op whose body launches Triton kernels (through :func:`custom_ops.launch.launch`,
+    which a ``triton_op`` needs; an op that is always opaque may use ``launch_direct``).
+
+    ``torch.library.triton_op`` where the compiler can analyse the kernels,
+    ``torch.library.custom_op`` otherwise (:func:`kernels_visible_to_compiler`), or always
+    with ``opaque=True``: for bodies that pass host TMA descriptors to their kernels, which
+    torch cannot capture when it traces a ``triton_op``'s body (it records them as constants
+    of the traced graph). Both return the same kind of object (``register_fake``,
+    ``register_autograd``). Either way the body runs with ``wrap_triton`` off whenever it
+    sees real tensors (``triton_op`` does that itself), so ``launch`` takes its eager path.
+    """
+    if kernels_visible_to_compiler() and not opaque:
+        return triton_op(qualname, mutates_args=mutates_args)
+
+    def register(fn):
+        # an opaque body is never traced: its launches never need torch's kernel wrapper
+        body = functools.update_wrapper(_without_wrap_triton(fn), fn)
+        return custom_op(qualname, body, mutates_args=mutates_args, schema=infer_schema(fn, mutates_args=mutates_args))
+
+    return register
+
+
+def opaque_op(qualname: str, *, mutates_args):
+    """Register the decorated function as an opaque ``torch.library.custom_op``, its schema
+    inferred from the signature: the compiler calls it as one extern node whatever triton is
+    installed. For bodies that launch kernels torch cannot trace (FLA's autotuned kernels, this
+    package's kernels through ``launch_direct``) or that read process state (a process group's
+    rank). The body runs as written: unlike :func:`kernel_op`'s, it does not switch
+    ``wrap_triton`` off, as it launches nothing through ``launch``."""
+
+    def register(fn):
+        return custom_op(qualname, fn, mutates_args=mutates_args, schema=infer_schema(fn, mutates_args=mutates_args))
+
+    return register
+
+
+def composite_op(qualname: str, schema: str):
+    """Register the decorated function as op ``qualname`` with ``schema``, implemented as
+    ``CompositeImplicitAutograd``: the op is its decomposition into other ops, so autograd, fake
+    tensors and ``torch.compile`` see those ops (each with its own fake and backward), and the op
+    needs neither of its own."""
+
+    def register(fn):
+        torch.library.define(qualname, schema)
+        torch.library.impl(qualname, "CompositeImplicitAutograd")(fn)
+        return fn
+
+    return register
+
+
+def _without_wrap_triton(fn):
+    """``fn`` run with ``wrap_triton`` off (what ``set_wrap_triton_enabled(False)`` does, without
+    a generator-based context manager's cost where torch's thread-local flag is reachable)."""
+    from torch._library import triton as torch_triton
+
+    state = getattr(torch_triton, "wrap_triton_enabled", None)
+    default = getattr(torch_triton, "wrap_triton_enabled_default", None)
+    if state is None or not isinstance(default, bool):
+
+        def body(*args, **kwargs):
+            with set_wrap_triton_enabled(False):
+                return fn(*args, **kwargs)
+
+        return body
+
+    def body(*args, **kwargs):
+        before = getattr(state, "value", default)
+        state.value = False
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            state.value = before
+
+    return body
