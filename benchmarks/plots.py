@@ -1,15 +1,20 @@
-"""Pictures of the measured tables: reads docs/benchmarks.md, writes PNGs to docs/img/.
+"""Pictures of the measured tables: reads the JSON results in benchmarks/results/, writes PNGs to docs/img/.
 
-    python benchmarks/plots.py [--doc docs/benchmarks.md] [--out docs/img]
+    python -m benchmarks.plots [--results benchmarks/results] [--out docs/img]
 
 Runs anywhere (matplotlib, no GPU): the numbers are the ones the GPU benchmarks
-wrote into docs/benchmarks.md, so a picture never shows anything the tables do
-not. One figure per question:
+wrote as results, the same files docs/benchmarks.md's tables are rendered from,
+so a picture never shows anything the tables do not. One figure per question:
 
   layout.png     each layout op's time over the clone's (the copy floor), per shape and W
+                 (result "layout")
   a2a.png        fused all-to-all vs per-sequence all-to-alls, by number of sequences and W
+                 (results "cp2hp-w2", "cp2hp-w4")
   attention.png  segment attention TFLOP/s against SDPA / FlexAttention / cuDNN, same run
-  scaling.png    scaling efficiency T_1 / (W * T_W) of the CP layers
+                 (result "attention")
+  scaling.png    scaling efficiency T_1 / (W * T_W) of the CP layers (every result of
+                 bench_gdn's CP table and bench_ag_attention's timing table; a later one's
+                 point replaces an earlier one's)
 """
 
 from __future__ import annotations
@@ -20,50 +25,44 @@ import re
 
 import matplotlib
 
+from benchmarks.runner import RESULTS_DIR, ROOT, Result, load_all
+
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Results whose points the scaling figure takes, oldest first where their dates tie (the
+# conversion of the hand-kept document dated them by day only); a result not listed comes last.
+SCALING_ORDER = (
+    "gdn-cp-w2", "gdn-cp-w2-z-overlap", "gdn-cp-w2-fused-layouts", "gdn-cp-w2-exchange-windows",
+    "gdn-cp-w2-cudagraphs", "gdn-cp-w2-conv-rows", "gdn-cp-w2-gathered-conv", "gdn-cp-w4",
+    "ag-attention-w2-opaque", "ag-attention-w2-triton371", "ag-attention-w4", "ag-attention-w2-one-launch",
+    "ag-attention-w2",
+)  # fmt: skip
 
 
-def sections(text: str) -> dict[str, str]:
-    """``{heading: body}`` for every ``##`` / ``###`` heading of a markdown text."""
-    parts = re.split(r"^(#{2,3} .*)$", text, flags=re.M)
-    return {parts[i].lstrip("# ").strip(): parts[i + 1] for i in range(1, len(parts) - 1, 2)}
+def num(cell) -> float:
+    """A table cell as a number: numbers as they are, text such as ``1,544`` or ``1.08x`` parsed."""
+    if isinstance(cell, (int, float)):
+        return float(cell)
+    return float(str(cell).replace(",", "").replace("*", "").rstrip("x"))
 
 
-def tables(body: str) -> list[list[dict[str, str]]]:
-    """Every markdown table in ``body`` as a list of rows keyed by the header cells."""
-    found, lines = [], body.splitlines()
-    i = 0
-    while i < len(lines):
-        if lines[i].startswith("|") and i + 1 < len(lines) and re.match(r"^\|[-| :]+\|$", lines[i + 1]):
-            header = [c.strip() for c in lines[i].strip("|").split("|")]
-            rows, i = [], i + 2
-            while i < len(lines) and lines[i].startswith("|"):
-                rows.append(dict(zip(header, (c.strip() for c in lines[i].strip("|").split("|")))))
-                i += 1
-            found.append(rows)
-        else:
-            i += 1
-    return found
+def result(results: dict[str, Result], name: str) -> Result:
+    if name not in results:
+        raise KeyError(f"no result named {name!r} (benchmarks/results/{name}.json)")
+    return results[name]
 
 
-def num(cell: str) -> float:
-    return float(cell.replace(",", "").rstrip("x"))
+def _ordered(results: dict[str, Result], benchmark: str) -> list[Result]:
+    chosen = [r for r in results.values() if r.benchmark == benchmark]
+    rank = {name: i for i, name in enumerate(SCALING_ORDER)}
+    return sorted(chosen, key=lambda r: (r.env.get("date", ""), rank.get(r.name, len(rank)), r.name))
 
 
-def section(secs: dict[str, str], prefix: str) -> str:
-    for name, body in secs.items():
-        if name.startswith(prefix):
-            return body
-    raise KeyError(f"no section starting with {prefix!r} in the document")
-
-
-def plot_layout(secs, out):
-    rows = tables(section(secs, "THD layout ops"))[0]
+def plot_layout(results, out):
+    rows = result(results, "layout").records()
     ops = ["index_select ms", "seq_to_rank ms", "rank_to_seq ms", "copy_valid ms", "copy_valid_ ms", "loop ms"]
-    labels = [f"{r['shape (bf16)'].split(',')[0].split(' (')[0]}\nW={r['W']}" for r in rows]
+    labels = [f"{str(r['shape (bf16)']).split(',')[0].split(' (')[0]}\nW={r['W']}" for r in rows]
     fig, ax = plt.subplots(figsize=(11, 4.5))
     width = 0.8 / len(ops)
     for k, op in enumerate(ops):
@@ -81,9 +80,9 @@ def plot_layout(secs, out):
     plt.close(fig)
 
 
-def plot_a2a(secs, out):
-    series = [("W = 2", tables(section(secs, "Fused CP <-> head-parallel all-to-all"))[0]),
-              ("W = 4 (earlier section-permutation kernel)", tables(section(secs, "W = 4"))[0])]  # fmt: skip
+def plot_a2a(results, out):
+    series = [("W = 2", result(results, "cp2hp-w2").records()),
+              ("W = 4 (earlier section-permutation kernel)", result(results, "cp2hp-w4").records())]  # fmt: skip
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for name, rows in series:
         labels = [f"T={r['T']}\n{r['seqs']} seqs" for r in rows]
@@ -105,12 +104,11 @@ def plot_a2a(secs, out):
     plt.close(fig)
 
 
-def plot_attention(secs, out):
-    # the latest full table of the section (later runs are appended below earlier ones)
-    rows = [t for t in tables(section(secs, "Segment attention")) if "implementation" in t[0]][-1]
+def plot_attention(results, out):
+    rows = result(results, "attention").records()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
     for ax, case in zip(axes, ("dense B8 x 4096", "packed 32k")):
-        sel = [r for r in rows if r["case"] == case and r["D"] == "128"]
+        sel = [r for r in rows if r["case"] == case and num(r["D"]) == 128]
         names = [r["implementation"] for r in sel]
         xs = range(len(sel))
         ax.bar([x - 0.2 for x in xs], [num(r["fwd TFLOP/s"]) for r in sel], 0.4, label="fwd")
@@ -131,29 +129,29 @@ def _short(case: str) -> str:
     return re.sub(r"T=(\d+)", lambda m: f"T={int(m.group(1)) // 1024}k", case)
 
 
-def plot_scaling(secs, out):
-    points = {}  # label -> efficiency; a later table (a newer run) replaces an earlier one's point
-    gdn = section(secs, "GatedDeltaNet with CP")
-    for rows in tables(gdn):
-        if "" not in rows[0]:  # not a table of bench_gdn.py (row names in an unnamed first column)
+def plot_scaling(results, out):
+    points = {}  # label -> efficiency; a later result (a newer run) replaces an earlier one's point
+    for res in _ordered(results, "gdn"):
+        if res.columns[0] != "":  # not bench_gdn.py's CP table (row names in an unnamed first column)
             continue
-        by_name = {r[""]: r for r in rows}
+        by_name = {r[""]: r for r in res.records()}
         if "1 GPU fwd+bwd compiled" not in by_name:  # an excerpt of an earlier run, not a benchmark table
             continue
         w = re.search(r"W=(\d+)", "".join(by_name)).group(1)
         for mode in ("eager", "compiled"):
             for col, val in by_name.get(f"scaling efficiency, {mode}", {}).items():
-                if col and val != "nan":
+                if col and val not in ("nan", None) and not (isinstance(val, float) and val != val):
                     points[f"GDN {mode}, W={w}\n{_short(col)}"] = num(val)
-    ag = section(secs, "All-gather CP attention")
     # the benchmark's timing tables (not the work model, not the table of the removed overlap)
-    for rows in (t for t in tables(ag) if "pass" in t[0] and "eff 1L" in t[0]):
-        world = [k for k in rows[0] if k.startswith("W=")][0].split()[0]
+    for res in (r for r in _ordered(results, "ag_attention") if "pass" in r.columns and "eff 1L" in r.columns):
+        rows = res.records()
+        world = [k for k in res.columns if k.startswith("W=")][0].split()[0]
         for r in rows:
             if r["pass"] == "fwd+bwd":
-                points[f"AG attn eager, {world}\n{_short('T=' + r['T'])}"] = num(r["eff 1L"])
-                if r.get("eff 1L compiled"):
-                    points[f"AG attn compiled, {world}\n{_short('T=' + r['T'])}"] = num(r["eff 1L compiled"])
+                tokens = _short(f"T={r['T']}")
+                points[f"AG attn eager, {world}\n{tokens}"] = num(r["eff 1L"])
+                if r.get("eff 1L compiled") not in (None, ""):
+                    points[f"AG attn compiled, {world}\n{tokens}"] = num(r["eff 1L compiled"])
     points = list(points.items())
     fig, ax = plt.subplots(figsize=(12, 5))
     ax.bar(range(len(points)), [p[1] for p in points], color=["C0" if "GDN" in p[0] else "C1" for p in points])
@@ -170,14 +168,13 @@ def plot_scaling(secs, out):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--doc", default=os.path.join(ROOT, "docs", "benchmarks.md"))
+    parser.add_argument("--results", default=str(RESULTS_DIR), help="directory of JSON results")
     parser.add_argument("--out", default=os.path.join(ROOT, "docs", "img"))
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    with open(args.doc) as f:
-        secs = sections(f.read())
+    results = load_all(args.results)
     for plot in (plot_layout, plot_a2a, plot_attention, plot_scaling):
-        plot(secs, args.out)
+        plot(results, args.out)
         print(f"{plot.__name__.removeprefix('plot_')}.png written to {args.out}")
 
 
