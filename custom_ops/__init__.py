@@ -4,8 +4,28 @@ Importing this package registers every op, reachable as ``custom_ops.<name>``
 and ``torch.ops.cp_ops.<name>``. Each op folder holds ``kernels.py`` (Triton),
 ``reference.py`` (pure torch, the CPU path and the test oracle) and ``op.py``
 (registration, fake, autograd).
+
+This module is the package's public API: the op wrappers, their references, and the helpers
+the layers in ``cp_ops`` build on (group resolution, collectives, argument checks). The public
+modules beside it: :mod:`custom_ops.thd_index` (the layout's index maps),
+:mod:`custom_ops.validation` (value checks, the checked mode) and :mod:`custom_ops.testing`.
 """
 
+from custom_ops import thd_index
+from custom_ops._common import NAMESPACE, check_cp_size, check_index_tensor, kernels_visible_to_compiler
+from custom_ops.ag_attention.op import ag_thd_attention
+from custom_ops.ag_attention.reference import ag_thd_attention_reference
+from custom_ops.ag_attention.segments import ag_thd_segments
+from custom_ops.all_to_all.op import check_cp2hp, check_hp2cp, thd_cp2hp, thd_hp2cp
+from custom_ops.all_to_all.reference import thd_cp2hp_reference, thd_hp2cp_reference
+from custom_ops.collectives import all_gather_rows, all_to_all_rows, overlapped_exchange, reduce_scatter_rows
+from custom_ops.gdn.op import causal_conv1d, causal_conv1d_gather, chunk_gated_delta_rule
+from custom_ops.gdn.reference import (
+    causal_conv1d_gather_reference,
+    causal_conv1d_reference,
+    chunk_gated_delta_rule_reference,
+)
+from custom_ops.groups import group_rank, group_size, resolve_group
 from custom_ops.permute_sections.op import (
     permute_sections,
     rank_blocks_to_sections,
@@ -13,40 +33,61 @@ from custom_ops.permute_sections.op import (
     unpermute_sections,
 )
 from custom_ops.permute_sections.reference import permute_sections_reference, unpermute_sections_reference
-from custom_ops.gdn.op import causal_conv1d, causal_conv1d_gather, chunk_gated_delta_rule
-from custom_ops.gdn.reference import (
-    causal_conv1d_gather_reference,
-    causal_conv1d_reference,
-    chunk_gated_delta_rule_reference,
-)
 from custom_ops.thd_copy_valid_tokens.op import thd_copy_valid_tokens, thd_copy_valid_tokens_
 from custom_ops.thd_copy_valid_tokens.reference import thd_copy_valid_tokens_reference
 from custom_ops.thd_reorder.op import thd_rank_to_seq_order, thd_seq_to_rank_order
 from custom_ops.thd_reorder.reference import thd_rank_to_seq_order_reference, thd_seq_to_rank_order_reference
-from custom_ops.varlen_attention.op import validate_varlen_segments, varlen_attention
+from custom_ops.varlen_attention.op import check_gqa_heads, validate_varlen_segments, varlen_attention
 from custom_ops.varlen_attention.reference import varlen_attention_reference
 
 __all__ = [
+    # layout ops
     "thd_seq_to_rank_order",
     "thd_rank_to_seq_order",
     "thd_copy_valid_tokens",
     "thd_copy_valid_tokens_",
-    "varlen_attention",
-    "thd_seq_to_rank_order_reference",
-    "thd_rank_to_seq_order_reference",
-    "thd_copy_valid_tokens_reference",
     "permute_sections",
     "unpermute_sections",
     "sections_to_rank_blocks",
     "rank_blocks_to_sections",
-    "permute_sections_reference",
-    "unpermute_sections_reference",
+    # CP exchanges and attention
+    "thd_cp2hp",
+    "thd_hp2cp",
+    "varlen_attention",
+    "ag_thd_attention",
+    "ag_thd_segments",
+    # Gated DeltaNet core
     "causal_conv1d",
     "causal_conv1d_gather",
     "chunk_gated_delta_rule",
+    # references
+    "thd_seq_to_rank_order_reference",
+    "thd_rank_to_seq_order_reference",
+    "thd_copy_valid_tokens_reference",
+    "permute_sections_reference",
+    "unpermute_sections_reference",
+    "thd_cp2hp_reference",
+    "thd_hp2cp_reference",
+    "varlen_attention_reference",
+    "ag_thd_attention_reference",
     "causal_conv1d_reference",
     "causal_conv1d_gather_reference",
     "chunk_gated_delta_rule_reference",
-    "varlen_attention_reference",
+    # helpers: groups, collectives, checks, the index maps
+    "resolve_group",
+    "group_size",
+    "group_rank",
+    "all_gather_rows",
+    "reduce_scatter_rows",
+    "all_to_all_rows",
+    "overlapped_exchange",
+    "check_index_tensor",
+    "check_cp_size",
+    "check_gqa_heads",
+    "check_cp2hp",
+    "check_hp2cp",
     "validate_varlen_segments",
+    "kernels_visible_to_compiler",
+    "NAMESPACE",
+    "thd_index",
 ]

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import custom_ops
-from custom_ops.gdn.op import fla_varlen_indices
+from custom_ops.gdn.fla import fla_varlen_indices
 from custom_ops.gdn.reference import (
     causal_conv1d_loop,
     causal_conv1d_reference,
@@ -152,12 +152,12 @@ def test_fla_calls_keep_nothing_alive():
     import fla.utils
     from fla.ops.utils.index import prepare_chunk_offsets
 
-    from custom_ops.gdn.op import _fla_uncached
+    from custom_ops.gdn.fla import fla_uncached
 
     before = fla.utils.FLA_DISABLE_TENSOR_CACHE
     for uncached in (False, True):
         cu = _cu([5, 0, 70])
-        with _fla_uncached() if uncached else contextlib.nullcontext():
+        with fla_uncached() if uncached else contextlib.nullcontext():
             offsets = prepare_chunk_offsets(cu, 64)
         assert offsets.tolist() == [0, 1, 1, 3]
         alive = weakref.ref(cu)
