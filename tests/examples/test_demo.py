@@ -1,4 +1,5 @@
-"""``python -m cp_ops demo``: the CP training step matches one device, compiles once, no graph breaks.
+"""``python -m cp_ops demo`` (the example application ``cp_ops_demo``): the CP training step
+matches one device, compiles once, no graph breaks.
 
 The spawned test compiles a tiny one-block model (Inductor, fullgraph) on 2 gloo
 ranks for 2 steps with a new batch each step: the same shapes, so exactly one graph
@@ -7,13 +8,15 @@ compiled one-device run within the float32 tolerance. A one-rank run checks the
 compiled step against the eager one (``--reference eager``).
 """
 
+import ast
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from cp_ops import demo
+import cp_ops_demo as demo
 
 TINY = ["--device", "cpu", "--blocks", "1", "--hidden", "32", "--mlp", "64", "--vocab", "64",
         "--seqlens", "37,0,1,20,5", "--quiet"]  # fmt: skip
@@ -111,3 +114,75 @@ def test_help_lists_options():
     for default in ("(default: 0)", "(default: 0.003 on cpu", "(default: 6 on cpu", "(default: 2 on cpu",
                     "(default: float32 on cpu"):
         assert default in text
+
+
+def test_cp_ops_main_says_when_the_demo_is_not_installed(monkeypatch, capsys):
+    from cp_ops.__main__ import _main
+
+    monkeypatch.setitem(sys.modules, "cp_ops_demo", None)  # import cp_ops_demo now fails
+    assert _main(["demo"]) == 2
+    err = capsys.readouterr().err
+    assert "cp_ops_demo" in err and "not installed" in err and "pip install -e ." in err
+
+
+# --- the example is an application of the public API ----------------------------------------------
+
+EXAMPLE = Path(demo.__file__).resolve().parent
+SOURCES = sorted(EXAMPLE.glob("*.py"))
+
+
+def _imports(tree):
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name, None
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            for alias in node.names:
+                yield node.lineno, node.module, alias.name
+
+
+def test_example_lives_outside_the_library_and_uses_its_public_api_only():
+    import cp_ops
+    import custom_ops
+
+    assert EXAMPLE.name == "cp_ops_demo" and EXAMPLE.parent.name == "examples" and len(SOURCES) >= 4
+    public = {"cp_ops": set(cp_ops.__all__), "custom_ops": set(custom_ops.__all__)}
+    bad = []
+    for path in SOURCES:
+        for line, module, name in _imports(ast.parse(path.read_text(), filename=str(path))):
+            top = module.split(".")[0]
+            if top not in public:
+                continue
+            if module != top or (name is not None and name not in public[top]):
+                bad.append(f"{path.name}:{line}: {module} {name or ''}")
+    assert not bad, "the example imports library internals:\n" + "\n".join(bad)
+
+
+def test_example_sets_no_global_compiler_config():
+    """Compile options are scoped (config.patch around the compiles); nothing assigns to
+    torch._inductor.config / torch._dynamo.config or sets attributes of a module."""
+    bad = []
+    for path in SOURCES:
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            targets = node.targets if isinstance(node, ast.Assign) else (
+                [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])  # fmt: skip
+            for target in targets:
+                text = ast.unparse(target)
+                if isinstance(target, ast.Attribute) and text.startswith("torch."):
+                    bad.append(f"{path.name}:{node.lineno}: {text} = ...")
+            if isinstance(node, ast.Call) and ast.unparse(node.func) == "setattr":
+                if not ast.unparse(node.args[0]) == "args":  # the parsed options, a Namespace
+                    bad.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    assert not bad, "\n".join(bad)
+
+
+def test_example_comments_carry_no_measurements():
+    from tests.test_code_comments import DATE, MEASURE, _texts
+
+    bad = [
+        f"{path.name}:{line}: {m.group()!r}"
+        for path in SOURCES
+        for line, text in _texts(path)
+        for m in (*DATE.finditer(text), *MEASURE.finditer(text))
+    ]
+    assert not bad, "measurements belong in docs/benchmarks.md:\n" + "\n".join(bad)

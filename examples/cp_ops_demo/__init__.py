@@ -1,0 +1,51 @@
+"""An example application of cp_ops: train a small hybrid GDN / attention stack with context parallelism.
+
+``python -m cp_ops demo [options]`` (or ``make demo``) runs it; ``--help`` lists the
+options. A Qwen3-Next-style stack (:class:`cp_ops.GatedDeltaNet`, gated
+:class:`cp_ops.Attention`, SwiGLU MLPs) is trained with next-token cross-entropy on
+packed random sequences of mixed lengths (THD layout from :func:`cp_ops.pad_cu_seqlens`,
+sharded with :func:`cp_ops.shard_thd`), AdamW, for ``--steps`` steps, on W = ``--cp-size``
+local ranks that it spawns itself: gloo on CPU, NCCL on GPUs (rank r on GPU r). Every
+rank builds the same weights and the same global batch and keeps its shard. Step 1 is
+checked against the same model on one device, and the run prints ranks, backend,
+tokens/s, step and compile time, graph breaks, recompiles, the error against one device
+and peak memory.
+
+The check runs in ``--check-dtype`` (default: ``--dtype``). bfloat16 rounding moves this
+model's step-1 gradients far more than context parallelism does
+(``benchmarks/demo_precision.py`` measures it against float64), so two bfloat16 runs can
+only be compared where they round alike (``--reference same``); ``--dtype bfloat16
+--check-dtype float32`` checks a float32 copy instead. On GPUs a float32 check is only as
+good as Triton's float32 dots, TF32 unless ``TRITON_F32_DEFAULT=ieee`` is set, and it
+compiles and autotunes a second set of kernels (FLA's included), which makes a cold-cache
+start much slower (docs/benchmarks.md, section "The demo on GPUs").
+
+It uses only the public API of ``cp_ops`` and ``custom_ops``. The modules, by job:
+
+- :mod:`cp_ops_demo.model`: the hybrid stack (``HybridLM``);
+- :mod:`cp_ops_demo.data`: the packed random batches (``make_batch``);
+- :mod:`cp_ops_demo.train`: one rank's training loop and the check of step 1 (``train``);
+- :mod:`cp_ops_demo.report`: the results over ranks, the summary and the printed table;
+- :mod:`cp_ops_demo.ranks`: spawning the local ranks and joining their group;
+- :mod:`cp_ops_demo.cli`: the options, ``run`` (results as a dict) and ``main``.
+"""
+
+from cp_ops_demo.cli import DEVICE_DEFAULTS, build_parser, main, parse_args, run
+from cp_ops_demo.data import make_batch
+from cp_ops_demo.model import IGNORE_INDEX, HybridLM, fla_dt_bias_
+from cp_ops_demo.report import format_table
+from cp_ops_demo.train import TOLERANCE
+
+__all__ = [
+    "HybridLM",
+    "fla_dt_bias_",
+    "IGNORE_INDEX",
+    "make_batch",
+    "TOLERANCE",
+    "DEVICE_DEFAULTS",
+    "build_parser",
+    "parse_args",
+    "run",
+    "main",
+    "format_table",
+]
