@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from cp_ops import demo  # noqa: E402
+import cp_ops_demo as demo  # noqa: E402
 
 
 class _Zero(torch.nn.Module):
