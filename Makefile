@@ -1,5 +1,6 @@
 # make test         install the pinned versions (constraints.txt) into the active Python, run the CPU suite
-# make demo         the same install, then train a small hybrid GDN / attention model with CP (python -m cp_ops demo)
+# make demo         the same install, then train a small hybrid GDN / attention model with CP (python -m cp_ops demo,
+#                   the example application in examples/cp_ops_demo)
 # make test-latest  the suite in .venv-latest against the newest versions pyproject.toml allows
 # make pins         regenerate constraints.txt from a fresh environment
 # GPU tests and benchmarks (on a GPU machine): python benchmarks/gpu_suite.py
@@ -31,7 +32,7 @@ test-opaque:
 		tests/custom_ops tests/cp_ops/test_comm.py tests/cp_ops/test_attention.py \
 		--deselect tests/custom_ops/test_gdn_ops.py::test_compiled_fullgraph_forward_backward
 	CP_OPS_OPAQUE_KERNELS=1 $(PYTHON) -m pytest -q -k compiled \
-		tests/cp_ops/test_gdn_cp.py tests/cp_ops/test_gdn_layer.py tests/cp_ops/test_demo.py
+		tests/cp_ops/test_gdn_cp.py tests/cp_ops/test_gdn_layer.py tests/examples/test_demo.py
 
 demo: deps
 	$(PYTHON) -m cp_ops demo
