@@ -6,25 +6,9 @@ the torch.library ops it builds on live in ``custom_ops`` and are registered as
 """
 
 import custom_ops  # noqa: F401  (registers torch.ops.cp_ops.*)
-from cp_ops.attention import Attention, ag_thd_attention, ag_thd_attention_reference, ag_thd_segments
-from cp_ops.comm import (
-    COMPILE_OPTIONS,
-    all_gather_rows,
-    all_to_all_rows,
-    group_rank,
-    group_size,
-    reduce_scatter_rows,
-    resolve_group,
-    thd_cp2hp,
-    thd_cp2hp_blocks,
-    thd_cp2hp_overlap,
-    thd_cp2hp_reference,
-    thd_hp2cp,
-    thd_hp2cp_blocks,
-    thd_hp2cp_reference,
-)
+from cp_ops.attention import Attention
+from cp_ops.exchange import thd_cp2hp_blocks, thd_cp2hp_overlap, thd_hp2cp_blocks
 from cp_ops.gdn import GatedDeltaNet, from_qwen3_next_state_dict
-from custom_ops.validation import checks_enabled, set_checks
 from cp_ops.layout import (
     local_cu_seqlens,
     local_positions,
@@ -37,6 +21,23 @@ from cp_ops.layout import (
     validate_offsets,
     validate_thd,
 )
+from cp_ops.scheduling import COMPILE_OPTIONS
+from custom_ops import (
+    ag_thd_attention,
+    ag_thd_attention_reference,
+    ag_thd_segments,
+    all_gather_rows,
+    all_to_all_rows,
+    group_rank,
+    group_size,
+    reduce_scatter_rows,
+    resolve_group,
+    thd_cp2hp,
+    thd_cp2hp_reference,
+    thd_hp2cp,
+    thd_hp2cp_reference,
+)
+from custom_ops.validation import checks_enabled, set_checks
 
 __version__ = "0.1.0"
 

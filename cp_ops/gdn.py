@@ -6,18 +6,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from cp_ops.comm import (
-    group_rank,
-    resolve_group,
-    thd_cp2hp,
-    thd_cp2hp_blocks,
-    thd_cp2hp_overlap,
-    thd_hp2cp,
-    thd_hp2cp_blocks,
-)
+from cp_ops.exchange import thd_cp2hp_blocks, thd_cp2hp_overlap, thd_hp2cp_blocks
+from custom_ops import group_rank, resolve_group, thd_cp2hp, thd_hp2cp
 from cp_ops.inputs import check_hidden_states, check_layout_tensors
 from custom_ops.gdn.op import causal_conv1d, causal_conv1d_gather, chunk_gated_delta_rule
-from custom_ops.thd_reorder.reference import rank_to_seq_index
+from custom_ops.thd_index import rank_to_seq_index
 from custom_ops.validation import checked
 
 # FLA's and Qwen3-Next's epsilon for the q/k l2 normalisation

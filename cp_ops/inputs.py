@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from custom_ops._common import check_index_tensor
+from custom_ops import check_index_tensor
 
 
 def check_hidden_states(layer: nn.Module, x: torch.Tensor, hidden_size: int) -> None:

@@ -24,9 +24,15 @@ from collections.abc import Sequence
 
 import torch
 
-import custom_ops
-from custom_ops._common import check_cp_size, check_index_tensor
-from custom_ops.thd_reorder.reference import rank_to_seq_index, seq_to_rank_index
+from custom_ops import check_cp_size, check_index_tensor, thd_rank_to_seq_order
+from custom_ops.thd_index import (
+    local_offsets,
+    local_positions,
+    padding_multiple,
+    rank_to_seq_index,
+    seq_to_rank_index,
+    shard_rows,
+)
 from custom_ops.validation import validate_offsets, validate_padded, validate_thd
 
 __all__ = [
@@ -75,7 +81,7 @@ def pad_cu_seqlens(
     if lens.numel() and int(lens.min()) < 0:
         i = int(torch.nonzero(lens < 0)[0])
         raise ValueError(f"seqlens: sequence {i} has negative length {int(lens[i])}")
-    block = 2 * cp_size
+    block = padding_multiple(cp_size)
     padded = (lens + block - 1) // block * block
     zero = lens.new_zeros(1)
     cu = torch.cat([zero, lens.cumsum(0)])
@@ -95,27 +101,7 @@ def local_cu_seqlens(cu_seqlens_padded: torch.Tensor, cp_size: int) -> torch.Ten
     Validates ``cu_seqlens_padded`` (:func:`custom_ops.validation.validate_padded`), so reads values.
     """
     validate_padded(cu_seqlens_padded, cp_size)
-    return torch.div(cu_seqlens_padded, cp_size, rounding_mode="floor")
-
-
-def local_positions(cu_seqlens_padded: torch.Tensor, cp_size: int, rank: int, num_local_rows: int) -> torch.Tensor:
-    """Position within its sequence of every row of rank ``rank``'s shard (int64, ``[T/W]``).
-
-    Local row x of sequence i (``0 <= x < 2c_i``) sits at ``j*c_i + (x mod c_i)`` with
-    ``j = rank`` if ``x < c_i`` else ``2W-1-rank``. With ``cp_size = 1`` this is the
-    plain position ``row - cu_seqlens_padded[i]``. Computed on the device, no host sync
-    (usable inside compiled code, e.g. for rotary embeddings).
-    """
-    cup = cu_seqlens_padded.to(torch.int64)
-    w = cp_size
-    local = torch.arange(num_local_rows, device=cup.device, dtype=torch.int64)
-    last_seq = max(cup.numel() - 2, 0)
-    i = (torch.searchsorted(cup, local * w, right=True) - 1).clamp(0, last_seq)
-    start, end = cup[i], cup[(i + 1).clamp(max=cup.numel() - 1)]
-    c = (end - start) // (2 * w)
-    x = local - start // w
-    first = x < c
-    return torch.where(first, rank * c + x, (2 * w - 1 - rank) * c + x - c)
+    return local_offsets(cu_seqlens_padded, cp_size)
 
 
 def shard_thd(x: torch.Tensor, cu_seqlens_padded: torch.Tensor, cp_size: int, rank: int) -> torch.Tensor:
@@ -131,9 +117,7 @@ def shard_thd(x: torch.Tensor, cu_seqlens_padded: torch.Tensor, cp_size: int, ra
     check_index_tensor("cu_seqlens_padded", cu_seqlens_padded, x.device)
     num_rows = x.shape[0]
     validate_padded(cu_seqlens_padded, cp_size, num_rows)
-    per_rank = num_rows // cp_size
-    idx = seq_to_rank_index(cu_seqlens_padded, cp_size, num_rows)[rank * per_rank : (rank + 1) * per_rank]
-    return x.index_select(0, idx)
+    return x.index_select(0, shard_rows(cu_seqlens_padded, cp_size, rank, num_rows // cp_size))
 
 
 def unshard_thd(shards: Sequence[torch.Tensor], cu_seqlens_padded: torch.Tensor, cp_size: int) -> torch.Tensor:
@@ -157,7 +141,7 @@ def unshard_thd(shards: Sequence[torch.Tensor], cu_seqlens_padded: torch.Tensor,
             )
     check_index_tensor("cu_seqlens_padded", cu_seqlens_padded, first.device)
     validate_padded(cu_seqlens_padded, cp_size, cp_size * first.shape[0])
-    return custom_ops.thd_rank_to_seq_order(torch.cat(list(shards)), cu_seqlens_padded, cp_size)
+    return thd_rank_to_seq_order(torch.cat(list(shards)), cu_seqlens_padded, cp_size)
 
 
 def pack(

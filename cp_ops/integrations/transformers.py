@@ -64,7 +64,7 @@ import torch
 import torch.nn as nn
 
 from cp_ops.attention import Attention
-from cp_ops.comm import resolve_group
+from custom_ops import resolve_group
 from cp_ops.gdn import GatedDeltaNet, from_qwen3_next_state_dict
 from cp_ops.layout import pack, shard_thd
 

@@ -1,6 +1,6 @@
 """Head-section permutation for CP <-> head-parallel conversions, as torch.library ops.
 
-Also the two fused layout steps of the all-to-all in :mod:`cp_ops.comm`, ops of
+Also the two fused layout steps of the all-to-all in :mod:`custom_ops.all_to_all`, ops of
 their own (``sections_to_rank_blocks``, ``rank_blocks_to_sections``): the same
 kernel writing or reading the rank-blocked ``[W, rows, F/W]`` layout directly,
 so the all-to-all send buffer is built in one pass with no separate transpose.

@@ -3,6 +3,7 @@
 import torch
 
 from custom_ops._common import NAMESPACE, cdiv, kernel_op, launch, as_words, from_words, check_cp_size, check_index_tensor, check_rows, row_tile, use_triton
+from custom_ops.thd_index import padding_multiple
 from custom_ops.thd_reorder.kernels import thd_reorder_kernel
 from custom_ops.thd_reorder.reference import thd_rank_to_seq_order_reference, thd_seq_to_rank_order_reference
 from custom_ops.validation import checked
@@ -12,9 +13,9 @@ def _check(x: torch.Tensor, cu_seqlens_padded: torch.Tensor, cp_size: int) -> No
     check_rows("x", x)
     check_cp_size(cp_size)
     check_index_tensor("cu_seqlens_padded", cu_seqlens_padded, x.device)
-    if x.shape[0] % (2 * cp_size) != 0:
+    if x.shape[0] % padding_multiple(cp_size) != 0:
         raise ValueError(
-            f"x has {x.shape[0]} rows, not a multiple of 2*cp_size = {2 * cp_size}; "
+            f"x has {x.shape[0]} rows, not a multiple of 2*cp_size = {padding_multiple(cp_size)}; "
             "padded THD tensors have cu_seqlens_padded[-1] rows, each sequence padded to a multiple of 2*cp_size"
         )
 

@@ -393,7 +393,7 @@ def _pipelined_rank(rank, world, group):
     """head_groups = 2 under Inductor with cp_ops.COMPILE_OPTIONS on gloo: the first group's
     attention runs while the second all-gather is in flight, the second gather issued only after
     the first one's wait (on the CPU the scheduling pass keeps one functional all-gather in flight,
-    cp_ops.comm._serial_on_cpu; on CUDA both are issued first, test_comm.py); backward, the
+    cp_ops.scheduling._serial_on_cpu; on CUDA both are issued first, test_comm.py); backward, the
     second group's gradients are computed while the first group's reduce-scatter is in flight.
     Values and gradients as the eager op with one group."""
     from torch._inductor.utils import run_and_get_code

@@ -32,10 +32,9 @@ from cp_ops import (
     thd_hp2cp_reference,
     validate_thd,
 )
-from custom_ops import rank_blocks_to_sections, sections_to_rank_blocks
-from cp_ops import comm
-from custom_ops._common import kernels_visible_to_compiler
-from custom_ops.thd_reorder.reference import rank_to_seq_index
+from cp_ops import scheduling
+from custom_ops import kernels_visible_to_compiler, rank_blocks_to_sections, sections_to_rank_blocks
+from custom_ops.thd_index import rank_to_seq_index
 from custom_ops.testing import random_tensor
 from tests._dist import exchange_windows, run_ranks
 
@@ -173,19 +172,14 @@ def _all_to_all_counting_backend(counts):
 
 
 @contextlib.contextmanager
-def _counting_all_to_all_rows(calls):
-    """Record every all-to-all the op bodies issue (at run time for opaque ops)."""
-    original = comm.all_to_all_rows
+def _counting_all_to_alls(calls):
+    """Record every all-to-all issued at run time (inside the bodies of opaque ops too), from the
+    profiler's record of the ops dispatched."""
+    from torch.profiler import ProfilerActivity, profile
 
-    def counted(*args):
-        calls.append(args[1:])
-        return original(*args)
-
-    comm.all_to_all_rows = counted
-    try:
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
         yield
-    finally:
-        comm.all_to_all_rows = original
+    calls.extend(e.name for e in prof.events() if e.name == "_c10d_functional::all_to_all_single")
 
 
 def _check_compiled_and_extras(rank, world):
@@ -208,7 +202,7 @@ def _check_compiled_and_extras(rank, world):
         counts, calls = [], []
         compiled = torch.compile(fn, backend=_all_to_all_counting_backend(counts), fullgraph=True)
         inp = arg.clone().requires_grad_()
-        with _counting_all_to_all_rows(calls):
+        with _counting_all_to_alls(calls):
             out = compiled(inp)
             assert torch.equal(out, out_ref)
             out.backward(random_tensor(out.shape, torch.float32, generator=gen))
@@ -416,9 +410,7 @@ class _Node:
         return {self.name}
 
 
-def _schedule(nodes, monkeypatch):
-    import torch._inductor.comms as comms
-
+def _schedule(nodes):
     by_name = {n.name: n for n in nodes}
     for n in nodes:  # ancestors: everything a node reads, transitively
         todo = [d.name for d in n.unmet_dependencies]
@@ -427,14 +419,17 @@ def _schedule(nodes, monkeypatch):
             if a not in n.ancestors:
                 n.ancestors.add(a)
                 todo += [d.name for d in by_name[a].unmet_dependencies]
-    monkeypatch.setattr(comms, "contains_collective", lambda s: s.kind == "comm")
-    monkeypatch.setattr(comms, "contains_wait", lambda s: s.kind == "wait")
-    monkeypatch.setattr(comm, "_node_work", lambda s: s.size)
-    monkeypatch.setattr(comm, "_exchange_bytes", lambda s: s.size)
-    return [n.name for n in comm.issue_early_wait_late(nodes)]
+    order = scheduling.issue_early_wait_late(
+        nodes,
+        node_work=lambda s: s.size,
+        exchange_bytes=lambda s: s.size,
+        is_collective=lambda s: s.kind == "comm",
+        is_wait=lambda s: s.kind == "wait",
+    )
+    return [n.name for n in order]
 
 
-def test_scheduling_pass_keeps_work_between_an_exchange_and_its_wait(monkeypatch):
+def test_scheduling_pass_keeps_work_between_an_exchange_and_its_wait():
     """Forward of the GDN layer in miniature: the z projection recorded between the first
     exchange and its wait stays there, though that wait feeds the second exchange (Inductor's
     raise_comms would move the wait, an ancestor of a collective, ahead of z)."""
@@ -448,10 +443,10 @@ def test_scheduling_pass_keeps_work_between_an_exchange_and_its_wait(monkeypatch
         _Node("wait1", ["a2a1"], "wait"),
         _Node("norm", ["wait1", "z"]),
     ]
-    assert _schedule(nodes, monkeypatch) == ["send", "a2a0", "z", "wait0", "core", "a2a1", "wait1", "norm"]
+    assert _schedule(nodes) == ["send", "a2a0", "z", "wait0", "core", "a2a1", "wait1", "norm"]
 
 
-def test_scheduling_pass_issues_the_exchange_before_independent_work(monkeypatch):
+def test_scheduling_pass_issues_the_exchange_before_independent_work():
     """Backward in miniature: weight-gradient GEMMs that no collective needs come first in the
     original order, but the exchange and the work it needs go first, and the GEMMs run while
     it is in flight; the wait goes last among what is ready."""
@@ -463,10 +458,10 @@ def test_scheduling_pass_issues_the_exchange_before_independent_work(monkeypatch
         _Node("wait", ["a2a"], "wait"),
         _Node("dx", ["wait", "dw1"]),
     ]
-    assert _schedule(nodes, monkeypatch) == ["grad", "a2a", "dw1", "dw2", "wait", "dx"]
+    assert _schedule(nodes) == ["grad", "a2a", "dw1", "dw2", "wait", "dx"]
 
 
-def test_scheduling_pass_spreads_independent_work_over_the_windows(monkeypatch):
+def test_scheduling_pass_spreads_independent_work_over_the_windows():
     """The GDN layer's backward in miniature: three weight-gradient GEMMs no collective needs,
     a small exchange (1 byte) and one twice its size. The first window gets a third of the
     GEMMs, the second the rest (a greedy scheduler put all three in the first and left the
@@ -485,10 +480,10 @@ def test_scheduling_pass_spreads_independent_work_over_the_windows(monkeypatch):
         _Node("dx", ["wait1", "dxz"], "", 5.0),
     ]
     want = ["grad_o", "a2a0", "dwo", "wait0", "core", "a2a1", "dwz", "dxz", "wait1", "dx"]
-    assert _schedule(nodes, monkeypatch) == want
+    assert _schedule(nodes) == want
 
 
-def test_scheduling_pass_weighs_the_work(monkeypatch):
+def test_scheduling_pass_weighs_the_work():
     """Shares count work, not nodes: the first window's share is a third of the work (2 of 6,
     the exchanges weighing 1 and 2), so both small GEMMs run there and the large one in the
     second window (a share of a third of the nodes would be one small GEMM)."""
@@ -502,11 +497,11 @@ def test_scheduling_pass_weighs_the_work(monkeypatch):
         _Node("a2a1", ["wait0"], "comm", 2.0),
         _Node("wait1", ["a2a1"], "wait"),
     ]
-    got = _schedule(nodes, monkeypatch)
+    got = _schedule(nodes)
     assert got == ["grad", "a2a0", "small1", "small2", "wait0", "a2a1", "big", "wait1"], got
 
 
-def test_scheduling_pass_defers_work_one_window_at_most(monkeypatch):
+def test_scheduling_pass_defers_work_one_window_at_most():
     """Three exchanges in a chain, the last one large (as in a model whose next layer exchanges
     more): four fillers ready before the first run in the first two windows, none in the
     third, which would keep their inputs alive across it. f5, ready after wait0 and before
@@ -525,12 +520,12 @@ def test_scheduling_pass_defers_work_one_window_at_most(monkeypatch):
         _Node("a2a2", ["wait1"], "comm", 100.0),
         _Node("wait2", ["a2a2"], "wait"),
     ]
-    got = _schedule(nodes, monkeypatch)
+    got = _schedule(nodes)
     want = ["grad", "a2a0", "f1", "f2", "wait0", "a2a1", "f3", "f4", "wait1", "a2a2", "f5", "wait2"]
     assert got == want, got
 
 
-def test_scheduling_pass_counts_work_that_becomes_ready_in_the_window(monkeypatch):
+def test_scheduling_pass_counts_work_that_becomes_ready_in_the_window():
     """The GDN layer's forward: the own block's norm and out_proj GEMM, a chain that starts
     from the second exchange's send buffer, run while that exchange is in flight (the share
     counts the GEMM, which is not ready when the window opens); the received blocks' part
@@ -549,7 +544,7 @@ def test_scheduling_pass_counts_work_that_becomes_ready_in_the_window(monkeypatc
         _Node("norm", ["wait1", "z"]),
         _Node("out", ["own_mm", "norm"]),
     ]
-    got = _schedule(nodes, monkeypatch)
+    got = _schedule(nodes)
     want = ["send0", "a2a0", "z", "wait0", "core", "send1", "a2a1", "own_norm", "own_mm", "wait1", "norm", "out"]
     assert got == want, got
 
@@ -571,16 +566,16 @@ def _two_group_gathers():
     return nodes
 
 
-def test_scheduling_pass_pipelines_independent_collectives(monkeypatch):
+def test_scheduling_pass_pipelines_independent_collectives():
     """All-gather CP attention with two head groups: Inductor orders the second gather after
     the first one's wait (a fake dependency); the pass issues both gathers first, in graph
     order, and the first group's attention runs while the second gather is in flight."""
     nodes = _two_group_gathers()
-    got = _schedule(nodes, monkeypatch)
+    got = _schedule(nodes)
     assert got == ["kv0", "ag0", "kv1", "ag1", "wait0", "attn0", "wait1", "attn1", "out"], got
     # a real dependency on the wait still holds
     nodes[5].unmet_dependencies.add(_Dep("wait0"))
-    got = _schedule(nodes, monkeypatch)
+    got = _schedule(nodes)
     assert got.index("ag1") > got.index("wait0"), got
 
 
@@ -592,7 +587,7 @@ class _IRNode:
         return self.device
 
 
-def test_scheduling_pass_keeps_cpu_all_gathers_one_at_a_time(monkeypatch):
+def test_scheduling_pass_keeps_cpu_all_gathers_one_at_a_time():
     """The graph of the test above on the CPU: gloo corrupted memory with functional
     all-gathers in flight side by side, so there the second gather keeps Inductor's fake
     dependency on the first one's wait (the first group's attention may still run while
@@ -605,7 +600,7 @@ def test_scheduling_pass_keeps_cpu_all_gathers_one_at_a_time(monkeypatch):
         nodes = _two_group_gathers()
         for i in (1, 5):
             nodes[i].node = _IRNode(gather, device)
-        got = _schedule(nodes, monkeypatch)
+        got = _schedule(nodes)
         assert got == want, (device, got)
     # an all-to-all on the CPU is not held back
     nodes = [_Node("x0", []), _Node("a0", ["x0"], "comm"), _Node("w0", ["a0"], "wait"),
@@ -613,17 +608,13 @@ def test_scheduling_pass_keeps_cpu_all_gathers_one_at_a_time(monkeypatch):
     nodes[4].unmet_dependencies.add(_Dep("w0", is_fake=True))
     for i in (1, 4):
         nodes[i].node = _IRNode(torch.ops._c10d_functional.all_to_all_single.default, "cpu")
-    got = _schedule(nodes, monkeypatch)
+    got = _schedule(nodes)
     assert got.index("a1") < got.index("w0"), got
 
 
-def test_scheduling_pass_refuses_a_cycle(monkeypatch):
+def test_scheduling_pass_refuses_a_cycle():
     nodes = [_Node("a", ["b"]), _Node("b", ["a"])]
     for n in nodes:
         n.ancestors = {"a", "b"} - {n.name}
-    import torch._inductor.comms as comms
-
-    monkeypatch.setattr(comms, "contains_collective", lambda s: False)
-    monkeypatch.setattr(comms, "contains_wait", lambda s: False)
     with pytest.raises(RuntimeError, match="scheduled 0 of 2 nodes"):
-        comm.issue_early_wait_late(nodes)
+        scheduling.issue_early_wait_late(nodes, is_collective=lambda s: False, is_wait=lambda s: False)

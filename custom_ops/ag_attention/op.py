@@ -1,0 +1,217 @@
+"""All-gather context-parallel attention on packed THD shards, as a torch.library op.
+
+On rank r of a CP group of W ranks, the local shard holds, for every sequence i,
+chunks ``r`` and ``2W-1-r`` (``c_i = P_i / 2W`` rows each) of its padded length
+``P_i`` (docs/design.md section 1). :func:`ag_thd_attention` computes, for those local
+query rows, exactly what attention over the whole sequence computes:
+
+1. all-gather K and V in one collective (``[T/W, 2*Hkv, D]`` -> ``[T, 2*Hkv, D]``,
+   rank order; its gradient is one reduce-scatter),
+2. ``thd_rank_to_seq_order``: rank order -> sequence order (gradient: the inverse),
+3. one ``varlen_attention`` launch with two segments per sequence
+   (:func:`custom_ops.ag_thd_segments`), so query a of chunk j (position ``j*c_i + a``)
+   sees key b of its sequence under the usual causal / window rules, and padding rows
+   (in no segment) come back as zeros.
+
+The segment tables are built on the device from ``cu_seqlens`` and
+``cu_seqlens_padded`` with vectorised torch ops: no host sync, so the whole forward
+and backward compile with ``fullgraph=True`` and one graph serves every packing. The
+backward is autograd through the pieces: ``varlen_attention``'s backward (dq on the
+local rows; dk, dv on the gathered sequence-order keys), ``thd_seq_to_rank_order``,
+then the reduce-scatter.
+
+The op is a composite: it decomposes into those pieces when traced, which happens
+after torch.compile's caches have keyed the graph on the op's arguments. So nothing
+the decomposition reads may differ between processes that share a cache: the rank
+is read at run time (``group_rank_tensor``, a 0-d device tensor), never folded into
+the graph. The CP size W sets shapes and must be known when tracing. The group name
+does not encode it (the default group is called "0" whatever its size), so W is an
+argument of the op (``cp_size``, checked against the group) and so part of the key.
+
+``launches=2`` runs TransformerEngine's form instead: one ``varlen_attention``
+launch per local chunk (segments of chunk r, then of chunk 2W-1-r), the second
+chunk's rows copied into the first output with ``thd_copy_valid_tokens``. Same
+result; kept so the two can be timed against each other.
+
+``head_groups=G`` pipelines the exchange: steps 1-3 run per group of Hkv/G KV heads
+(and their Hq/G query heads), G all-gathers in all, so the attention of group g needs
+only the g-th gather and runs while the later ones travel; in the backward (groups in
+reverse order) a group's reduce-scatter runs while the next group's gradients are
+computed. Only the first gather and the last reduce-scatter have no attention beside
+them, 1/G of the bytes each. Under torch.compile this needs ``cp_ops.COMPILE_OPTIONS``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from custom_ops._common import NAMESPACE, check_index_tensor, composite_op, opaque_op
+from custom_ops.ag_attention.segments import ag_thd_segments
+from custom_ops.collectives import all_gather_rows
+from custom_ops.groups import check_group_size, resolve_group
+from custom_ops.thd_copy_valid_tokens.op import thd_copy_valid_tokens
+from custom_ops.thd_reorder.op import thd_rank_to_seq_order
+from custom_ops.validation import checked
+from custom_ops.varlen_attention.op import check_gqa_heads, varlen_attention
+
+__all__ = ["ag_thd_attention", "group_rank_tensor"]
+
+
+def _check(q, k, v, cu_seqlens, cu_seqlens_padded, launches, head_groups) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 3:
+            raise ValueError(f"{name} must be a local shard [T/W, heads, head_dim], got shape {tuple(t.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[0] != q.shape[0]:
+        raise ValueError(f"q has {q.shape[0]} rows but k and v have {k.shape[0]}; all are the same local shard")
+    check_index_tensor("cu_seqlens", cu_seqlens, q.device)
+    check_index_tensor("cu_seqlens_padded", cu_seqlens_padded, q.device)
+    if cu_seqlens.shape[0] != cu_seqlens_padded.shape[0]:
+        raise ValueError(
+            f"cu_seqlens has {cu_seqlens.shape[0]} entries and cu_seqlens_padded {cu_seqlens_padded.shape[0]}; "
+            "both are [B+1]"
+        )
+    if launches not in (1, 2):
+        raise ValueError(f"launches must be 1 or 2, got {launches!r}")
+    check_gqa_heads(q, k)  # here too: head groups split the query heads by the kv heads
+    if not isinstance(head_groups, int) or head_groups < 1 or k.shape[1] % head_groups:
+        raise ValueError(f"head_groups must be a positive divisor of Hkv = {k.shape[1]}, got {head_groups!r}")
+
+
+# The rank is read at run time, by an opaque op, not baked into the traced graph. The composite
+# op below decomposes during AOT tracing, after the compile caches have keyed the graph on its
+# arguments (which name the group, identical on every rank); a rank folded in as a constant
+# would let one rank load another rank's cached graph and attend with its segment tables.
+@opaque_op(f"{NAMESPACE}::group_rank_tensor", mutates_args=())
+def group_rank_tensor(like: torch.Tensor, group_name: str) -> torch.Tensor:
+    """This process's rank in the group ``group_name``: a 0-d int64 tensor on ``like``'s device.
+
+    ``like`` only places the result (and, as an input, keeps compilers from folding the op).
+    """
+    rank = dist.distributed_c10d._resolve_process_group(group_name).rank()
+    return torch.full((), rank, dtype=torch.int64, device=like.device)
+
+
+@group_rank_tensor.register_fake
+def _(like, group_name):
+    return like.new_empty((), dtype=torch.int64)
+
+
+def _ag_thd_attention(q, k, v, cu_seqlens, cu_seqlens_padded, causal, window_left, window_right, scale, group_name,
+                      cp_size=1, launches=1, head_groups=1):  # fmt: skip
+    """The decomposition: per head group one collective, one reorder and one (or two)
+    segment-attention launches; the groups' outputs concatenated over heads."""
+    _check(q, k, v, cu_seqlens, cu_seqlens_padded, launches, head_groups)
+    cu_seqlens = checked("thd", cu_seqlens, (cu_seqlens_padded,), cp_size, q.shape[0] * cp_size)
+    window = (window_left, window_right)
+    if group_name is None:
+        if cp_size != 1:
+            raise ValueError(f"cp_size = {cp_size} needs a process group (group_name is None)")
+        world, rank = 1, 0
+    else:
+        world, rank = check_group_size(group_name, cp_size), group_rank_tensor(cu_seqlens_padded, group_name)
+    if launches == 1:
+        segs = [ag_thd_segments(cu_seqlens, cu_seqlens_padded, world, rank, causal, window_right)]
+    else:
+        segs = [ag_thd_segments(cu_seqlens, cu_seqlens_padded, world, rank, causal, window_right, chunks=(h,))
+                for h in (0, 1)]  # fmt: skip
+        # rows [q_start, q_start + q_len) of the second chunks come from the second launch;
+        # copy_valid_tokens wants them as (offsets [B], cumulative lengths [B+1])
+        counts = torch.cat([segs[1][1].new_zeros(1), torch.cumsum(segs[1][1], 0, dtype=torch.int32)])
+
+    def attend(q_, k_seq, v_seq):
+        outs = [varlen_attention(q_, k_seq, v_seq, *s, causal=causal, window=window, scale=scale)[0]
+                for s in segs]  # fmt: skip
+        if launches == 1:
+            return outs[0]
+        return thd_copy_valid_tokens(outs[0], outs[1], segs[1][0], counts)
+
+    if group_name is None:
+        return attend(q, k, v)  # W = 1: rank order is sequence order, nothing to gather
+    hkv, hq = k.shape[1] // head_groups, q.shape[1] // head_groups
+    outs = []
+    for g in range(head_groups):
+        kv_heads = slice(g * hkv, (g + 1) * hkv)
+        # K and V travel together: one all-gather forward, one reduce-scatter backward per group;
+        # a group's attention needs only its own gather, so it runs while the next group's travels
+        kv = all_gather_rows(torch.cat([k[:, kv_heads], v[:, kv_heads]], dim=1), group_name)  # rank order
+        kv = thd_rank_to_seq_order(kv, cu_seqlens_padded, world)
+        outs.append(attend(q[:, g * hq : (g + 1) * hq], kv[:, :hkv], kv[:, hkv:]))
+    return outs[0] if head_groups == 1 else torch.cat(outs, dim=1)
+
+
+# CompositeImplicitAutograd: the op is its decomposition, so autograd, fake tensors and
+# torch.compile see all_gather / thd_rank_to_seq_order / varlen_attention, each with its own
+# fake and backward; nothing here needs a fake or an autograd formula of its own. cp_size is
+# in the schema (checked against the group) so that a compiled graph's cache key holds it:
+# group names repeat across runs of different sizes.
+@composite_op(
+    f"{NAMESPACE}::ag_thd_attention",
+    "(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, Tensor cu_seqlens_padded, bool causal=True, "
+    "SymInt window_left=-1, SymInt window_right=-1, float? scale=None, str? group_name=None, int cp_size=1, "
+    "int head_groups=1) -> Tensor",
+)
+def _ag_thd_attention_composite(q, k, v, cu_seqlens, cu_seqlens_padded, causal=True, window_left=-1, window_right=-1,
+                                scale=None, group_name=None, cp_size=1, head_groups=1):  # fmt: skip
+    return _ag_thd_attention(
+        q, k, v, cu_seqlens, cu_seqlens_padded, causal, window_left, window_right, scale, group_name, cp_size,
+        head_groups=head_groups,
+    )
+
+
+def ag_thd_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    cu_seqlens_padded: torch.Tensor,
+    *,
+    causal: bool = True,
+    window: tuple[int, int] = (-1, -1),
+    scale: float | None = None,
+    group=None,
+    launches: int = 1,
+    head_groups: int = 1,
+) -> torch.Tensor:
+    """All-gather CP attention on this rank's THD shard: ``out [T/W, Hq, D]``.
+
+    q ``[T/W, Hq, D]``, k, v ``[T/W, Hkv, D]`` (``Hq % Hkv == 0``, GQA): rank r's
+    local rows (chunks r and 2W-1-r of every sequence). cu_seqlens, cu_seqlens_padded
+    ``[B+1]``: the *global* layout (``T = cu_seqlens_padded[-1]``, padded lengths
+    multiples of 2W). For local row t at position ``p`` of sequence i (one of its
+    ``L_i`` real tokens), with ``s_b = scale * <q_t, k_b>`` over the keys b of
+    sequence i (sequence positions ``0 .. L_i - 1``) that are visible::
+
+        out_t = sum_b softmax_b(s_b) v_b
+        visible: b <= p (causal), p - b <= left (left >= 0), b - p <= right (right >= 0)
+
+    ``window = (left, right)``, -1 = unbounded; scale defaults to ``D ** -0.5``.
+    Padding rows, and rows that see no key, come back as zeros. group: a
+    ``ProcessGroup``, a 1-D ``DeviceMesh``, or None (W = 1: plain varlen attention
+    over the packed batch, no collective). Differentiable in q, k, v: the
+    gradients of k and v are this rank's shard of the global ones (reduce-scattered).
+    ``launches=2``: one launch per local chunk (TransformerEngine's form), same result.
+    ``head_groups=G`` (a divisor of Hkv): the KV heads in G groups, each gathered by its
+    own all-gather and attended by its own launch(es), so each group's attention runs
+    while later groups' K/V travel (and, backward, each group's reduce-scatter while
+    the next group's gradients are computed); same result. Ignored when group is None.
+
+    Also ``torch.ops.cp_ops.ag_thd_attention(q, k, v, cu_seqlens, cu_seqlens_padded,
+    causal, window_left, window_right, scale, group_name, cp_size, head_groups)`` (the
+    one-launch form).
+    """
+    group_name, world = resolve_group(group)
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise TypeError(f"window must be a pair (left, right) of ints, got {window!r}")
+    if launches == 1:
+        return torch.ops.cp_ops.ag_thd_attention(
+            q, k, v, cu_seqlens, cu_seqlens_padded, causal, window[0], window[1], scale, group_name, world, head_groups
+        )
+    return _ag_thd_attention(
+        q, k, v, cu_seqlens, cu_seqlens_padded, causal, window[0], window[1], scale, group_name, world, launches,
+        head_groups,
+    )
