@@ -5,8 +5,8 @@ bound is TOLERANCE of the dtype the op computes in (fp32 accumulation for fp32
 inputs; float64 paths agree to rounding).
 """
 
+import dataclasses
 import inspect
-import sys
 
 import pytest
 import torch
@@ -17,8 +17,11 @@ from hypothesis import strategies as st
 
 import custom_ops
 from custom_ops.testing import TOLERANCE, kernel_constexprs, poisoned_allocations, random_tensor, rel_error
+from custom_ops.varlen_attention import configs, launch
 from custom_ops.varlen_attention import kernels as kernels_mod
 from custom_ops.varlen_attention import validate_varlen_segments, varlen_attention_loop, varlen_attention_reference
+from custom_ops.varlen_attention.configs import DEFAULT_SETTINGS
+from custom_ops.varlen_attention.reference import resolve_scale
 
 WINDOWS = [(-1, -1), (3, -1), (2, 1), (0, 0), (-1, 2), (5, 5)]
 HEADS = [(1, 1), (2, 1), (4, 2), (3, 3), (6, 2)]
@@ -302,10 +305,26 @@ def _score_tolerance(q, k, scale):
     return max(TOLERANCE[torch.float32], torch.finfo(torch.float32).eps * largest)
 
 
-def _kernel_vs_reference(q, k, v, seg, causal, window, seed=0, scale=None):
+def _run_launchers(q, k, v, seg, causal, window, dout, dlse, settings, scale=None):
+    """What :func:`_run` gives for the kernels, by the launchers under ``settings``: the forward,
+    then the backward with the cotangents autograd passes it for :func:`_loss`."""
+    scale = resolve_scale(scale, q.shape[2])
+    left, right = window
+    out, lse = launch.forward(q, k, v, seg, causal, left, right, scale, settings=settings)
+    dlse = torch.where(torch.isfinite(lse), dlse, 0.0).to(lse.dtype)
+    grads = launch.backward(dout.to(out.dtype), dlse, q, k, v, out, lse, seg, causal, left, right, scale, settings)
+    return out, lse, list(grads)
+
+
+def _kernel_vs_reference(q, k, v, seg, causal, window, seed=0, scale=None, settings=None):
+    """The kernels against the float64 reference: through the op (its default settings), or
+    with ``settings`` through the launchers."""
     dout, dlse = _cotangents(q, seed)
     with poisoned_allocations():
-        got = _run(custom_ops.varlen_attention, q, k, v, seg, causal, window, dout, dlse, scale)
+        if settings is None:
+            got = _run(custom_ops.varlen_attention, q, k, v, seg, causal, window, dout, dlse, scale)
+        else:
+            got = _run_launchers(q, k, v, seg, causal, window, dout, dlse, settings, scale)
     want = _run(
         varlen_attention_reference, q.double(), k.double(), v.double(), seg, causal, window, dout, dlse, scale
     )
@@ -417,32 +436,33 @@ def _tile_boundary_layout():
     [(True, (-1, -1)), (True, (29, -1)), (False, (19, 22)), (False, (21, 25))],
 )
 @pytest.mark.parametrize("k_rows", [True, False])
-def test_kernel_tile_boundaries_at_every_offset(causal, window, k_rows, monkeypatch):
+def test_kernel_tile_boundaries_at_every_offset(causal, window, k_rows):
     """Both ways of loading K tiles in the forward (K_ROWS), and sixteen segments over one shared 96-row key range with q_pos = 16..31 and q_len = 33..48
     in scrambled order: every residue of the query positions and of the last tile's row count
     modulo the 16-row tiles, and windows wider than two tiles. An off-by-one in any loop-phase
     bound (a boundary tile run without its mask, or a visible tile skipped) changes a result."""
     q, k, v, seg = _tensors(_tile_boundary_layout(), (1, 1), 16, torch.float32)
-    monkeypatch.setitem(kernels_mod.INTERPRET_CONFIGS, "fwd", dict(kernels_mod.INTERPRET_CONFIGS["fwd"], K_ROWS=k_rows))
-    _kernel_vs_reference(q, k, v, seg, causal, window)
+    settings = DEFAULT_SETTINGS.with_kernel("fwd", config=dict(configs.INTERPRET_CONFIGS["fwd"], K_ROWS=k_rows))
+    _kernel_vs_reference(q, k, v, seg, causal, window, settings=settings)
 
 
 @pytest.mark.interpret
-def test_kernel_padded_head_dim_and_other_tiles(monkeypatch):
+def test_kernel_padded_head_dim_and_other_tiles():
     """head_dim 24 (a padded 32-wide tile), GQA group 3, and asymmetric tile sizes."""
+    settings = DEFAULT_SETTINGS
     for name in ("fwd", "bwd_dq"):
-        monkeypatch.setitem(kernels_mod.INTERPRET_CONFIGS, name, dict(BLOCK_M=32, BLOCK_N=16, num_warps=1, num_stages=1))
-    monkeypatch.setitem(kernels_mod.INTERPRET_CONFIGS, "bwd_dkdv", dict(BLOCK_M=16, BLOCK_N=32, num_warps=1, num_stages=1))
+        settings = settings.with_kernel(name, config=dict(BLOCK_M=32, BLOCK_N=16, num_warps=1, num_stages=1))
+    settings = settings.with_kernel("bwd_dkdv", config=dict(BLOCK_M=16, BLOCK_N=32, num_warps=1, num_stages=1))
     layout = ([0, 37], [35, 12], [4, 0], [0, 41], [41, 12], 50, 53)
     q, k, v, seg = _tensors(layout, (3, 1), 24, torch.float32)
-    _kernel_vs_reference(q, k, v, seg, True, (17, 2))
+    _kernel_vs_reference(q, k, v, seg, True, (17, 2), settings=settings)
 
 
 @pytest.mark.interpret
 @pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (False, (7, 3))])
-def test_kernel_launch_order_changes_no_bit(causal, window, monkeypatch):
-    """The launch order (segments heaviest first or last to first, SEGMENTS_BY_WORK; heads
-    grouped by HEAD_GROUP) changes which program computes a tile, never how: the results are identical
+def test_kernel_launch_order_changes_no_bit(causal, window):
+    """The launch order (segments heaviest first or last to first, ``by_work``; heads grouped by
+    ``head_group``) changes which program computes a tile, never how: the results are identical
     bit for bit, and every tile is taken once (a tile skipped or done twice would show
     against the reference). Segments with 0-50 queries over a grid padded past the last
     tile; 4 query heads over 2 kv heads, run in groups of one and of both kv heads (an entry
@@ -451,30 +471,26 @@ def test_kernel_launch_order_changes_no_bit(causal, window, monkeypatch):
     q, k, v, seg = _tensors(layout, (4, 2), 16, torch.float32)
     got = _kernel_vs_reference(q, k, v, seg, causal, window)
     dout, dlse = _cotangents(q, 0)
-    orders = [("SEGMENTS_BY_WORK", False)] + [("HEAD_GROUP", g) for g in (1, 2, 3)]
+    orders = [("by_work", False)] + [("head_group", g) for g in (1, 2, 3)]
     for key, value in orders:
-        with monkeypatch.context() as m:
-            if key == "SEGMENTS_BY_WORK":
-                m.setattr(kernels_mod, "SEGMENTS_BY_WORK", dict.fromkeys(kernels_mod.SEGMENTS_BY_WORK, False))
-            else:
-                m.setattr(kernels_mod, "HEAD_GROUP", dict.fromkeys(kernels_mod.HEAD_GROUP, value))
-            out, lse, grads = _run(custom_ops.varlen_attention, q, k, v, seg, causal, window, dout, dlse)
+        settings = DEFAULT_SETTINGS.with_every_kernel(**{key: value})
+        out, lse, grads = _run_launchers(q, k, v, seg, causal, window, dout, dlse, settings)
         for a, b in zip([*got[:2], *got[2]], [out, lse, *grads]):
             assert torch.equal(a, b), (key, value)
 
 
 @pytest.mark.interpret
 @pytest.mark.parametrize("causal", [True, False])
-def test_kernel_window_terms_change_no_bit(causal, monkeypatch):
+def test_kernel_window_terms_change_no_bit(causal):
     """Launches without a window compile the window's mask terms out (WINDOW off); with them
-    compiled in, every term is true there: the results are the same bits."""
-    op_mod = sys.modules["custom_ops.varlen_attention.op"]
+    compiled in (``window_terms_always``), every term is true there: the results are the same
+    bits."""
     layout = ([0, 50, 50, 51], [50, 0, 1, 33], [0, 3, 0, 10], [0, 50, 50, 60], [50, 10, 1, 40], 84, 100)
     q, k, v, seg = _tensors(layout, (2, 1), 16, torch.float32)
     got = _kernel_vs_reference(q, k, v, seg, causal, (-1, -1))
     dout, dlse = _cotangents(q, 0)
-    monkeypatch.setattr(op_mod, "_has_window", lambda left, right: True)
-    out, lse, grads = _run(custom_ops.varlen_attention, q, k, v, seg, causal, (-1, -1), dout, dlse)
+    settings = dataclasses.replace(DEFAULT_SETTINGS, window_terms_always=True)
+    out, lse, grads = _run_launchers(q, k, v, seg, causal, (-1, -1), dout, dlse, settings)
     for a, b in zip([*got[:2], *got[2]], [out, lse, *grads]):
         assert torch.equal(a, b)
 
@@ -482,7 +498,7 @@ def test_kernel_window_terms_change_no_bit(causal, monkeypatch):
 @pytest.mark.interpret
 @pytest.mark.parametrize("head_dim", [16, 24])
 @pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (False, (7, 3))])
-def test_kernel_dkdv_in_two_programs(head_dim, causal, window, monkeypatch):
+def test_kernel_dkdv_in_two_programs(head_dim, causal, window):
     """dk/dv with two programs per key tile and kv head (PARTS = 2: one writes dv, the other
     dk), head_dim 24 padded to a 32-wide tile included: against the float64 reference, and
     bit for bit against one program per tile (each entry is the same sum in the same order),
@@ -490,9 +506,8 @@ def test_kernel_dkdv_in_two_programs(head_dim, causal, window, monkeypatch):
     layout = ([0, 50, 50, 51], [50, 0, 1, 33], [0, 3, 0, 10], [0, 50, 50, 60], [50, 10, 1, 40], 84, 100)
     q, k, v, seg = _tensors(layout, (2, 1), head_dim, torch.float32)
     whole = _kernel_vs_reference(q, k, v, seg, causal, window)
-    split = dict(kernels_mod.INTERPRET_CONFIGS["bwd_dkdv"], PARTS=2)
-    monkeypatch.setitem(kernels_mod.INTERPRET_CONFIGS, "bwd_dkdv", split)
-    got = _kernel_vs_reference(q, k, v, seg, causal, window)
+    split = DEFAULT_SETTINGS.with_kernel("bwd_dkdv", config=dict(configs.INTERPRET_CONFIGS["bwd_dkdv"], PARTS=2))
+    got = _kernel_vs_reference(q, k, v, seg, causal, window, settings=split)
     for a, b in zip(whole[2][1:], got[2][1:]):  # dk, dv
         assert torch.equal(a, b)
 
@@ -528,27 +543,27 @@ def test_kernel_crossing_key_ranges(layout, heads, causal, window):
 @pytest.mark.interpret
 @pytest.mark.parametrize("heads", [(2, 1), (3, 3)])
 @pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (False, (7, 3)), (True, (5, -1))])
-def test_kernel_tma_loads_match_pointer_loads(heads, causal, window, monkeypatch):
+def test_kernel_tma_loads_match_pointer_loads(heads, causal, window):
     """With TMA descriptors (2-byte elements, heads adjacent: the H100 path; fp16 here, as the
     interpreter computes bf16 dots wrongly) the kernels read whole tiles,
     rows of other segments included, and zero those rows in the masked tiles; the pointer
     loads never read them. The two must give the same bits, on segments of 0-50 queries over
     crossing key ranges, with NaN in every row no segment covers (a row read and not zeroed
     would turn P = 0 into NaN), and agree with the float64 reference."""
-    op_mod = sys.modules["custom_ops.varlen_attention.op"]
     layout = ([0, 50, 50, 51, 90], [50, 0, 1, 33, 6], [0, 3, 0, 10, 2], [0, 50, 50, 60, 104],
               [50, 10, 1, 40, 3], 100, 110)  # fmt: skip
     q, k, v, seg = _tensors(layout, heads, 16, torch.float16)
     q[84:90], q[96:] = float("nan"), float("nan")  # query rows in no segment
     k[100:104], v[100:104], k[107:], v[107:] = (float("nan"),) * 4  # key rows no segment reads
-    assert op_mod.tma_usable("fwd", 16, 16, k, v) and op_mod.tma_usable("bwd_dkdv", 16, 16, q, q)
+    assert launch.tma_usable("fwd", 16, 16, k, v) and launch.tma_usable("bwd_dkdv", 16, 16, q, q)
+    pointer_loads = dataclasses.replace(DEFAULT_SETTINGS, tma=False)
+    assert not launch.tma_usable("fwd", 16, 16, k, v, settings=pointer_loads)
     dout, dlse = _cotangents(q, 0)
     dout[84:90], dout[96:] = float("nan"), float("nan")
     runs = []
-    for enabled in (True, False):
-        monkeypatch.setattr(kernels_mod, "TMA_ENABLED", enabled)
+    for settings in (DEFAULT_SETTINGS, pointer_loads):
         with poisoned_allocations():
-            runs.append(_run(custom_ops.varlen_attention, q, k, v, seg, causal, window, dout, dlse))
+            runs.append(_run_launchers(q, k, v, seg, causal, window, dout, dlse, settings))
     (out, lse, grads), (out_p, lse_p, grads_p) = runs
     rows = torch.cat([torch.arange(0, 84), torch.arange(90, 96)])
     for a, b in [(out, out_p), (lse, lse_p), *zip(grads, grads_p)]:
@@ -569,11 +584,11 @@ def test_kernel_rows_without_keys():
 
 def _bucket(work: torch.Tensor) -> torch.Tensor:
     """The launch-order bucket of a segment's work w: 8 * floor(log2(w + 1)) plus the three bits
-    after the leading one (w < 2**24), at most kernels.WORK_BUCKETS - 1."""
+    after the leading one (w < 2**24), at most configs.WORK_BUCKETS - 1."""
     w = work.to(torch.int64) + 1
     exp = torch.floor(torch.log2(w.double())).long()
     top = (w << 3) >> exp  # the leading one and the three bits after it: 8 .. 15
-    return torch.clamp(exp * 8 + top - 8, max=kernels_mod.WORK_BUCKETS - 1)
+    return torch.clamp(exp * 8 + top - 8, max=configs.WORK_BUCKETS - 1)
 
 
 def _tables_oracle(seg, num_q_rows, num_k_rows, block, key_block, num_tiles, causal, left, right, by_work):
@@ -647,12 +662,10 @@ def test_segment_table_kernel_matches_torch(case):
     segments first, or last to first) as the oracle does; chunks of 16 segments make the
     running count cross chunk boundaries, and so do the sort's running counts (up to 60 tiles)."""
     seg, tq, tk, block, key_block, num_tiles, mask = case
-    op_mod = sys.modules["custom_ops.varlen_attention.op"]
-    cfg = dict(BLOCK_M=block, BLOCK_N=key_block)
-    with poisoned_allocations(), pytest.MonkeyPatch.context() as m:
-        m.setitem(kernels_mod.SEGMENTS_BY_WORK, "fwd", mask["by_work"])
-        tables, tile_seg, tile_row = op_mod._segment_tables(
-            seg, tq, tk, "fwd", cfg, num_tiles, mask["causal"], mask["left"], mask["right"], chunk=16
+    with poisoned_allocations():
+        tables, tile_seg, tile_row = launch.segment_tables(
+            seg, tq, tk, block, key_block, num_tiles, mask["causal"], mask["left"], mask["right"], mask["by_work"],
+            chunk=16,
         )
     want_tables, want_seg, want_row = _tables_oracle(seg, tq, tk, block, key_block, num_tiles, **mask)
     for got, want in zip(tables, want_tables):
@@ -660,6 +673,31 @@ def test_segment_table_kernel_matches_torch(case):
     assert torch.equal(tile_seg, want_seg)
     n_live = len(want_row)  # the rows of tiles past the last segment's are not read
     assert torch.equal(tile_row[:n_live], want_row)
+
+
+def test_launch_settings_are_immutable():
+    """The tuned tables are read-only, settings are frozen values (other settings are new
+    instances passed to the launchers), and the launchers default to the settings the ops use."""
+    with pytest.raises(TypeError):
+        configs.CONFIGS["fwd"][64] = {}
+    with pytest.raises(TypeError):
+        configs.TMA_CONFIGS["fwd"][64]["BLOCK_M"] = 16
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        DEFAULT_SETTINGS.tma = False
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        DEFAULT_SETTINGS.fwd.head_group = 4
+    tiles = dict(BLOCK_M=32, BLOCK_N=16, num_warps=1, num_stages=1)
+    changed = DEFAULT_SETTINGS.with_kernel("bwd_dq", config=tiles, head_group=4)
+    tiles["BLOCK_M"] = 64  # the settings keep their own copy
+    assert changed.bwd_dq.config["BLOCK_M"] == 32 and changed.bwd_dq.head_group == 4
+    assert changed.fwd == DEFAULT_SETTINGS.fwd and DEFAULT_SETTINGS.bwd_dq.config is None
+    assert configs.kernel_config("bwd_dq", 64, False, override=changed.bwd_dq.config) == dict(changed.bwd_dq.config)
+    every = DEFAULT_SETTINGS.with_every_kernel(head_group=1)
+    assert all(every.kernel(name).head_group == 1 for name in configs.KERNELS)
+    for fn in (launch.forward, launch.backward, launch.tma_usable):
+        assert inspect.signature(fn).parameters["settings"].default is DEFAULT_SETTINGS
+    with pytest.raises(ValueError, match="unknown kernel"):
+        DEFAULT_SETTINGS.kernel("bwd")
 
 
 def test_work_bucket_oracle():
@@ -844,7 +882,7 @@ def test_key_and_query_loops_pipeline_on_hopper(kind, tma, window):
     compiles the kernels for sm_90 with their H100 launch configs, on the CPU.
     """
     pytest.importorskip("triton.backends.nvidia")
-    config = dict(kernels_mod.kernel_config(kind, 128, interpreting=False, tma=tma), WINDOW=window)
+    config = dict(configs.kernel_config(kind, 128, interpreting=False, tma=tma), WINDOW=window)
     try:
         ttgir = _compile_for_sm90(_KERNELS[kind], config).asm["ttgir"]
     except (ImportError, TypeError, AttributeError) as e:  # compile API of another triton release
@@ -861,8 +899,8 @@ def test_segment_table_kernel_compiles_for_hopper(by_work):
     the launch parameters of the op, so a construct the GPU compiler refuses fails here."""
     pytest.importorskip("triton.backends.nvidia")
     config = dict(
-        TILE=128, KEY_TILE=128, BY_WORK=by_work, BLOCK=kernels_mod.TABLE_BLOCK,
-        BUCKETS=kernels_mod.WORK_BUCKETS, num_warps=4, num_stages=1,
+        TILE=128, KEY_TILE=128, BY_WORK=by_work, BLOCK=configs.TABLE_BLOCK,
+        BUCKETS=configs.WORK_BUCKETS, num_warps=4, num_stages=1,
     )  # fmt: skip
     try:
         compiled = _compile_for_sm90(kernels_mod.segment_tables_kernel, config)
@@ -877,7 +915,7 @@ def test_kernels_take_fp64_scales(kind):
     still compile (they cast them to fp32; an fp64 scale once made the forward's
     loop-carried accumulator change type and fail to compile under torch.compile)."""
     pytest.importorskip("triton.backends.nvidia")
-    config = kernels_mod.kernel_config(kind, 64, interpreting=False)
+    config = configs.kernel_config(kind, 64, interpreting=False)
     try:
         ttgir = _compile_for_sm90(_KERNELS[kind], config, head_dim=64, float_type="fp64").asm["ttgir"]
     except (ImportError, TypeError, AttributeError) as e:  # compile API of another triton release
@@ -899,10 +937,10 @@ def test_launch_configs_fit_hopper_shared_memory(kind, head_dim, element, tma):
     pointer and TMA loads. (The bf16-tuned D = 128 forward once asked 256 KiB for float32 and
     failed to launch.)"""
     pytest.importorskip("triton.backends.nvidia")
-    if tma and not kernels_mod.has_tma_config(kind, head_dim):
+    if tma and not configs.has_tma_config(kind, head_dim):
         pytest.skip(f"no TMA config for {kind} at D = {head_dim}: the pointer loads serve it")
     size = int(element[-2:]) // 8
-    config = kernels_mod.kernel_config(kind, head_dim, interpreting=False, element_size=size, tma=tma)
+    config = configs.kernel_config(kind, head_dim, interpreting=False, element_size=size, tma=tma)
     try:
         compiled = _compile_for_sm90(_KERNELS[kind], config, head_dim=head_dim, element=element)
     except (ImportError, TypeError, AttributeError) as e:  # compile API of another triton release
