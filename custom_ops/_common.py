@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -137,17 +138,27 @@ def as_words(x: torch.Tensor) -> torch.Tensor:
     return to_words(x.reshape(x.shape[0], math.prod(x.shape[1:])))[0]
 
 
-# Tile shape of the row-moving kernels (reorder, valid-token copy). One table, so a
-# benchmark can sweep it; the defaults were picked on an H100 (docs/benchmarks.md).
-ROW_TILE = {"tile_bytes": 16384, "max_row_bytes": 8192, "num_warps": 4}
+@dataclass(frozen=True)
+class RowTile:
+    """Tile shape of the row-moving kernels (reorder, valid-token copy): a program moves whole
+    rows of up to ``max_row_bytes`` bytes, about ``tile_bytes`` in all, with ``num_warps``."""
+
+    tile_bytes: int = 16384
+    max_row_bytes: int = 8192
+    num_warps: int = 4
 
 
-def row_tile(cols: int, word_bytes: int) -> tuple[int, int, int]:
+# The tile the ops launch with; a benchmark sweeps others by passing them to :func:`row_tile`.
+# The defaults were picked on an H100 (docs/benchmarks.md, section "THD layout ops").
+ROW_TILE = RowTile()
+
+
+def row_tile(cols: int, word_bytes: int, tile: RowTile = ROW_TILE) -> tuple[int, int, int]:
     """(BLOCK_R, BLOCK_D, num_warps) for a row-moving kernel over ``[T, cols]`` words.
 
-    A program moves BLOCK_R whole rows of up to ``max_row_bytes`` bytes, about
-    ``tile_bytes`` in all; wider rows are split over a second grid axis.
+    A program moves BLOCK_R whole rows of up to ``tile.max_row_bytes`` bytes, about
+    ``tile.tile_bytes`` in all; wider rows are split over a second grid axis.
     """
-    block_d = max(1, min(next_power_of_2(max(cols, 1)), ROW_TILE["max_row_bytes"] // word_bytes))
-    block_r = max(1, min(64, ROW_TILE["tile_bytes"] // (block_d * word_bytes)))
-    return block_r, block_d, ROW_TILE["num_warps"]
+    block_d = max(1, min(next_power_of_2(max(cols, 1)), tile.max_row_bytes // word_bytes))
+    block_r = max(1, min(64, tile.tile_bytes // (block_d * word_bytes)))
+    return block_r, block_d, tile.num_warps
