@@ -20,7 +20,7 @@ import torch
 
 from custom_ops._common import NAMESPACE, cdiv, check_index_tensor, launch_direct, unit_last_stride, use_triton
 from custom_ops.gdn.fla import FLA_CHUNK, fla_uncached, fla_varlen_indices
-from custom_ops.gdn.kernels import MAX_TAPS
+from custom_ops.gdn.kernels import CONV_SETTINGS, MAX_TAPS
 from custom_ops.gdn.reference import (
     causal_conv1d_gather_reference,
     causal_conv1d_reference,
@@ -107,14 +107,14 @@ def _conv_positions(cu_seqlens: torch.Tensor, num_rows: int) -> torch.Tensor:
     return row_positions(cu_seqlens, num_rows).clamp_(max=MAX_TAPS).to(torch.int32)
 
 
-def _conv_forward(x, weight, bias, cu_seqlens, activation, rows=None) -> torch.Tensor:
+def _conv_forward(x, weight, bias, cu_seqlens, activation, rows=None, settings=CONV_SETTINGS) -> torch.Tensor:
     """Our forward kernel; with ``rows``, sequence row t of x is its row ``rows[t]``."""
-    from custom_ops.gdn.kernels import FWD_CONFIG, INTERPRETER_CONFIG, cp_causal_conv1d_fwd_kernel
+    from custom_ops.gdn.kernels import cp_causal_conv1d_fwd_kernel
 
     x = unit_last_stride(x)
     weight = weight.contiguous()
     num_rows, channels = x.shape
-    block_rows, block_c, warps, stages = FWD_CONFIG if x.is_cuda else INTERPRETER_CONFIG
+    block_rows, block_c, warps, stages = settings.config("fwd", x.is_cuda)
     y = torch.empty(num_rows, channels, dtype=x.dtype, device=x.device)
     pos = _conv_positions(cu_seqlens, num_rows)
     grid = (cdiv(num_rows, block_rows), cdiv(channels, block_c))
@@ -127,16 +127,16 @@ def _conv_forward(x, weight, bias, cu_seqlens, activation, rows=None) -> torch.T
     return y
 
 
-def _conv_backward_kernel(grad_y, x, weight, bias, cu_seqlens, activation, rows=None, dx=None):
+def _conv_backward_kernel(grad_y, x, weight, bias, cu_seqlens, activation, rows=None, dx=None, settings=CONV_SETTINGS):
     """Our backward kernel; with ``rows``, sequence row t of x is its row ``rows[t]`` and so is
     that of dx (written into ``dx`` when given, an x-shaped view, else a new tensor)."""
-    from custom_ops.gdn.kernels import BWD_CONFIG, INTERPRETER_CONFIG, cp_causal_conv1d_bwd_kernel
+    from custom_ops.gdn.kernels import cp_causal_conv1d_bwd_kernel
 
     x, grad_y = unit_last_stride(x), unit_last_stride(grad_y)
     w = weight.contiguous()
     num_rows, channels = x.shape
     kernel = w.shape[1]
-    block_rows, block_c, warps, stages = BWD_CONFIG if x.is_cuda else INTERPRETER_CONFIG
+    block_rows, block_c, warps, stages = settings.config("bwd", x.is_cuda)
     programs = cdiv(num_rows, block_rows)
     if dx is None:
         dx = torch.empty(num_rows, channels, dtype=x.dtype, device=x.device)

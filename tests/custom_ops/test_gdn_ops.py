@@ -414,7 +414,7 @@ def test_conv_kernels_compile_for_hopper(kind, row_map):
     from custom_ops.gdn import kernels
 
     kernel = kernels.cp_causal_conv1d_fwd_kernel if kind == "fwd" else kernels.cp_causal_conv1d_bwd_kernel
-    rows, block_c, warps, stages = kernels.FWD_CONFIG if kind == "fwd" else kernels.BWD_CONFIG
+    rows, block_c, warps, stages = kernels.CONV_SETTINGS.config(kind, on_gpu=True)
     constants = dict(K=4, HAS_BIAS=False, SILU=True, ROWS=rows, BLOCK_C=block_c, GATHER=row_map is not None)
     pointers = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "dy_ptr": "*bf16",
                 "dx_ptr": "*bf16", "dw_ptr": "*fp32", "db_ptr": "*fp32", "pos_ptr": "*i32",

@@ -1,0 +1,75 @@
+"""The launch settings of the row-moving kernels (RowTile) and the conv kernels (ConvSettings):
+frozen values with the tuned defaults, passed to the launchers; other settings change the
+launch, never the result. (Segment attention's settings: tests/custom_ops/test_varlen_attention.py.)"""
+
+import dataclasses
+
+import pytest
+import torch
+
+import custom_ops
+from custom_ops._common import ROW_TILE, RowTile, cdiv, launch, row_tile
+from custom_ops.gdn import conv
+from custom_ops.gdn.kernels import CONV_SETTINGS, ConvConfig, ConvSettings
+from custom_ops.testing import random_tensor
+
+
+def test_row_tile_defaults_and_other_tiles():
+    """The ops' tile: 16 KiB tiles, rows up to 8 KiB, 4 warps; a program takes at most 64 rows
+    and wider rows split over a second grid axis. Another RowTile changes only the shape."""
+    assert (ROW_TILE.tile_bytes, ROW_TILE.max_row_bytes, ROW_TILE.num_warps) == (16384, 8192, 4)
+    assert row_tile(64, 2) == (64, 64, 4)
+    assert row_tile(1024, 2) == (8, 1024, 4)
+    assert row_tile(100000, 4) == (2, 2048, 4)
+    assert row_tile(1024, 2, ROW_TILE) == row_tile(1024, 2)
+    assert row_tile(1024, 2, RowTile(tile_bytes=65536, max_row_bytes=16384, num_warps=16)) == (32, 1024, 16)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ROW_TILE.num_warps = 8
+
+
+@pytest.mark.interpret
+def test_reorder_kernel_under_another_row_tile():
+    """The reorder kernel launched with another tile's shape (as a benchmark sweeping tiles
+    launches it) moves the same rows as the op."""
+    from custom_ops.thd_reorder.kernels import thd_reorder_kernel
+
+    cup = torch.tensor([0, 8, 12, 12, 28], dtype=torch.int32)
+    x = random_tensor((28, 3, 5), torch.float32)
+    words = x.reshape(28, -1)
+    out = torch.empty_like(words)
+    block_r, block_d, num_warps = row_tile(words.shape[1], words.element_size(), RowTile(tile_bytes=16, max_row_bytes=16))
+    assert (block_r, block_d) == (1, 4)
+    grid = (cdiv(words.shape[0], block_r), cdiv(words.shape[1], block_d))
+    launch(thd_reorder_kernel, grid, words, out, cup, cup.shape[0] - 1, words.shape[0], words.shape[1], 2,
+           TO_RANK=True, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=num_warps)  # fmt: skip
+    assert torch.equal(out.view(x.shape), custom_ops.thd_seq_to_rank_order(x, cup, 2))
+
+
+def test_conv_settings_defaults():
+    """CUDA launches take the tuned configs; the interpreter its small blocks."""
+    assert CONV_SETTINGS.config("fwd", on_gpu=True) == (64, 1024, 4, 4)
+    assert CONV_SETTINGS.config("bwd", on_gpu=True) == (256, 512, 4, 4)
+    assert CONV_SETTINGS.config("fwd", on_gpu=False) == CONV_SETTINGS.config("bwd", on_gpu=False) == (8, 16, 1, 1)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        CONV_SETTINGS.fwd = ConvConfig(32, 512, 4, 4)
+    with pytest.raises(ValueError, match="kernel"):
+        CONV_SETTINGS.config("backward", on_gpu=True)
+
+
+@pytest.mark.interpret
+def test_conv_launchers_take_settings():
+    """The conv launchers under other blocks (rows carried over other program boundaries, other
+    channel splits) give the results of the defaults."""
+    cu = torch.tensor([0, 9, 9, 30], dtype=torch.int32)
+    x = random_tensor((30, 11), torch.float32)
+    w = random_tensor((11, 4), torch.float32) / 2
+    b = random_tensor((11,), torch.float32)
+    dy = random_tensor((30, 11), torch.float32)
+    other = ConvSettings(interpreter=ConvConfig(rows=4, block_c=8, num_warps=1, num_stages=1))
+    for settings in (CONV_SETTINGS, other):
+        y = conv._conv_forward(x, w, b, cu, "silu", settings=settings)
+        dx, dw, db = conv._conv_backward_kernel(dy, x, w, b, cu, "silu", settings=settings)
+        if settings is CONV_SETTINGS:
+            want = (y, dx, dw, db)
+        else:
+            torch.testing.assert_close((y, dx, dw, db), want, rtol=1e-5, atol=1e-5)
