@@ -25,10 +25,10 @@ def permute_sections_kernel(
     columns ``[W*LOFF[b] + d*w_b, +w_b)`` and columns ``[LOFF[b], LOFF[b+1])`` of block d:
         TO_BLOCKS:      blocked[d, r, LOFF[b] + j] = plain[r, W*LOFF[b] + d*w_b + j]
         not TO_BLOCKS:  the reverse.
-    Both sides of every tile are contiguous runs, so loads and stores vectorise (a
-    per-column map computed in the kernel, as an earlier version did, left the
-    compiler unable to prove the blocked side contiguous: scalar stores, about half the
-    copy bandwidth on an H200). The section loop is unrolled at compile time.
+    Both sides of every tile are contiguous runs, so loads and stores vectorise (with
+    a per-column map computed in the kernel the compiler cannot prove the blocked side
+    contiguous and stores scalars; docs/benchmarks.md, section "Fused CP <-> head-parallel
+    all-to-all"). The section loop is unrolled at compile time.
     """
     pid_r = tl.program_id(0)
     d = tl.program_id(1)
