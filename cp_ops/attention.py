@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 
 from cp_ops.inputs import check_hidden_states, check_layout_tensors
+from cp_ops.modules import RMSNorm, apply_rotary
 from custom_ops import ag_thd_attention, group_rank, resolve_group
 from custom_ops.thd_index import local_positions
 from custom_ops.validation import checked
@@ -24,53 +25,6 @@ __all__ = [
 # --- the layer ------------------------------------------------------------------------------------
 
 
-class RMSNorm(nn.Module):
-    """Zero-centred RMSNorm over the last dim: ``x / sqrt(mean(x^2) + eps) * (1 + weight)``.
-
-    Qwen3-Next's form (weight initialised to zeros, so the initial scale is 1);
-    computed in at least float32 and cast back to x's dtype.
-    """
-
-    def __init__(self, dim: int, eps: float = 1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        wide = torch.promote_types(x.dtype, torch.float32)
-        xf = x.to(wide)
-        normed = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
-        return (normed * (1.0 + self.weight.to(wide))).to(x.dtype)
-
-
-def apply_rotary(
-    x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int | None = None
-) -> torch.Tensor:
-    """Rotary position embedding, rotate-half convention, on the first ``rotary_dim`` features.
-
-    x ``[T, H, D]``, positions ``[T]`` (integer), ``rotary_dim`` R (even, ``0 < R <= D``;
-    None: all D). With ``f_m = theta ** (-2m / R)`` for ``m < R/2`` and the first R
-    features of x split in halves ``[x1, x2]``::
-
-        out = [x1 cos - x2 sin, x2 cos + x1 sin, x[..., R:]],   angle = position * f_m
-
-    the last ``D - R`` features passed through (transformers' partial rotary embedding,
-    ``R = int(head_dim * partial_rotary_factor)``). Angles and products in at least
-    float32; the result has x's dtype.
-    """
-    d = x.shape[-1]
-    rd = d if rotary_dim is None else rotary_dim
-    if rd % 2 or not 0 < rd <= d:
-        raise ValueError(f"rotary_dim must be even and in (0, {d}] for x of shape {tuple(x.shape)}, got {rd}")
-    wide = torch.promote_types(x.dtype, torch.float32)
-    inv_freq = theta ** (-torch.arange(0, rd, 2, device=x.device, dtype=wide) / rd)
-    angle = positions.to(wide)[:, None] * inv_freq[None, :]  # [T, R/2]
-    cos, sin = angle.cos()[:, None, :], angle.sin()[:, None, :]
-    x1, x2 = x[..., :rd].to(wide).chunk(2, dim=-1)
-    rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
-    return rotated if rd == d else torch.cat([rotated, x[..., rd:]], dim=-1)
-
-
 class Attention(nn.Module):
     """Gated softmax attention (Qwen3-Next's attention block) over packed THD sequences, with CP.
 
@@ -78,7 +32,7 @@ class Attention(nn.Module):
 
         q, gate = q_proj(x)              gated: per head, D query features then D gate features
         k, v = k_proj(x), v_proj(x)      [Hkv, D] each
-        q, k = q_norm(q), k_norm(k)      qk_norm: per-head zero-centred RMSNorm (RMSNorm above)
+        q, k = q_norm(q), k_norm(k)      qk_norm: per-head zero-centred RMSNorm (cp_ops.modules)
         q, k = rope(q), rope(k)          rotate-half on the first R = int(D * partial_rotary_factor)
                                          features (frequencies over R), at each token's sequence
                                          position; the other D - R features passed through

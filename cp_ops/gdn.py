@@ -7,39 +7,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from cp_ops.exchange import thd_cp2hp_blocks, thd_cp2hp_overlap, thd_hp2cp_blocks
-from custom_ops import group_rank, resolve_group, thd_cp2hp, thd_hp2cp
+from custom_ops import group_rank, resolve_group, thd_hp2cp
 from cp_ops.inputs import check_hidden_states, check_layout_tensors
-from custom_ops.gdn.op import causal_conv1d, causal_conv1d_gather, chunk_gated_delta_rule
+from cp_ops.modules import GatedRMSNorm, l2norm
+from custom_ops.gdn.conv import causal_conv1d, causal_conv1d_gather
+from custom_ops.gdn.delta_rule import chunk_gated_delta_rule
 from custom_ops.thd_index import rank_to_seq_index
 from custom_ops.validation import checked
-
-# FLA's and Qwen3-Next's epsilon for the q/k l2 normalisation
-L2NORM_EPS = 1e-6
-
-
-def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
-    """``x / sqrt(sum(x^2) + eps)`` over the last dim, computed in at least float32."""
-    xf = x.to(torch.promote_types(x.dtype, torch.float32))
-    return (xf * torch.rsqrt(xf.square().sum(-1, keepdim=True) + eps)).to(x.dtype)
-
-
-class GatedRMSNorm(nn.Module):
-    """``rmsnorm(o) * weight * silu(z)`` over the last dim (size ``dim``), as Qwen3-Next's gated norm.
-
-    The normalisation runs in at least float32, is cast back before the weight,
-    and the gate multiplies in float32 again; the result has o's dtype.
-    """
-
-    def __init__(self, dim: int, eps: float = 1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        wide = torch.promote_types(o.dtype, torch.float32)
-        of = o.to(wide)
-        normed = (of * torch.rsqrt(of.square().mean(-1, keepdim=True) + self.eps)).to(o.dtype)
-        return ((self.weight * normed).to(wide) * F.silu(z.to(wide))).to(o.dtype)
 
 
 class GatedDeltaNet(nn.Module):
@@ -102,8 +76,8 @@ class GatedDeltaNet(nn.Module):
     #: tensors through :func:`cp_ops.thd_cp2hp_overlap` and :func:`cp_ops.thd_hp2cp`, a layout
     #: kernel on each side of each exchange. None (the default): fused under ``torch.compile``,
     #: where Inductor folds the layouts into the GEMM outputs and the norm's kernels, and
-    #: sections in eager mode, where the stacked GEMM outputs and the norm on strided blocks are
-    #: separate copies and measured slower (docs/benchmarks.md). Same values either way.
+    #: sections in eager mode, where the stacked GEMM outputs and the norm on strided blocks
+    #: would be copies of their own. Same values either way.
     fused_layouts: bool | None = None
 
     def __init__(
@@ -192,10 +166,8 @@ class GatedDeltaNet(nn.Module):
         its backward writes their gradient back the same way), and the gated norm reads the
         received blocks where they are (:func:`cp_ops.thd_hp2cp_blocks`);
         ``out_proj`` runs per block, the rank's own block (its heads of its own rows)
-        while the exchange back is in flight. The result equals :meth:`forward_sections`'
-        to rounding (the same layer converting with ``thd_cp2hp`` / ``thd_hp2cp`` on
-        section-layout tensors, nothing overlapped; out_proj's sum over heads is
-        grouped differently).
+        while the exchange back is in flight. The result equals the section form's to
+        rounding (out_proj's sum over heads is grouped differently).
         Under ``torch.compile``, pass ``options=cp_ops.COMPILE_OPTIONS`` to keep the
         overlap. Parameter gradients are this rank's contribution; sum them over the
         CP group (as data parallelism does) to get the single-device gradients.
@@ -244,25 +216,6 @@ class GatedDeltaNet(nn.Module):
             if s != rank:
                 out = out + project_block(o_blocks[s], s)
         return out
-
-    def forward_sections(
-        self, x: torch.Tensor, cu_seqlens_padded: torch.Tensor, group, cp2hp=thd_cp2hp, hp2cp=thd_hp2cp
-    ) -> torch.Tensor:
-        """:meth:`forward` converting section-layout tensors with ``cp2hp`` and ``hp2cp``
-        (:func:`cp_ops.thd_cp2hp`'s and :func:`cp_ops.thd_hp2cp`'s signatures, and by
-        default those): ``in_proj`` as :meth:`project`, ``cp2hp`` of q, k, v, b, a, the
-        core, ``hp2cp`` of its output, the gated norm, ``out_proj``; the z projection after
-        the exchange, nothing overlapped. The same values as :meth:`forward`, with a pass
-        over the activations on each side of each exchange: the form to compare other
-        exchange schemes with (``benchmarks/bench_gdn.py``).
-        """
-        world = self._cp_size(group)
-        heads = self.num_k_heads // world
-        qkvba, z = self.project(x)
-        qkvba_hp = cp2hp(qkvba, cu_seqlens_padded, self.exchanged_sections(), group)
-        o_hp = self.head_parallel_core(qkvba_hp, cu_seqlens_padded, group_rank(group) * heads, heads)
-        o = hp2cp(o_hp, cu_seqlens_padded, [o_hp.shape[-1]], group)
-        return self._gate_and_project_out(o, z)
 
     def _gate_and_project_out(self, o: torch.Tensor, z: torch.Tensor, cols: slice = slice(None)) -> torch.Tensor:
         """``out_proj(norm(o, z))`` on section-layout rows ``o``, ``z [R, H*dv]``: all value
@@ -366,4 +319,4 @@ def from_qwen3_next_state_dict(
     return out
 
 
-__all__ = ["GatedDeltaNet", "GatedRMSNorm", "from_qwen3_next_state_dict", "l2norm"]
+__all__ = ["GatedDeltaNet", "from_qwen3_next_state_dict"]
