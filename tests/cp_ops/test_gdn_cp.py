@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from torch._inductor.utils import run_and_get_code
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from cp_ops import COMPILE_OPTIONS, GatedDeltaNet, pad_cu_seqlens, shard_thd
 from custom_ops.testing import rel_error
@@ -127,46 +128,47 @@ def test_two_compiled_layers_overlap_every_exchange():
     run_ranks(2, _two_layers_rank)
 
 
+class _RecordOps(TorchDispatchMode):
+    """Records every op that reaches the dispatcher below autograd, with its arguments."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls.append((func, args))
+        return func(*args, **(kwargs or {}))
+
+    def names(self):
+        return [func.name() for func, _ in self.calls]
+
+
 def _record_exchanges(rank, world):
     """What the layer hands to the two exchanges: q, k, v, b, a out in the send layout (z
-    stays; received in rank order), the delta-rule output back; and the send layout is sections_to_rank_blocks of the
+    stays; received in rank order, never reordered: the conv gathers their rows), the
+    delta-rule output back; and the send layout is sections_to_rank_blocks of the
     section-layout projection. The section-layout form of the layer gives the same result."""
-    import cp_ops.gdn as gdn_module
     from custom_ops import sections_to_rank_blocks
 
     torch.manual_seed(0)  # the same weights on every rank
     layer = GatedDeltaNet(HIDDEN, 2, 4, DK, DV).double()
     _, cup = pad_cu_seqlens([9, 0, 1, 23, 6], world)
     x_cp = shard_thd(torch.randn(int(cup[-1]), HIDDEN, dtype=torch.float64), cup, world, rank)
-    seen = []
-    saved = gdn_module.thd_cp2hp_blocks, gdn_module.thd_hp2cp_blocks
-
-    def recording(name, op):
-        def call(x, cu, group, *overlap, **options):
-            seen.append((name, tuple(x.shape), options))
-            return op(x, cu, group, *overlap, **options)
-
-        return call
-
-    gdn_module.thd_cp2hp_blocks = recording("cp2hp", saved[0])
-    gdn_module.thd_hp2cp_blocks = recording("hp2cp", saved[1])
     layer.fused_layouts = True  # eager runs the section-layout form by default
-    try:
+    with _RecordOps() as seen:
         out = layer(x_cp, cup, group=dist.group.WORLD)
-    finally:
-        gdn_module.thd_cp2hp_blocks, gdn_module.thd_hp2cp_blocks = saved
-        layer.fused_layouts = None
+    layer.fused_layouts = None
     q, k, v, z, b, a = layer.sections()
     rows = x_cp.shape[0]
-    # the received q, k, v, b, a stay in rank order (the conv gathers their rows)
-    assert seen == [
-        ("cp2hp", (world, rows, (q + k + v + b + a) // world), {"seq_order": False}),
-        ("hp2cp", (rows * world, v // world), {}),
-    ]
+    exchanged = [tuple(args[0].shape) for func, args in seen.calls if func.name() == "_c10d_functional::all_to_all_single"]
+    # the send buffer [W, rows, F/W] goes out flattened to its rows; the output comes back
+    assert exchanged == [(world * rows, (q + k + v + b + a) // world), (rows * world, v // world)]
+    names = seen.names()
+    assert "cp_ops::causal_conv1d_gather" in names and "cp_ops::causal_conv1d" not in names
+    assert "cp_ops::thd_rank_to_seq_order" not in names  # the received rows stay in rank order
 
     want = sections_to_rank_blocks(layer.project(x_cp)[0], layer.exchanged_sections(), world)
     assert rel_error(layer.project_send_blocks(x_cp, world), want) < 1e-12
-    assert rel_error(layer.forward_sections(x_cp, cup, dist.group.WORLD), out) < 1e-12
     assert rel_error(layer(x_cp, cup, group=dist.group.WORLD), out) < 1e-12  # eager default: sections
 
 
