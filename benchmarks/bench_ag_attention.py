@@ -1,6 +1,6 @@
 """All-gather CP attention on W GPUs (NCCL) against segment attention on one GPU.
 
-For packed documents of mixed lengths (benchmarks/bench_varlen_attention.packed_lengths)
+For packed documents of mixed lengths (benchmarks/cases.packed_lengths)
 totalling 32768 and 65536 real tokens globally, bf16, causal, H = 16 query heads
 (Hkv = H / --gqa), D = 128 (--head-dim; Qwen3-Next's attention layers: --gqa 8
 --head-dim 256):
@@ -25,9 +25,9 @@ meet in every all-gather), and the maximum of that median over the ranks. Scalin
 efficiency = T_1 / (W * T_W): 1.0 when W GPUs run W times faster than one.
 Before timing, each CP form is checked against the one-GPU result (bf16 rel_error).
 
-    python benchmarks/bench_ag_attention.py [--world W] [--gqa 1] [--head-dim 128] [--profile] [--out FILE]
-    python benchmarks/bench_ag_attention.py --smoke     # 2 gloo ranks on the CPU, tiny shapes
-    python benchmarks/bench_ag_attention.py --work-model   # CPU only: kernel tiles per rank vs one GPU
+    python -m benchmarks.bench_ag_attention [--world W] [--gqa 1] [--head-dim 128] [--profile] [--out DIR]
+    python -m benchmarks.bench_ag_attention --smoke     # 2 gloo ranks on the CPU, tiny shapes
+    python -m benchmarks.bench_ag_attention --work-model   # CPU only: kernel tiles per rank vs one GPU
 
 ``--profile`` adds a table of where one fwd+bwd step's GPU time goes (torch.profiler's
 kernel timeline): on one GPU, and for the compiled CP forms (one group, and the most head
@@ -51,30 +51,27 @@ forward kernel visits at its D = 128 launch config on one GPU and on each rank a
 more partial tiles) rather than from communication or launch overhead.
 
 spawns one process per GPU itself (W GPUs, default every visible GPU, at least 2), prints
-a markdown table and, with --out, writes it to FILE as well. ``--smoke`` runs the same
-code path (checks included) on the CPU with wall-clock timing.
+a markdown table and writes it as the result ``ag-attention-wW`` (``-gqaG-dD`` at other
+heads, ``-cudagraphs``, ``ag-attention-smoke-wW`` with --smoke; ``...-profile`` for
+--profile's table; ``ag-attention-work-model``; benchmarks/runner.py) to DIR. ``--smoke``
+runs the same code path (checks included) on the CPU with wall-clock timing.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import custom_ops  # noqa: E402
-from benchmarks.bench_varlen_attention import packed_lengths  # noqa: E402
-from benchmarks.common import (  # noqa: E402
+import custom_ops
+from benchmarks.cases import packed_lengths
+from benchmarks.common import (
     add_nccl_cta_argument,
     check_nccl_cta_argument,
     cta_label,
     default_world,
-    environment,
     host_issue_ms,
     kernel_class,
     kernel_totals,
@@ -82,14 +79,15 @@ from benchmarks.common import (  # noqa: E402
     median_ms_counted,
     nccl_cta_groups,
     profile_kernels,
-    raise_recompile_limit,
     rank_waits,
+    recompile_limit,
     spawn_ranks,
     timeline_summary,
 )
-from cp_ops import COMPILE_OPTIONS, ag_thd_attention, all_gather_rows, pad_cu_seqlens, resolve_group, shard_thd  # noqa: E402
-from cp_ops._local_ranks import init_local_rank  # noqa: E402
-from custom_ops.testing import TOLERANCE, rel_error  # noqa: E402
+from benchmarks.runner import Result, add_out_argument, emit, environment
+from cp_ops import COMPILE_OPTIONS, ag_thd_attention, all_gather_rows, pad_cu_seqlens, resolve_group, shard_thd
+from cp_ops._local_ranks import init_local_rank
+from custom_ops.testing import TOLERANCE, rel_error
 
 TOTALS = (32768, 65536)
 HEADS, HEAD_DIM = 16, 128
@@ -135,7 +133,13 @@ def _profile_rows(step) -> dict[str, float]:
     return out
 
 
-def _worker(
+def _worker(*args) -> None:
+    # the compiled forms are closures of one function: one graph per form, group, total and grad mode
+    with recompile_limit(64):
+        _rank(*args)
+
+
+def _rank(
     rank: int, world: int, init_method: str, gqa: int, out: str | None, smoke: bool, profile: bool, cudagraphs: bool,
     head_groups: tuple[int, ...] = (), max_ctas: tuple[int, ...] = (0,), head_dim: int = HEAD_DIM,
 ) -> None:
@@ -149,8 +153,6 @@ def _worker(
         return median_ms_counted(fn, warmup, runs, device)
 
     kv_heads = heads // gqa
-    # the compiled forms are closures of one function: one graph per form, group, total and grad mode
-    raise_recompile_limit(64)
     rows = []
     profiles = {}
     try:
@@ -205,13 +207,13 @@ def _worker(
                     profiles[(total, label + named)] = prof
                 for label, idx in (("fwd", 0), ("fwd+bwd", 1)):
                     w1, w2, wc = (times[form]["ms"][idx] for form in (1, 2, "compiled"))
-                    row = (total, len(lens), label + named, t1[idx], w1, w2,
+                    row = [total, len(lens), label + named, t1[idx], w1, w2,
                            t1[idx] / (world * w1), t1[idx] / (world * w2), w2 / w1,
-                           t_ag if idx == 0 else float("nan"), wc, t1[idx] / (world * wc),
-                           t1c[idx], t1c[idx] / (world * wc))  # fmt: skip
+                           t_ag if idx == 0 else "", wc, t1[idx] / (world * wc),
+                           t1c[idx], t1c[idx] / (world * wc)]  # fmt: skip
                     for g in head_groups:  # compiled: against the compiled one-GPU step
                         tg = times[f"G={g}"]["ms"][idx]
-                        row += (tg, t1c[idx] / (world * tg))
+                        row += [tg, t1c[idx] / (world * tg)]
                     rows.append(row)
                 if rank == 0:  # a line per total and cap, so a run cut short by a time limit still reports
                     print(f"T={total} {cta_label(cap)}: " + ", ".join(
@@ -222,41 +224,8 @@ def _worker(
                 torch.cuda.empty_cache()
 
         if rank == 0:
-            lines = [
-                environment(world),
-                f"ag_thd_attention, {str(DTYPE).removeprefix('torch.')}, causal, H = {heads}, Hkv = {kv_heads}, "
-                f"D = {head_dim}; T = real tokens of the global batch (packed documents); times in ms, median "
-                f"over {runs} runs, max over ranks; eff = T_1 / (W * T_W)"
-                + ("; the compiled forms, one GPU's too, with CUDA graphs (--cudagraphs)" if cudagraphs else "")
-                + ("; a row per cap on NCCL's CTAs (--nccl-max-ctas), the 1 GPU times shared" if name_cap else "")
-                + "\n",
-                f"| T | docs | pass | 1 GPU | W={world} 1 launch | W={world} 2 launches | eff 1L | eff 2L | 2L / 1L "
-                f"| KV all-gather | W={world} 1L compiled | eff 1L compiled | 1 GPU compiled "
-                f"| eff 1L compiled vs 1 GPU compiled |"
-                + "".join(f" W={world} compiled, {g} head groups | eff, {g} groups |" for g in head_groups),
-                "|---" * (14 + 2 * len(head_groups)) + "|",
-            ]
-            for r in rows:
-                ag = "" if r[9] != r[9] else f"{r[9]:.3f}"
-                lines.append(
-                    f"| {r[0]} | {r[1]} | {r[2]} | {r[3]:.3f} | {r[4]:.3f} | {r[5]:.3f} | {r[6]:.2f} | {r[7]:.2f} "
-                    f"| {r[8]:.2f} | {ag} | {r[10]:.3f} | {r[11]:.2f} | {r[12]:.3f} | {r[13]:.2f} |"
-                    + "".join(f" {t:.3f} | {e:.2f} |" for t, e in zip(r[14::2], r[15::2]))
-                )
-            if profiles:
-                keys = list(dict.fromkeys(k for p in profiles.values() for k in p))  # W columns add rank rows
-                lines += [
-                    "",
-                    f"Profile of one compiled fwd+bwd step (--profile; kernel timeline, mean of {PROFILE_RUNS} steps, ms)",
-                    "",
-                    "| | " + " | ".join(f"T={t} {who}" for t, who in profiles) + " |",
-                    "|---" * (len(profiles) + 1) + "|",
-                ]
-                lines += [f"| {k} | " + " | ".join(_cell(p.get(k)) for p in profiles.values()) + " |" for k in keys]
-            print("\n".join(lines), flush=True)
-            if out:
-                with open(out, "w") as f:
-                    f.write("\n".join(lines) + "\n")
+            emit(_tables(rows, profiles, world, heads, kv_heads, head_dim, runs, gqa, smoke, cudagraphs, head_groups,
+                         name_cap), out)  # fmt: skip
         # no rank tears down before all are done (gloo can abort a rank whose peer left first), as in tests/_dist.py
         dist.barrier()
     finally:
@@ -264,6 +233,42 @@ def _worker(
         # (barrier or teardown, not narrowed down); the process ends with os._exit either way
         if not cudagraphs:
             dist.destroy_process_group()
+
+
+def _tables(rows, profiles, world, heads, kv_heads, head_dim, runs, gqa, smoke, cudagraphs, head_groups,
+            name_cap) -> list[Result]:  # fmt: skip
+    """The timing table and, with --profile, the profile table, as results."""
+    env = environment(world)
+    name = f"ag-attention{'-smoke' if smoke else ''}-w{world}"
+    if not smoke and (gqa != 1 or head_dim != HEAD_DIM):
+        name += f"-gqa{gqa}-d{head_dim}"
+    name += "-cudagraphs" * cudagraphs
+    notes = (
+        f"ag_thd_attention, {str(DTYPE).removeprefix('torch.')}, causal, H = {heads}, Hkv = {kv_heads}, "
+        f"D = {head_dim}; T = real tokens of the global batch (packed documents); times in ms, median "
+        f"over {runs} runs, max over ranks; eff = T_1 / (W * T_W)"
+        + ("; the compiled forms, one GPU's too, with CUDA graphs (--cudagraphs)" if cudagraphs else "")
+        + ("; a row per cap on NCCL's CTAs (--nccl-max-ctas), the 1 GPU times shared" if name_cap else "")
+    )
+    ms, eff = "{:.3f}", "{:.2f}"
+    columns = {"T": None, "docs": None, "pass": None, "1 GPU": ms, f"W={world} 1 launch": ms,
+               f"W={world} 2 launches": ms, "eff 1L": eff, "eff 2L": eff, "2L / 1L": eff, "KV all-gather": ms,
+               f"W={world} 1L compiled": ms, "eff 1L compiled": eff, "1 GPU compiled": ms,
+               "eff 1L compiled vs 1 GPU compiled": eff}  # fmt: skip
+    for g in head_groups:
+        columns.update({f"W={world} compiled, {g} head groups": ms, f"eff, {g} groups": eff})
+    title = f"All-gather CP attention, W = {world}, against segment attention on one GPU"
+    results = [Result("ag_attention", title, list(columns), rows, notes, env, name=name,
+                      formats=list(columns.values()))]  # fmt: skip
+    if profiles:
+        keys = list(dict.fromkeys(k for p in profiles.values() for k in p))  # W columns add rank rows
+        results.append(Result(
+            "ag_attention",
+            f"Profile of one compiled fwd+bwd step (--profile; kernel timeline, mean of {PROFILE_RUNS} steps, ms)",
+            [""] + [f"T={t} {who}" for t, who in profiles],
+            [[k] + [_cell(p.get(k)) for p in profiles.values()] for k in keys], env=env, name=f"{name}-profile",
+        ))  # fmt: skip
+    return results
 
 
 def _time_cp_forms(group, cu, cup, local, want, head_groups, cudagraphs, timed) -> tuple[dict, float]:
@@ -319,19 +324,16 @@ def tile_pairs(q_len, q_pos, k_len, block_m: int, block_n: int) -> int:
     return int(((keys + block_n - 1) // block_n).sum())
 
 
-def work_model() -> str:
+def work_model() -> Result:
     """The --work-model table (CPU only, no kernels run)."""
-    from cp_ops.attention import ag_thd_segments
+    from cp_ops import ag_thd_segments
     from custom_ops.varlen_attention.kernels import kernel_config
 
     cfg = kernel_config("fwd", HEAD_DIM, interpreting=False)
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    lines = [
-        f"causal forward, BLOCK_M = {bm}, BLOCK_N = {bn} (D = {HEAD_DIM} config); tile pairs visited; "
-        "ratio = W * (most loaded rank) / (one GPU): the kernel work CP adds, 1.00 = none\n",
-        "| T | docs | one GPU | W | per rank (min-max) | ratio |",
-        "|---|---|---|---|---|---|",
-    ]
+    notes = (f"causal forward, BLOCK_M = {bm}, BLOCK_N = {bn} (D = {HEAD_DIM} config); tile pairs visited; "
+             "ratio = W * (most loaded rank) / (one GPU): the kernel work CP adds, 1.00 = none")  # fmt: skip
+    rows = []
     for total in TOTALS:
         lens = packed_lengths(total)
         lt = torch.tensor(lens)
@@ -342,9 +344,10 @@ def work_model() -> str:
             for rank in range(world):
                 _, ql, qp, _, kl = ag_thd_segments(cu, cup, world, rank, causal=True)
                 per.append(tile_pairs(ql, qp, kl, bm, bn))
-            lines.append(f"| {total} | {len(lens)} | {one} | {world} | {min(per)}-{max(per)} | "
-                         f"{world * max(per) / one:.2f} |")  # fmt: skip
-    return "\n".join(lines)
+            rows.append([total, len(lens), one, world, f"{min(per)}-{max(per)}", world * max(per) / one])
+    columns = ["T", "docs", "one GPU", "W", "per rank (min-max)", "ratio"]
+    return Result("ag_attention", "Kernel tiles per rank against one GPU (work model)", columns, rows, notes,
+                  environment(), name="ag-attention-work-model", formats={"ratio": "{:.2f}"})  # fmt: skip
 
 
 def main() -> None:
@@ -355,7 +358,7 @@ def main() -> None:
     parser.add_argument("--gqa", type=int, default=1, help="query heads per kv head (Hkv = H / gqa)")
     parser.add_argument("--head-dim", type=int, default=HEAD_DIM, help=f"D (default {HEAD_DIM}; not with --smoke)")
     parser.add_argument("--smoke", action="store_true", help="2 gloo ranks on the CPU, tiny shapes, few runs")
-    parser.add_argument("--out", help="also write the table to this markdown file")
+    add_out_argument(parser)
     parser.add_argument("--work-model", action="store_true", help="print the kernel-tile work model (CPU) and exit")
     parser.add_argument("--profile", action="store_true", help="also profile one fwd+bwd step: one GPU, compiled CP")
     parser.add_argument("--head-groups", type=int, nargs="*", default=[2, 4], metavar="G",
@@ -366,7 +369,7 @@ def main() -> None:
     add_nccl_cta_argument(parser)
     args = parser.parse_args()
     if args.work_model:
-        print(work_model())
+        emit([work_model()], args.out)
         return
     heads = SMOKE_HEADS if args.smoke else HEADS
     if heads % args.gqa:

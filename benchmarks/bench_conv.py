@@ -1,6 +1,6 @@
 """The depthwise causal conv1d of the GDN layer: our Triton kernels against FLA's, one GPU.
 
-    PYTHONPATH=. python benchmarks/bench_conv.py [--out FILE]
+    python -m benchmarks.bench_conv [--out DIR] [--gather | --sweep]
 
 At the layer's shapes (Qwen3-Next-80B: the q, k, v channels, 8192 on one GPU and 4096 on one
 rank of W = 2; kernel 4; silu; bf16; x a column slice of the projection output, as the layer
@@ -26,23 +26,23 @@ device time of their kernels (torch.profiler, summed).
 ``--sweep`` times our kernels under each of :data:`SWEEP` (ROWS, BLOCK_C, num_warps,
 num_stages) at T = 65536, C = 8192 and T = 32768, C = 4096 (8 sequences), forward and
 backward apart: how ``custom_ops.gdn.kernels.FWD_CONFIG`` / ``BWD_CONFIG`` were chosen.
+
+Results (benchmarks/runner.py): ``conv``, ``conv-gather`` or ``conv-sweep``.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
+import contextlib
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import custom_ops  # noqa: E402
-from benchmarks.bench_gdn import _lengths  # noqa: E402
-from benchmarks.common import environment, kernel_ms, markdown_table, median_ms  # noqa: E402
-from custom_ops.gdn.op import fla_varlen_indices  # noqa: E402
-from custom_ops.testing import rel_error  # noqa: E402
+import custom_ops
+from benchmarks.cases import random_lengths as _lengths
+from benchmarks.runner import Result, add_out_argument, emit, environment
+from benchmarks.timing import kernel_ms, median_ms
+from custom_ops.gdn.op import fla_varlen_indices
+from custom_ops.testing import rel_error
 
 CHANNELS = (8192, 4096)  # 2*Hk*dk + Hv*dv on one GPU, and on one rank of W = 2
 EXTRA = 64  # the b, a columns beside the conv channels in the projection output (one GPU)
@@ -156,42 +156,53 @@ def bench_gather(
     return out
 
 
-def sweep() -> str:
+@contextlib.contextmanager
+def conv_configs(fwd, bwd):
+    """Our conv kernels launched with the configs ``fwd`` and ``bwd`` inside the block.
+
+    The library takes them from the module globals custom_ops.gdn.kernels.FWD_CONFIG and
+    BWD_CONFIG and has no per-call setting for them yet; this is the one place the benchmarks
+    change them.
+    """
+    import custom_ops.gdn.kernels as kernels
+
+    saved = kernels.FWD_CONFIG, kernels.BWD_CONFIG
+    kernels.FWD_CONFIG, kernels.BWD_CONFIG = fwd, bwd
+    try:
+        yield
+    finally:
+        kernels.FWD_CONFIG, kernels.BWD_CONFIG = saved
+
+
+def sweep() -> Result:
     """The --sweep table: ms of our forward and backward per kernel config."""
     import custom_ops.gdn.kernels as kernels
 
     chosen = kernels.FWD_CONFIG, kernels.BWD_CONFIG
     shapes = [(65536, 8192), (32768, 4096)]
     rows = []
-    try:
-        for cfg in SWEEP:
-            row = [str(cfg)]
-            for total, channels in shapes:
-                cu = torch.arange(0, total + 1, total // 8, dtype=torch.int32, device="cuda")
-                x = torch.randn(total, channels + EXTRA, device="cuda", dtype=torch.bfloat16)[:, :channels]
-                w = torch.randn(channels, KERNEL, device="cuda", dtype=torch.bfloat16) / 2
-                dy = torch.randn(total, channels, device="cuda", dtype=torch.bfloat16)
-                fwd, bwd = ours_conv(x, w, cu)
-                kernels.FWD_CONFIG, kernels.BWD_CONFIG = chosen
-                want_y, want_dx = fwd(), bwd(dy)[0]
-                kernels.FWD_CONFIG = kernels.BWD_CONFIG = cfg
+    for cfg in SWEEP:
+        row = [str(cfg)]
+        for total, channels in shapes:
+            cu = torch.arange(0, total + 1, total // 8, dtype=torch.int32, device="cuda")
+            x = torch.randn(total, channels + EXTRA, device="cuda", dtype=torch.bfloat16)[:, :channels]
+            w = torch.randn(channels, KERNEL, device="cuda", dtype=torch.bfloat16) / 2
+            dy = torch.randn(total, channels, device="cuda", dtype=torch.bfloat16)
+            fwd, bwd = ours_conv(x, w, cu)
+            want_y, want_dx = fwd(), bwd(dy)[0]
+            with conv_configs(cfg, cfg):
                 if rel_error(fwd(), want_y) > 1e-6 or rel_error(bwd(dy)[0], want_dx) > 1e-6:
                     raise AssertionError(f"config {cfg} changes the result")
                 row += [median_ms(fwd), median_ms(lambda: bwd(dy))]
-            rows.append(row)
-    finally:
-        kernels.FWD_CONFIG, kernels.BWD_CONFIG = chosen
+        rows.append(row)
     header = [""] + [f"{p} T={t} C={c}" for t, c in shapes for p in ("fwd", "bwd")]
-    return "\n".join([
-        "## conv kernel configs (ROWS, BLOCK_C, num_warps, num_stages), ms, 8 sequences\n",
-        environment() + f"; chosen: forward {chosen[0]}, backward {chosen[1]}\n",
-        markdown_table(header, rows),
-    ])  # fmt: skip
+    return Result("conv", "conv kernel configs (ROWS, BLOCK_C, num_warps, num_stages), ms, 8 sequences", header,
+                  rows, f"chosen: forward {chosen[0]}, backward {chosen[1]}", environment(), name="conv-sweep")  # fmt: skip
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", help="also write the table to this markdown file")
+    add_out_argument(parser)
     parser.add_argument("--sweep", action="store_true", help="time our kernels under each config of SWEEP")
     parser.add_argument(
         "--gather", action="store_true", help="time the conv on permuted rows: reorder + conv against the gathered conv"
@@ -201,27 +212,23 @@ def main() -> None:
         raise SystemExit("bench_conv needs a CUDA device")
     torch.manual_seed(0)
     if args.sweep:
-        print(sweep(), flush=True)
+        emit([sweep()], args.out)
         return
     if args.gather:
         cases = [(t, b, 4096) for t in TOKENS for b in SEQS]
         results = [bench_gather(t, b, c) for t, b, c in cases]
         title = "causal conv1d of rows in rank order (one rank of W = 2: 4096 channels + 32 columns), compiled"
+        name = "conv-gather"
     else:
         cases = [(t, b, c) for c in CHANNELS for t in TOKENS for b in SEQS]
         results = [bench_shape(*case) for case in cases]
         title = f"causal conv1d (kernel {KERNEL}, silu, bf16), ours against FLA's"
+        name = "conv"
     keys = list(results[0])
     rows = [[k] + [r[k] if "err" not in k else f"{r[k]:.1e}" for r in results] for k in keys]
-    text = "\n".join([
-        f"## {title}\n",
-        environment() + "; times in ms (median, do_bench); GB/s = bytes a fused kernel moves / time\n",
-        markdown_table([""] + [f"T={t} B={b} C={c}" for t, b, c in cases], rows),
-    ])  # fmt: skip
-    print(text, flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    notes = "times in ms (median, do_bench); GB/s = bytes a fused kernel moves / time"
+    header = [""] + [f"T={t} B={b} C={c}" for t, b, c in cases]
+    emit([Result("conv", title, header, rows, notes, environment(), name=name)], args.out)
 
 
 if __name__ == "__main__":

@@ -13,11 +13,12 @@ For each shape (Qwen3-Next GDN in_proj sections, bf16):
 Each time is the median over a fixed number of runs after warm-up, timed with CUDA events,
 and the maximum of that median over the ranks (the slower rank sets the pace).
 
-    python benchmarks/bench_cp2hp.py [--world W] [--out FILE] [--profile]
-    python benchmarks/bench_cp2hp.py --smoke       # 2 gloo ranks on the CPU, tiny shapes
+    python -m benchmarks.bench_cp2hp [--world W] [--out DIR] [--profile]
+    python -m benchmarks.bench_cp2hp --smoke       # 2 gloo ranks on the CPU, tiny shapes
 
 spawns one process per GPU itself (W GPUs, default every visible GPU, at least 2), prints a
-markdown table and, with --out, writes it to FILE as well. W must divide every section.
+markdown table and writes it as the result ``cp2hp-wW`` (``cp2hp-smoke-wW`` with --smoke;
+benchmarks/runner.py) to DIR. W must divide every section.
 ``--smoke`` runs the same code path (checks included) on the CPU, with wall-clock timing.
 ``--profile`` adds, per shape, the kernels of one bare all-to-all, one cp2hp and one hp2cp
 on rank 0 with their device times (torch.profiler, mean of 5 calls): where cp2hp's time
@@ -27,103 +28,22 @@ goes beyond the exchange (the section-permutation and reorder passes, anything e
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import cp_ops  # noqa: E402
-from benchmarks.common import (  # noqa: E402
-    default_world,
-    environment,
-    kernel_breakdown,
-    max_over_ranks,
-    median_ms_counted,
-    spawn_ranks,
-)
-from cp_ops import pad_cu_seqlens  # noqa: E402
-from cp_ops._local_ranks import init_local_rank  # noqa: E402
+import cp_ops
+from benchmarks.baselines import cp2hp_per_sequence, hp2cp_per_sequence
+from benchmarks.common import default_world, kernel_breakdown, max_over_ranks, median_ms_counted, spawn_ranks
+from benchmarks.runner import Result, add_out_argument, emit, environment
+from cp_ops import pad_cu_seqlens
+from cp_ops._local_ranks import init_local_rank
 
 SECTIONS = [2048, 2048, 4096, 4096, 32, 32]  # Qwen3-Next GDN: q, k, v, z, b, a
 SHAPES = [(32768, 8), (32768, 64), (131072, 128)]  # (T, number of sequences)
 # --smoke: the same code path on 2 gloo ranks, at sizes a CPU runs in seconds
 SMOKE_SECTIONS = [16, 16, 32, 32, 4, 4]
 SMOKE_SHAPES = [(256, 4), (512, 8)]
-
-
-def cp2hp_per_sequence(x_cp: torch.Tensor, cu_seqlens_padded: torch.Tensor, sections, group) -> torch.Tensor:
-    """The baseline: ``thd_cp2hp`` with one all-to-all per sequence and per section (eager).
-
-    For each sequence i (local rows ``[cup[i]/W, cup[i+1]/W)``: chunks r and 2W-1-r) and each
-    section: split the section's columns into W slices, all-to-all them, and put the received
-    chunks back in sequence order. Reads the layout on the host (``.tolist()``).
-    Returns what ``thd_cp2hp`` returns: ``[T, ..., F/W]``, sequence order.
-    """
-    world = group.size()
-    cup = cu_seqlens_padded.tolist()
-    offsets = [sum(sections[:b]) for b in range(len(sections))]
-    seqs = []
-    for i in range(len(cup) - 1):
-        rows = x_cp[cup[i] // world : cup[i + 1] // world]  # [2c, ..., F]
-        c = (cup[i + 1] - cup[i]) // (2 * world)
-        if c == 0:
-            continue
-        parts = []
-        for off, width in zip(offsets, sections):
-            local = width // world
-            if local == 0:  # nothing to exchange for an empty section
-                parts.append(rows.new_empty((2 * world * c,) + tuple(rows.shape[1:-1]) + (0,)))
-                continue
-            send = rows[..., off : off + width].unflatten(-1, (world, local)).movedim(-2, 0).contiguous()
-            recv = torch.empty_like(send)  # [W, 2c, ..., local]: recv[d] = rank d's two chunks
-            dist.all_to_all_single(recv, send, group=group)
-            chunks = [None] * (2 * world)
-            for d in range(world):
-                chunks[d], chunks[2 * world - 1 - d] = recv[d, :c], recv[d, c:]
-            parts.append(torch.cat(chunks))
-        seqs.append(torch.cat(parts, dim=-1))
-    if not seqs:
-        return x_cp.new_empty((x_cp.shape[0] * world,) + tuple(x_cp.shape[1:-1]) + (x_cp.shape[-1] // world,))
-    return torch.cat(seqs)
-
-
-def hp2cp_per_sequence(y_hp: torch.Tensor, cu_seqlens_padded: torch.Tensor, sections, group) -> torch.Tensor:
-    """The baseline inverse: ``thd_hp2cp`` with one all-to-all per sequence and per section (eager).
-
-    ``y_hp [T, ..., F/W]`` in sequence order holds this rank's slice of every section;
-    ``sections`` are the local widths. For each sequence i (global rows ``[cup[i], cup[i+1])``,
-    chunks of c rows) and each section: block d of the send buffer is the section's columns
-    of chunks d and 2W-1-d (rank d's local rows); after the all-to-all, block s holds rank
-    s's slice of the section for this rank's two chunks, and the W slices side by side are
-    the whole section. Reads the layout on the host (``.tolist()``).
-    Returns what ``thd_hp2cp`` returns: this rank's shard ``[T/W, ..., W*sum(sections)]``.
-    """
-    world = group.size()
-    cup = cu_seqlens_padded.tolist()
-    offsets = [sum(sections[:b]) for b in range(len(sections))]
-    seqs = []
-    for i in range(len(cup) - 1):
-        c = (cup[i + 1] - cup[i]) // (2 * world)
-        if c == 0:
-            continue
-        chunks = y_hp[cup[i] : cup[i + 1]].unflatten(0, (2 * world, c))  # [2W, c, ..., F/W]
-        parts = []
-        for off, local in zip(offsets, sections):
-            if local == 0:  # nothing to exchange for an empty section
-                parts.append(y_hp.new_empty((2 * c,) + tuple(y_hp.shape[1:-1]) + (0,)))
-                continue
-            cols = chunks[..., off : off + local]
-            send = torch.stack([torch.cat([cols[d], cols[2 * world - 1 - d]]) for d in range(world)])
-            recv = torch.empty_like(send)  # [W, 2c, ..., local]: recv[s] = rank s's slice of my rows
-            dist.all_to_all_single(recv, send, group=group)
-            parts.append(recv.movedim(0, -2).flatten(-2))  # [2c, ..., W*local], rank 0's slice first
-        seqs.append(torch.cat(parts, dim=-1))
-    if not seqs:
-        return y_hp.new_empty((y_hp.shape[0] // world,) + tuple(y_hp.shape[1:-1]) + (y_hp.shape[-1] * world,))
-    return torch.cat(seqs)
 
 
 def _worker(rank: int, world: int, init_method: str, out: str | None, smoke: bool, profile: bool = False) -> None:
@@ -174,32 +94,30 @@ def _worker(rank: int, world: int, init_method: str, out: str | None, smoke: boo
                 ):
                     parts = kernel_breakdown(fn, runs=5, warmup=1, device=device)
                     listed = "; ".join(f"{k[:50]} {ms:.3f}" for k, ms in parts[:6])
-                    kernels.append(f"- T={total} B={num_seqs} {name}: {sum(ms for _, ms in parts):.3f} ms: {listed}")
+                    kernels.append([total, num_seqs, name, sum(ms for _, ms in parts), listed])
             mb = x_cp.numel() * x_cp.element_size() / 2**20
-            rows.append((total, num_seqs, mb, t_bare, t_peers, t_cp2hp, t_hp2cp, t_seq, t_seq_back, t_cp2hp / t_bare,
-                         t_seq / t_cp2hp))  # fmt: skip
+            rows.append([total, num_seqs, mb, t_bare, t_peers, t_cp2hp, t_hp2cp, t_seq, t_seq_back, t_cp2hp / t_bare,
+                         t_seq / t_cp2hp])  # fmt: skip
             del x_cp, flat, flat_out, x_hp
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         if rank == 0:
-            lines = [
-                environment(world),
-                f"sections {sections} bf16, equal-length sequences; times in ms (median of {runs} runs, "
-                f"{seq_runs} for per-seq; max over ranks)\n",
-                "| T | seqs | MiB/rank | bare a2a | bare a2a, no self block | cp2hp | hp2cp | per-seq cp2hp "
-                "| per-seq hp2cp | cp2hp / bare | per-seq / cp2hp |",
-                "|---|---|---|---|---|---|---|---|---|---|---|",
-            ]
-            lines += [
-                "| {} | {} | {:.0f} | {:.3f} | {:.3f} | {:.3f} | {:.3f} | {:.3f} | {:.3f} | {:.2f} | {:.1f} |".format(*r)
-                for r in rows
-            ]
+            env = environment(world)
+            name = f"cp2hp{'-smoke' if smoke else ''}-w{world}"
+            notes = (f"sections {sections} bf16, equal-length sequences; times in ms (median of {runs} runs, "
+                     f"{seq_runs} for per-seq; max over ranks)")  # fmt: skip
+            columns = ["T", "seqs", "MiB/rank", "bare a2a", "bare a2a, no self block", "cp2hp", "hp2cp",
+                       "per-seq cp2hp", "per-seq hp2cp", "cp2hp / bare", "per-seq / cp2hp"]  # fmt: skip
+            formats = {"MiB/rank": "{:.0f}", "cp2hp / bare": "{:.2f}", "per-seq / cp2hp": "{:.1f}"}
+            results = [Result("cp2hp", f"Fused CP <-> head-parallel all-to-all, W = {world}", columns, rows, notes,
+                              env, name=name, formats=formats)]  # fmt: skip
             if kernels:
-                lines += ["", "kernels per call on rank 0 (device ms, mean of 5 calls; slowest first):", *kernels]
-            print("\n".join(lines), flush=True)
-            if out:
-                with open(out, "w") as f:
-                    f.write("\n".join(lines) + "\n")
+                results.append(Result(
+                    "cp2hp", f"Kernels of one call on rank 0, W = {world}",
+                    ["T", "seqs", "op", "kernels ms", "slowest kernels (ms)"], kernels,
+                    "device ms, mean of 5 calls; slowest first", env, name=f"{name}-kernels",
+                ))  # fmt: skip
+            emit(results, out)
         # no rank tears down before all are done (gloo can abort a rank whose peer left first), as in tests/_dist.py
         dist.barrier()
     finally:
@@ -212,7 +130,7 @@ def main() -> None:
         "--world", type=int, default=None, help="ranks, one GPU each (default: every visible GPU, at least 2)"
     )
     parser.add_argument("--smoke", action="store_true", help="2 gloo ranks on the CPU, tiny shapes, few runs")
-    parser.add_argument("--out", help="also write the table to this markdown file")
+    add_out_argument(parser)
     parser.add_argument("--profile", action="store_true", help="also list the kernels of each op per shape")
     args = parser.parse_args()
     world = args.world or (2 if args.smoke else default_world())

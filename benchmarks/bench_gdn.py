@@ -1,10 +1,14 @@
 """GatedDeltaNet at Qwen3-Next-80B shapes: on one GPU (layer eager vs compiled, core op, breakdown)
 and, with --cp W, context-parallel on W GPUs against one GPU and against the per-sequence all-to-all.
 
-    PYTHONPATH=. python benchmarks/bench_gdn.py                         # one GPU
-    PYTHONPATH=. python benchmarks/bench_gdn.py --tokens 32768 --seqs 8
-    PYTHONPATH=. python benchmarks/bench_gdn.py --cp 8 --out gdn_cp.md   # spawns 8 NCCL ranks
-    PYTHONPATH=. python benchmarks/bench_gdn.py --cp 2 --smoke           # 2 gloo ranks on the CPU
+    python -m benchmarks.bench_gdn                         # one GPU
+    python -m benchmarks.bench_gdn --tokens 32768 --seqs 8
+    python -m benchmarks.bench_gdn --cp 8 --out DIR        # spawns 8 NCCL ranks
+    python -m benchmarks.bench_gdn --cp 2 --smoke          # 2 gloo ranks on the CPU
+
+Results (benchmarks/runner.py): ``gdn`` on one GPU; ``gdn-cp-wW`` with --cp (``-compiled``,
+``-cudagraphs`` added with those flags, ``gdn-cp-smoke-wW`` with --smoke), and with --kernels
+one ``...-kernels-T..-B..`` per shape.
 
 Shapes: hidden 2048, Hk 16, Hv 32, dk = dv = 128, conv kernel 4, bf16; T = 32768 and
 65536 tokens with 8 and 64 sequences unless told. Sequence lengths are random around
@@ -32,7 +36,7 @@ rows), without collectives: how each piece shrinks with W, apart from communicat
              pass on each side of each exchange, the z projection after it), compiled without
              the options: the layer before the fused layouts and the overlap
   per-seq    the eager section-layout form with thd_cp2hp / thd_hp2cp replaced by the per-sequence,
-             per-section all-to-alls of bench_cp2hp (cp2hp_per_sequence, hp2cp_per_sequence);
+             per-section all-to-alls of benchmarks/baselines.py (cp2hp_per_sequence, hp2cp_per_sequence);
              they read the layout on the host, so they cannot compile: compare with the
              eager CP layer
   breakdown  one rank's step in pieces, fwd+bwd each: in_proj, gated norm and out_proj on
@@ -68,43 +72,37 @@ from __future__ import annotations
 
 import argparse
 import collections
-import datetime
 import math
-import os
-import sys
 
 import torch
 import torch.distributed as dist
-import triton
 from triton.testing import do_bench
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import custom_ops  # noqa: E402
-from benchmarks.bench_cp2hp import cp2hp_per_sequence, hp2cp_per_sequence  # noqa: E402
-from benchmarks.common import (  # noqa: E402
+import custom_ops
+from benchmarks.baselines import cp2hp_per_sequence, hp2cp_per_sequence
+from benchmarks.cases import random_lengths as _lengths
+from benchmarks.common import (
     KERNEL_CLASSES,
     RANK_WAIT_KEYS,
     add_nccl_cta_argument,
     check_nccl_cta_argument,
     cta_label,
-    environment,
     host_issue_ms,
     kernel_class,
     kernel_ms,
-    markdown_table,
     max_over_ranks,
     median_ms_counted,
     nccl_cta_groups,
     profile_timeline,
-    raise_recompile_limit,
     rank_waits,
+    recompile_limit,
     spawn_ranks,
 )
-from cp_ops import COMPILE_OPTIONS, GatedDeltaNet, pad_cu_seqlens, shard_thd, thd_cp2hp, thd_hp2cp  # noqa: E402
-from cp_ops._local_ranks import init_local_rank  # noqa: E402
-from custom_ops.testing import rel_error  # noqa: E402
-from custom_ops.thd_copy_valid_tokens.reference import valid_token_mask  # noqa: E402
+from benchmarks.runner import Result, add_out_argument, emit, environment
+from cp_ops import COMPILE_OPTIONS, GatedDeltaNet, pad_cu_seqlens, shard_thd, thd_cp2hp, thd_hp2cp
+from cp_ops._local_ranks import init_local_rank
+from custom_ops.testing import rel_error
+from custom_ops.thd_copy_valid_tokens.reference import valid_token_mask
 
 HIDDEN, HK, HV, DK, DV = 2048, 16, 32, 128, 128
 TOKENS, SEQS = (32768, 65536), (8, 64)
@@ -112,13 +110,6 @@ TOKENS, SEQS = (32768, 65536), (8, 64)
 SMOKE_DIMS = (32, 2, 4, 16, 16)
 SMOKE_TOKENS, SMOKE_SEQS = (192,), (2, 5)
 CP_TOLERANCE = 5e-3  # bf16 CP vs one device, as the GPU tests (Megatron-LM's CP tolerance)
-
-
-def _lengths(total: int, num_seqs: int, generator: torch.Generator) -> list[int]:
-    weights = torch.rand(num_seqs, generator=generator) + 0.5
-    lens = (weights / weights.sum() * total).floor().long()
-    lens[-1] += total - int(lens.sum())
-    return lens.tolist()
 
 
 def _fwd_bwd(fn, inputs, grad):
@@ -293,7 +284,13 @@ def a2a_steps(layer: GatedDeltaNet, x_cp: torch.Tensor, cup: torch.Tensor, group
     }
 
 
-def _cp_worker(rank, world, init_method, tokens, seqs, out, smoke, opts: dict) -> None:
+def _cp_worker(*args) -> None:
+    # one graph per (CP group, one device) and grad mode, a second for a new packing if specialised
+    with recompile_limit(64):
+        _cp_rank(*args)
+
+
+def _cp_rank(rank, world, init_method, tokens, seqs, out, smoke, opts: dict) -> None:
     """One CP rank of the multi-rank benchmark; ``opts``: the flags ``eager_only``, ``compiled_only``,
     ``cudagraphs``, ``profile`` and ``nccl_max_ctas`` of the command line."""
     eager_only, profile, full = opts["eager_only"], opts["profile"], not opts["compiled_only"]
@@ -303,8 +300,6 @@ def _cp_worker(rank, world, init_method, tokens, seqs, out, smoke, opts: dict) -
     hidden, hk, hv, dk, dv = SMOKE_DIMS if smoke else (HIDDEN, HK, HV, DK, DV)
     dtype = torch.float32 if smoke else torch.bfloat16
     warmup, runs, seq_warmup, seq_runs = (1, 2, 1, 2) if smoke else (3, 20, 2, 10)
-    # one graph per (CP group, one device) and grad mode, a second for a new packing if specialised
-    raise_recompile_limit(64)
 
     def timed(fn, per_sequence=False):
         counts = (seq_warmup, seq_runs) if per_sequence else (warmup, runs)
@@ -434,13 +429,15 @@ def _cp_worker(rank, world, init_method, tokens, seqs, out, smoke, opts: dict) -
 
         if rank == 0:
             cases = list(results)
-            text = _cp_table(results, cases, world, (hidden, hk, hv, dk, dv), dtype, runs, seq_runs, notes)
+            name = f"gdn-cp{'-smoke' if smoke else ''}-w{world}"
+            name += "-compiled" * opts["compiled_only"] + "-cudagraphs" * opts["cudagraphs"]
+            env = _fla_environment(world)
+            table = _cp_table(results, cases, world, (hidden, hk, hv, dk, dv), dtype, runs, seq_runs, notes)
+            tables = [Result("gdn", table[0], table[1], table[2], table[3], env, name=name)]
             for case in cases if opts["profile"] and opts["kernels"] else []:
-                text += "\n\n" + _kernel_table(case, one_kernels[case[:2]], kernel_steps[case], world, opts["kernels"])
-            print(text, flush=True)
-            if out:
-                with open(out, "w") as f:
-                    f.write(text + "\n")
+                tables.append(_kernel_table(case, one_kernels[case[:2]], kernel_steps[case], world, opts["kernels"],
+                                            env, name))  # fmt: skip
+            emit(tables, out)
         # no rank tears down before all are done (gloo can abort a rank whose peer left first), as in tests/_dist.py
         dist.barrier()
     finally:
@@ -475,7 +472,8 @@ def _empty_cache(device) -> None:
         torch.cuda.empty_cache()
 
 
-def _cp_table(results, cases, world, dims, dtype, runs, seq_runs, notes) -> str:
+def _cp_table(results, cases, world, dims, dtype, runs, seq_runs, notes) -> tuple[str, list, list, str]:
+    """``(title, columns, rows, notes)`` of the CP table: a row per quantity, a column per case."""
     hidden, hk, hv, dk, dv = dims
     w = f"W={world}"
     for case in cases:  # rows a run skipped (--eager-only, --compiled-only) read nan
@@ -525,20 +523,17 @@ def _cp_table(results, cases, world, dims, dtype, runs, seq_runs, notes) -> str:
         ("per-seq cp2hp fwd+bwd", "per-seq cp2hp fwd+bwd", t),
         ("per-seq hp2cp fwd+bwd", "per-seq hp2cp fwd+bwd", t),
     ]
-    lines = [
-        f"## GatedDeltaNet with CP, {w} (hidden {hidden}, Hk {hk}, Hv {hv}, dk {dk}, dv {dv}), "
-        f"{str(dtype).removeprefix('torch.')}\n",
-        _fla_environment(world) + "\n",
+    title = (f"GatedDeltaNet with CP, {w} (hidden {hidden}, Hk {hk}, Hv {hv}, dk {dk}, dv {dv}), "
+             f"{str(dtype).removeprefix('torch.')}")  # fmt: skip
+    text = [
         f"times in ms: median of {runs} runs ({seq_runs} for per-seq), max over ranks; 1 GPU on rank 0 alone; "
         f"efficiency = T_1 / (W * T_W); rel error on real tokens, max over ranks; the pieces below the "
         f"efficiency rows are one rank's share (projections and gated norm on T/W rows; conv and "
-        f"core on T rows, 1/W of the heads)\n",
+        f"core on T rows, 1/W of the heads)"
     ]
-    lines += [f"- {n}" for n in notes] + ([""] if notes else [])
-    lines += [
-        "| | " + " | ".join(_column(case, len({c for _, _, c in cases}) > 1) for case in cases) + " |",
-        "|---" * (len(cases) + 1) + "|",
-    ]
+    text += [f"- {n}" for n in notes]
+    columns = [""] + [_column(case, len({c for _, _, c in cases}) > 1) for case in cases]
+    rows = []
     if "prof W wall" in results[cases[0]]:  # --profile: rank 0's compiled steps by kernel class
         for who, label in (("1", "1 GPU"), ("W", w)):
             for k in ["wall", "GPU busy", "idle", "compute busy", "collectives only"] + [c for c, _ in KERNEL_CLASSES]:
@@ -552,11 +547,12 @@ def _cp_table(results, cases, world, dims, dtype, runs, seq_runs, notes) -> str:
         values = [results[c].get(key, math.nan) for c in cases]
         if all(math.isnan(v) for v in values):
             continue  # a row the flags skipped
-        lines.append(f"| {label} | " + " | ".join(fmt.format(v) for v in values) + " |")
-    return "\n".join(lines)
+        rows.append([label] + [fmt.format(v) for v in values])  # each row its own format: kept as text
+    return title, columns, rows, "\n".join(text)
 
 
-def _kernel_table(case, one: dict[str, float], cp: dict[str, float], world: int, top: int) -> str:
+def _kernel_table(case, one: dict[str, float], cp: dict[str, float], world: int, top: int, env: dict,
+                  name: str) -> Result:  # fmt: skip
     """The ``top`` kernels of rank 0's compiled CP step by time, beside the one-GPU step's time in
     the same kernel (same name; Inductor names its fused kernels per graph, so those rarely
     match), then the rest of both steps summed."""
@@ -570,10 +566,9 @@ def _kernel_table(case, one: dict[str, float], cp: dict[str, float], world: int,
     rows.append(["(every other kernel)", "", rest_one, rest_one / world, rest_cp])
     rows.append(["(all)", "", sum(one.values()), sum(one.values()) / world, sum(cp.values())])
     header = ["kernel", "class", "1 GPU", f"1 GPU / {world}", f"W={world} rank 0"]
-    return (
-        f"{_column(case, False)}: rank 0's top {top} kernels, ms per compiled step (--profile's steps)\n\n"
-        + markdown_table(header, rows)
-    )
+    total, num_seqs, cap = case
+    return Result("gdn", f"{_column(case, False)}: rank 0's top {top} kernels, ms per compiled step (--profile's steps)",
+                  header, rows, env=env, name=f"{name}-kernels-T{total}-B{num_seqs}" + (f"-ctas{cap}" if cap else ""))  # fmt: skip
 
 
 def _column(case, name_cap: bool) -> str:
@@ -581,14 +576,14 @@ def _column(case, name_cap: bool) -> str:
     return f"T={total} B={num_seqs}" + (f", {cta_label(cap)}" if name_cap else "")
 
 
-def _fla_environment(world: int | None = None) -> str:
+def _fla_environment(world: int | None = None) -> dict:
     try:
         import fla
 
         version = getattr(fla, "__version__", "?")
     except ImportError:
         version = "absent"
-    return f"{environment(world)}, fla {version}"
+    return environment(world, fla=version)
 
 
 def main() -> None:
@@ -604,7 +599,7 @@ def main() -> None:
     parser.add_argument("--cudagraphs", action="store_true",
                         help="with --cp: compile the layer with CUDA graphs (Inductor's triton.cudagraphs), "
                         "on W GPUs and on one")
-    parser.add_argument("--out", help="also write the table to this markdown file")
+    add_out_argument(parser)
     parser.add_argument("--kernel-time", action="store_true",
                         help="one GPU: also the summed kernel time of each row (torch.profiler)")
     parser.add_argument("--profile", action="store_true",
@@ -644,27 +639,16 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_gdn needs a CUDA device (or --cp 2 --smoke on the CPU)")
 
-    import fla
-
     torch.manual_seed(0)
     layer = GatedDeltaNet(HIDDEN, HK, HV, DK, DV).to("cuda", torch.bfloat16)
     results = {}
     for case in [(t, b) for t in tokens for b in seqs]:
         results[case] = bench_case(layer, *case, args.kernel_time, args.rank_share)
         # the table so far after every case, so a run cut by a time limit still leaves one
-        lines = [
-            f"## GatedDeltaNet (hidden {HIDDEN}, Hk {HK}, Hv {HV}, dk = dv = {DK}), bf16, median ms\n",
-            f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
-            f"fla {getattr(fla, '__version__', '?')}, {datetime.date.today().isoformat()}\n",
-            "| | " + " | ".join(f"T={t} B={b}" for t, b in results) + " |",
-            "|---" * (len(results) + 1) + "|",
-        ]
-        for name in results[case]:
-            lines.append(f"| {name} | " + " | ".join(f"{r[name]:.3f}" for r in results.values()) + " |")
-        print("\n".join(lines), flush=True)
-        if args.out:
-            with open(args.out, "w") as f:
-                f.write("\n".join(lines) + "\n")
+        columns = [""] + [f"T={t} B={b}" for t, b in results]
+        rows = [[name] + [r[name] for r in results.values()] for name in results[case]]
+        title = f"GatedDeltaNet (hidden {HIDDEN}, Hk {HK}, Hv {HV}, dk = dv = {DK}), bf16, median ms"
+        emit([Result("gdn", title, columns, rows, env=_fla_environment(), name="gdn")], args.out)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The GatedDeltaNet layer's GEMMs alone: one GPU against one CP rank, no collectives running.
 
-    python benchmarks/bench_gdn_gemms.py [--tokens 32768 65536] [--cp 2] [--out F]
+    python -m benchmarks.bench_gdn_gemms [--tokens 32768 65536] [--cp 2] [--out DIR]
 
 Times each matrix product of the layer's forward and backward at Qwen3-Next-80B GDN
 shapes (hidden 2048, Hk 16, Hv 32, dk = dv = 128, bf16) as the compiled layer issues
@@ -10,20 +10,18 @@ per destination of the all-to-all, :meth:`cp_ops.GatedDeltaNet.project_send_bloc
 out_proj per received block, its weight read as a column slice). The difference
 between the rank's sum and 1/W of the one-GPU sum is what the block shapes cost on
 their own; in the layer the GEMMs also share the GPU with NCCL (``bench_gdn.py
---profile``). ``--smoke`` runs tiny shapes on the CPU.
+--profile``). ``--smoke`` runs tiny shapes on the CPU. The result is ``gdn-gemms-wW``
+(``gdn-gemms-smoke-wW`` with --smoke; benchmarks/runner.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.common import environment, markdown_table, median_ms, median_ms_counted  # noqa: E402
+from benchmarks.runner import Result, add_out_argument, emit, environment
+from benchmarks.timing import median_ms, median_ms_counted
 
 HIDDEN, HK, HV, DK, DV = 2048, 16, 32, 128, 128
 
@@ -66,7 +64,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[32768, 65536], help="global tokens per batch")
     parser.add_argument("--cp", type=int, default=2, help="W: the rank's share of the tokens and its blocks")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, few runs")
-    parser.add_argument("--out", help="also write the table to this markdown file")
+    add_out_argument(parser)
     args = parser.parse_args()
     world = args.cp
     if args.smoke:
@@ -79,32 +77,23 @@ def main() -> None:
     else:
         device, dims, tokens, timer = "cuda", (HIDDEN, HK, HV, DK, DV), args.tokens, median_ms
         how = "median of do_bench (L2 flushed before each call)"
-    header = ["GEMM"]
+    header, formats = ["GEMM"], [None]
     rows: dict[str, list] = {}
     for t in tokens:
         one = {k: timer(f) for k, f in layer_gemms(t, 1, dims, device).items()}
         rank = {k: timer(f) for k, f in layer_gemms(t // world, world, dims, device).items()}
         header += [f"T={t}: 1 GPU", f"1 GPU / {world}", f"W={world} rank", "rank / (1 GPU / W)"]
+        formats += [None, None, None, "{:.2f}"]
         for k in list(one) + ["sum"]:
             a = sum(one.values()) if k == "sum" else one[k]
             b = sum(rank.values()) if k == "sum" else rank[k]
-            rows.setdefault(k, [k]).extend([a, a / world, b, f"{b / (a / world):.2f}"])
-    lines = [
-        f"## GatedDeltaNet GEMMs alone, one GPU against one rank of W={world} (hidden {dims[0]}, "
-        f"Hk {dims[1]}, Hv {dims[2]}, dk {dims[3]}, dv {dims[4]}), bf16",
-        "",
-        environment(),
-        "",
-        f"times in ms: {how}; a rank's in_proj and out_proj "
-        f"GEMMs are its {world} blocks, summed",
-        "",
-        markdown_table(header, list(rows.values())),
-    ]
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+            rows.setdefault(k, [k]).extend([a, a / world, b, b / (a / world)])
+    title = (f"GatedDeltaNet GEMMs alone, one GPU against one rank of W={world} (hidden {dims[0]}, "
+             f"Hk {dims[1]}, Hv {dims[2]}, dk {dims[3]}, dv {dims[4]}), bf16")  # fmt: skip
+    notes = f"times in ms: {how}; a rank's in_proj and out_proj GEMMs are its {world} blocks, summed"
+    name = f"gdn-gemms{'-smoke' if args.smoke else ''}-w{world}"
+    emit([Result("gdn_gemms", title, header, list(rows.values()), notes, environment(), name=name, formats=formats)],
+         args.out)  # fmt: skip
 
 
 if __name__ == "__main__":

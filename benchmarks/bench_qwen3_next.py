@@ -1,8 +1,8 @@
 """transformers' Qwen3-Next with this package's layers (apply_context_parallel) against its own
 layers, on one GPU: error against a float32 reference, and fwd+bwd throughput.
 
-    python benchmarks/bench_qwen3_next.py [--tokens 16384] [--seqs 8] [--out DIR]
-    python benchmarks/bench_qwen3_next.py --smoke --out DIR     # tiny shapes on the CPU, seconds
+    python -m benchmarks.bench_qwen3_next [--tokens 16384] [--seqs 8] [--out DIR]
+    python -m benchmarks.bench_qwen3_next --smoke --out DIR     # tiny shapes on the CPU, seconds
 
 The model: ``Qwen3NextForCausalLM`` with two decoder layers, a Gated DeltaNet then a gated
 attention, at Qwen3-Next-80B-A3B's widths (hidden 2048; GDN 16 key / 32 value heads of 128;
@@ -26,8 +26,9 @@ gradients (loss: the batch's mean next-token cross-entropy), against transformer
 float32 run one sequence at a time with its torch delta rule and TF32 off. The check: ours no
 more than 2x the error of ``hf, looped`` on the logits and on every mixer's gradients (the scalar loss
 agrees to rounding noise in every form: reported only). Throughput: real tokens per second
-of one fwd+bwd step (median of timed runs, CUDA events). Prints a table; ``--out DIR`` writes
-``results.json`` and ``results.md`` there. ``--smoke`` compiles with the ``aot_eager`` backend
+of one fwd+bwd step (median of timed runs, CUDA events). Prints a table and writes the results
+``qwen3-next`` and ``qwen3-next-checks`` (``qwen3-next-smoke...`` with --smoke;
+benchmarks/runner.py) to DIR. ``--smoke`` compiles with the ``aot_eager`` backend
 (dynamo and AOT autograd, as on the GPU, without Inductor's CPU code) and fails unless the
 check holds.
 """
@@ -36,17 +37,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import os
-import sys
 import time
 from unittest import mock
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.common import environment, markdown_table, median_ms_counted  # noqa: E402
+from benchmarks.runner import Result, add_out_argument, emit, environment
+from benchmarks.timing import median_ms_counted
 
 SIZES = {
     "full": dict(
@@ -185,7 +182,7 @@ def main() -> None:
     parser.add_argument("--seqs", type=int, default=8, help="sequences in the batch")
     parser.add_argument("--runs", type=int, default=20, help="timed fwd+bwd steps per form")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, few runs")
-    parser.add_argument("--out", help="directory for results.json and results.md")
+    add_out_argument(parser)
     parser.add_argument("--forms", nargs="+", choices=FORMS, default=list(FORMS), help="forms to run (default: all)")
     args = parser.parse_args()
 
@@ -279,42 +276,26 @@ def main() -> None:
 
     keys = list(reference[2]) + ["logits", "loss"]
     header = ["form", "ms / step", "tokens/s", "first step s"] + [f"error: {k}" for k in keys]
+    formats = [None, "{:.2f}", "{:,.0f}", "{:.1f}"] + ["{:.2e}"] * len(keys)
     table = []
     for name, res in results.items():
         if "error" in res:
             table.append([name, "failed", res["error"][:60], ""] + [""] * len(keys))
             continue
-        errs = [f"{res['errors'][k]:.2e}" for k in keys]
-        table.append([name, f"{res['ms']:.2f}", f"{res['tokens_per_s']:,.0f}", f"{res['first_step_s']:.1f}"] + errs)
-    check_lines = [
-        f"- {form}: error <= {MAX_ERROR_RATIO}x hf, looped's on the logits and the mixers' gradients: "
-        f"{'yes' if c['ok'] else 'NO'} "
-        f"(largest ratio {max(c['error ratios vs hf, looped'].values()):.2f})"
-        for form, c in checks.items()
-    ]
-    text = "\n".join([
-        f"## Qwen3-Next, 2 layers (GDN + attention), {'smoke sizes' if args.smoke else 'Qwen3-Next widths'}, bf16",
-        "",
-        environment(),
-        "",
-        f"{tokens} real tokens in {seqs} sequences {lengths}; fwd+bwd of the batch loss; median of {runs} runs; "
-        "errors against transformers' model in float32 run one sequence at a time",
-        "",
-        markdown_table(header, table),
-        "",
-        *check_lines,
-    ])  # fmt: skip
-    print(text)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        summary = {
-            "environment": environment(), "sizes": sizes, "sequence_lengths": lengths, "tokens": tokens,
-            "runs": runs, "results": results, "checks": checks,
-        }  # fmt: skip
-        with open(os.path.join(args.out, "results.json"), "w") as f:
-            json.dump(summary, f, indent=2)
-        with open(os.path.join(args.out, "results.md"), "w") as f:
-            f.write(text + "\n")
+        errs = [res["errors"][k] for k in keys]
+        table.append([name, res["ms"], res["tokens_per_s"], res["first_step_s"]] + errs)
+    check_rows = [[form, "yes" if c["ok"] else "NO", max(c["error ratios vs hf, looped"].values())]
+                  for form, c in checks.items()]  # fmt: skip
+    env, name = environment(), "qwen3-next" + "-smoke" * args.smoke
+    title = f"Qwen3-Next, 2 layers (GDN + attention), {'smoke sizes' if args.smoke else 'Qwen3-Next widths'}, bf16"
+    notes = (f"{tokens} real tokens in {seqs} sequences {lengths}; fwd+bwd of the batch loss; median of {runs} "
+             "runs; errors against transformers' model in float32 run one sequence at a time")  # fmt: skip
+    emit([
+        Result("qwen3_next", title, header, table, notes, env, name=name, formats=formats),
+        Result("qwen3_next", f"{title}: the error check", ["form", f"error <= {MAX_ERROR_RATIO}x hf, looped's",
+               "largest ratio"], check_rows, "on the logits and the mixers' gradients", env, name=f"{name}-checks",
+               formats=[None, None, "{:.2f}"]),
+    ], args.out)  # fmt: skip
     if args.smoke and not all(c["ok"] for c in checks.values()):
         raise SystemExit(f"error check failed: {checks}")
 

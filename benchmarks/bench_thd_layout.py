@@ -9,43 +9,30 @@ For each shape and CP size W:
                (functional: T rows in and out) and thd_copy_valid_tokens_ (in place:
                valid rows only), eager and inside torch.compile
 
-    python benchmarks/bench_thd_layout.py [--out FILE.md] [--sweep]
+    python -m benchmarks.bench_thd_layout [--out DIR] [--sweep]
 
---sweep also times the reorder under a few tile shapes (custom_ops._common.ROW_TILE).
+Writes the results ``layout``, ``layout-in-graph`` and, with --sweep, ``layout-tile-sweep``
+(benchmarks/runner.py). --sweep also times the reorder under a few tile shapes
+(custom_ops._common.ROW_TILE).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import sys
+import contextlib
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import custom_ops  # noqa: E402
-from benchmarks.common import environment, markdown_table, median_ms  # noqa: E402
-from cp_ops import pad_cu_seqlens, seq_to_rank_index  # noqa: E402
-from custom_ops import _common  # noqa: E402
-from custom_ops.thd_reorder.reference import thd_seq_to_rank_order_loop  # noqa: E402
-
-
-def shapes():
-    """(name, seqlens, trailing): the issue's two shapes and uneven random lengths."""
-    torch.manual_seed(0)
-    uneven = (torch.distributions.LogNormal(7.0, 1.0).sample((40,)).clamp(1, 16384)).long()
-    uneven = (uneven * 65536 // uneven.sum()).tolist()
-    return [
-        ("16x4096 tok, 16x64", [4096] * 16, (16, 64)),
-        ("8x8192 tok, 32x128", [8192] * 8, (32, 128)),
-        (f"{len(uneven)} uneven ({sum(uneven)} tok), 16x64", uneven, (16, 64)),
-    ]
+import custom_ops
+from benchmarks.cases import layout_shapes as shapes
+from benchmarks.runner import Result, add_out_argument, emit, environment
+from benchmarks.timing import median_ms
+from cp_ops import pad_cu_seqlens, seq_to_rank_index
+from custom_ops.thd_reorder.reference import thd_seq_to_rank_order_loop
 
 
-def run(sweep: bool) -> tuple[str, list[dict]]:
-    rows, records = [], []
+def run(sweep: bool) -> list[Result]:
+    rows = []
     for name, seqlens, trailing in shapes():
         for w in (2, 4, 8):
             cu, cup = pad_cu_seqlens(seqlens, w, device="cuda")
@@ -82,26 +69,29 @@ def run(sweep: bool) -> tuple[str, list[dict]]:
             t["seq_to_rank (compiled)"] = median_ms(lambda: compiled_fn(x))
             t["copy_valid (compiled)"] = median_ms(lambda: compiled_copy(x, src))
             t["copy_valid_ (compiled)"] = median_ms(lambda: compiled_inplace(dst_inplace, src))
-            record = {"shape": name, "W": w, "GB moved by clone": gbytes, **t}
-            records.append(record)
             rows.append(
                 [name, w, t["clone"], t["index_select"], t["loop"], t["seq_to_rank"], t["rank_to_seq"],
                  t["copy_valid"], t["copy_valid_"], t["seq_to_rank (compiled)"], t["copy_valid (compiled)"],
                  t["copy_valid_ (compiled)"],
-                 f"{max(t['seq_to_rank'], t['rank_to_seq'], t['copy_valid']) / t['clone']:.2f}x",
-                 f"{gbytes / t['seq_to_rank'] :.2f}"]
+                 max(t["seq_to_rank"], t["rank_to_seq"], t["copy_valid"]) / t["clone"],
+                 gbytes / t["seq_to_rank"]]
             )
     header = ["shape (bf16)", "W", "clone ms", "index_select ms", "loop ms", "seq_to_rank ms", "rank_to_seq ms",
               "copy_valid ms", "copy_valid_ ms", "seq_to_rank compiled ms", "copy_valid compiled ms",
               "copy_valid_ compiled ms",
               "worst op / clone", "seq_to_rank TB/s"]
-    text = f"{environment()}\n\n" + markdown_table(header, rows) + "\n\n" + inplace_in_graph()
+    env = environment()
+    results = [
+        Result("thd_layout", "THD layout ops against the copy floor", header, rows, env=env, name="layout",
+               formats={"W": "{:d}", "worst op / clone": "{:.2f}x", "seq_to_rank TB/s": "{:.2f}"}),
+        inplace_in_graph(env),
+    ]  # fmt: skip
     if sweep:
-        text += "\n\n" + tile_sweep()
-    return text, records
+        results.append(tile_sweep(env))
+    return results
 
 
-def inplace_in_graph() -> str:
+def inplace_in_graph(env: dict) -> Result:
     """Functional vs in-place copy where dst is an intermediate of the compiled graph (as when a
     layer assembles its output from two partial results), not a graph input."""
     rows = []
@@ -121,10 +111,30 @@ def inplace_in_graph() -> str:
         f, g = torch.compile(functional, fullgraph=True), torch.compile(in_place, fullgraph=True)
         assert torch.equal(f(a, b), g(a, b))
         rows.append([name, median_ms(lambda: f(a, b)), median_ms(lambda: g(a, b))])
-    return markdown_table(["copy inside a compiled graph (dst intermediate), W=2", "functional ms", "in-place ms"], rows)
+    header = ["copy inside a compiled graph (dst intermediate), W=2", "functional ms", "in-place ms"]
+    return Result("thd_layout", "Functional against in-place copy inside a compiled graph", header, rows, env=env,
+                  name="layout-in-graph")  # fmt: skip
 
 
-def tile_sweep() -> str:
+@contextlib.contextmanager
+def row_tile(cfg: dict):
+    """The layout kernels launched with the tile shape ``cfg`` inside the block.
+
+    The library takes its tile shape from the module-level table custom_ops._common.ROW_TILE
+    and has no per-call setting for it yet; this is the one place the benchmarks change it.
+    """
+    from custom_ops import _common
+
+    default = dict(_common.ROW_TILE)
+    _common.ROW_TILE.update(cfg)
+    try:
+        yield
+    finally:
+        _common.ROW_TILE.clear()
+        _common.ROW_TILE.update(default)
+
+
+def tile_sweep(env: dict) -> Result:
     """Reorder time under several tile shapes, at the first two shapes with W = 4."""
     configs = [
         {"tile_bytes": 8192, "max_row_bytes": 4096, "num_warps": 4},
@@ -134,35 +144,28 @@ def tile_sweep() -> str:
         {"tile_bytes": 32768, "max_row_bytes": 16384, "num_warps": 8},
         {"tile_bytes": 65536, "max_row_bytes": 16384, "num_warps": 16},
     ]
-    default = dict(_common.ROW_TILE)
     rows = []
     for name, seqlens, trailing in shapes()[:2]:
         _, cup = pad_cu_seqlens(seqlens, 4, device="cuda")
         x = torch.randn((int(cup[-1]),) + trailing, device="cuda", dtype=torch.bfloat16)
         clone = median_ms(lambda: x.clone())
         for cfg in configs:
-            _common.ROW_TILE.update(cfg)
-            ms = median_ms(lambda: custom_ops.thd_seq_to_rank_order(x, cup, 4))
-            rows.append([name, cfg["tile_bytes"], cfg["max_row_bytes"], cfg["num_warps"], ms, f"{ms / clone:.3f}x"])
-    _common.ROW_TILE.clear()
-    _common.ROW_TILE.update(default)
-    return markdown_table(["shape", "tile_bytes", "max_row_bytes", "num_warps", "seq_to_rank ms", "/ clone"], rows)
+            with row_tile(cfg):
+                ms = median_ms(lambda: custom_ops.thd_seq_to_rank_order(x, cup, 4))
+            rows.append([name, cfg["tile_bytes"], cfg["max_row_bytes"], cfg["num_warps"], ms, ms / clone])
+    header = ["shape", "tile_bytes", "max_row_bytes", "num_warps", "seq_to_rank ms", "/ clone"]
+    return Result("thd_layout", "seq_to_rank under several tile shapes, W = 4", header, rows, env=env,
+                  name="layout-tile-sweep", formats={"/ clone": "{:.3f}x"})  # fmt: skip
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", help="write the markdown table here")
-    parser.add_argument("--json", help="write the raw numbers here")
+    add_out_argument(parser)
     parser.add_argument("--sweep", action="store_true", help="also sweep the kernels' tile shapes")
     args = parser.parse_args()
-    text, records = run(args.sweep)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(records, f, indent=1)
+    if not torch.cuda.is_available():
+        raise SystemExit("this benchmark needs a CUDA device")
+    emit(run(args.sweep), args.out)
 
 
 if __name__ == "__main__":

@@ -1,15 +1,15 @@
 """GPU benchmark and tuner for custom_ops.varlen_attention (bf16, causal).
 
-    python benchmarks/bench_varlen_attention.py            # table: varlen_attention vs SDPA flash / cuDNN / FlexAttention
-    python benchmarks/bench_varlen_attention.py --gqa 4    # the same with Hkv = H / 4
-    python benchmarks/bench_varlen_attention.py --tune     # time kernel configs, print the best per kernel and head_dim
-    python benchmarks/bench_varlen_attention.py --profile  # CUDA time per kernel of one forward and one backward
-    python benchmarks/bench_varlen_attention.py --tune --kinds bwd_dkdv --save tuned.json
-    python benchmarks/bench_varlen_attention.py --configs tuned.json   # the table with the tuned entries
-    python benchmarks/bench_varlen_attention.py --pointer-loads   # everything without TMA loads
-    python benchmarks/bench_varlen_attention.py --tune --kinds bwd_dkdv --rounds 5   # 5 rounds, candidates in turn
-    python benchmarks/bench_varlen_attention.py --head-groups      # the launch order's HEAD_GROUP, 1 to 16 kv heads
-    python benchmarks/bench_varlen_attention.py --head-groups 1 2  # only these groups (both segment orders)
+    python -m benchmarks.bench_varlen_attention            # table: varlen_attention vs SDPA flash / cuDNN / FlexAttention
+    python -m benchmarks.bench_varlen_attention --gqa 4    # the same with Hkv = H / 4
+    python -m benchmarks.bench_varlen_attention --tune     # time kernel configs, print the best per kernel and head_dim
+    python -m benchmarks.bench_varlen_attention --profile  # CUDA time per kernel of one forward and one backward
+    python -m benchmarks.bench_varlen_attention --tune --kinds bwd_dkdv --save tuned.json
+    python -m benchmarks.bench_varlen_attention --configs tuned.json   # the table with the tuned entries
+    python -m benchmarks.bench_varlen_attention --pointer-loads   # everything without TMA loads
+    python -m benchmarks.bench_varlen_attention --tune --kinds bwd_dkdv --rounds 5   # 5 rounds, candidates in turn
+    python -m benchmarks.bench_varlen_attention --head-groups      # the launch order's HEAD_GROUP, 1 to 16 kv heads
+    python -m benchmarks.bench_varlen_attention --head-groups 1 2  # only these groups (both segment orders)
 
 Cases: (i) packed documents of mixed lengths totalling 32768 tokens, (ii) dense
 B = 8 x S = 4096 (eight segments); H = 16 query heads, D = 128 and 64 (``--head-dims``).
@@ -17,64 +17,77 @@ TFLOP/s count visible (query, key) pairs only: forward ``4 * D`` FLOPs per pair
 and head, backward 2.5x that (so forward+backward = 3.5x forward). Times are
 medians of triton.testing.do_bench. Before timing, every implementation is
 checked against SDPA in bf16 (rel_error below the bf16 tolerance).
+
+Results (benchmarks/runner.py): the table is ``attention`` (``attention-gqaG-dD..`` at
+other heads), ``--profile`` writes ``attention-profile...``, ``--head-groups``
+``attention-head-groups...``. An earlier version of the kernels is timed against this one
+with benchmarks/compare_checkouts.py, not here.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import itertools
 import json
-import os
 import statistics
-import sys
 
 import torch
 import torch.nn.functional as F
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import custom_ops  # noqa: E402
-from benchmarks.common import kernel_breakdown  # noqa: E402
-from custom_ops.testing import TOLERANCE, rel_error  # noqa: E402
-from custom_ops.varlen_attention import kernels  # noqa: E402
-from custom_ops.varlen_attention import op as op_mod  # noqa: E402
-
-DTYPE = torch.bfloat16
-TOTAL_TOKENS = 32768
-HEADS = 16
-HEAD_DIMS = (128, 64)
-
-
-# --- cases ----------------------------------------------------------------------------------------
+import custom_ops
+from benchmarks.cases import ATTENTION_DTYPE as DTYPE
+from benchmarks.cases import ATTENTION_HEAD_DIMS as HEAD_DIMS
+from benchmarks.cases import ATTENTION_HEADS as HEADS
+from benchmarks.cases import attention_cases, packed_lengths, segments_for, tflops, visible_pairs
+from benchmarks.cases import attention_inputs as make_inputs
+from benchmarks.cases import attention_op_inputs
+from benchmarks.runner import Result, add_out_argument, emit, environment
+from benchmarks.timing import kernel_breakdown
+from custom_ops.testing import TOLERANCE, rel_error
+from custom_ops.varlen_attention import kernels
+from custom_ops.varlen_attention import op as op_mod
 
 
-def packed_lengths(total: int = TOTAL_TOKENS, seed: int = 0) -> list[int]:
-    """Mixed document lengths (128 .. 8192, log-uniform) filling exactly ``total`` tokens."""
-    gen = torch.Generator().manual_seed(seed)
-    lens = []
-    while sum(lens) < total:
-        n = int(2 ** (7 + 6 * torch.rand((), generator=gen).item()))
-        lens.append(min(n, total - sum(lens)))
-    return lens
+# --- library settings -----------------------------------------------------------------------------
+# The tuner and the sweeps vary the kernels' launch settings, which the library keeps in
+# module-level tables of custom_ops.varlen_attention.kernels and has no per-call argument for
+# yet. These two functions are the only places the benchmarks change them; each restores
+# what it changed.
 
 
-def segments_for(lens: list[int], device) -> list[torch.Tensor]:
-    """Self-attention segments: each document's queries over its own keys, q_pos = 0."""
-    starts = [0] + list(itertools.accumulate(lens))[:-1]
-    zeros = [0] * len(lens)
-    return [torch.tensor(x, dtype=torch.int32, device=device) for x in (starts, lens, zeros, starts, lens)]
+@contextlib.contextmanager
+def _kernel_setting(name: str, value):
+    """The kernels with ``custom_ops.varlen_attention.kernels.<name> = value`` inside the block."""
+    saved = getattr(kernels, name)
+    setattr(kernels, name, value)
+    try:
+        yield
+    finally:
+        setattr(kernels, name, saved)
 
 
-def visible_pairs(lens: list[int], causal: bool = True) -> int:
-    return sum(n * (n + 1) // 2 if causal else n * n for n in lens)
+@contextlib.contextmanager
+def _config_entry(table: str, kind: str, bucket: int, cfg: dict):
+    """The kernels with entry ``[kind][bucket]`` of the config table ``table`` set to ``cfg``
+    inside the block."""
+    configs = getattr(kernels, table)
+    saved = configs[kind].get(bucket)
+    configs[kind][bucket] = cfg
+    try:
+        yield
+    finally:
+        if saved is None:
+            del configs[kind][bucket]
+        else:
+            configs[kind][bucket] = saved
 
 
-def tflops(pairs: int, heads: int, d: int, ms: float, factor: float = 1.0) -> float:
-    return 4 * d * pairs * heads * factor / (ms * 1e-3) / 1e12
+def pointer_loads():
+    """The kernels with pointer loads and their own tuned tiles (CONFIGS), no TMA loads."""
+    return _kernel_setting("TMA_ENABLED", False)
 
 
 # --- implementations ------------------------------------------------------------------------------
@@ -82,50 +95,6 @@ def tflops(pairs: int, heads: int, d: int, ms: float, factor: float = 1.0) -> fl
 
 def varlen_fn(q, k, v, seg):
     return custom_ops.varlen_attention(q, k, v, *seg, causal=True)[0]
-
-
-@contextlib.contextmanager
-def _kernel_setting(name: str, value, module=kernels):
-    """The kernels with ``<module>.<name> = value`` inside the block (``module``: by default
-    custom_ops.varlen_attention.kernels; the launcher, op_mod, for what it decides)."""
-    saved = getattr(module, name)
-    setattr(module, name, value)
-    try:
-        yield
-    finally:
-        setattr(module, name, saved)
-
-
-def pointer_loads():
-    """The kernels with pointer loads and their own tuned tiles (CONFIGS), as before TMA."""
-    return _kernel_setting("TMA_ENABLED", False)
-
-
-def heads_one_at_a_time():
-    """Each head's programs in one stretch of the launch order (HEAD_GROUP 1), as before 2026-11-25."""
-    return _kernel_setting("HEAD_GROUP", dict.fromkeys(kernels.HEAD_GROUP, 1))
-
-
-def segments_last_to_first():
-    """The forward and dq running the segments last to first, not heaviest first (SEGMENTS_BY_WORK),
-    as before 2026-11-25."""
-    return _kernel_setting("SEGMENTS_BY_WORK", dict.fromkeys(kernels.SEGMENTS_BY_WORK, False))
-
-
-def window_terms_always():
-    """The kernels compiled with the window's terms in the elementwise mask for every launch
-    (WINDOW always on), as before 2026-11-25's last change: the same results, more work per
-    masked entry under causal and full masks."""
-    return _kernel_setting("_has_window", lambda left, right: True, op_mod)
-
-
-# Earlier forms of the kernels, timed beside the current one: {row name: context manager}.
-VARIANTS = {
-    "varlen_attention, pointer loads": pointer_loads,
-    "varlen_attention, one head at a time": heads_one_at_a_time,
-    "varlen_attention, segments last to first": segments_last_to_first,
-    "varlen_attention, window terms always": window_terms_always,
-}
 
 
 def sdpa_dense_fn(backend, batch, seqlen):
@@ -186,22 +155,9 @@ def flex_fn(lens, device):
 # --- timing ---------------------------------------------------------------------------------------
 
 
-def make_inputs(total, heads, kv_heads, d, device, seed=0):
-    gen = torch.Generator(device=device).manual_seed(seed)
-    q = torch.randn(total, heads, d, device=device, dtype=DTYPE, generator=gen)
-    k = torch.randn(total, kv_heads, d, device=device, dtype=DTYPE, generator=gen)
-    v = torch.randn(total, kv_heads, d, device=device, dtype=DTYPE, generator=gen)
-    return [t.requires_grad_() for t in (q, k, v)]
-
-
 def op_inputs(lens, d, gqa, device):
-    """``(q, k, v, seg, out, lse, dout, dlse)`` for calling the forward and backward ops directly
-    on documents of lengths ``lens``: detached inputs, the forward's outputs, random ``dout``,
-    zero ``dlse``."""
-    q, k, v = (t.detach() for t in make_inputs(sum(lens), HEADS, HEADS // gqa, d, device))
-    seg = segments_for(lens, device)
-    out, lse = torch.ops.cp_ops.varlen_attention(q, k, v, *seg, True)
-    return q, k, v, seg, out, lse, torch.randn_like(out), torch.zeros_like(lse)
+    """:func:`benchmarks.cases.attention_op_inputs` at this benchmark's heads."""
+    return attention_op_inputs(lens, d, gqa, device, HEADS)
 
 
 def time_fwd_bwd(fn, q, k, v, seg):
@@ -234,17 +190,24 @@ def check_agreement(name, fn, ref_fn, q, k, v, seg):
     return ok
 
 
-def bench(gqa: int = 1, head_dims=HEAD_DIMS) -> None:
+def _suffix(gqa: int, head_dims) -> str:
+    """The result-name suffix of a run at other heads than the default's."""
+    if gqa == 1 and tuple(head_dims) == HEAD_DIMS:
+        return ""
+    return f"-gqa{gqa}-d" + "-".join(str(d) for d in head_dims)
+
+
+def bench(gqa: int = 1, head_dims=HEAD_DIMS) -> list[Result]:
     device = torch.device("cuda")
     rows = []
-    cases = [("packed 32k", packed_lengths()), ("dense B8 x 4096", [4096] * 8)]
+    cases = attention_cases()
     for d in head_dims:
         for case, lens in cases:
             dense = len(set(lens)) == 1
             q, k, v = make_inputs(sum(lens), HEADS, HEADS // gqa, d, device)
             seg = segments_for(lens, device)
             pairs = visible_pairs(lens)
-            impls = [("varlen_attention", varlen_fn)] + [(name, varlen_fn) for name in VARIANTS]
+            impls = [("varlen_attention", varlen_fn)]
             if dense:
                 impls += [
                     ("SDPA flash", sdpa_dense_fn(SDPBackend.FLASH_ATTENTION, len(lens), lens[0])),
@@ -253,33 +216,29 @@ def bench(gqa: int = 1, head_dims=HEAD_DIMS) -> None:
             else:
                 impls += [("SDPA flash, loop over docs", sdpa_loop_fn(SDPBackend.FLASH_ATTENTION, lens))]
             impls += [("FlexAttention doc mask", flex_fn(lens, device))]
-            ref_name, ref = impls[1 + len(VARIANTS)]
+            ref_name, ref = impls[1]
             print(f"D={d} {case} ({len(lens)} docs, {pairs / 1e6:.1f}M visible pairs per head)")
             for name, fn in impls:
                 try:
-                    with VARIANTS.get(name, contextlib.nullcontext)():
-                        if name != ref_name and not check_agreement(name, fn, ref, q, k, v, seg):
-                            rows.append((case, d, name, None, None, None, None, "disagrees with SDPA"))
-                            continue
-                        ms_fwd, ms_all = time_fwd_bwd(fn, q, k, v, seg)
+                    if name != ref_name and not check_agreement(name, fn, ref, q, k, v, seg):
+                        rows.append([case, d, name, None, None, None, None, "disagrees with SDPA"])
+                        continue
+                    ms_fwd, ms_all = time_fwd_bwd(fn, q, k, v, seg)
                 except Exception as e:  # a backend may be unavailable for this shape / build
-                    rows.append((case, d, name, None, None, None, None, f"{type(e).__name__}: {str(e)[:60]}"))
+                    rows.append([case, d, name, None, None, None, None, f"{type(e).__name__}: {str(e)[:60]}"])
                     continue
                 rows.append(
-                    (case, d, name, ms_fwd, tflops(pairs, HEADS, d, ms_fwd),
-                     ms_all, tflops(pairs, HEADS, d, ms_all, 3.5), "")
+                    [case, d, name, ms_fwd, tflops(pairs, HEADS, d, ms_fwd),
+                     ms_all, tflops(pairs, HEADS, d, ms_all, 3.5), ""]
                 )  # fmt: skip
             del q, k, v
-    props = torch.cuda.get_device_properties(0)
-    print()
-    print(f"{props.name}, torch {torch.__version__}, triton {triton.__version__}, {datetime.date.today()}")
-    print(f"bf16, causal, H = {HEADS}, Hkv = {HEADS // gqa}; TFLOP/s on visible pairs; median of do_bench")
-    print()
-    print("| case | D | implementation | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | note |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    for case, d, name, mf, tf, ma, ta, note in rows:
-        fmt = lambda x, p: "-" if x is None else f"{x:.{p}f}"  # noqa: E731
-        print(f"| {case} | {d} | {name} | {fmt(mf, 3)} | {fmt(tf, 0)} | {fmt(ma, 3)} | {fmt(ta, 0)} | {note} |")
+    columns = ["case", "D", "implementation", "fwd ms", "fwd TFLOP/s", "fwd+bwd ms", "fwd+bwd TFLOP/s", "note"]
+    formats = {"D": "{:d}", "fwd ms": "{:.3f}", "fwd TFLOP/s": "{:.0f}", "fwd+bwd ms": "{:.3f}",
+               "fwd+bwd TFLOP/s": "{:.0f}"}  # fmt: skip
+    notes = f"bf16, causal, H = {HEADS}, Hkv = {HEADS // gqa}; TFLOP/s on visible pairs; median of do_bench"
+    title = "Segment attention against SDPA, FlexAttention and cuDNN"
+    return [Result("varlen_attention", title, columns, rows, notes, environment(),
+                   name="attention" + _suffix(gqa, head_dims), formats=formats)]  # fmt: skip
 
 
 # --- tuning ---------------------------------------------------------------------------------------
@@ -354,24 +313,17 @@ def _table_in_use(kind: str, d: int, q, k, v) -> str:
 
 
 def _time_kernel(kind, cfg, table, bucket, q, k, v, seg, out, lse, dout, dlse):
-    configs = getattr(kernels, table)
-    saved = configs[kind].get(bucket)
-    configs[kind][bucket] = cfg
+    if kind == "fwd":
+        fn = lambda: torch.ops.cp_ops.varlen_attention(q, k, v, *seg, True)  # noqa: E731
+    else:
+        fn = lambda: torch.ops.cp_ops.varlen_attention_backward(dout, dlse, q, k, v, out, lse, *seg, True)  # noqa: E731
     try:
-        if kind == "fwd":
-            fn = lambda: torch.ops.cp_ops.varlen_attention(q, k, v, *seg, True)  # noqa: E731
-        else:
-            fn = lambda: torch.ops.cp_ops.varlen_attention_backward(dout, dlse, q, k, v, out, lse, *seg, True)  # noqa: E731
-        fn()  # compile outside the timing
-        return triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median")
+        with _config_entry(table, kind, bucket, cfg):
+            fn()  # compile outside the timing
+            return triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median")
     except Exception as e:  # e.g. out of shared memory for this tile shape
         print(f"    {cfg}: {type(e).__name__}")
         return float("inf")
-    finally:
-        if saved is None:
-            del configs[kind][bucket]
-        else:
-            configs[kind][bucket] = saved
 
 
 def tune(
@@ -388,7 +340,7 @@ def tune(
     candidate alike.
     """
     device = torch.device("cuda")
-    cases = [("packed 32k", packed_lengths()), ("dense B8 x 4096", [4096] * 8)]
+    cases = attention_cases()
     best, tables = {}, {}
     for d in head_dims:
         bucket = d
@@ -433,7 +385,7 @@ def tune(
 HEAD_GROUP_SWEEP = (1, 2, 4, 8, 16)
 
 
-def sweep_head_groups(gqa: int = 1, head_dims=HEAD_DIMS, groups=HEAD_GROUP_SWEEP, rounds: int = 3) -> None:
+def sweep_head_groups(gqa: int = 1, head_dims=HEAD_DIMS, groups=HEAD_GROUP_SWEEP, rounds: int = 3) -> list[Result]:
     """Time the three kernels with every kernel's ``HEAD_GROUP`` set to each of ``groups`` (kv
     heads; see custom_ops/varlen_attention/kernels.py), and the forward's and dq's segments
     last to first and heaviest first (``SEGMENTS_BY_WORK``), in turn for ``rounds`` rounds: the
@@ -470,41 +422,38 @@ def sweep_head_groups(gqa: int = 1, head_dims=HEAD_DIMS, groups=HEAD_GROUP_SWEEP
                                     times.setdefault((order, g, kind), []).append(ms)
             med = {key: statistics.median(ts) for key, ts in times.items()}
             for order, g in settings:
-                cells = " | ".join(
+                cells = [
                     f"{med[(order, g, kind)]:.3f} ({med[settings[0] + (kind,)] / med[(order, g, kind)]:.3f})"
                     for kind in ("fwd", "dq", "dkdv")
-                )
-                lines.append(f"| {case} | {d} | {HEADS // gqa} | {order} | {g} | {cells} |")
-    props = torch.cuda.get_device_properties(0)
-    print(f"{props.name}, torch {torch.__version__}, triton {triton.__version__}, {datetime.date.today()}")
-    print(
-        f"bf16, causal, H = {HEADS}; medians of {rounds} rounds; in brackets the speedup against group "
-        f"{groups[0]}, segments last to first"
-    )
-    print()
-    print("| case | D | Hkv | segments | HEAD_GROUP (kv heads) | fwd ms | dq ms | dk/dv ms |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    print("\n".join(lines))
+                ]
+                rows.append([case, d, HEADS // gqa, order, g, *cells])
+    notes = (f"bf16, causal, H = {HEADS}; medians of {rounds} rounds; in brackets the speedup against group "
+             f"{groups[0]}, segments last to first")  # fmt: skip
+    columns = ["case", "D", "Hkv", "segments", "HEAD_GROUP (kv heads)", "fwd ms", "dq ms", "dk/dv ms"]
+    return [Result("varlen_attention", "Segment attention kernels by HEAD_GROUP and segment order", columns, rows,
+                   notes, environment(), name="attention-head-groups" + _suffix(gqa, head_dims))]  # fmt: skip
 
 
-def load_configs(path: str) -> None:
-    """Overwrite entries of the config tables with those of a ``--tune --save`` file."""
+def load_configs(path: str) -> contextlib.ExitStack:
+    """The entries of a ``--tune --save`` file in the config tables, until the returned stack closes."""
     with open(path) as f:
         tuned = json.load(f)
+    stack = contextlib.ExitStack()
     for kind, entries in tuned.items():
         table = entries.pop("table", "CONFIGS")
-        configs = getattr(kernels, table)
         for bucket, cfg in entries.items():
-            if table == "CONFIGS" and int(bucket) not in configs[kind]:
+            if table == "CONFIGS" and int(bucket) not in kernels.CONFIGS[kind]:
                 raise SystemExit(f"{path}: {kind} has no head-dim bucket {bucket} in CONFIGS")
-            configs[kind][int(bucket)] = cfg
+            stack.enter_context(_config_entry(table, kind, int(bucket), cfg))
             print(f"config {table} {kind} D<={bucket}: {_fmt(cfg)}")
+    return stack
 
 
-def profile(gqa: int = 1, head_dims=HEAD_DIMS) -> None:
+def profile(gqa: int = 1, head_dims=HEAD_DIMS) -> list[Result]:
     """CUDA time per kernel of the forward and backward ops (torch.profiler, mean over 5 calls)."""
     device = torch.device("cuda")
-    for case, lens in [("dense B8 x 4096", [4096] * 8), ("packed 32k", packed_lengths())]:
+    rows = []
+    for case, lens in attention_cases()[::-1]:
         for d in head_dims:
             q, k, v, seg, out, lse, dout, dlse = op_inputs(lens, d, gqa, device)
 
@@ -512,16 +461,18 @@ def profile(gqa: int = 1, head_dims=HEAD_DIMS) -> None:
                 torch.ops.cp_ops.varlen_attention(q, k, v, *seg, True)
                 torch.ops.cp_ops.varlen_attention_backward(dout, dlse, q, k, v, out, lse, *seg, True)
 
-            print(f"{case}, D = {d}: CUDA ms per call")
-            for name, ms in kernel_breakdown(step, runs=5, warmup=1):
-                print(f"  {name[:60]:60s} {ms:.3f}")
+            rows += [[case, d, name[:60], ms] for name, ms in kernel_breakdown(step, runs=5, warmup=1)]
+    notes = f"bf16, causal, H = {HEADS}, Hkv = {HEADS // gqa}; CUDA ms per call (torch.profiler, mean of 5 calls)"
+    return [Result("varlen_attention", "Segment attention: CUDA time per kernel, one forward and one backward",
+                   ["case", "D", "kernel", "ms"], rows, notes, environment(),
+                   name="attention-profile" + _suffix(gqa, head_dims))]  # fmt: skip
 
 
 def _fmt(cfg):
     return ", ".join(f"{k}={v}" for k, v in cfg.items())
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tune", action="store_true", help="time kernel configs instead of the comparison table")
     parser.add_argument("--profile", action="store_true", help="CUDA time per kernel instead of the table")
@@ -538,21 +489,33 @@ if __name__ == "__main__":
     parser.add_argument("--configs", help="JSON from --tune --save: use these configs instead of the table's")
     parser.add_argument("--pointer-loads", action="store_true",
                         help="no TMA loads: run (and --tune) the pointer-load kernels and CONFIGS")  # fmt: skip
-    args = parser.parse_args()
-    if args.pointer_loads:
-        kernels.TMA_ENABLED = False
+    add_out_argument(parser)
+    args = parser.parse_args(argv)
     if args.tune and set(args.head_dims) - set(kernels.CONFIGS["fwd"]):
         raise SystemExit(f"--tune tunes the config table's head dims {sorted(kernels.CONFIGS['fwd'])}, "
                          f"got {args.head_dims}")  # fmt: skip
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA device")
-    if args.configs:
-        load_configs(args.configs)
-    if args.tune:
-        tune(args.gqa, args.kinds, args.save, args.head_dims, args.rounds or 1)
-    elif args.head_groups is not None:
-        sweep_head_groups(args.gqa, args.head_dims, tuple(args.head_groups or HEAD_GROUP_SWEEP), args.rounds or 3)
-    elif args.profile:
-        profile(args.gqa, args.head_dims)
-    else:
-        bench(args.gqa, args.head_dims)
+    with contextlib.ExitStack() as settings:
+        if args.pointer_loads:
+            settings.enter_context(pointer_loads())
+        if args.configs:
+            settings.enter_context(load_configs(args.configs))
+        if args.tune:
+            tune(args.gqa, args.kinds, args.save, args.head_dims, args.rounds or 1)
+            return
+        if args.head_groups is not None:
+            groups = tuple(args.head_groups or HEAD_GROUP_SWEEP)
+            results = sweep_head_groups(args.gqa, args.head_dims, groups, args.rounds or 3)
+        elif args.profile:
+            results = profile(args.gqa, args.head_dims)
+        else:
+            results = bench(args.gqa, args.head_dims)
+    if args.pointer_loads:  # another form of the kernels than the default: its own result names
+        for r in results:
+            r.name += "-pointer-loads"
+    emit(results, args.out)
+
+
+if __name__ == "__main__":
+    main()

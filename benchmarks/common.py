@@ -1,85 +1,17 @@
-"""Shared pieces of the GPU benchmarks: timing, spawning ranks, environment header, table formatting."""
+"""Shared pieces of the GPU benchmarks: the step-timeline arithmetic, spawning ranks, NCCL
+groups, compile settings. Timing of one callable is :mod:`benchmarks.timing` (re-exported
+here); environment and results are :mod:`benchmarks.runner`."""
 
 from __future__ import annotations
 
-import datetime
+import contextlib
 import os
-import platform
-import statistics
-import time
 
 import torch
-import triton
 
-from cp_ops._local_ranks import leave_local_rank, local_rendezvous
+from benchmarks.timing import host_issue_ms, kernel_breakdown, kernel_ms, median_ms, median_ms_counted
 
-
-def median_ms(fn, warmup_ms: int = 50, rep_ms: int = 300) -> float:
-    """Median time of ``fn()`` in ms, timed with CUDA events after warm-up (triton.testing.do_bench)."""
-    return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
-
-
-def median_ms_counted(fn, warmup: int = 5, runs: int = 30, device: torch.device | str = "cuda") -> float:
-    """Median of exactly ``runs`` timings of ``fn()`` in ms, after ``warmup`` calls.
-
-    For code with collectives: every rank must call ``fn`` the same number of times,
-    which a time-budgeted loop (do_bench) does not promise. On CUDA each run is timed
-    with CUDA events; on the CPU (the gloo smoke runs) with the wall clock, the work
-    being synchronous there.
-    """
-    cuda = torch.device(device).type == "cuda"
-    for _ in range(warmup):
-        fn()
-    if cuda:
-        torch.cuda.synchronize()
-    times = []
-    for _ in range(runs):
-        if not cuda:
-            start = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - start) * 1e3)
-            continue
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def kernel_breakdown(
-    fn, runs: int = 5, warmup: int = 2, device: torch.device | str = "cuda"
-) -> list[tuple[str, float]]:
-    """``(name, ms)`` of every kernel one ``fn()`` launches, slowest first: the profiler's self
-    device time per event name, divided by ``runs`` (on the CPU: self CPU time of the ops).
-    Kernels that wait for other ranks (collectives) count their waiting as device time."""
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda = torch.device(device).type == "cuda"
-    for _ in range(warmup):
-        fn()
-    if cuda:
-        torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
-        for _ in range(runs):
-            fn()
-        if cuda:
-            torch.cuda.synchronize()
-    rows = [
-        (e.key, (e.self_device_time_total if cuda else e.self_cpu_time_total) / runs / 1e3) for e in prof.key_averages()
-    ]
-    return sorted((r for r in rows if r[1] > 0), key=lambda r: -r[1])
-
-
-def kernel_ms(fn, runs: int = 5, warmup: int = 2, device: torch.device | str = "cuda") -> float:
-    """Device time of the kernels one ``fn()`` launches, in ms (:func:`kernel_breakdown`, summed).
-
-    Against a wall-clock time of the same ``fn`` it tells whether the GPU or the host is the
-    limit: a step whose kernels take far less than its wall time waits on the host (Python,
-    launches, small setup ops).
-    """
-    return sum(ms for _, ms in kernel_breakdown(fn, runs, warmup, device))
+__all__ = ["host_issue_ms", "kernel_breakdown", "kernel_ms", "median_ms", "median_ms_counted"]
 
 
 # Kernel classes of a training step, by kernel name (first match wins); the rest is "other".
@@ -172,23 +104,6 @@ def profile_kernels(fn, runs: int = 5, warmup: int = 2) -> list[tuple[str, float
     ]
 
 
-def host_issue_ms(fn, runs: int = 10, warmup: int = 2) -> float:
-    """Median host time to issue one ``fn()`` on an idle GPU, in ms (no synchronisation inside
-    the timed span). A step whose host time reaches its GPU time is limited by the host.
-
-    With collectives every rank of the group must call it (the same number of calls)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(runs):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    torch.cuda.synchronize()
-    return statistics.median(times)
-
-
 def profile_timeline(fn, runs: int = 5, warmup: int = 2, per_kernel: dict | None = None) -> dict[str, float]:
     """:func:`timeline_summary` of :func:`profile_kernels` (``runs`` calls of ``fn()``); with
     ``per_kernel`` (a dict), also fills it with the same steps' :func:`kernel_totals`."""
@@ -256,14 +171,16 @@ def cta_label(cap: int) -> str:
     return "NCCL CTAs: default" if cap == 0 else f"NCCL CTAs <= {cap}"
 
 
-def raise_recompile_limit(n: int) -> None:
-    """Let torch.compile keep at least ``n`` graphs per function (a benchmark compiles one
-    function for several forms, shapes and grad modes; past the limit dynamo runs it eagerly)."""
-    for name in ("recompile_limit", "cache_size_limit"):  # the name changed across torch versions
-        try:
-            setattr(torch._dynamo.config, name, max(n, getattr(torch._dynamo.config, name)))
-        except AttributeError:
-            pass
+def recompile_limit(n: int):
+    """A context in which torch.compile keeps at least ``n`` graphs per function (a benchmark
+    compiles one function for several forms, shapes and grad modes; past the limit dynamo runs
+    it eagerly). Scoped with ``torch._dynamo.config.patch``; the option's name changed across
+    torch versions, so each known name that exists is raised."""
+    config = torch._dynamo.config
+    names = [name for name in ("recompile_limit", "cache_size_limit") if hasattr(config, name)]
+    if not names:
+        return contextlib.nullcontext()
+    return config.patch({name: max(n, getattr(config, name)) for name in names})
 
 
 def default_world() -> int:
@@ -284,6 +201,8 @@ def spawn_ranks(worker, world: int, *args, device: str = "cuda") -> None:
     # set here as well so the spawned workers inherit them before any NCCL initialisation
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    from cp_ops._local_ranks import local_rendezvous
+
     with local_rendezvous() as init_method:
         torch.multiprocessing.spawn(_run_worker, args=(worker, world, init_method, *args), nprocs=world, join=True)
 
@@ -305,31 +224,7 @@ def check_nccl_cta_argument(caps: list[int], smoke: bool) -> None:
 
 
 def _run_worker(rank: int, worker, *args) -> None:
+    from cp_ops._local_ranks import leave_local_rank
+
     worker(rank, *args)
     leave_local_rank()  # reached only when the worker succeeded (it has left its group)
-
-
-def environment(world: int | None = None) -> str:
-    """One line naming the device, software versions and date, for the head of every table;
-    with ``world``, also the number of ranks and of visible GPUs."""
-    cuda = torch.cuda.is_available()
-    dev = torch.cuda.get_device_name() if cuda else platform.processor() or "cpu"
-    line = (
-        f"{dev}, torch {torch.__version__}, triton {triton.__version__}, "
-        f"CUDA {torch.version.cuda}, {datetime.date.today().isoformat()}"
-    )
-    if world is not None:
-        import torch.distributed as dist
-
-        backend = dist.get_backend() if dist.is_initialized() else ("nccl" if cuda else "gloo")
-        line += f"; W = {world} ranks ({backend.upper()}), {torch.cuda.device_count()} GPU(s) visible"
-    return line
-
-
-def markdown_table(header: list[str], rows: list[list]) -> str:
-    def fmt(v):
-        return f"{v:.3f}" if isinstance(v, float) else str(v)
-
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
-    return "\n".join(lines)

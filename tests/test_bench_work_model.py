@@ -26,7 +26,8 @@ def test_tile_pairs_matches_a_loop(segments, blocks):
 
 
 def test_work_model_table():
-    table = work_model()
-    rows = [line for line in table.splitlines() if line.startswith("| 3") or line.startswith("| 6")]
-    assert len(rows) == 6  # two batches x W = 2, 4, 8
-    assert all(float(r.split("|")[-2]) >= 1.0 for r in rows)  # for these batches CP adds tiles, never removes them
+    result = work_model()
+    assert result.name == "ag-attention-work-model"
+    assert [(r["T"], r["W"]) for r in result.records()] == [(t, w) for t in (32768, 65536) for w in (2, 4, 8)]
+    assert all(r["ratio"] >= 1.0 for r in result.records())  # for these batches CP adds tiles, never removes them
+    assert "| 32768 |" in result.markdown()
