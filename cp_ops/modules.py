@@ -2,8 +2,7 @@
 
 :func:`l2norm` and :class:`GatedRMSNorm` are the GDN layer's (its q/k normalisation and its
 gated output norm), :class:`RMSNorm` and :func:`apply_rotary` the attention layer's (its q/k
-norm and positions); the hybrid stack of ``python -m cp_ops demo`` pre-norms with
-:class:`RMSNorm` too. Each computes in at least float32 and returns its input's dtype, as
+norm and positions). Each computes in at least float32 and returns its input's dtype, as
 Qwen3-Next's modules do.
 """
 

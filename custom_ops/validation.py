@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import torch
 
 from custom_ops._common import NAMESPACE, check_cp_size, check_index_tensor
+from custom_ops.registration import opaque_op
 
 __all__ = [
     "set_checks",
@@ -188,7 +189,7 @@ _VALIDATORS = {
 }
 
 
-@torch.library.custom_op(f"{NAMESPACE}::check_layout", mutates_args=())
+@opaque_op(f"{NAMESPACE}::check_layout", mutates_args=())
 def check_layout(kind: str, index: torch.Tensor, others: list[torch.Tensor], sizes: list[int]) -> torch.Tensor:
     """Validate ``index`` (and ``others``) as ``kind`` on the host; a copy of ``index``.
 
