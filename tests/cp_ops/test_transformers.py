@@ -399,4 +399,4 @@ def test_benchmark_smoke_run(tmp_path):
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
-    assert "tokens/s" in run.stdout and (out / "results.json").exists()
+    assert "tokens/s" in run.stdout and (out / "qwen3-next-smoke.json").exists()
