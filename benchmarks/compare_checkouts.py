@@ -1,15 +1,20 @@
-"""Time the segment-attention kernels of two checkouts of this repository, in alternating processes.
+"""Time the same benchmark cases against the library of two checkouts, in alternating processes.
 
-    git worktree add /tmp/base b0c5e11
-    python benchmarks/compare_checkouts.py /tmp/base . --head-dims 128 64 --rounds 3
+    git worktree add /tmp/base e532a3b
+    python -m benchmarks.compare_checkouts /tmp/base . [--suites attention layout gdn] [--rounds 3]
 
-For changes the benchmark's variants cannot switch off in one process (the ops of two
-checkouts register under the same names, so a process holds one checkout). Each round runs
-one process per checkout, in turn; each times, on the packed and dense cases of its own
-``benchmarks/bench_varlen_attention.py`` (bf16, causal, 16 heads), the forward op (the median
-of three do_bench medians) and the backward's dq and dk/dv kernels (profiler, 20 calls).
-Prints the medians over rounds and the speedup of the second checkout against the first.
-Both checkouts need ``packed_lengths`` and ``op_inputs`` in that script (since 2026-11-25).
+For changes a benchmark cannot switch off in one process (the ops of two checkouts register
+under the same names, so a process holds one checkout's library). The cases are this tree's
+(benchmarks/checkout_cases.py: segment attention's forward and backward ops, the THD layout
+ops, a compiled GatedDeltaNet step), run as a script with ``PYTHONPATH=<checkout>``, so each
+child imports cp_ops and custom_ops from its checkout (it checks and says where from) and
+uses only the public API both checkouts share. Each round runs one child per checkout, in
+turn, the order swapped every round so drift over the run falls on both alike.
+
+Prints, per suite, the medians over rounds of base and new, ``new / base`` (above 1: new is
+slower) and a flag on every case slower by more than ``--threshold`` (2%); writes each suite's
+table as the result ``compare-SUITE`` (benchmarks/runner.py) to ``--out``.
+``--fail-on-slower`` exits 1 when any case is flagged.
 """
 
 from __future__ import annotations
@@ -20,80 +25,127 @@ import os
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 
-CASES = ("packed 32k", "dense B8 x 4096")
-KINDS = ("fwd", "dq", "dkdv")
+from benchmarks.checkout_cases import SUITES
+from benchmarks.runner import Result, add_out_argument, emit, environment, git_commit
 
-
-def child(tree: str, head_dims: list[int]) -> None:
-    """Time ``tree``'s kernels; one JSON line per (head dim, case)."""
-    sys.path.insert(0, tree)
-    import torch
-    import triton
-
-    from benchmarks import bench_varlen_attention as bench
-    from benchmarks.common import kernel_breakdown
-
-    if not torch.cuda.is_available():
-        raise SystemExit("this comparison needs a CUDA device")
-    if not bench.custom_ops.__file__.startswith(os.path.join(tree, "")):
-        raise SystemExit(f"imported {bench.custom_ops.__file__}, not the checkout {tree}")
-    for d in head_dims:
-        for case, lens in zip(CASES, (bench.packed_lengths(), [4096] * 8)):
-            q, k, v, seg, out, lse, dout, dlse = bench.op_inputs(lens, d, 1, torch.device("cuda"))
-
-            def fwd():
-                return torch.ops.cp_ops.varlen_attention(q, k, v, *seg, True)
-
-            def bwd():
-                return torch.ops.cp_ops.varlen_attention_backward(dout, dlse, q, k, v, out, lse, *seg, True)
-
-            fwd(), bwd()  # compile outside the timing
-            ms = {"fwd": statistics.median(
-                triton.testing.do_bench(fwd, warmup=10, rep=200, return_mode="median") for _ in range(3)
-            )}  # fmt: skip
-            for name, t in kernel_breakdown(bwd, runs=20):
-                for kind in KINDS[1:]:
-                    if f"bwd_{kind}_kernel" in name:
-                        ms[kind] = ms.get(kind, 0.0) + t
-            print("TIMES", json.dumps({"d": d, "case": case, **ms}), flush=True)
+CHILD = Path(__file__).resolve().with_name("checkout_cases.py")
+THRESHOLD = 0.02
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("base", help="the checkout to compare against")
     parser.add_argument("new", help="the checkout to time against it")
-    parser.add_argument("--head-dims", type=int, nargs="+", default=[128, 64])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    trees = [os.path.abspath(args.base), os.path.abspath(args.new)]
-    if args.child:
-        return child(trees[0], args.head_dims)
+    parser.add_argument("--suites", nargs="+", choices=SUITES, default=list(SUITES), help="default: all")
+    parser.add_argument("--head-dims", type=int, nargs="+", default=[128, 64], help="attention's head dims")
+    parser.add_argument("--rounds", type=int, default=3, help="processes per checkout, in alternation")
+    parser.add_argument("--threshold", type=float, default=THRESHOLD,
+                        help="flag a case whose new / base exceeds 1 + this (default 0.02)")  # fmt: skip
+    parser.add_argument("--fail-on-slower", action="store_true", help="exit 1 if any case is flagged")
+    add_out_argument(parser)
+    args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    for tree in (args.base, args.new):
+        if not (Path(tree) / "cp_ops" / "__init__.py").is_file():
+            parser.error(f"{tree} is not a checkout of this repository (no cp_ops/__init__.py)")
+    return args
+
+
+def child_command(checkout: str, suites, head_dims) -> list[str]:
+    return [sys.executable, str(CHILD), "--checkout", str(checkout), "--suites", *suites,
+            "--head-dims", *map(str, head_dims)]  # fmt: skip
+
+
+def child_env(checkout: str) -> dict[str, str]:
+    """The environment of a child timing ``checkout``: its library first on the import path,
+    nothing else of this process's PYTHONPATH."""
+    return {**os.environ, "PYTHONPATH": str(Path(checkout).resolve())}
+
+
+def round_order(round_index: int) -> tuple[int, int]:
+    """The order of the two checkouts (0: base, 1: new) in a round: swapped every round."""
+    return (0, 1) if round_index % 2 == 0 else (1, 0)
+
+
+def parse_child_output(stdout: str) -> list[dict]:
+    return [json.loads(line[len("RESULT ") :]) for line in stdout.splitlines() if line.startswith("RESULT ")]
+
+
+def run_child(checkout: str, suites, head_dims) -> list[dict]:
+    run = subprocess.run(child_command(checkout, suites, head_dims), env=child_env(checkout), cwd=checkout,
+                         capture_output=True, text=True)  # fmt: skip
+    if run.returncode:
+        raise SystemExit(f"{checkout}: exit {run.returncode}\n{run.stdout[-2000:]}\n{run.stderr[-4000:]}")
+    imports = [line for line in run.stdout.splitlines() if line.startswith("IMPORTS ")]
+    print(f"{checkout}: {imports[0][len('IMPORTS '):] if imports else 'no import line'}", flush=True)
+    return parse_child_output(run.stdout)
+
+
+def collect(records_by_checkout: list[list[dict]], times: dict, index: int) -> None:
+    """Add one child's records to ``times``: ``{(suite, case json, metric): [[base ms...], [new ms...]]}``."""
+    for r in records_by_checkout:
+        key = (r["suite"], json.dumps(r["case"]), r["metric"])
+        times.setdefault(key, [[], []])[index].append(r["ms"])
+
+
+def compare(base: list, new: list, threshold: float = THRESHOLD) -> tuple[float | None, float | None, float | None, bool]:
+    """``(base median, new median, new / base, slower)`` of one case's timings over rounds
+    (``None`` timings, a kernel a checkout does not have, are left out; no ratio without both)."""
+    b = [t for t in base if t is not None]
+    n = [t for t in new if t is not None]
+    mb = statistics.median(b) if b else None
+    mn = statistics.median(n) if n else None
+    ratio = mn / mb if mb and mn is not None else None
+    return mb, mn, ratio, ratio is not None and ratio > 1 + threshold
+
+
+def tables(times: dict, threshold: float, env: dict, rounds: int) -> list[Result]:
+    """One result per suite: the case's labels, the metric, base and new medians, new / base, flag."""
+    results = []
+    for suite in dict.fromkeys(k[0] for k in times):
+        keys = [k for k in times if k[0] == suite]
+        labels = list(dict.fromkeys(label for _, case, _ in keys for label in json.loads(case)))
+        rows = []
+        for _, case, metric in keys:
+            values = json.loads(case)
+            mb, mn, ratio, slower = compare(*times[(suite, case, metric)], threshold)
+            rows.append([values.get(label) for label in labels]
+                        + [metric, mb, mn, ratio, f"slower by > {threshold:.0%}" if slower else ""])  # fmt: skip
+        columns = labels + ["metric", "base ms", "new ms", "new / base", "flag"]
+        notes = (f"base {env['base']}, new {env['new']}; medians of {rounds} rounds, alternating processes; "
+                 f"new / base above 1: new is slower")  # fmt: skip
+        results.append(Result("compare_checkouts", f"{suite}: base against new", columns, rows, notes, env,
+                              name=f"compare-{suite}", formats={"base ms": "{:.3f}", "new ms": "{:.3f}",
+                                                                "new / base": "{:.3f}"}))  # fmt: skip
+    return results
+
+
+def flagged(results: list[Result]) -> list[str]:
+    out = []
+    for r in results:
+        for row in r.rows:
+            if row[-1]:
+                out.append(f"{r.name}: " + ", ".join(str(v) for v in row[:-4]) + f" ({row[-2]:.3f})")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    trees = [str(Path(args.base).resolve()), str(Path(args.new).resolve())]
     times: dict = {}
-    for _ in range(args.rounds):
-        for i, tree in enumerate(trees):
-            cmd = [sys.executable, os.path.abspath(__file__), tree, tree, "--child", "--head-dims"]
-            run = subprocess.run(cmd + [str(d) for d in args.head_dims], capture_output=True, text=True)
-            if run.returncode:
-                raise SystemExit(f"{tree}: exit {run.returncode}\n{run.stderr[-3000:]}")
-            for line in run.stdout.splitlines():
-                if line.startswith("TIMES "):
-                    r = json.loads(line[6:])
-                    for kind in KINDS:
-                        times.setdefault((r["d"], r["case"], kind, i), []).append(r[kind])
-    print(f"base {trees[0]}, new {trees[1]}; medians of {args.rounds} rounds (ms), in brackets base / new")
-    print()
-    print("| case | D | fwd base / new | dq base / new | dk/dv base / new |")
-    print("| --- | --- | --- | --- | --- |")
-    for d in args.head_dims:
-        for case in CASES:
-            cells = []
-            for kind in KINDS:
-                base, new = (statistics.median(times[(d, case, kind, i)]) for i in (0, 1))
-                cells.append(f"{base:.3f} / {new:.3f} ({base / new:.3f})")
-            print(f"| {case} | {d} | {' | '.join(cells)} |")
+    for r in range(args.rounds):
+        for i in round_order(r):
+            collect(run_child(trees[i], args.suites, args.head_dims), times, i)
+    env = environment(base=f"{trees[0]} ({git_commit(trees[0])})", new=f"{trees[1]} ({git_commit(trees[1])})")
+    results = tables(times, args.threshold, env, args.rounds)
+    emit(results, args.out)
+    slow = flagged(results)
+    print(f"\n{len(slow)} case(s) slower by more than {args.threshold:.0%}" + "".join(f"\n  {s}" for s in slow))
+    return 1 if slow and args.fail_on_slower else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

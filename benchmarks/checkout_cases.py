@@ -1,0 +1,168 @@
+"""The cases benchmarks/compare_checkouts.py times, run in a child process against one checkout's library.
+
+    PYTHONPATH=CHECKOUT python benchmarks/checkout_cases.py --checkout CHECKOUT --suites attention layout gdn
+
+Run as a script, not as ``-m benchmarks...``: the library (cp_ops, custom_ops) must come from
+CHECKOUT (PYTHONPATH), and this file's folder, not the current repository's root, is then the
+first entry of ``sys.path``. Every case uses the library's public API only (``torch.ops.cp_ops.*``,
+``cp_ops.*``, ``custom_ops``' exported functions), the API both checkouts of a comparison
+share; the case builders and the timing are this tree's (benchmarks/cases.py,
+benchmarks/timing.py, loaded by file path). Prints one ``RESULT {json}`` line per timing:
+``{"suite", "case", "metric", "ms"}``.
+
+Suites:
+  attention  the segment-attention forward op and backward op on the packed and dense cases
+             (bf16, causal, 16 heads; ``--head-dims``): ``fwd`` (do_bench median of the
+             forward op, median of 3), ``bwd`` (the same for the backward op), and ``dq`` /
+             ``dkdv``: those kernels' device time from the profiler over 20 backward calls
+  layout     every THD layout op (seq_to_rank, rank_to_seq, copy_valid, copy_valid_) at both
+             row widths (16 x 64 and 32 x 128 bf16) and W = 2, 4, 8: do_bench medians
+  gdn        a compiled GatedDeltaNet fwd+bwd step at Qwen3-Next-80B's widths (hidden 2048,
+             Hk 16, Hv 32, dk = dv = 128, bf16), T = 16384 in 8 sequences: ``fwd+bwd``
+             (do_bench median) and ``kernels`` (the step's summed kernel time, profiler)
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+from pathlib import Path
+
+SUITES = ("attention", "layout", "gdn")
+HERE = Path(__file__).resolve().parent
+
+
+def _sibling(name: str):
+    """This tree's ``benchmarks/<name>.py``, loaded by path (the ``benchmarks`` package on
+    ``sys.path`` may be the checkout's)."""
+    spec = importlib.util.spec_from_file_location(f"_compare_{name}", HERE / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def library_files() -> dict[str, str]:
+    """The files the library packages were imported from."""
+    import cp_ops
+    import custom_ops
+
+    return {"cp_ops": cp_ops.__file__, "custom_ops": custom_ops.__file__}
+
+
+def check_imports(checkout: str) -> dict[str, str]:
+    """:func:`library_files`, refusing any that lies outside ``checkout``."""
+    root = Path(checkout).resolve()
+    files = library_files()
+    outside = {k: f for k, f in files.items() if not Path(f).resolve().is_relative_to(root)}
+    if outside:
+        raise SystemExit(f"imported {outside}, not from the checkout {root}")
+    return files
+
+
+def report(suite: str, case: dict, metric: str, ms: float | None) -> None:
+    print("RESULT " + json.dumps({"suite": suite, "case": case, "metric": metric, "ms": ms}), flush=True)
+
+
+def attention(timing, cases, head_dims) -> None:
+    import torch
+
+    for d in head_dims:
+        for name, lens in cases.attention_cases():
+            q, k, v, seg, out, lse, dout, dlse = cases.attention_op_inputs(lens, d, 1, torch.device("cuda"))
+
+            def fwd():
+                return torch.ops.cp_ops.varlen_attention(q, k, v, *seg, True)
+
+            def bwd():
+                return torch.ops.cp_ops.varlen_attention_backward(dout, dlse, q, k, v, out, lse, *seg, True)
+
+            fwd(), bwd()  # compile outside the timing
+            case = {"case": name, "D": d}
+            report("attention", case, "fwd", statistics.median(timing.median_ms(fwd, 10, 200) for _ in range(3)))
+            report("attention", case, "bwd", statistics.median(timing.median_ms(bwd, 10, 200) for _ in range(3)))
+            kernels = timing.kernel_breakdown(bwd, runs=20)
+            for kind in ("dq", "dkdv"):
+                found = [ms for kernel, ms in kernels if f"bwd_{kind}_kernel" in kernel]
+                report("attention", case, kind, sum(found) if found else None)
+
+
+LAYOUT_OPS = ("seq_to_rank", "rank_to_seq", "copy_valid", "copy_valid_")
+
+
+def layout(timing, cases) -> None:
+    import torch
+
+    import cp_ops
+
+    for shape, seqlens, trailing in cases.layout_shapes()[:2]:  # the two row widths
+        for w in (2, 4, 8):
+            cu, cup = cp_ops.pad_cu_seqlens(seqlens, w, device="cuda")
+            x = torch.randn((int(cup[-1]),) + trailing, device="cuda", dtype=torch.bfloat16)
+            src, dst = torch.randn_like(x), x.clone()
+            ops = {
+                "seq_to_rank": lambda: torch.ops.cp_ops.thd_seq_to_rank_order(x, cup, w),
+                "rank_to_seq": lambda: torch.ops.cp_ops.thd_rank_to_seq_order(x, cup, w),
+                "copy_valid": lambda: torch.ops.cp_ops.thd_copy_valid_tokens(x, src, cup, cu),
+                "copy_valid_": lambda: torch.ops.cp_ops.thd_copy_valid_tokens_(dst, src, cup, cu),
+            }
+            for op, fn in ops.items():
+                fn()  # compile outside the timing
+                report("layout", {"shape": shape, "W": w}, op, timing.median_ms(fn))
+
+
+GDN_SHAPE = {"hidden": 2048, "Hk": 16, "Hv": 32, "dk": 128, "dv": 128, "T": 16384, "B": 8}
+
+
+def gdn(timing, cases) -> None:
+    import torch
+
+    import cp_ops
+
+    s = GDN_SHAPE
+    torch.manual_seed(0)
+    layer = cp_ops.GatedDeltaNet(s["hidden"], s["Hk"], s["Hv"], s["dk"], s["dv"]).to("cuda", torch.bfloat16)
+    lens = cases.random_lengths(s["T"], s["B"], torch.Generator().manual_seed(s["T"] + s["B"]))
+    _, cup = cp_ops.pad_cu_seqlens(lens, 1, device="cuda")
+    x = torch.randn(int(cup[-1]), s["hidden"], device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn_like(x)
+    params = [x, *layer.parameters()]
+    compiled = torch.compile(layer, fullgraph=True)
+
+    def step():
+        for p in params:
+            p.grad = None
+        compiled(x, cup).backward(grad)
+
+    step()  # compile and autotune outside the timing
+    case = {"shape": f"T={s['T']} B={s['B']}"}
+    report("gdn", case, "fwd+bwd", timing.median_ms(step))
+    report("gdn", case, "kernels", timing.kernel_ms(step))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkout", required=True, help="the checkout whose library this process must import")
+    parser.add_argument("--suites", nargs="+", choices=SUITES, default=list(SUITES))
+    parser.add_argument("--head-dims", type=int, nargs="+", default=[128, 64])
+    parser.add_argument("--imports-only", action="store_true", help="check where the library comes from, and exit")
+    args = parser.parse_args(argv)
+    files = check_imports(args.checkout)
+    print("IMPORTS " + json.dumps(files), flush=True)
+    if args.imports_only:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("the checkout comparison needs a CUDA device")
+    timing, cases = _sibling("timing"), _sibling("cases")
+    for suite in args.suites:
+        if suite == "attention":
+            attention(timing, cases, args.head_dims)
+        else:
+            {"layout": layout, "gdn": gdn}[suite](timing, cases)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,190 @@
+"""The benchmarks' CPU parts: results as JSON and their markdown, the docs rendered from them,
+and benchmarks/compare_checkouts.py's arguments, ratios, flags and children's imports."""
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from benchmarks import compare_checkouts as cc
+from benchmarks import report
+from benchmarks.runner import RESULTS_DIR, Result, env_line, load, load_all, markdown_table
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _result(**kw):
+    base = dict(benchmark="demo", title="A table", columns=["case", "W", "ms", "ratio"],
+                rows=[["a", 2, 0.1234, 1.5], ["b", 4, None, 2.0]], notes="times in ms",
+                env={"device": "GPU", "torch": "2.11", "triton": "3.6", "cuda": "13.0", "date": "2026-01-01"},
+                formats={"W": "{:d}", "ratio": "{:.2f}x"})  # fmt: skip
+    return Result(**{**base, **kw})
+
+
+# --- results -------------------------------------------------------------------------------------
+
+
+def test_result_round_trips_through_its_file(tmp_path):
+    r = _result(name="demo-w2")
+    path = r.write(tmp_path)
+    assert path == tmp_path / "demo-w2.json"
+    back = load(path)
+    assert back.to_dict() == r.to_dict()
+    assert back.formats == [None, "{:d}", None, "{:.2f}x"]
+    d = json.loads(path.read_text())
+    assert set(d) >= {"benchmark", "title", "env", "columns", "rows", "notes"}
+    assert load_all(tmp_path) == {"demo-w2": back}
+
+
+def test_result_markdown_formats_cells():
+    text = _result().markdown()
+    lines = text.splitlines()
+    assert lines[0] == "GPU, torch 2.11, triton 3.6, CUDA 13.0, 2026-01-01"
+    assert lines[1] == "times in ms"
+    assert "| a | 2 | 0.123 | 1.50x |" in lines and "| b | 4 | - | 2.00x |" in lines
+    assert _result().markdown(head=False).startswith("| case | W | ms | ratio |\n|---|---|---|---|")
+    assert markdown_table(["", "x"], [["", "1"]]) == "| | x |\n|---|---|\n| | 1 |"
+
+
+def test_result_refuses_ragged_rows_and_unknown_format_columns():
+    with pytest.raises(ValueError, match="rows"):
+        _result(rows=[["a", 1]])
+    with pytest.raises(ValueError, match="formats"):
+        _result(formats={"nope": "{}"})
+
+
+def test_env_line_with_ranks_and_stated_line():
+    env = {"device": "H200", "torch": "2.11", "triton": "3.7", "cuda": "13.0", "date": "d", "commit": "abc",
+           "ranks": 2, "backend": "nccl", "gpus": 8}  # fmt: skip
+    assert env_line(env) == "H200, torch 2.11, triton 3.7, CUDA 13.0, d, commit abc; W = 2 ranks (NCCL), 8 GPU(s) visible"
+    assert env_line({**env, "stated": "as the document said"}) == "as the document said"
+
+
+def test_runner_environment_names_this_checkout():
+    from benchmarks.runner import environment
+
+    env = environment(fla="x")
+    assert env["torch"] and env["triton"] and env["date"] and env["fla"] == "x"
+    assert env["commit"] is None or len(env["commit"].split("+")[0]) >= 7
+
+
+# --- the document rendered from the results -------------------------------------------------------
+
+
+def test_report_renders_marked_sections_only():
+    r = _result(name="demo")
+    text = "prose\n<!-- results:demo -->\nold\n<!-- /results:demo -->\nmore\n<!-- results:demo table -->\n<!-- /results:demo -->\n"
+    new, missing = report.render(text, {"demo": r})
+    assert not missing
+    assert new.startswith("prose\n<!-- results:demo -->\nGPU, torch 2.11")
+    assert "more\n<!-- results:demo table -->\n| case | W | ms | ratio |" in new
+    assert report.render(new, {"demo": r})[0] == new
+    assert report.render(text, {})[1] == ["demo", "demo"]
+
+
+def test_report_check_exit_codes(tmp_path):
+    results = tmp_path / "results"
+    _result(name="demo").write(results)
+    doc = tmp_path / "doc.md"
+    doc.write_text("<!-- results:demo -->\n<!-- /results:demo -->\n")
+    assert report.main(["--results", str(results), "--doc", str(doc), "--check"]) == 1
+    assert report.main(["--results", str(results), "--doc", str(doc)]) == 0
+    assert report.main(["--results", str(results), "--doc", str(doc), "--check"]) == 0
+    doc.write_text(doc.read_text() + "<!-- results:absent -->\n<!-- /results:absent -->\n")
+    assert report.main(["--results", str(results), "--doc", str(doc), "--check"]) == 1
+
+
+def test_docs_benchmarks_md_is_rendered_from_the_results():
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    new, missing = report.render(text, load_all(RESULTS_DIR))
+    assert not missing, f"sections without a result: {missing}"
+    assert new == text, "docs/benchmarks.md is stale: run python -m benchmarks.report"
+
+
+# --- compare_checkouts ----------------------------------------------------------------------------
+
+
+def test_compare_arguments(tmp_path):
+    args = cc.parse_args([str(ROOT), str(ROOT)])
+    assert args.suites == ["attention", "layout", "gdn"] and args.rounds == 3 and args.threshold == 0.02
+    args = cc.parse_args([str(ROOT), str(ROOT), "--suites", "layout", "--rounds", "5", "--out", str(tmp_path)])
+    assert args.suites == ["layout"] and args.rounds == 5 and args.out == str(tmp_path)
+    with pytest.raises(SystemExit):
+        cc.parse_args([str(tmp_path), str(ROOT)])  # not a checkout
+    with pytest.raises(SystemExit):
+        cc.parse_args([str(ROOT), str(ROOT), "--suites", "nope"])
+
+
+def test_compare_ratio_and_flag():
+    assert cc.compare([1.0, 1.1, 0.9], [1.0, 1.02, 1.01]) == (1.0, 1.01, pytest.approx(1.01), False)
+    mb, mn, ratio, slower = cc.compare([1.0, 1.0, 1.0], [1.03, 1.05, 1.02])
+    assert ratio == pytest.approx(1.03) and slower
+    assert cc.compare([1.0], [1.021])[3] and not cc.compare([1.0], [1.02])[3]
+    assert not cc.compare([1.0], [0.5])[3]  # faster is never flagged
+    assert cc.compare([1.0], [1.5], threshold=0.6)[3] is False
+    assert cc.compare([None, None], [1.0]) == (None, 1.0, None, False)  # a kernel the base lacks
+
+
+def test_compare_rounds_alternate():
+    assert [cc.round_order(r) for r in range(4)] == [(0, 1), (1, 0), (0, 1), (1, 0)]
+
+
+def test_compare_tables_and_flags():
+    out = "\n".join([
+        "noise",
+        'RESULT {"suite": "layout", "case": {"shape": "s", "W": 2}, "metric": "seq_to_rank", "ms": 1.0}',
+        'RESULT {"suite": "layout", "case": {"shape": "s", "W": 2}, "metric": "copy_valid", "ms": 2.0}',
+    ])  # fmt: skip
+    times: dict = {}
+    cc.collect(cc.parse_child_output(out), times, 0)
+    cc.collect(cc.parse_child_output(out.replace('"ms": 2.0', '"ms": 2.2')), times, 1)
+    results = cc.tables(times, 0.02, {"base": "b", "new": "n"}, rounds=1)
+    assert [r.name for r in results] == ["compare-layout"]
+    r = results[0]
+    assert r.columns == ["shape", "W", "metric", "base ms", "new ms", "new / base", "flag"]
+    assert r.rows[0] == ["s", 2, "seq_to_rank", 1.0, 1.0, 1.0, ""]
+    assert r.rows[1][:6] == ["s", 2, "copy_valid", 2.0, 2.2, pytest.approx(1.1)] and r.rows[1][6]
+    assert cc.flagged(results) == ["compare-layout: s, 2, copy_valid (1.100)"]
+    assert "| s | 2 | copy_valid | 2.000 | 2.200 | 1.100 | slower by > 2% |" in r.markdown()
+
+
+def _fake_checkout(root: Path) -> Path:
+    for pkg in ("cp_ops", "custom_ops"):
+        (root / pkg).mkdir(parents=True)
+        (root / pkg / "__init__.py").write_text("")
+    return root
+
+
+def _child(checkout: Path, env_checkout: Path, cwd: Path):
+    cmd = cc.child_command(str(checkout), ["layout"], [128]) + ["--imports-only"]
+    env = cc.child_env(str(env_checkout))
+    env.pop("TRITON_INTERPRET", None)
+    return subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+def test_compare_children_import_the_library_of_their_checkout(tmp_path):
+    fake = _fake_checkout(tmp_path / "checkout")
+    run = _child(fake, fake, fake)
+    assert run.returncode == 0, run.stderr[-3000:]
+    files = json.loads(next(line for line in run.stdout.splitlines() if line.startswith("IMPORTS "))[8:])
+    assert {k: Path(v).resolve() for k, v in files.items()} == {
+        "cp_ops": (fake / "cp_ops" / "__init__.py").resolve(),
+        "custom_ops": (fake / "custom_ops" / "__init__.py").resolve(),
+    }
+    # run from this repository's root, the child still takes the checkout's library
+    assert _child(fake, fake, ROOT).returncode == 0
+
+
+def test_compare_children_refuse_a_library_from_elsewhere(tmp_path):
+    fake = _fake_checkout(tmp_path / "checkout")
+    other = _fake_checkout(tmp_path / "other")
+    run = _child(other, fake, fake)
+    assert run.returncode != 0 and "not from the checkout" in run.stderr
+
+
+def test_compare_child_imports_this_repository_when_asked():
+    run = _child(ROOT, ROOT, ROOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    files = json.loads(next(line for line in run.stdout.splitlines() if line.startswith("IMPORTS "))[8:])
+    assert all(Path(f).resolve().is_relative_to(ROOT) for f in files.values()), files
