@@ -1,6 +1,6 @@
 """Host time per eager call of every cp_ops op, in both registration forms.
 
-    python benchmarks/bench_host.py [--out FILE.json] [--baseline DIR] [--ops NAME ...]
+    python -m benchmarks.bench_host [--out DIR] [--raw FILE.json] [--baseline DIR] [--ops NAME ...]
                                     [--breakdown] [--layout-sweep] [--smoke]
 
 For each op (forward, and backward through autograd where it is differentiable):
@@ -21,15 +21,16 @@ machine. ``--breakdown`` times the pieces of one ``thd_seq_to_rank_order`` call 
 body, launch) and prints a cProfile of it; ``--layout-sweep`` times the four THD layout ops
 against a clone at both row widths of bench_thd_layout.py and W = 2, 4, 8. ``--smoke`` runs
 tiny shapes on the CPU (the torch references, wall-clock timing, no sleep).
+
+Results (benchmarks/runner.py): ``host`` (``host-smoke`` with --smoke) and, with
+--layout-sweep, ``host-layout-sweep``; ``--raw`` also writes every subprocess's figures.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -516,17 +517,6 @@ def breakdown(cuda: bool) -> dict:
 # --- the parent: one subprocess per form (and package) ------------------------------------------
 
 
-def environment_line(cuda: bool) -> str:
-    import torch
-    import triton
-
-    dev = torch.cuda.get_device_name() if cuda and torch.cuda.is_available() else (platform.processor() or "cpu")
-    return (
-        f"{dev}, torch {torch.__version__}, triton {triton.__version__}, CUDA {torch.version.cuda}, "
-        f"{datetime.date.today().isoformat()}"
-    )
-
-
 def spawn(form: str, package: str, args, tmp: str, host_only: bool) -> dict:
     out = os.path.join(tmp, f"{os.path.basename(package) or 'tree'}-{form}.json")
     env = dict(os.environ, CP_OPS_OPAQUE_KERNELS=form, PYTHONUNBUFFERED="1")
@@ -545,18 +535,17 @@ def spawn(form: str, package: str, args, tmp: str, host_only: bool) -> dict:
         return json.load(f)
 
 
-def table(runs: dict, smoke: bool) -> str:
-    """One row per op and form: host us (baseline -> this tree where there is a baseline)."""
+def table(runs: dict, smoke: bool) -> tuple[list[str], list[list]]:
+    """``(columns, rows)``: one row per op and form, host us (baseline -> this tree where there
+    is a baseline)."""
     names = list(runs)
     tree = names[-1]
-    lines = []
+    rows = []
     header = ["op", "form"]
     for label in names:
         header += [f"fwd host us ({label})", f"bwd host us ({label})"]
     if not smoke:
         header += ["call ms", "kernels ms", "clone ms", "call / clone"]
-    lines.append("| " + " | ".join(header) + " |")
-    lines.append("|" + "---|" * len(header))
     for form in ("triton_op", "opaque"):
         if any(form not in runs[label] for label in names):
             continue
@@ -569,8 +558,8 @@ def table(runs: dict, smoke: bool) -> str:
             if not smoke:
                 call, kernels, clone = row.get("call ms"), row.get("kernels ms"), row.get("clone ms")
                 cells += [_fmt_ms(call), _fmt_ms(kernels), _fmt_ms(clone), f"{call / clone:.2f}x" if call and clone else ""]
-            lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+            rows.append(cells)
+    return header, rows
 
 
 def _fmt_ms(ms) -> str:
@@ -584,20 +573,25 @@ def _fmt_us(row: dict, which: str) -> str:
     return f"{us:.1f}" + (" (GPU waited)" if row.get(f"{which} gpu waited") else "")
 
 
-def sweep_table(runs: dict) -> str:
+def sweep_table(runs: dict) -> tuple[list[str], list[list]]:
     tree = list(runs)[-1]
-    lines = ["| form | shape | W | clone ms | seq_to_rank | rank_to_seq | copy_valid | copy_valid_ |", "|" + "---|" * 8]
+    header = ["form", "shape", "W", "clone ms", "seq_to_rank", "rank_to_seq", "copy_valid", "copy_valid_"]
+    rows = []
     for form in ("triton_op", "opaque"):
         for r in runs[tree].get(form, {}).get("layout_sweep", []):
             cells = [form, r["shape"], str(r["W"]), f"{r['clone ms']:.3f}"]
             cells += [f"{r[f'{n} / clone']:.2f}x" for n in ("seq_to_rank", "rank_to_seq", "copy_valid", "copy_valid_")]
-            lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+            rows.append(cells)
+    return header, rows
 
 
 def main() -> None:
+    # the parent's only: a child runs with an older checkout's packages first on its path
+    from benchmarks.runner import Result, add_out_argument, emit, env_line, environment
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", help="write the JSON results here")
+    add_out_argument(parser)
+    parser.add_argument("--raw", help="also write every subprocess's figures to this JSON file")
     parser.add_argument("--baseline", help="a folder holding an older custom_ops package to time as well")
     parser.add_argument("--ops", nargs="+", help="only these ops (names or groups: layout, attention, conv, gdn)")
     parser.add_argument("--breakdown", action="store_true", help="time the pieces of one call and cProfile it")
@@ -615,8 +609,8 @@ def main() -> None:
         with open(args.child_out, "w") as f:
             json.dump(result, f)
         return
-    header = environment_line(not args.smoke)
-    print(header, flush=True)
+    env = environment()
+    print(env_line(env), flush=True)
     tree = ("this tree", ROOT) if args.package is None else (os.path.basename(args.package), os.path.abspath(args.package))
     packages = ([("baseline", os.path.abspath(args.baseline))] if args.baseline else []) + [tree]
     runs = {}
@@ -626,14 +620,17 @@ def main() -> None:
             for form in args.forms:
                 result = spawn(form, package, args, tmp, host_only=args.host_only or label == "baseline")
                 runs[label][result["form"]] = result
-    command = "python benchmarks/bench_host.py " + " ".join(sys.argv[1:])
-    text = f"{header}\n`{command}`\n\n" + table(runs, args.smoke)
+    command = "python -m benchmarks.bench_host " + " ".join(sys.argv[1:])
+    name = "host" + "-smoke" * args.smoke
+    results = [Result("host", "Host time per op call, both registration forms", *table(runs, args.smoke),
+                      notes=f"`{command}`", env=env, name=name)]  # fmt: skip
     if args.layout_sweep and not args.smoke:
-        text += "\n\n" + sweep_table(runs)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"environment": header, "command": command, "runs": runs, "table": text}, f, indent=1)
-    print("\n" + text)
+        results.append(Result("host", "The four THD layout ops against a clone, both forms", *sweep_table(runs),
+                              notes=f"`{command}`", env=env, name=f"{name}-layout-sweep"))  # fmt: skip
+    if args.raw:
+        with open(args.raw, "w") as f:
+            json.dump({"environment": env, "command": command, "runs": runs}, f, indent=1)
+    emit(results, args.out)
 
 
 if __name__ == "__main__":

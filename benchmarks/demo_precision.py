@@ -1,6 +1,6 @@
 """How far the demo model's step-1 gradients are from float64, per dtype (CPU, one device).
 
-    python benchmarks/demo_precision.py [--dtype bfloat16] [demo options ...]
+    python -m benchmarks.demo_precision [--dtype bfloat16] [demo options ...]
 
 Builds ``cp_ops.demo.HybridLM`` with the demo's options (``python -m cp_ops demo
 --help``; the defaults here are the CPU ones with 4 blocks and 2030 tokens), runs one
@@ -15,14 +15,10 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-import cp_ops_demo as demo  # noqa: E402
+import cp_ops_demo as demo
 
 
 class _Zero(torch.nn.Module):

@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+from benchmarks.runner import load
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 DIFFERENTIABLE = {
@@ -17,17 +19,17 @@ DIFFERENTIABLE = {
 
 
 def test_bench_host_smoke(tmp_path):
-    out = tmp_path / "host.json"
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    raw = tmp_path / "raw.json"
+    env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)
     env.pop("CP_OPS_OPAQUE_KERNELS", None)
     run = subprocess.run(
-        [sys.executable, "benchmarks/bench_host.py", "--smoke", "--breakdown", "--out", str(out)],
+        [sys.executable, "-m", "benchmarks.bench_host", "--smoke", "--breakdown", "--out", str(tmp_path),
+         "--raw", str(raw)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
-    result = json.loads(out.read_text())
-    runs = result["runs"]["this tree"]
+    runs = json.loads(raw.read_text())["runs"]["this tree"]
     assert set(runs) == {"triton_op", "opaque"}
     for form, r in runs.items():
         rows = {row["op"]: row for row in r["rows"]}
@@ -36,6 +38,7 @@ def test_bench_host_smoke(tmp_path):
             assert row["fwd host us"] > 0
             assert ("bwd host us" in row) == (name in DIFFERENTIABLE | {"clone (floor)"}), (form, name)
         assert r["breakdown"]["pieces us"]["torch.ops.cp_ops.thd_seq_to_rank_order"] > 0
-    table = run.stdout.strip().splitlines()
-    assert table[-1].startswith("| rank_blocks_to_sections | opaque") or "| opaque |" in table[-1]
-    assert "fwd host us (this tree)" in result["table"]
+    result = load(tmp_path / "host-smoke.json")
+    assert "fwd host us (this tree)" in result.columns
+    assert {(row[0], row[1]) for row in result.rows} >= {(op, form) for op in DIFFERENTIABLE for form in runs}
+    assert "| rank_blocks_to_sections | opaque |" in run.stdout
