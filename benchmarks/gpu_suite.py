@@ -4,8 +4,8 @@
 
 PARTS (default: every part that fits the visible GPUs):
   tests-1gpu      pytest -m "gpu and not dist" (kernels against their references on CUDA)
-  layout          benchmarks/bench_thd_layout.py --sweep
-  attention       benchmarks/bench_varlen_attention.py       (if present)
+  layout          python -m benchmarks.bench_thd_layout --sweep
+  attention       python -m benchmarks.bench_varlen_attention       (if present)
   attention-tune  the same with --tune: kernel configs
   attention-profile  the same with --profile: CUDA time per kernel
   attention-qwen  the same at Qwen3-Next's attention heads: H = 16, Hkv = 2, D = 256
@@ -26,13 +26,19 @@ PARTS (default: every part that fits the visible GPUs):
                   ("tests-2gpu" is accepted as its old name)
 
 Multi-rank parts run once per CP size W, each run with its own timeout and named
-PART-wW in the summary, logs and tables (a2a-w8.log, a2a-w8.md, ...). The sizes are
+PART-wW in the summary and logs (a2a-w8.log, ...). The sizes are
 --world's; without it, the benchmarks run at W = every visible GPU and tests-dist at
 each of 2, 4, 8 that fits. For a scaling series on an 8-GPU host:
 ``a2a gdn-cp --world 2 4 8`` (parts before --world). Sizes above the visible GPU count
 are reported as skipped.
 
-Logs and markdown tables go to --out (default $OUT or ./gpu-results).
+Logs go to --out (default $OUT or ./gpu-results), and so do the benchmarks' results as
+JSON files (benchmarks/runner.py: one file per table, named after the benchmark, e.g.
+layout.json, cp2hp-w8.json). Copy those to benchmarks/results/ and run
+``python -m benchmarks.report`` to render docs/benchmarks.md's tables from them, and
+``python -m benchmarks.plots`` for the pictures. The benchmarks run as modules of the
+repository's root (``python -m benchmarks.NAME``, with the root on PYTHONPATH), so the
+package need not be installed.
 """
 
 from __future__ import annotations
@@ -47,46 +53,49 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 PARTS = {
     "tests-1gpu": (1, [sys.executable, "-m", "pytest", "-m", "gpu and not dist", "-q", "-p", "no:cacheprovider"]),
-    "layout": (1, [sys.executable, "benchmarks/bench_thd_layout.py", "--sweep", "--out", "{out}/layout.md"]),
-    "attention": (1, [sys.executable, "benchmarks/bench_varlen_attention.py"]),
-    "attention-tune": (1, [sys.executable, "benchmarks/bench_varlen_attention.py", "--tune"]),
-    "attention-profile": (1, [sys.executable, "benchmarks/bench_varlen_attention.py", "--profile"]),
-    "attention-qwen": (1, [sys.executable, "benchmarks/bench_varlen_attention.py", "--gqa", "8", "--head-dims", "256"]),
+    "layout": (1, [sys.executable, "-m", "benchmarks.bench_thd_layout", "--sweep", "--out", "{out}"]),
+    "attention": (1, [sys.executable, "-m", "benchmarks.bench_varlen_attention", "--out", "{out}"]),
+    "attention-tune": (1, [sys.executable, "-m", "benchmarks.bench_varlen_attention", "--tune"]),
+    "attention-profile": (1, [sys.executable, "-m", "benchmarks.bench_varlen_attention", "--profile", "--out", "{out}"]),
+    "attention-qwen": (
+        1,
+        [sys.executable, "-m", "benchmarks.bench_varlen_attention", "--gqa", "8", "--head-dims", "256", "--out", "{out}"],
+    ),
     "gdn": (
         1,
-        [sys.executable, "benchmarks/bench_gdn.py", "--kernel-time", "--rank-share", "2", "4", "--out", "{out}/gdn.md"],
+        [sys.executable, "-m", "benchmarks.bench_gdn", "--kernel-time", "--rank-share", "2", "4", "--out", "{out}"],
     ),
-    "conv": (1, [sys.executable, "benchmarks/bench_conv.py", "--out", "{out}/conv.md"]),
-    "conv-gather": (1, [sys.executable, "benchmarks/bench_conv.py", "--gather", "--out", "{out}/conv-gather.md"]),
-    "gdn-gemms": (1, [sys.executable, "benchmarks/bench_gdn_gemms.py", "--out", "{out}/gdn-gemms.md"]),
+    "conv": (1, [sys.executable, "-m", "benchmarks.bench_conv", "--out", "{out}"]),
+    "conv-gather": (1, [sys.executable, "-m", "benchmarks.bench_conv", "--gather", "--out", "{out}"]),
+    "gdn-gemms": (1, [sys.executable, "-m", "benchmarks.bench_gdn_gemms", "--out", "{out}"]),
     "demo": (1, [sys.executable, "-m", "cp_ops", "demo", "--cp-size", "1"]),
     # multi-rank: {world} is the CP size, {name} the part's name with it (a2a-w8)
     "a2a": (
         2,
-        [sys.executable, "benchmarks/bench_cp2hp.py", "--world", "{world}", "--profile", "--out", "{out}/{name}.md"],
+        [sys.executable, "-m", "benchmarks.bench_cp2hp", "--world", "{world}", "--profile", "--out", "{out}"],
     ),
     "ag-attention": (
         2,
-        [sys.executable, "benchmarks/bench_ag_attention.py", "--world", "{world}", "--out", "{out}/{name}.md"],
+        [sys.executable, "-m", "benchmarks.bench_ag_attention", "--world", "{world}", "--out", "{out}"],
     ),
     "gdn-cp": (
         2,
-        [sys.executable, "benchmarks/bench_gdn.py", "--cp", "{world}", "--profile", "--out", "{out}/{name}.md"],
+        [sys.executable, "-m", "benchmarks.bench_gdn", "--cp", "{world}", "--profile", "--out", "{out}"],
     ),
     "gdn-cp-graphs": (
         2,
-        [sys.executable, "benchmarks/bench_gdn.py", "--cp", "{world}", "--compiled-only", "--cudagraphs", "--profile",
-         "--out", "{out}/{name}.md"],
+        [sys.executable, "-m", "benchmarks.bench_gdn", "--cp", "{world}", "--compiled-only", "--cudagraphs", "--profile",
+         "--out", "{out}"],
     ),  # fmt: skip
     "ag-attention-graphs": (
         2,
-        [sys.executable, "benchmarks/bench_ag_attention.py", "--world", "{world}", "--cudagraphs", "--profile",
-         "--out", "{out}/{name}.md"],
+        [sys.executable, "-m", "benchmarks.bench_ag_attention", "--world", "{world}", "--cudagraphs", "--profile",
+         "--out", "{out}"],
     ),  # fmt: skip
     "ag-attention-qwen": (
         2,
-        [sys.executable, "benchmarks/bench_ag_attention.py", "--world", "{world}", "--gqa", "8", "--head-dim", "256",
-         "--head-groups", "2", "--cudagraphs", "--profile", "--out", "{out}/{name}.md"],
+        [sys.executable, "-m", "benchmarks.bench_ag_attention", "--world", "{world}", "--gqa", "8", "--head-dim", "256",
+         "--head-groups", "2", "--cudagraphs", "--profile", "--out", "{out}"],
     ),  # fmt: skip
     "demo-cp": (2, [sys.executable, "-m", "cp_ops", "demo", "--cp-size", "{world}"]),
     "tests-dist": (
@@ -97,6 +106,13 @@ PARTS = {
 }
 ALIASES = {"tests-2gpu": "tests-dist"}
 TEST_WORLDS = (2, 4, 8)
+
+
+def _module_file(template: list[str]) -> str | None:
+    """The file of the benchmark module a part runs (``-m benchmarks.X``), None for other commands."""
+    if template[1] == "-m" and template[2].startswith("benchmarks."):
+        return template[2].replace(".", "/") + ".py"
+    return None
 
 
 def runs_of(part: str, worlds: list[int] | None, gpus: int) -> list[tuple[str, int, int | None]]:
@@ -136,7 +152,7 @@ def main() -> None:
     summary = []
     for part in parts:
         _, template = PARTS[part]
-        script = template[1] if template[1].endswith(".py") else None
+        script = _module_file(template)
         for name, need, world in runs_of(part, args.world, gpus):
             if script and not os.path.exists(os.path.join(ROOT, script)):
                 summary.append((name, "absent", 0.0, ""))

@@ -188,3 +188,18 @@ def test_compare_child_imports_this_repository_when_asked():
     assert run.returncode == 0, run.stderr[-3000:]
     files = json.loads(next(line for line in run.stdout.splitlines() if line.startswith("IMPORTS "))[8:])
     assert all(Path(f).resolve().is_relative_to(ROOT) for f in files.values()), files
+
+
+# --- gpu_suite ------------------------------------------------------------------------------------
+
+
+def test_gpu_suite_parts_run_existing_benchmark_modules():
+    from benchmarks import gpu_suite
+
+    for part, (_, template) in gpu_suite.PARTS.items():
+        module = gpu_suite._module_file(template)
+        if module is not None:
+            assert (ROOT / module).is_file(), (part, module)
+        assert "{out}" in " ".join(template) or not module or "--tune" in template, part
+    assert gpu_suite.runs_of("a2a", [2, 4], 8) == [("a2a-w2", 2, 2), ("a2a-w4", 4, 4)]
+    assert gpu_suite.runs_of("layout", None, 0) == [("layout", 1, None)]
