@@ -1,4 +1,8 @@
-"""Triton kernel for the THD reorders: a row gather whose index map is computed on the device."""
+"""Triton kernel for the THD reorders: a row gather whose index map is computed on the device.
+
+The kernel evaluates :mod:`custom_ops.thd_index`'s maps (``seq_to_rank_index``,
+``rank_to_seq_index``) per row, in closed form; everything on the host takes them from there.
+"""
 
 import triton
 import triton.language as tl
@@ -27,9 +31,8 @@ def thd_reorder_kernel(
     else (rank -> sequence order), for sequence-order row g:
         i: cup[i] <= g < cup[i+1]; p = g - cup[i]; j = p / c
         src = r(j)*(T/W) + cup[i]/W + (p - j*c) + (j >= W ? c : 0),  r(j) = j < W ? j : 2W-1-j
-    These are :mod:`custom_ops.thd_index`'s maps (``seq_to_rank_index``, ``rank_to_seq_index``)
-    evaluated per row on the device. The source row is clamped into [0, T) so an invalid
-    layout can never read out of bounds (validate layouts with cp_ops.validate_thd).
+    The source row is clamped into [0, T) so an invalid layout can never read
+    out of bounds (validate layouts with cp_ops.validate_thd).
     """
     pid_r = tl.program_id(0)
     pid_d = tl.program_id(1)

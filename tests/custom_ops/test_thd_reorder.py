@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 import custom_ops
 from cp_ops import pad_cu_seqlens
-from custom_ops._common import kernels_visible_to_compiler
+from custom_ops import kernels_visible_to_compiler
 from custom_ops.testing import LAYOUT_DTYPES, poisoned_allocations, random_tensor, thd_layouts, trailing_shapes
 from custom_ops.thd_reorder.reference import (
     thd_rank_to_seq_order_loop,
