@@ -25,7 +25,8 @@ device time of their kernels (torch.profiler, summed).
 
 ``--sweep`` times our kernels under each of :data:`SWEEP` (ROWS, BLOCK_C, num_warps,
 num_stages) at T = 65536, C = 8192 and T = 32768, C = 4096 (8 sequences), forward and
-backward apart: how ``custom_ops.gdn.kernels.FWD_CONFIG`` / ``BWD_CONFIG`` were chosen.
+backward apart, each passed to the launchers as a ``custom_ops.gdn.kernels.ConvSettings``: how
+the default ``CONV_SETTINGS`` were chosen.
 
 Results (benchmarks/runner.py): ``conv``, ``conv-gather`` or ``conv-sweep``.
 """
@@ -33,7 +34,6 @@ Results (benchmarks/runner.py): ``conv``, ``conv-gather`` or ``conv-sweep``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 
 import torch
 
@@ -156,48 +156,44 @@ def bench_gather(
     return out
 
 
-@contextlib.contextmanager
-def conv_configs(fwd, bwd):
-    """Our conv kernels launched with the configs ``fwd`` and ``bwd`` inside the block.
+def ours_conv_with(x, w, cu, settings):
+    """Our forward and backward launchers under the conv settings ``settings`` (a
+    ``custom_ops.gdn.kernels.ConvSettings``), as :func:`ours_conv`'s pair."""
+    from custom_ops.gdn.conv import _conv_backward_kernel, _conv_forward
 
-    The library takes them from the module globals custom_ops.gdn.kernels.FWD_CONFIG and
-    BWD_CONFIG and has no per-call setting for them yet; this is the one place the benchmarks
-    change them.
-    """
-    import custom_ops.gdn.kernels as kernels
+    def fwd():
+        return _conv_forward(x, w, None, cu, "silu", settings=settings)
 
-    saved = kernels.FWD_CONFIG, kernels.BWD_CONFIG
-    kernels.FWD_CONFIG, kernels.BWD_CONFIG = fwd, bwd
-    try:
-        yield
-    finally:
-        kernels.FWD_CONFIG, kernels.BWD_CONFIG = saved
+    def bwd(dy):
+        return _conv_backward_kernel(dy, x, w, None, cu, "silu", settings=settings)[:2]
+
+    return fwd, bwd
 
 
 def sweep() -> Result:
     """The --sweep table: ms of our forward and backward per kernel config."""
-    import custom_ops.gdn.kernels as kernels
+    from custom_ops.gdn.kernels import CONV_SETTINGS, ConvConfig, ConvSettings
 
-    chosen = kernels.FWD_CONFIG, kernels.BWD_CONFIG
     shapes = [(65536, 8192), (32768, 4096)]
     rows = []
     for cfg in SWEEP:
+        settings = ConvSettings(fwd=ConvConfig(*cfg), bwd=ConvConfig(*cfg))
         row = [str(cfg)]
         for total, channels in shapes:
             cu = torch.arange(0, total + 1, total // 8, dtype=torch.int32, device="cuda")
             x = torch.randn(total, channels + EXTRA, device="cuda", dtype=torch.bfloat16)[:, :channels]
             w = torch.randn(channels, KERNEL, device="cuda", dtype=torch.bfloat16) / 2
             dy = torch.randn(total, channels, device="cuda", dtype=torch.bfloat16)
-            fwd, bwd = ours_conv(x, w, cu)
-            want_y, want_dx = fwd(), bwd(dy)[0]
-            with conv_configs(cfg, cfg):
-                if rel_error(fwd(), want_y) > 1e-6 or rel_error(bwd(dy)[0], want_dx) > 1e-6:
-                    raise AssertionError(f"config {cfg} changes the result")
-                row += [median_ms(fwd), median_ms(lambda: bwd(dy))]
+            want_fwd, want_bwd = ours_conv(x, w, cu)
+            fwd, bwd = ours_conv_with(x, w, cu, settings)
+            if rel_error(fwd(), want_fwd()) > 1e-6 or rel_error(bwd(dy)[0], want_bwd(dy)[0]) > 1e-6:
+                raise AssertionError(f"config {cfg} changes the result")
+            row += [median_ms(fwd), median_ms(lambda: bwd(dy))]
         rows.append(row)
     header = [""] + [f"{p} T={t} C={c}" for t, c in shapes for p in ("fwd", "bwd")]
+    chosen = f"chosen: forward {tuple(CONV_SETTINGS.fwd)}, backward {tuple(CONV_SETTINGS.bwd)}"
     return Result("conv", "conv kernel configs (ROWS, BLOCK_C, num_warps, num_stages), ms, 8 sequences", header,
-                  rows, f"chosen: forward {chosen[0]}, backward {chosen[1]}", environment(), name="conv-sweep")  # fmt: skip
+                  rows, chosen, environment(), name="conv-sweep")  # fmt: skip
 
 
 def main() -> None:

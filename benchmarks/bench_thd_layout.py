@@ -12,14 +12,13 @@ For each shape and CP size W:
     python -m benchmarks.bench_thd_layout [--out DIR] [--sweep]
 
 Writes the results ``layout``, ``layout-in-graph`` and, with --sweep, ``layout-tile-sweep``
-(benchmarks/runner.py). --sweep also times the reorder under a few tile shapes
-(custom_ops._common.ROW_TILE).
+(benchmarks/runner.py). --sweep also times the reorder's kernel under a few tile shapes
+(custom_ops._common.RowTile; the ops launch with ROW_TILE).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 
 import torch
 
@@ -116,22 +115,21 @@ def inplace_in_graph(env: dict) -> Result:
                   name="layout-in-graph")  # fmt: skip
 
 
-@contextlib.contextmanager
-def row_tile(cfg: dict):
-    """The layout kernels launched with the tile shape ``cfg`` inside the block.
+def seq_to_rank_with_tile(x: torch.Tensor, cu_seqlens_padded: torch.Tensor, cp_size: int, tile) -> torch.Tensor:
+    """``thd_seq_to_rank_order(x, ...)`` by its kernel launched with the tile shape ``tile`` (a
+    ``custom_ops._common.RowTile``) in place of the default ``ROW_TILE``: what the op's launcher
+    does, with the tile as an argument."""
+    from custom_ops._common import as_words, cdiv, from_words, launch, row_tile
+    from custom_ops.thd_reorder.kernels import thd_reorder_kernel
 
-    The library takes its tile shape from the module-level table custom_ops._common.ROW_TILE
-    and has no per-call setting for it yet; this is the one place the benchmarks change it.
-    """
-    from custom_ops import _common
-
-    default = dict(_common.ROW_TILE)
-    _common.ROW_TILE.update(cfg)
-    try:
-        yield
-    finally:
-        _common.ROW_TILE.clear()
-        _common.ROW_TILE.update(default)
+    words = as_words(x)
+    out = torch.empty_like(words)
+    rows, cols = words.shape
+    block_r, block_d, num_warps = row_tile(cols, words.element_size(), tile)
+    launch(thd_reorder_kernel, (cdiv(rows, block_r), cdiv(cols, block_d)), words, out, cu_seqlens_padded,
+           cu_seqlens_padded.shape[0] - 1, rows, cols, cp_size, TO_RANK=True, BLOCK_R=block_r, BLOCK_D=block_d,
+           num_warps=num_warps)  # fmt: skip
+    return from_words(out, x.dtype, x.shape)
 
 
 def tile_sweep(env: dict) -> Result:
@@ -144,14 +142,19 @@ def tile_sweep(env: dict) -> Result:
         {"tile_bytes": 32768, "max_row_bytes": 16384, "num_warps": 8},
         {"tile_bytes": 65536, "max_row_bytes": 16384, "num_warps": 16},
     ]
+    from custom_ops._common import RowTile
+
     rows = []
     for name, seqlens, trailing in shapes()[:2]:
         _, cup = pad_cu_seqlens(seqlens, 4, device="cuda")
         x = torch.randn((int(cup[-1]),) + trailing, device="cuda", dtype=torch.bfloat16)
         clone = median_ms(lambda: x.clone())
+        want = custom_ops.thd_seq_to_rank_order(x, cup, 4)
         for cfg in configs:
-            with row_tile(cfg):
-                ms = median_ms(lambda: custom_ops.thd_seq_to_rank_order(x, cup, 4))
+            tile = RowTile(**cfg)
+            if not torch.equal(seq_to_rank_with_tile(x, cup, 4, tile), want):
+                raise AssertionError(f"tile {cfg} changes the result")
+            ms = median_ms(lambda: seq_to_rank_with_tile(x, cup, 4, tile))
             rows.append([name, cfg["tile_bytes"], cfg["max_row_bytes"], cfg["num_warps"], ms, ms / clone])
     header = ["shape", "tile_bytes", "max_row_bytes", "num_warps", "seq_to_rank ms", "/ clone"]
     return Result("thd_layout", "seq_to_rank under several tile shapes, W = 4", header, rows, env=env,

@@ -27,7 +27,7 @@ with benchmarks/compare_checkouts.py, not here.
 from __future__ import annotations
 
 import argparse
-import contextlib
+import dataclasses
 import itertools
 import json
 import statistics
@@ -41,53 +41,69 @@ import custom_ops
 from benchmarks.cases import ATTENTION_DTYPE as DTYPE
 from benchmarks.cases import ATTENTION_HEAD_DIMS as HEAD_DIMS
 from benchmarks.cases import ATTENTION_HEADS as HEADS
-from benchmarks.cases import attention_cases, packed_lengths, segments_for, tflops, visible_pairs
+from benchmarks.cases import attention_cases, segments_for, tflops, visible_pairs
 from benchmarks.cases import attention_inputs as make_inputs
 from benchmarks.cases import attention_op_inputs
 from benchmarks.runner import Result, add_out_argument, emit, environment
 from benchmarks.timing import kernel_breakdown
 from custom_ops.testing import TOLERANCE, rel_error
-from custom_ops.varlen_attention import kernels
-from custom_ops.varlen_attention import op as op_mod
+from custom_ops.varlen_attention import launch
+from custom_ops.varlen_attention.configs import CONFIGS, DEFAULT_SETTINGS, KERNELS, AttentionSettings
+from custom_ops.varlen_attention.reference import resolve_scale
 
 
-# --- library settings -----------------------------------------------------------------------------
-# The tuner and the sweeps vary the kernels' launch settings, which the library keeps in
-# module-level tables of custom_ops.varlen_attention.kernels and has no per-call argument for
-# yet. These two functions are the only places the benchmarks change them; each restores
-# what it changed.
+# --- launch settings ------------------------------------------------------------------------------
+# The ops launch with the library's DEFAULT_SETTINGS. The tuner, the sweeps and the runs with
+# other settings (--pointer-loads, --configs) call the launchers of
+# custom_ops.varlen_attention.launch with an AttentionSettings instead.
 
 
-@contextlib.contextmanager
-def _kernel_setting(name: str, value):
-    """The kernels with ``custom_ops.varlen_attention.kernels.<name> = value`` inside the block."""
-    saved = getattr(kernels, name)
-    setattr(kernels, name, value)
-    try:
-        yield
-    finally:
-        setattr(kernels, name, saved)
+def settings_for(base: AttentionSettings, tuned: dict | None, d: int) -> AttentionSettings:
+    """``base`` with the configs a ``--tune --save`` file (:func:`load_configs`) holds for head dim ``d``."""
+    settings = base
+    for kind, by_dim in (tuned or {}).items():
+        if d in by_dim:
+            settings = settings.with_kernel(kind, config=by_dim[d])
+    return settings
 
 
-@contextlib.contextmanager
-def _config_entry(table: str, kind: str, bucket: int, cfg: dict):
-    """The kernels with entry ``[kind][bucket]`` of the config table ``table`` set to ``cfg``
-    inside the block."""
-    configs = getattr(kernels, table)
-    saved = configs[kind].get(bucket)
-    configs[kind][bucket] = cfg
-    try:
-        yield
-    finally:
-        if saved is None:
-            del configs[kind][bucket]
-        else:
-            configs[kind][bucket] = saved
+def launchers(settings: AttentionSettings, q, k, v, seg, out=None, lse=None, dout=None, dlse=None):
+    """``(fwd, bwd)``: closures running the forward and backward launchers under ``settings``
+    (causal, no window, the default scale), as the ops would with their own settings."""
+    scale = resolve_scale(None, q.shape[2])
+
+    def fwd():
+        return launch.forward(q, k, v, seg, True, -1, -1, scale, settings)
+
+    def bwd():
+        return launch.backward(dout, dlse, q, k, v, out, lse, seg, True, -1, -1, scale, settings)
+
+    return fwd, bwd
 
 
-def pointer_loads():
-    """The kernels with pointer loads and their own tuned tiles (CONFIGS), no TMA loads."""
-    return _kernel_setting("TMA_ENABLED", False)
+class _Launched(torch.autograd.Function):
+    """Segment attention (causal) by the launchers under given settings, differentiable: what
+    ``custom_ops.varlen_attention`` computes, under other settings than the op's."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, settings, *seg):
+        out, lse = launchers(settings, q, k, v, seg)[0]()
+        ctx.save_for_backward(q, k, v, out, lse, *seg)
+        ctx.settings = settings
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, *seg = ctx.saved_tensors
+        dq, dk, dv = launchers(ctx.settings, q, k, v, seg, out, lse, dout, torch.zeros_like(lse))[1]()
+        return (dq, dk, dv, None) + (None,) * len(seg)
+
+
+def settings_fn(settings: AttentionSettings):
+    def fn(q, k, v, seg):
+        return _Launched.apply(q, k, v, settings, *seg)
+
+    return fn
 
 
 # --- implementations ------------------------------------------------------------------------------
@@ -197,7 +213,8 @@ def _suffix(gqa: int, head_dims) -> str:
     return f"-gqa{gqa}-d" + "-".join(str(d) for d in head_dims)
 
 
-def bench(gqa: int = 1, head_dims=HEAD_DIMS) -> list[Result]:
+def bench(gqa: int = 1, head_dims=HEAD_DIMS, base: AttentionSettings = DEFAULT_SETTINGS, tuned: dict | None = None,
+          label: str = "") -> list[Result]:  # fmt: skip
     device = torch.device("cuda")
     rows = []
     cases = attention_cases()
@@ -207,7 +224,9 @@ def bench(gqa: int = 1, head_dims=HEAD_DIMS) -> list[Result]:
             q, k, v = make_inputs(sum(lens), HEADS, HEADS // gqa, d, device)
             seg = segments_for(lens, device)
             pairs = visible_pairs(lens)
-            impls = [("varlen_attention", varlen_fn)]
+            settings = settings_for(base, tuned, d)
+            ours = varlen_fn if settings == DEFAULT_SETTINGS else settings_fn(settings)
+            impls = [("varlen_attention" + label, ours)]
             if dense:
                 impls += [
                     ("SDPA flash", sdpa_dense_fn(SDPBackend.FLASH_ATTENTION, len(lens), lens[0])),
@@ -306,36 +325,37 @@ def candidates_for(kind: str, d: int) -> list[dict]:
     return {"fwd": FWD_CANDIDATES, "bwd_dkdv": DKDV_CANDIDATES, "bwd_dq": DQ_CANDIDATES}[kind]
 
 
-def _table_in_use(kind: str, d: int, q, k, v) -> str:
-    """The name of the config table the op launches ``kind`` from for these inputs."""
+def _table_in_use(kind: str, d: int, q, k, v, settings: AttentionSettings) -> str:
+    """The name of the config table the launcher takes ``kind``'s config from for these inputs."""
     streamed = (k, v) if kind in ("fwd", "bwd_dq") else (q, q)
-    return "TMA_CONFIGS" if op_mod.tma_usable(kind, d, d, *streamed) else "CONFIGS"
+    return "TMA_CONFIGS" if launch.tma_usable(kind, d, d, *streamed, settings=settings) else "CONFIGS"
 
 
-def _time_kernel(kind, cfg, table, bucket, q, k, v, seg, out, lse, dout, dlse):
-    if kind == "fwd":
-        fn = lambda: torch.ops.cp_ops.varlen_attention(q, k, v, *seg, True)  # noqa: E731
-    else:
-        fn = lambda: torch.ops.cp_ops.varlen_attention_backward(dout, dlse, q, k, v, out, lse, *seg, True)  # noqa: E731
+def _time_kernel(kind, cfg, settings, q, k, v, seg, out, lse, dout, dlse):
+    """do_bench median of the forward (``kind`` "fwd") or the whole backward launch, with
+    ``cfg`` in place of ``kind``'s tables entry."""
+    fwd, bwd = launchers(settings.with_kernel(kind, config=cfg), q, k, v, seg, out, lse, dout, dlse)
+    fn = fwd if kind == "fwd" else bwd
     try:
-        with _config_entry(table, kind, bucket, cfg):
-            fn()  # compile outside the timing
-            return triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median")
+        fn()  # compile outside the timing
+        return triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median")
     except Exception as e:  # e.g. out of shared memory for this tile shape
         print(f"    {cfg}: {type(e).__name__}")
         return float("inf")
 
 
 def tune(
-    gqa: int = 1, kinds=("fwd", "bwd_dkdv", "bwd_dq"), save: str | None = None, head_dims=HEAD_DIMS, rounds: int = 1
+    gqa: int = 1, kinds=("fwd", "bwd_dkdv", "bwd_dq"), save: str | None = None, head_dims=HEAD_DIMS, rounds: int = 1,
+    base: AttentionSettings = DEFAULT_SETTINGS,
 ) -> None:
     """Time the candidate configs of each kernel on both cases at each of ``head_dims``; print
     the best (and write them to ``save`` as JSON, for ``--configs``).
 
-    Each kernel is tuned in the table the op launches it from on this GPU (TMA_CONFIGS where
-    the TMA loads serve it, else CONFIGS; ``--pointer-loads`` tunes CONFIGS). The backward is
-    timed as the whole backward op while one of its kernels varies (the others keep their
-    table entries). With ``rounds`` > 1 every candidate is timed once per round, in turn, and
+    Each kernel is tuned for the table the launcher takes it from on this GPU (TMA_CONFIGS
+    where the TMA loads serve it, else CONFIGS; ``--pointer-loads`` tunes CONFIGS), each
+    candidate passed as the kernel's config in the launch settings. The backward is timed as
+    the whole backward launch while one of its kernels varies (the others keep their table
+    entries). With ``rounds`` > 1 every candidate is timed once per round, in turn, and
     its time is the median over rounds: drift of the GPU over the run then falls on every
     candidate alike.
     """
@@ -343,10 +363,9 @@ def tune(
     cases = attention_cases()
     best, tables = {}, {}
     for d in head_dims:
-        bucket = d
         for kind in kinds:
             probe = make_inputs(16, HEADS, HEADS // gqa, d, device)
-            table = tables[kind] = _table_in_use(kind, d, *probe)
+            table = tables[kind] = _table_in_use(kind, d, *probe, base)
             candidates = candidates_for(kind, d)
             if table == "TMA_CONFIGS":  # K_ROWS picks a pointer-load form: one row per tile shape
                 candidates = [c for c in candidates if c.get("K_ROWS", True)]
@@ -359,7 +378,7 @@ def tune(
                 times = {}
                 for _ in range(rounds):
                     for i, cfg in enumerate(candidates):
-                        ms = _time_kernel(kind, cfg, table, bucket, q, k, v, seg, out, lse, dout, dlse)
+                        ms = _time_kernel(kind, cfg, base, q, k, v, seg, out, lse, dout, dlse)
                         times.setdefault(i, []).append(ms)
                 for i, cfg in enumerate(candidates):
                     ms = statistics.median(times[i])
@@ -370,7 +389,7 @@ def tune(
             i = min(totals, key=totals.get)
             best[(kind, d)] = candidates[i]
             print(f"best D={d} {kind}: {candidates[i]} (sum over cases {totals[i]:.3f} ms)")
-    print("\n# paste into custom_ops/varlen_attention/kernels.py")
+    print("\n# paste into custom_ops/varlen_attention/configs.py")
     for kind in kinds:
         entries = ", ".join(f"{d}: dict({_fmt(best[(kind, d)])})" for d in sorted(head_dims))
         print(f'{tables[kind]} "{kind}": {{{entries}}},')
@@ -385,41 +404,35 @@ def tune(
 HEAD_GROUP_SWEEP = (1, 2, 4, 8, 16)
 
 
-def sweep_head_groups(gqa: int = 1, head_dims=HEAD_DIMS, groups=HEAD_GROUP_SWEEP, rounds: int = 3) -> list[Result]:
-    """Time the three kernels with every kernel's ``HEAD_GROUP`` set to each of ``groups`` (kv
-    heads; see custom_ops/varlen_attention/kernels.py), and the forward's and dq's segments
-    last to first and heaviest first (``SEGMENTS_BY_WORK``), in turn for ``rounds`` rounds: the
-    forward op with ``do_bench``, dq and dk/dv from the profiler over 20 backward calls (their
-    kernels alone). Prints the medians and the speedup against the first group with the
+def sweep_head_groups(
+    gqa: int = 1, head_dims=HEAD_DIMS, groups=HEAD_GROUP_SWEEP, rounds: int = 3,
+    base: AttentionSettings = DEFAULT_SETTINGS, tuned: dict | None = None,
+) -> list[Result]:  # fmt: skip
+    """Time the three kernels with every kernel's head group (the settings' ``head_group``, in kv
+    heads) set to each of ``groups``, and the forward's and dq's segments last to first and
+    heaviest first (``by_work``), in turn for ``rounds`` rounds: the forward launch with
+    ``do_bench``, dq and dk/dv from the profiler over 20 backward launches (their kernels
+    alone). The result holds the medians and the speedup against the first group with the
     segments last to first."""
     device = torch.device("cuda")
-    lines = []
+    rows = []
     for d in head_dims:
-        for case, lens in [("packed 32k", packed_lengths()), ("dense B8 x 4096", [4096] * 8)]:
+        for case, lens in attention_cases():
             q, k, v, seg, out, lse, dout, dlse = op_inputs(lens, d, gqa, device)
-
-            def fwd():
-                return torch.ops.cp_ops.varlen_attention(q, k, v, *seg, True)
-
-            def bwd():
-                return torch.ops.cp_ops.varlen_attention_backward(dout, dlse, q, k, v, out, lse, *seg, True)
-
             times = {}
             settings = [(order, g) for order in ("last to first", "by work") for g in groups]
             for _ in range(rounds):
                 for order, g in settings:
-                    by_work = dict.fromkeys(kernels.SEGMENTS_BY_WORK, order == "by work")
-                    with _kernel_setting("HEAD_GROUP", dict.fromkeys(kernels.HEAD_GROUP, g)), _kernel_setting(
-                        "SEGMENTS_BY_WORK", by_work
-                    ):
-                        fwd(), bwd()  # compile outside the timing
-                        times.setdefault((order, g, "fwd"), []).append(
-                            triton.testing.do_bench(fwd, warmup=10, rep=100, return_mode="median")
-                        )
-                        for name, ms in kernel_breakdown(bwd, runs=20):
-                            for kind in ("dq", "dkdv"):
-                                if f"bwd_{kind}_kernel" in name:
-                                    times.setdefault((order, g, kind), []).append(ms)
+                    chosen = settings_for(base, tuned, d).with_every_kernel(head_group=g, by_work=order == "by work")
+                    fwd, bwd = launchers(chosen, q, k, v, seg, out, lse, dout, dlse)
+                    fwd(), bwd()  # compile outside the timing
+                    times.setdefault((order, g, "fwd"), []).append(
+                        triton.testing.do_bench(fwd, warmup=10, rep=100, return_mode="median")
+                    )
+                    for name, ms in kernel_breakdown(bwd, runs=20):
+                        for kind in ("dq", "dkdv"):
+                            if f"bwd_{kind}_kernel" in name:
+                                times.setdefault((order, g, kind), []).append(ms)
             med = {key: statistics.median(ts) for key, ts in times.items()}
             for order, g in settings:
                 cells = [
@@ -434,32 +447,34 @@ def sweep_head_groups(gqa: int = 1, head_dims=HEAD_DIMS, groups=HEAD_GROUP_SWEEP
                    notes, environment(), name="attention-head-groups" + _suffix(gqa, head_dims))]  # fmt: skip
 
 
-def load_configs(path: str) -> contextlib.ExitStack:
-    """The entries of a ``--tune --save`` file in the config tables, until the returned stack closes."""
+def load_configs(path: str) -> dict[str, dict[int, dict]]:
+    """``{kernel: {head dim: config}}`` of a ``--tune --save`` file (:func:`settings_for` passes
+    them to the launchers)."""
     with open(path) as f:
-        tuned = json.load(f)
-    stack = contextlib.ExitStack()
-    for kind, entries in tuned.items():
-        table = entries.pop("table", "CONFIGS")
-        for bucket, cfg in entries.items():
-            if table == "CONFIGS" and int(bucket) not in kernels.CONFIGS[kind]:
-                raise SystemExit(f"{path}: {kind} has no head-dim bucket {bucket} in CONFIGS")
-            stack.enter_context(_config_entry(table, kind, int(bucket), cfg))
-            print(f"config {table} {kind} D<={bucket}: {_fmt(cfg)}")
-    return stack
+        saved = json.load(f)
+    tuned = {}
+    for kind, entries in saved.items():
+        if kind not in KERNELS:
+            raise SystemExit(f"{path}: unknown kernel {kind!r}; the kernels are {KERNELS}")
+        tuned[kind] = {int(d): cfg for d, cfg in entries.items() if d != "table"}
+        for d, cfg in tuned[kind].items():
+            print(f"config {kind} D={d}: {_fmt(cfg)}")
+    return tuned
 
 
-def profile(gqa: int = 1, head_dims=HEAD_DIMS) -> list[Result]:
-    """CUDA time per kernel of the forward and backward ops (torch.profiler, mean over 5 calls)."""
+def profile(gqa: int = 1, head_dims=HEAD_DIMS, base: AttentionSettings = DEFAULT_SETTINGS,
+            tuned: dict | None = None) -> list[Result]:  # fmt: skip
+    """CUDA time per kernel of the forward and backward launches (torch.profiler, mean over 5 calls)."""
     device = torch.device("cuda")
     rows = []
     for case, lens in attention_cases()[::-1]:
         for d in head_dims:
             q, k, v, seg, out, lse, dout, dlse = op_inputs(lens, d, gqa, device)
+            fwd, bwd = launchers(settings_for(base, tuned, d), q, k, v, seg, out, lse, dout, dlse)
 
             def step():
-                torch.ops.cp_ops.varlen_attention(q, k, v, *seg, True)
-                torch.ops.cp_ops.varlen_attention_backward(dout, dlse, q, k, v, out, lse, *seg, True)
+                fwd()
+                bwd()
 
             rows += [[case, d, name[:60], ms] for name, ms in kernel_breakdown(step, runs=5, warmup=1)]
     notes = f"bf16, causal, H = {HEADS}, Hkv = {HEADS // gqa}; CUDA ms per call (torch.profiler, mean of 5 calls)"
@@ -491,29 +506,27 @@ def main(argv: list[str] | None = None) -> None:
                         help="no TMA loads: run (and --tune) the pointer-load kernels and CONFIGS")  # fmt: skip
     add_out_argument(parser)
     args = parser.parse_args(argv)
-    if args.tune and set(args.head_dims) - set(kernels.CONFIGS["fwd"]):
-        raise SystemExit(f"--tune tunes the config table's head dims {sorted(kernels.CONFIGS['fwd'])}, "
+    if args.tune and set(args.head_dims) - set(CONFIGS["fwd"]):
+        raise SystemExit(f"--tune tunes the config table's head dims {sorted(CONFIGS['fwd'])}, "
                          f"got {args.head_dims}")  # fmt: skip
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA device")
-    with contextlib.ExitStack() as settings:
-        if args.pointer_loads:
-            settings.enter_context(pointer_loads())
-        if args.configs:
-            settings.enter_context(load_configs(args.configs))
-        if args.tune:
-            tune(args.gqa, args.kinds, args.save, args.head_dims, args.rounds or 1)
-            return
-        if args.head_groups is not None:
-            groups = tuple(args.head_groups or HEAD_GROUP_SWEEP)
-            results = sweep_head_groups(args.gqa, args.head_dims, groups, args.rounds or 3)
-        elif args.profile:
-            results = profile(args.gqa, args.head_dims)
-        else:
-            results = bench(args.gqa, args.head_dims)
-    if args.pointer_loads:  # another form of the kernels than the default: its own result names
-        for r in results:
-            r.name += "-pointer-loads"
+    base = dataclasses.replace(DEFAULT_SETTINGS, tma=False) if args.pointer_loads else DEFAULT_SETTINGS
+    tuned = load_configs(args.configs) if args.configs else None
+    # other settings than the ops': their own row label and result names
+    label = ", pointer loads" * args.pointer_loads + ", tuned configs" * bool(tuned)
+    if args.tune:
+        tune(args.gqa, args.kinds, args.save, args.head_dims, args.rounds or 1, base)
+        return
+    if args.head_groups is not None:
+        groups = tuple(args.head_groups or HEAD_GROUP_SWEEP)
+        results = sweep_head_groups(args.gqa, args.head_dims, groups, args.rounds or 3, base, tuned)
+    elif args.profile:
+        results = profile(args.gqa, args.head_dims, base, tuned)
+    else:
+        results = bench(args.gqa, args.head_dims, base, tuned, label)
+    for r in results:
+        r.name += "-pointer-loads" * args.pointer_loads + "-tuned" * bool(tuned)
     emit(results, args.out)
 
 
