@@ -8,6 +8,7 @@ so the all-to-all send buffer is built in one pass with no separate transpose.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -87,28 +88,37 @@ def _words(x: torch.Tensor, num_cols: int) -> tuple[torch.Tensor, int]:
     return to_words(x.contiguous().reshape(math.prod(x.shape[:-1]), num_cols))
 
 
-# Tiles of the section-permutation kernel: a column tile covers up to max_run_bytes of one
-# section's run per row; a program takes as many rows as make its widest tile about tile_bytes.
-SECTION_TILE = {"max_run_bytes": 4096, "tile_bytes": 16384, "num_warps": 4}
+@dataclasses.dataclass(frozen=True)
+class SectionTile:
+    """Tiles of the section-permutation kernel: a column tile covers up to ``max_run_bytes`` of
+    one section's run per row; a program takes as many rows as make its widest tile about
+    ``tile_bytes``, with ``num_warps``."""
+
+    max_run_bytes: int = 4096
+    tile_bytes: int = 16384
+    num_warps: int = 4
+
+
+# The tile the ops launch with; a sweep passes others to :func:`section_tiles`.
+SECTION_TILE = SectionTile()
 
 
 def section_tiles(
-    local_widths: list[int], word_bytes: int, interpreting: bool = False
+    local_widths: list[int], word_bytes: int, interpreting: bool = False, tile: SectionTile = SECTION_TILE
 ) -> tuple[tuple[int, ...], int, int]:
     """(column tile of each section, rows per program, column tiles of the widest section) for
     :func:`permute_sections_kernel` over local section widths in words. Under Triton's
     interpreter the tiles are tiny, so CPU tests run several column tiles per section."""
-    cap = 4 if interpreting else max(1, SECTION_TILE["max_run_bytes"] // word_bytes)
+    cap = 4 if interpreting else max(1, tile.max_run_bytes // word_bytes)
     blocks = tuple(min(next_power_of_2(max(w, 1)), cap) for w in local_widths)
-    block_r = 2 if interpreting else max(1, min(64, SECTION_TILE["tile_bytes"] // (max(blocks) * word_bytes)))
+    block_r = 2 if interpreting else max(1, min(64, tile.tile_bytes // (max(blocks) * word_bytes)))
     tiles = max(cdiv(w, bc) for w, bc in zip(local_widths, blocks))
     return blocks, block_r, tiles
 
 
 @functools.lru_cache(maxsize=256)
-def _tiles(local_widths: tuple, k: int, word_bytes: int, interpreting: bool, tile: tuple):
-    """``(LOFF, BLOCKS, BLOCK_R, column tiles)`` of a launch (``tile``: SECTION_TILE's values,
-    which a sweep may change)."""
+def _tiles(local_widths: tuple, k: int, word_bytes: int, interpreting: bool):
+    """``(LOFF, BLOCKS, BLOCK_R, column tiles)`` of a launch with :data:`SECTION_TILE`."""
     words = [w * k for w in local_widths]
     loff = [0]
     for w in words:
@@ -122,9 +132,7 @@ def _launch(plain: torch.Tensor, blocked: torch.Tensor, local_widths, cp_size: i
     if rows == 0 or cols == 0:
         return
     # CPU tensors reach the kernel only under Triton's interpreter
-    loff, blocks, block_r, tiles = _tiles(
-        tuple(local_widths), k, plain.element_size(), plain.device.type == "cpu", tuple(SECTION_TILE.values())
-    )
+    loff, blocks, block_r, tiles = _tiles(tuple(local_widths), k, plain.element_size(), plain.device.type == "cpu")
     grid = (cdiv(rows, block_r), cp_size, tiles)
     launch(
         permute_sections_kernel,
@@ -139,7 +147,7 @@ def _launch(plain: torch.Tensor, blocked: torch.Tensor, local_widths, cp_size: i
         BLOCKS=blocks,
         TO_BLOCKS=to_blocks,
         BLOCK_R=block_r,
-        num_warps=SECTION_TILE["num_warps"],
+        num_warps=SECTION_TILE.num_warps,
     )
 
 

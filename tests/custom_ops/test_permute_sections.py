@@ -240,7 +240,7 @@ def test_kernel_moves_whole_vectors_on_hopper(to_blocks):
     )
     try:
         ptx = triton.compile(
-            source, target=GPUTarget("cuda", 90, 32), options={"num_warps": SECTION_TILE["num_warps"]}
+            source, target=GPUTarget("cuda", 90, 32), options={"num_warps": SECTION_TILE.num_warps}
         ).asm["ptx"]
     except (ImportError, TypeError, AttributeError) as e:  # compile API of another triton release
         pytest.skip(f"cannot compile for sm_90 with triton {triton.__version__}: {e}")
