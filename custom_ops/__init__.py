@@ -12,7 +12,7 @@ modules beside it: :mod:`custom_ops.thd_index` (the layout's index maps),
 """
 
 from custom_ops import thd_index
-from custom_ops._common import NAMESPACE, check_cp_size, check_index_tensor, kernels_visible_to_compiler
+from custom_ops._common import NAMESPACE, check_cp_size, check_index_tensor
 from custom_ops.ag_attention.op import ag_thd_attention
 from custom_ops.ag_attention.reference import ag_thd_attention_reference
 from custom_ops.ag_attention.segments import ag_thd_segments
@@ -33,6 +33,7 @@ from custom_ops.permute_sections.op import (
     unpermute_sections,
 )
 from custom_ops.permute_sections.reference import permute_sections_reference, unpermute_sections_reference
+from custom_ops.registration import kernels_visible_to_compiler
 from custom_ops.thd_copy_valid_tokens.op import thd_copy_valid_tokens, thd_copy_valid_tokens_
 from custom_ops.thd_copy_valid_tokens.reference import thd_copy_valid_tokens_reference
 from custom_ops.thd_reorder.op import thd_rank_to_seq_order, thd_seq_to_rank_order
