@@ -7,11 +7,16 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from cp_ops.exchange import thd_cp2hp_blocks, thd_cp2hp_overlap, thd_hp2cp_blocks
-from custom_ops import group_rank, resolve_group, thd_hp2cp
 from cp_ops.inputs import check_hidden_states, check_layout_tensors
 from cp_ops.modules import GatedRMSNorm, l2norm
-from custom_ops.gdn.conv import causal_conv1d, causal_conv1d_gather
-from custom_ops.gdn.delta_rule import chunk_gated_delta_rule
+from custom_ops import (
+    causal_conv1d,
+    causal_conv1d_gather,
+    chunk_gated_delta_rule,
+    group_rank,
+    resolve_group,
+    thd_hp2cp,
+)
 from custom_ops.thd_index import rank_to_seq_index
 from custom_ops.validation import checked
 

@@ -210,3 +210,43 @@ def test_paths_the_docs_name_exist():
             if not (ROOT / entry).exists() and not list(ROOT.glob(pattern)):
                 missing.append(f"{_rel(doc)}: {entry}")
     assert not missing, f"paths the docs name that the tree does not have: {sorted(set(missing))}"
+
+
+# the op layer's public surface: its package and these modules (custom_ops/__init__.py says so)
+PUBLIC_OP_MODULES = {"custom_ops", "custom_ops.validation", "custom_ops.thd_index", "custom_ops.testing"}
+
+
+def test_layers_use_the_op_layer_through_its_public_api():
+    """cp_ops and the examples import from custom_ops only its package and public modules, and
+    custom_ops never imports cp_ops: registrations live in one layer."""
+    bad = []
+    for path in _python_files("cp_ops", "examples", "custom_ops"):
+        below = _rel(path).startswith("custom_ops/")
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                modules = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                modules = [node.module]
+            else:
+                continue
+            for module in modules:
+                top = module.split(".")[0]
+                if below and top == "cp_ops":
+                    bad.append(f"{_rel(path)}:{node.lineno}: custom_ops imports {module}")
+                elif not below and top == "custom_ops" and module not in PUBLIC_OP_MODULES:
+                    bad.append(f"{_rel(path)}:{node.lineno}: imports {module}")
+    assert not bad, "imports past the op layer's public API:\n" + "\n".join(bad)
+
+
+def test_ops_are_registered_through_one_helper():
+    """Only custom_ops/registration.py calls torch.library's registration functions; every op
+    registers through its kernel_op, opaque_op or composite_op."""
+    registering = re.compile(
+        r"torch\.library\.(custom_op|triton_op|define|impl|Library)\b|@(custom_op|triton_op)\(|^\s*(custom_op|triton_op)\(",
+        re.M,
+    )
+    helper = ROOT / "custom_ops" / "registration.py"
+    assert registering.search(helper.read_text()), "the registration helper no longer registers: update this test"
+    files = _python_files(*LIBRARY, "examples")
+    bad = [_rel(p) for p in files if p != helper and registering.search(p.read_text())]
+    assert not bad, f"torch.library registrations outside custom_ops/registration.py: {bad}"

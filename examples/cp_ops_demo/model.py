@@ -29,6 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import cp_ops
+from cp_ops.modules import RMSNorm
 
 __all__ = ["IGNORE_INDEX", "RMSNorm", "MLP", "HybridBlock", "HybridLM", "fla_dt_bias_"]
 
@@ -44,26 +45,6 @@ def fla_dt_bias_(dt_bias: torch.Tensor, dt_min: float = 1e-3, dt_max: float = 0.
         dt = torch.exp(u * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min)).clamp(min=1e-4)
         dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
     return dt_bias
-
-
-class RMSNorm(nn.Module):
-    """Zero-centred RMSNorm over the last dim: ``x / sqrt(mean(x^2) + eps) * (1 + weight)``.
-
-    Qwen3-Next's form, the one :class:`cp_ops.Attention` uses for q and k (weight
-    initialised to zeros, so the initial scale is 1); computed in at least float32 and
-    cast back to x's dtype.
-    """
-
-    def __init__(self, dim: int, eps: float = 1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        wide = torch.promote_types(x.dtype, torch.float32)
-        xf = x.to(wide)
-        normed = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
-        return (normed * (1.0 + self.weight.to(wide))).to(x.dtype)
 
 
 class MLP(nn.Module):

@@ -9,20 +9,11 @@ import statistics
 import torch
 import torch.distributed as dist
 
+import custom_ops
+
 from cp_ops_demo.train import check_skipped, reference_is_eager
 
-__all__ = ["reduce_results", "summarise", "format_table", "kernels_in_graph"]
-
-
-def kernels_in_graph() -> bool | None:
-    """Whether Inductor sees the ops' Triton kernels (the ops are registered as ``triton_op``)
-    rather than calling each op as an opaque node (when the installed triton is newer than the
-    one torch pins); None where this torch does not record it."""
-    try:
-        from torch._library.triton import triton_ops_to_kernels
-    except ImportError:
-        return None
-    return "cp_ops::thd_seq_to_rank_order" in triton_ops_to_kernels
+__all__ = ["reduce_results", "summarise", "format_table"]
 
 
 def reduce_results(res: dict, group, device: torch.device) -> dict:
@@ -57,7 +48,7 @@ def summarise(args: argparse.Namespace, res: dict) -> dict:
         device=args.device,
         dtype=args.dtype,
         compiled=not args.eager,
-        kernels_visible=kernels_in_graph(),
+        kernels_visible=custom_ops.kernels_visible_to_compiler(),
         seqlens=list(args.seqlens),
         step_time_s=step_time,
         compile_time_s=times[0] - step_time if len(times) > 1 else float("nan"),
