@@ -119,16 +119,16 @@ def seq_to_rank_with_tile(x: torch.Tensor, cu_seqlens_padded: torch.Tensor, cp_s
     """``thd_seq_to_rank_order(x, ...)`` by its kernel launched with the tile shape ``tile`` (a
     ``custom_ops._common.RowTile``) in place of the default ``ROW_TILE``: what the op's launcher
     does, with the tile as an argument."""
-    from custom_ops._common import as_words, cdiv, from_words, launch, row_tile
+    from custom_ops._common import as_words, cdiv, from_words, launch_direct, row_tile
     from custom_ops.thd_reorder.kernels import thd_reorder_kernel
 
     words = as_words(x)
     out = torch.empty_like(words)
     rows, cols = words.shape
     block_r, block_d, num_warps = row_tile(cols, words.element_size(), tile)
-    launch(thd_reorder_kernel, (cdiv(rows, block_r), cdiv(cols, block_d)), words, out, cu_seqlens_padded,
-           cu_seqlens_padded.shape[0] - 1, rows, cols, cp_size, TO_RANK=True, BLOCK_R=block_r, BLOCK_D=block_d,
-           num_warps=num_warps)  # fmt: skip
+    launch_direct(thd_reorder_kernel, (cdiv(rows, block_r), cdiv(cols, block_d)), words, out, cu_seqlens_padded,
+                  cu_seqlens_padded.shape[0] - 1, rows, cols, cp_size, TO_RANK=True, BLOCK_R=block_r,
+                  BLOCK_D=block_d, num_warps=num_warps)  # fmt: skip
     return from_words(out, x.dtype, x.shape)
 
 

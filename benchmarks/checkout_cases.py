@@ -8,7 +8,8 @@ first entry of ``sys.path``. Every case uses the library's public API only (``to
 ``cp_ops.*``, ``custom_ops``' exported functions), the API both checkouts of a comparison
 share; the case builders and the timing are this tree's (benchmarks/cases.py,
 benchmarks/timing.py, loaded by file path). Prints one ``RESULT {json}`` line per timing:
-``{"suite", "case", "metric", "ms"}``.
+``{"suite", "case", "metric", "ms"}``, and ``FAILED {"suite"}`` for a suite that raised (its
+traceback on stderr; the other suites still run).
 
 Suites:
   attention  the segment-attention forward op and backward op on the packed and dense cases
@@ -28,6 +29,7 @@ import argparse
 import importlib.util
 import json
 import statistics
+import traceback
 from pathlib import Path
 
 SUITES = ("attention", "layout", "gdn")
@@ -157,11 +159,19 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("the checkout comparison needs a CUDA device")
     timing, cases = _sibling("timing"), _sibling("cases")
+    failed = []
     for suite in args.suites:
-        if suite == "attention":
-            attention(timing, cases, args.head_dims)
-        else:
-            {"layout": layout, "gdn": gdn}[suite](timing, cases)
+        try:
+            if suite == "attention":
+                attention(timing, cases, args.head_dims)
+            else:
+                {"layout": layout, "gdn": gdn}[suite](timing, cases)
+        except Exception:  # one suite's failure (a missing dependency, an API a checkout lacks) spares the others
+            traceback.print_exc()
+            print("FAILED " + json.dumps({"suite": suite}), flush=True)
+            failed.append(suite)
+    if failed and len(failed) == len(args.suites):
+        raise SystemExit(f"every suite failed: {failed}")
 
 
 if __name__ == "__main__":

@@ -74,6 +74,10 @@ def parse_child_output(stdout: str) -> list[dict]:
     return [json.loads(line[len("RESULT ") :]) for line in stdout.splitlines() if line.startswith("RESULT ")]
 
 
+def failed_suites(stdout: str) -> list[str]:
+    return [json.loads(line[len("FAILED ") :])["suite"] for line in stdout.splitlines() if line.startswith("FAILED ")]
+
+
 def run_child(checkout: str, suites, head_dims) -> list[dict]:
     run = subprocess.run(child_command(checkout, suites, head_dims), env=child_env(checkout), cwd=checkout,
                          capture_output=True, text=True)  # fmt: skip
@@ -81,6 +85,8 @@ def run_child(checkout: str, suites, head_dims) -> list[dict]:
         raise SystemExit(f"{checkout}: exit {run.returncode}\n{run.stdout[-2000:]}\n{run.stderr[-4000:]}")
     imports = [line for line in run.stdout.splitlines() if line.startswith("IMPORTS ")]
     print(f"{checkout}: {imports[0][len('IMPORTS '):] if imports else 'no import line'}", flush=True)
+    for suite in failed_suites(run.stdout):
+        print(f"{checkout}: suite {suite} failed\n{run.stderr[-3000:]}", flush=True)
     return parse_child_output(run.stdout)
 
 

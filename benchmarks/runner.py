@@ -34,8 +34,12 @@ RESULTS_DIR = ROOT / "benchmarks" / "results"
 
 def git_commit(root: str | os.PathLike = ROOT) -> str | None:
     """The short commit of the checkout at ``root`` (``+dirty`` with uncommitted changes to
-    tracked files); None outside a git checkout."""
+    tracked files); None where ``root`` is not the top of a git checkout."""
     try:
+        top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=root, capture_output=True, text=True,
+                             check=True).stdout.strip()  # fmt: skip
+        if Path(top).resolve() != Path(root).resolve():  # a copy inside another checkout: not its commit
+            return None
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
                               check=True).stdout.strip()  # fmt: skip
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,

@@ -126,6 +126,18 @@ def test_compare_ratio_and_flag():
     assert cc.compare([None, None], [1.0]) == (None, 1.0, None, False)  # a kernel the base lacks
 
 
+def test_compare_reads_failed_suites():
+    out = 'RESULT {"suite": "layout", "case": {}, "metric": "m", "ms": 1.0}\nFAILED {"suite": "gdn"}\n'
+    assert cc.failed_suites(out) == ["gdn"] and len(cc.parse_child_output(out)) == 1
+
+
+def test_git_commit_only_of_a_checkout_top(tmp_path):
+    from benchmarks.runner import git_commit
+
+    assert git_commit(tmp_path) is None
+    assert git_commit(ROOT / "benchmarks") is None  # a folder inside the checkout is not a checkout
+
+
 def test_compare_rounds_alternate():
     assert [cc.round_order(r) for r in range(4)] == [(0, 1), (1, 0), (0, 1), (1, 0)]
 
