@@ -32,7 +32,7 @@ rows), without collectives: how each piece shrinks with W, apart from communicat
              group=None, timed on rank 0 while the other ranks wait
   W GPUs     the CP layer fwd+bwd on each rank's shard, compiled (options=cp_ops.COMPILE_OPTIONS)
              and eager; "unfused": the layer's section-layout form (sections_form:
-             GatedDeltaNet.forward_sections with the one-op thd_cp2hp / thd_hp2cp, a layout
+             forward_sections with the one-op thd_cp2hp / thd_hp2cp, a layout
              pass on each side of each exchange, the z projection after it), compiled without
              the options: the layer before the fused layouts and the overlap
   per-seq    the eager section-layout form with thd_cp2hp / thd_hp2cp replaced by the per-sequence,
@@ -99,7 +99,16 @@ from benchmarks.common import (
     spawn_ranks,
 )
 from benchmarks.runner import Result, add_out_argument, emit, environment
-from cp_ops import COMPILE_OPTIONS, GatedDeltaNet, pad_cu_seqlens, shard_thd, thd_cp2hp, thd_hp2cp
+from cp_ops import (
+    COMPILE_OPTIONS,
+    GatedDeltaNet,
+    group_rank,
+    group_size,
+    pad_cu_seqlens,
+    shard_thd,
+    thd_cp2hp,
+    thd_hp2cp,
+)
 from cp_ops._local_ranks import init_local_rank
 from custom_ops.testing import rel_error
 from custom_ops.thd_copy_valid_tokens.reference import valid_token_mask
@@ -249,11 +258,27 @@ def per_sequence_hp2cp(y_hp, cu_seqlens_padded, sections, group):
     return _PerSequenceHp2cp.apply(y_hp, cu_seqlens_padded, sections, group)
 
 
+def forward_sections(layer: GatedDeltaNet, x, cu_seqlens_padded, group, cp2hp=thd_cp2hp, hp2cp=thd_hp2cp):
+    """The layer's forward converting section-layout tensors with ``cp2hp`` and ``hp2cp``
+    (``thd_cp2hp``'s and ``thd_hp2cp``'s signatures): ``in_proj`` as ``layer.project``, ``cp2hp``
+    of q, k, v, b, a, the core on this rank's heads, ``hp2cp`` of its output, the gated norm,
+    ``out_proj``; the z projection after the exchange, nothing overlapped. The same values as
+    ``layer.forward``, with a pass over the activations on each side of each exchange."""
+    heads = layer.num_k_heads // group_size(group)
+    qkvba, z = layer.project(x)
+    qkvba_hp = cp2hp(qkvba, cu_seqlens_padded, layer.exchanged_sections(), group)
+    o_hp = layer.head_parallel_core(qkvba_hp, cu_seqlens_padded, group_rank(group) * heads, heads)
+    o = hp2cp(o_hp, cu_seqlens_padded, [o_hp.shape[-1]], group)
+    rows, dv = o.shape[0], layer.head_v_dim
+    gated = layer.norm(o.view(rows, -1, dv), z.view(rows, -1, dv)).reshape(rows, -1)
+    return layer.out_proj(gated)
+
+
 def sections_form(layer: GatedDeltaNet, cp2hp=thd_cp2hp, hp2cp=thd_hp2cp):
     """The CP layer converting section-layout tensors with ``cp2hp`` / ``hp2cp``
-    (:meth:`GatedDeltaNet.forward_sections`: a pass over the activations on each side of each
-    exchange, the z projection after it, nothing overlapped), as a module ``torch.compile``
-    can wrap: with the defaults, the layer as it was before the fused layouts and the overlap."""
+    (:func:`forward_sections`: a pass over the activations on each side of each exchange, the z
+    projection after it, nothing overlapped), as a module ``torch.compile`` can wrap: with the
+    defaults, the layer as it was before the fused layouts and the overlap."""
 
     class SectionsForm(torch.nn.Module):
         def __init__(self):
@@ -261,7 +286,7 @@ def sections_form(layer: GatedDeltaNet, cp2hp=thd_cp2hp, hp2cp=thd_hp2cp):
             self.layer = layer
 
         def forward(self, x, cu_seqlens_padded, group=None):
-            return self.layer.forward_sections(x, cu_seqlens_padded, group, cp2hp, hp2cp)
+            return forward_sections(self.layer, x, cu_seqlens_padded, group, cp2hp, hp2cp)
 
     return SectionsForm()
 
