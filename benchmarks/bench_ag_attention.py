@@ -86,7 +86,7 @@ from benchmarks.common import (
 )
 from benchmarks.runner import Result, add_out_argument, emit, environment
 from cp_ops import COMPILE_OPTIONS, ag_thd_attention, all_gather_rows, pad_cu_seqlens, resolve_group, shard_thd
-from cp_ops._local_ranks import init_local_rank
+from cp_ops.local_ranks import init_local_rank
 from custom_ops.testing import TOLERANCE, rel_error
 
 TOTALS = (32768, 65536)

@@ -37,7 +37,7 @@ from benchmarks.baselines import cp2hp_per_sequence, hp2cp_per_sequence
 from benchmarks.common import default_world, kernel_breakdown, max_over_ranks, median_ms_counted, spawn_ranks
 from benchmarks.runner import Result, add_out_argument, emit, environment
 from cp_ops import pad_cu_seqlens
-from cp_ops._local_ranks import init_local_rank
+from cp_ops.local_ranks import init_local_rank
 
 SECTIONS = [2048, 2048, 4096, 4096, 32, 32]  # Qwen3-Next GDN: q, k, v, z, b, a
 SHAPES = [(32768, 8), (32768, 64), (131072, 128)]  # (T, number of sequences)

@@ -109,7 +109,7 @@ from cp_ops import (
     thd_cp2hp,
     thd_hp2cp,
 )
-from cp_ops._local_ranks import init_local_rank
+from cp_ops.local_ranks import init_local_rank
 from custom_ops.testing import rel_error
 from custom_ops.thd_copy_valid_tokens.reference import valid_token_mask
 

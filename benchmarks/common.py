@@ -192,7 +192,7 @@ def spawn_ranks(worker, world: int, *args, device: str = "cuda") -> None:
     """Run ``worker(rank, world, init_method, *args)`` in ``world`` processes and wait for all.
 
     ``device="cuda"`` needs ``world`` visible GPUs (one per rank, NCCL); ``"cpu"`` runs gloo.
-    A worker that returns ends its process with :func:`cp_ops._local_ranks.leave_local_rank`.
+    A worker that returns ends its process with :func:`cp_ops.local_ranks.leave_local_rank`.
     """
     if device == "cuda" and torch.cuda.device_count() < world:
         raise SystemExit(f"needs {world} GPUs, found {torch.cuda.device_count()}")
@@ -201,7 +201,7 @@ def spawn_ranks(worker, world: int, *args, device: str = "cuda") -> None:
     # set here as well so the spawned workers inherit them before any NCCL initialisation
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    from cp_ops._local_ranks import local_rendezvous
+    from cp_ops.local_ranks import local_rendezvous
 
     with local_rendezvous() as init_method:
         torch.multiprocessing.spawn(_run_worker, args=(worker, world, init_method, *args), nprocs=world, join=True)
@@ -224,7 +224,7 @@ def check_nccl_cta_argument(caps: list[int], smoke: bool) -> None:
 
 
 def _run_worker(rank: int, worker, *args) -> None:
-    from cp_ops._local_ranks import leave_local_rank
+    from cp_ops.local_ranks import leave_local_rank
 
     worker(rank, *args)
     leave_local_rank()  # reached only when the worker succeeded (it has left its group)

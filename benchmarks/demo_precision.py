@@ -2,7 +2,7 @@
 
     python -m benchmarks.demo_precision [--dtype bfloat16] [demo options ...]
 
-Builds ``cp_ops.demo.HybridLM`` with the demo's options (``python -m cp_ops demo
+Builds ``cp_ops_demo.HybridLM`` with the demo's options (``python -m cp_ops demo
 --help``; the defaults here are the CPU ones with 4 blocks and 2030 tokens), runs one
 forward and backward of the summed token loss in ``--dtype`` and in float64 from the
 same (``--dtype``) weights, and prints the relative error ``||g - g64|| / ||g64||``

@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from cp_ops import COMPILE_OPTIONS
-from cp_ops._local_ranks import init_local_rank, leave_local_rank, local_rendezvous
+from cp_ops.local_ranks import init_local_rank, leave_local_rank, local_rendezvous
 from cp_ops.integrations.transformers import apply_context_parallel, shard_batch
 
 SEQLENS = (40, 0, 1, 27, 70, 13)

@@ -11,7 +11,7 @@ import re
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from cp_ops._local_ranks import init_local_rank, leave_local_rank, local_rendezvous
+from cp_ops.local_ranks import init_local_rank, leave_local_rank, local_rendezvous
 
 
 def _entry(rank: int, world_size: int, init_method: str, backend: str, fn, args) -> None:

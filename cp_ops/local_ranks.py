@@ -1,5 +1,5 @@
-"""Joining a process group of W local ranks: the one piece the demo, the multi-rank tests and
-the multi-rank benchmarks share (each spawns its ranks itself).
+"""Joining a process group of W local ranks: the one piece the demo, the multi-rank tests,
+the examples and the multi-rank benchmarks share (each spawns its ranks itself).
 
 Rank r of a CUDA group computes on GPU r (NCCL); a CPU group uses gloo. The ranks meet through
 a file store in a fresh temporary directory (:func:`local_rendezvous`), so no TCP port is
