@@ -61,8 +61,11 @@ def child_command(checkout: str, suites, head_dims) -> list[str]:
 
 def child_env(checkout: str) -> dict[str, str]:
     """The environment of a child timing ``checkout``: its library first on the import path,
-    nothing else of this process's PYTHONPATH."""
-    return {**os.environ, "PYTHONPATH": str(Path(checkout).resolve())}
+    then this process's PYTHONPATH (where packages such as FLA or a newer triton may be
+    installed) without the entries that hold a library of their own."""
+    rest = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+            if p and not (Path(p) / "cp_ops" / "__init__.py").is_file()]  # fmt: skip
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(checkout).resolve()), *rest])}
 
 
 def round_order(round_index: int) -> tuple[int, int]:

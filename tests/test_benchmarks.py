@@ -2,6 +2,7 @@
 and benchmarks/compare_checkouts.py's arguments, ratios, flags and children's imports."""
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -215,3 +216,13 @@ def test_gpu_suite_parts_run_existing_benchmark_modules():
         assert "{out}" in " ".join(template) or not module or "--tune" in template, part
     assert gpu_suite.runs_of("a2a", [2, 4], 8) == [("a2a-w2", 2, 2), ("a2a-w4", 4, 4)]
     assert gpu_suite.runs_of("layout", None, 0) == [("layout", 1, None)]
+
+
+def test_compare_children_keep_other_packages_on_the_path(tmp_path, monkeypatch):
+    other = _fake_checkout(tmp_path / "other")
+    site = tmp_path / "site"
+    site.mkdir()
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site), str(other)]))
+    checkout = tmp_path / "checkout"
+    path = cc.child_env(str(checkout))["PYTHONPATH"].split(os.pathsep)
+    assert path == [str(checkout.resolve()), str(site)]
