@@ -353,10 +353,9 @@ def run_child(args) -> dict:
     device = "cuda" if cuda else "cpu"
     torch.manual_seed(0)
     import custom_ops
-    from custom_ops import _common
 
     result = {
-        "form": "triton_op" if _common.kernels_visible_to_compiler() else "opaque",
+        "form": "triton_op" if custom_ops.kernels_visible_to_compiler() else "opaque",
         "package": os.path.dirname(os.path.dirname(os.path.abspath(custom_ops.__file__))),
         "rows": [],
     }
@@ -488,8 +487,12 @@ def breakdown(cuda: bool) -> dict:
     if cuda:
         pieces["_launch (words, empty_like, tiles, launch)"] = launch_without_wrap
         pieces["kernel[grid](...) (JITFunction.run)"] = lambda: thd_reorder_kernel[grid](*kernel_args, **kernel_kwargs)
-        if hasattr(_common, "launch_direct"):
-            pieces["launch_direct (cached compiled kernel)"] = lambda: _common.launch_direct(
+        try:
+            from custom_ops.launch import launch_direct
+        except ImportError:  # a checkout from before custom_ops.launch
+            launch_direct = getattr(_common, "launch_direct", None)
+        if launch_direct is not None:
+            pieces["launch_direct (cached compiled kernel)"] = lambda: launch_direct(
                 thd_reorder_kernel, grid, *kernel_args, **kernel_kwargs
             )
         pieces["wrap_triton(kernel)[grid](...), eager"] = lambda: torch.library.wrap_triton(thd_reorder_kernel)[grid](

@@ -119,7 +119,8 @@ def seq_to_rank_with_tile(x: torch.Tensor, cu_seqlens_padded: torch.Tensor, cp_s
     """``thd_seq_to_rank_order(x, ...)`` by its kernel launched with the tile shape ``tile`` (a
     ``custom_ops._common.RowTile``) in place of the default ``ROW_TILE``: what the op's launcher
     does, with the tile as an argument."""
-    from custom_ops._common import as_words, cdiv, from_words, launch_direct, row_tile
+    from custom_ops._common import as_words, cdiv, from_words, row_tile
+    from custom_ops.launch import launch_direct
     from custom_ops.thd_reorder.kernels import thd_reorder_kernel
 
     words = as_words(x)

@@ -2,10 +2,10 @@
 
 Every op in this package checks shapes, dtypes and devices (free, and done at
 trace time under ``torch.compile``). Checks of *values* (monotone cu_seqlens,
-divisibility by 2*cp_size, ...) would need a host sync, so they live in
-:mod:`cp_ops.layout` (``validate_thd``), which users call where data is prepared.
+divisibility by 2*cp_size, ...) need a host sync, so they live in
+:mod:`custom_ops.validation`, run where data is prepared or in the checked mode.
 Ops register through :mod:`custom_ops.registration` and launch kernels through
-:mod:`custom_ops.launch`; the names op modules import from here are re-exported.
+:mod:`custom_ops.launch`.
 """
 
 from __future__ import annotations
@@ -15,14 +15,6 @@ import os
 from dataclasses import dataclass
 
 import torch
-
-from custom_ops.launch import launch, launch_direct  # noqa: F401  (imported from here by the op modules)
-from custom_ops.registration import (  # noqa: F401  (imported from here by the op modules)
-    composite_op,
-    kernel_op,
-    kernels_visible_to_compiler,
-    opaque_op,
-)
 
 NAMESPACE = "cp_ops"
 

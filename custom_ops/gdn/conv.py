@@ -18,7 +18,8 @@ from typing import Optional
 
 import torch
 
-from custom_ops._common import NAMESPACE, cdiv, check_index_tensor, launch_direct, unit_last_stride, use_triton
+from custom_ops._common import cdiv, check_index_tensor, NAMESPACE, unit_last_stride, use_triton
+from custom_ops.launch import launch_direct
 from custom_ops.gdn.fla import FLA_CHUNK, fla_uncached, fla_varlen_indices
 from custom_ops.gdn.kernels import CONV_SETTINGS, MAX_TAPS
 from custom_ops.gdn.reference import (

@@ -14,7 +14,9 @@ import math
 
 import torch
 
-from custom_ops._common import NAMESPACE, cdiv, kernel_op, launch, next_power_of_2, check_cp_size, from_words, to_words, use_triton, word_dtype
+from custom_ops._common import cdiv, check_cp_size, from_words, NAMESPACE, next_power_of_2, to_words, use_triton, word_dtype
+from custom_ops.launch import launch
+from custom_ops.registration import kernel_op
 from custom_ops.permute_sections.kernels import permute_sections_kernel
 from custom_ops.permute_sections.reference import permute_sections_reference, unpermute_sections_reference
 

@@ -2,7 +2,9 @@
 
 import torch
 
-from custom_ops._common import NAMESPACE, cdiv, kernel_op, launch, as_words, from_words, check_index_tensor, check_rows, row_tile, use_triton
+from custom_ops._common import as_words, cdiv, check_index_tensor, check_rows, from_words, NAMESPACE, row_tile, use_triton
+from custom_ops.launch import launch
+from custom_ops.registration import kernel_op
 from custom_ops.thd_copy_valid_tokens.kernels import thd_copy_valid_tokens_kernel
 from custom_ops.thd_copy_valid_tokens.reference import thd_copy_valid_tokens_reference, valid_token_mask
 from custom_ops.validation import checked

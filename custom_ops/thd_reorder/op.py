@@ -2,7 +2,9 @@
 
 import torch
 
-from custom_ops._common import NAMESPACE, cdiv, kernel_op, launch, as_words, from_words, check_cp_size, check_index_tensor, check_rows, row_tile, use_triton
+from custom_ops._common import as_words, cdiv, check_cp_size, check_index_tensor, check_rows, from_words, NAMESPACE, row_tile, use_triton
+from custom_ops.launch import launch
+from custom_ops.registration import kernel_op
 from custom_ops.thd_index import padding_multiple
 from custom_ops.thd_reorder.kernels import thd_reorder_kernel
 from custom_ops.thd_reorder.reference import thd_rank_to_seq_order_reference, thd_seq_to_rank_order_reference

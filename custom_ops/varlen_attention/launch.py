@@ -16,7 +16,8 @@ import math
 
 import torch
 
-from custom_ops._common import cdiv, launch_direct, triton_interpreting, unit_last_stride
+from custom_ops._common import cdiv, triton_interpreting, unit_last_stride
+from custom_ops.launch import launch_direct
 from custom_ops.varlen_attention.backward import varlen_attn_bwd_dkdv_kernel, varlen_attn_bwd_dq_kernel
 from custom_ops.varlen_attention.configs import (
     DEFAULT_SETTINGS,

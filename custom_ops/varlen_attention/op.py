@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from custom_ops._common import NAMESPACE, check_index_tensor, kernel_op, use_triton
+from custom_ops._common import check_index_tensor, NAMESPACE, use_triton
+from custom_ops.registration import kernel_op
 from custom_ops.varlen_attention.launch import backward, forward
 from custom_ops.varlen_attention.reference import (
     _attention,

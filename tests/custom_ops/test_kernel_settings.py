@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import custom_ops
-from custom_ops._common import ROW_TILE, RowTile, cdiv, launch, row_tile
+from custom_ops._common import cdiv, ROW_TILE, row_tile, RowTile
+from custom_ops.launch import launch
 from custom_ops.gdn import conv
 from custom_ops.gdn.kernels import CONV_SETTINGS, ConvConfig, ConvSettings
 from custom_ops.testing import random_tensor
