@@ -15,6 +15,10 @@ PARTS (default: every part that fits the visible GPUs):
   conv-gather     the same with --gather: the conv on rows in rank order against reorder + conv
   gdn-gemms       benchmarks/bench_gdn_gemms.py: the layer's GEMMs alone, one GPU against a W = 2 rank
   demo            python -m cp_ops demo --cp-size 1 (the hybrid stack on one GPU)
+  layer-host      benchmarks/bench_layer_host.py: host time to issue a compiled fwd+bwd step of
+                  each layer against its GPU time, kernel launches and ops per step
+  cold-start      benchmarks/bench_cold_start.py: the demo and a GDN layer in fresh processes on
+                  empty caches, then warm (time to the end of step 1, compile, steady step)
   a2a             benchmarks/bench_cp2hp.py --world W --profile        multi-rank, >= 2 GPUs
   ag-attention    benchmarks/bench_ag_attention.py --world W           multi-rank, >= 2 GPUs
   gdn-cp          benchmarks/bench_gdn.py --cp W --profile              multi-rank, >= 2 GPUs
@@ -24,6 +28,9 @@ PARTS (default: every part that fits the visible GPUs):
   demo-cp         python -m cp_ops demo --cp-size W                     multi-rank, >= 2 GPUs
   tests-dist      pytest -m "gpu and dist" -k W<W> (NCCL tests at W)   multi-rank, >= 2 GPUs
                   ("tests-2gpu" is accepted as its old name)
+
+A part runs for --timeout seconds at most, or for its own limit in PART_TIMEOUTS where that
+is longer (cold-start runs several fresh processes that each compile from nothing).
 
 Multi-rank parts run once per CP size W, each run with its own timeout and named
 PART-wW in the summary and logs (a2a-w8.log, ...). The sizes are
@@ -69,6 +76,8 @@ PARTS = {
     "conv-gather": (1, [sys.executable, "-m", "benchmarks.bench_conv", "--gather", "--out", "{out}"]),
     "gdn-gemms": (1, [sys.executable, "-m", "benchmarks.bench_gdn_gemms", "--out", "{out}"]),
     "demo": (1, [sys.executable, "-m", "cp_ops", "demo", "--cp-size", "1"]),
+    "layer-host": (1, [sys.executable, "-m", "benchmarks.bench_layer_host", "--out", "{out}"]),
+    "cold-start": (1, [sys.executable, "-m", "benchmarks.bench_cold_start", "--out", "{out}"]),
     # multi-rank: {world} is the CP size, {name} the part's name with it (a2a-w8)
     "a2a": (
         2,
@@ -105,6 +114,8 @@ PARTS = {
     ),  # fmt: skip
 }
 ALIASES = {"tests-2gpu": "tests-dist"}
+# parts that need longer than the default --timeout: seconds, used where --timeout is shorter
+PART_TIMEOUTS = {"layer-host": 900, "cold-start": 1800}
 TEST_WORLDS = (2, 4, 8)
 
 
@@ -166,7 +177,7 @@ def main() -> None:
             with open(os.path.join(args.out, f"{name}.log"), "w") as log:
                 try:
                     proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                          timeout=args.timeout)  # fmt: skip
+                                          timeout=max(args.timeout, PART_TIMEOUTS.get(part, 0)))  # fmt: skip
                     output, status = proc.stdout, "ok" if proc.returncode == 0 else f"rc={proc.returncode}"
                 except subprocess.TimeoutExpired as e:
                     output = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
