@@ -1,7 +1,8 @@
 """What a user waits the first time and the second time: the demo and a GatedDeltaNet layer,
 each in fresh processes on empty caches (cold), then again on the caches the first run left (warm).
 
-    python -m benchmarks.bench_cold_start [--parts demo layer] [--keep-autotuning] [--timeout S] [--out DIR]
+    python -m benchmarks.bench_cold_start [--parts demo layer] [--keep-autotuning] [--unseeded]
+                                          [--timeout S] [--out DIR]
     python -m benchmarks.bench_cold_start --smoke     # the CPU: a tiny layer
     python -m benchmarks.bench_cold_start --smoke --parts demo layer   # and a short compiled demo
 
@@ -11,7 +12,11 @@ its cold and its warm runs and removed at the end: ``TRITON_CACHE_DIR`` and
 caches) and ``CUDA_CACHE_PATH`` (the driver's JIT cache). ``TRITON_CACHE_AUTOTUNING`` is
 removed from the children's environment, as a user's shell would not have it; with
 ``--keep-autotuning`` it is 1, so Triton keeps autotuning results (FLA's kernels') on disk and
-the warm run does not autotune again (result ``cold-start-keep-autotuning``). Not reset: the
+the warm run does not autotune again (result ``cold-start-keep-autotuning``). ``--unseeded``
+adds a third run of each part, cold on caches of its own, with ``CP_OPS_FLA_CONFIGS=0``: FLA
+autotunes every kernel as it would without the recorded choices of
+``custom_ops.gdn.fla_configs`` (the baseline, run last so that it, not the measured cold run,
+finds the operating system's file cache warm). Not reset: the
 operating system's file cache (a cold run on a fresh machine also reads torch from disk) and
 Python's bytecode caches.
 
@@ -267,9 +272,22 @@ def child_environment(caches: str, keep_autotuning: bool) -> dict:
     return env
 
 
+def runs_and_environments(args, part: str):
+    """``(which, environment)`` of each run of a part, in order: cold and warm on one set of new
+    cache directories, then with ``--unseeded`` a cold run on another with
+    ``CP_OPS_FLA_CONFIGS=0``; the directories are removed after the part's last run."""
+    with tempfile.TemporaryDirectory(prefix=f"cold-start-{part}-") as caches:
+        env = child_environment(caches, args.keep_autotuning)
+        yield "cold", env
+        yield "warm", env
+    if args.unseeded:
+        with tempfile.TemporaryDirectory(prefix=f"cold-start-{part}-unseeded-") as caches:
+            yield "unseeded", dict(child_environment(caches, args.keep_autotuning), CP_OPS_FLA_CONFIGS="0")
+
+
 def demo_rows(runs: dict[str, dict]) -> list[list]:
-    """Table rows of the demo's cold and warm runs (``{"cold": figures, "warm": figures}``)."""
-    cold, warm = runs.get("cold", {}), runs.get("warm", {})
+    """Table rows of the demo's runs (``{"cold": figures, "warm": figures, "unseeded": figures}``)."""
+    cold, warm, unseeded = runs.get("cold", {}), runs.get("warm", {}), runs.get("unseeded", {})
     step1 = cold.get("to_step1_s")
     verdict = "-" if step1 is None else ("yes" if step1 <= STEP1_TARGET_S else "no")
     figures = [
@@ -279,11 +297,11 @@ def demo_rows(runs: dict[str, dict]) -> list[list]:
         ("steady step (the demo's), ms", "step_ms", ""),
         ("process start to exit, s", "total_s", ""),
     ]
-    return [["demo", label, cold.get(key), warm.get(key), target] for label, key, target in figures]
+    return [["demo", label, cold.get(key), warm.get(key), unseeded.get(key), target] for label, key, target in figures]
 
 
 def layer_rows(mode: str, runs: dict[str, dict]) -> list[list]:
-    cold, warm = runs.get("cold", {}), runs.get("warm", {})
+    cold, warm, unseeded = runs.get("cold", {}), runs.get("warm", {}), runs.get("unseeded", {})
     if mode == "eager":
         figures = [("process start to cp_ops imported, s", "import_s"), ("first forward, s", "first_fwd_s"),
                    ("first backward, s", "first_bwd_s"), ("process start to end of first fwd+bwd, s",
@@ -292,7 +310,8 @@ def layer_rows(mode: str, runs: dict[str, dict]) -> list[list]:
         figures = [("process start to cp_ops imported, s", "import_s"), ("first fwd+bwd (compiles), s",
                    "first_step_s"), ("process start to end of first fwd+bwd, s", "to_first_step_s"),
                    ("steady fwd+bwd, ms", "steady_ms")]  # fmt: skip
-    return [[f"GatedDeltaNet {mode}", label, cold.get(key), warm.get(key), ""] for label, key in figures]
+    return [[f"GatedDeltaNet {mode}", label, cold.get(key), warm.get(key), unseeded.get(key), ""]
+            for label, key in figures]  # fmt: skip
 
 
 def build_result(rows: list[list], notes: list[str], args) -> Result:
@@ -307,11 +326,13 @@ def build_result(rows: list[list], notes: list[str], args) -> Result:
         f"{'= 1' if args.keep_autotuning else 'unset'}; demo: python -m cp_ops demo {demo}; layer: "
         f"GatedDeltaNet (hidden {dims[0]}, Hk {dims[1]}, Hv {dims[2]}, dk {dims[3]}, dv {dims[4]}), "
         f"{'float32' if args.smoke else 'bf16'}, T = {tokens} in {seqs} random-length sequences; steady: "
-        f"median of {STEADY_STEPS} synchronised steps"
+        f"median of {STEADY_STEPS} synchronised steps; cold, CP_OPS_FLA_CONFIGS=0: a third, cold run on caches "
+        f"of its own without the recorded FLA autotuning choices (--unseeded; empty where not run)"
     ] + notes
     return Result("cold_start", "Cold and warm start: the demo and a GatedDeltaNet layer in fresh processes",
-                  ["part", "figure", "cold", "warm", "target"], rows, "\n".join(f"- {n}" for n in text),
-                  environment(), name=name, formats=[None, None, "{:.2f}", "{:.2f}", None])  # fmt: skip
+                  ["part", "figure", "cold", "warm", "cold, CP_OPS_FLA_CONFIGS=0", "target"], rows,
+                  "\n".join(f"- {n}" for n in text), environment(), name=name,
+                  formats=[None, None, "{:.2f}", "{:.2f}", "{:.2f}", None])  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -320,6 +341,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="what to run (default: both; the layer alone with --smoke)")  # fmt: skip
     parser.add_argument("--keep-autotuning", action="store_true",
                         help="set TRITON_CACHE_AUTOTUNING=1 in the children (autotuning results kept on disk)")
+    parser.add_argument("--unseeded", action="store_true",
+                        help="also a cold run of each part with CP_OPS_FLA_CONFIGS=0 (FLA autotunes), the baseline")
     parser.add_argument("--timeout", type=float, default=None,
                         help="seconds per child run (default 600; 300 with --smoke)")
     parser.add_argument("--smoke", action="store_true", help="the CPU: a tiny layer (and a short demo with --parts)")
@@ -345,31 +368,27 @@ def main(argv: list[str] | None = None) -> None:
     if "demo" in args.parts:
         cmd = [sys.executable, "-m", "cp_ops", "demo", *DEMO_ARGS, *SMOKE_DEMO_ARGS * args.smoke]
         runs = {}
-        with tempfile.TemporaryDirectory(prefix="cold-start-demo-") as caches:
-            env = child_environment(caches, args.keep_autotuning)
-            for which in ("cold", "warm"):
-                run = stamp_output(cmd, env, timeout)
-                runs[which] = {**parse_demo(run["pieces"]), "total_s": run["total_s"]}
-                if run["rc"] != 0:
-                    why = "ran past the time limit" if run["rc"] is None else f"exited with rc={run['rc']}"
-                    tail = " | ".join(text for _, text in run["pieces"][-3:])
-                    notes.append(f"demo, {which}: {why}: {tail[-300:]}")
-                print(f"demo {which}: " + ", ".join(f"{k} {v}" for k, v in runs[which].items()), flush=True)
+        for which, env in runs_and_environments(args, "demo"):
+            run = stamp_output(cmd, env, timeout)
+            runs[which] = {**parse_demo(run["pieces"]), "total_s": run["total_s"]}
+            if run["rc"] != 0:
+                why = "ran past the time limit" if run["rc"] is None else f"exited with rc={run['rc']}"
+                tail = " | ".join(text for _, text in run["pieces"][-3:])
+                notes.append(f"demo, {which}: {why}: {tail[-300:]}")
+            print(f"demo {which}: " + ", ".join(f"{k} {v}" for k, v in runs[which].items()), flush=True)
         rows += demo_rows(runs)
         write()
     if "layer" in args.parts:
         for mode in ("eager", "compiled"):
             runs = {}
-            with tempfile.TemporaryDirectory(prefix=f"cold-start-{mode}-") as caches:
-                env = child_environment(caches, args.keep_autotuning)
-                for which in ("cold", "warm"):
-                    figures, why = run_child(mode, env, args.smoke, timeout)
-                    if figures is None:
-                        notes.append(f"GatedDeltaNet {mode}, {which}: {why}")
-                        figures = {}
-                    runs[which] = figures
-                    print(f"GatedDeltaNet {mode} {which}: " + (", ".join(f"{k} {v:.3f}" for k, v in figures.items())
-                                                               or why), flush=True)  # fmt: skip
+            for which, env in runs_and_environments(args, mode):
+                figures, why = run_child(mode, env, args.smoke, timeout)
+                if figures is None:
+                    notes.append(f"GatedDeltaNet {mode}, {which}: {why}")
+                    figures = {}
+                runs[which] = figures
+                print(f"GatedDeltaNet {mode} {which}: " + (", ".join(f"{k} {v:.3f}" for k, v in figures.items())
+                                                           or why), flush=True)  # fmt: skip
             rows += layer_rows(mode, runs)
             write()
     emit([build_result(rows, notes, args)], args.out)

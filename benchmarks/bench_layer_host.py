@@ -1,7 +1,7 @@
 """Host time to issue one compiled fwd+bwd step of each layer, against the step's GPU time.
 
     python -m benchmarks.bench_layer_host [--tokens 32768] [--seqs 8 64] [--layers gdn attention]
-                                          [--dynamic] [--runs 20] [--out DIR]
+                                          [--dynamic] [--runs 20] [--host-profile DIR] [--out DIR]
     python -m benchmarks.bench_layer_host --smoke    # the CPU, tiny widths, in seconds
 
 Layers on one GPU (``group=None``), bf16, at Qwen3-Next-80B's widths:
@@ -61,6 +61,7 @@ Result (benchmarks/runner.py): ``layer-host`` (``layer-host-smoke`` with --smoke
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import statistics
 import time
@@ -225,6 +226,29 @@ def host_issue_busy_ms(step, cycles_per_ms: float, runs: int = 20, warmup: int =
     return statistics.median(times), waited
 
 
+def host_profile(step, cycles_per_ms: float, steps: int = PROFILE_STEPS, top: int = 40) -> str:
+    """cProfile of issuing ``steps`` steps behind one GPU sleep of :data:`MAX_SLEEP_MS`: the
+    ``top`` functions by own time, then by cumulative time (where the host time goes)."""
+    import cProfile
+    import io
+    import pstats
+
+    step()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(MAX_SLEEP_MS * cycles_per_ms))
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        step()
+    prof.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text)
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats(top)
+    return text.getvalue()
+
+
 def host_wall_ms(step, runs: int = 20, warmup: int = 2) -> float:
     """Median wall time of ``step()`` in ms: its host time where the work is synchronous (CPU)."""
     for _ in range(warmup):
@@ -297,6 +321,11 @@ def bench_case(name: str, tokens: int, num_seqs: int, args, cycles_per_ms: float
         step_ms = median_ms(step)
         kernels = kernel_ms(step)
         host, waited = host_issue_busy_ms(step, cycles_per_ms, args.runs)
+        if args.host_profile:
+            os.makedirs(args.host_profile, exist_ok=True)
+            path = os.path.join(args.host_profile, f"host-profile-{name}-{num_seqs}.txt")
+            with open(path, "w") as f:
+                f.write(host_profile(step, cycles_per_ms))
     else:
         step_ms = median_ms_counted(step, warmup=1, runs=args.runs, device="cpu")
         kernels, (host, waited) = None, (host_wall_ms(step, args.runs), 0)
@@ -348,6 +377,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dynamic", action="store_true", help="compile with dynamic=True (default: None)")
     parser.add_argument("--runs", type=int, default=None, help="timed runs of the host issue (default 20; 3 with --smoke)")
     parser.add_argument("--smoke", action="store_true", help="the CPU, tiny widths in float32, few runs")
+    parser.add_argument("--host-profile", metavar="DIR", default=None,
+                        help="also write a cProfile of issuing each case's steps to DIR (GPU only)")
     add_out_argument(parser)
     args = parser.parse_args(argv)
     tokens = args.tokens or (SMOKE_TOKENS if args.smoke else TOKENS)

@@ -164,12 +164,24 @@ def test_child_environment_has_empty_caches_and_no_kept_autotuning(tmp_path, mon
     assert cold.child_environment(str(tmp_path), keep_autotuning=True)["TRITON_CACHE_AUTOTUNING"] == "1"
 
 
+def test_cold_start_runs_cold_warm_then_unseeded():
+    runs = [(which, dict(env)) for which, env in cold.runs_and_environments(SimpleNamespace(
+        keep_autotuning=False, unseeded=True), "demo")]  # fmt: skip
+    assert [which for which, _ in runs] == ["cold", "warm", "unseeded"]
+    (_, first), (_, warm), (_, unseeded) = runs
+    assert warm["TRITON_CACHE_DIR"] == first["TRITON_CACHE_DIR"] != unseeded["TRITON_CACHE_DIR"]
+    assert "CP_OPS_FLA_CONFIGS" not in first and unseeded["CP_OPS_FLA_CONFIGS"] == "0"
+    seeded_only = cold.runs_and_environments(SimpleNamespace(keep_autotuning=False, unseeded=False), "demo")
+    assert [which for which, _ in seeded_only] == ["cold", "warm"]
+
+
 def test_cold_start_rows_and_target():
     runs = {"cold": {**cold.parse_demo(DEMO_SAMPLE), "total_s": 70.6}, "warm": {"to_step1_s": 9.0}}
     rows = cold.demo_rows(runs)
-    assert rows[0] == ["demo", "process start to end of step 1, s", 51.293, 9.0, "<= 60 s cold: yes"]
+    assert rows[0] == ["demo", "process start to end of step 1, s", 51.293, 9.0, None, "<= 60 s cold: yes"]
     assert cold.demo_rows({"cold": {"to_step1_s": 75.0}})[0][-1] == "<= 60 s cold: no"
-    assert cold.demo_rows({})[0][2:] == [None, None, "<= 60 s cold: -"]
+    assert cold.demo_rows({})[0][2:] == [None, None, None, "<= 60 s cold: -"]
+    assert cold.demo_rows({"unseeded": {"to_step1_s": 190.0}})[0][4] == 190.0
     args = SimpleNamespace(smoke=True, keep_autotuning=False)
     layer = cold.layer_rows("compiled", {"cold": {"first_step_s": 15.0}})
     result = cold.build_result(rows + layer, ["demo, warm: exited with rc=1"], args)
