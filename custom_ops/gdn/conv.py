@@ -20,7 +20,7 @@ import torch
 
 from custom_ops._common import cdiv, check_index_tensor, NAMESPACE, unit_last_stride, use_triton
 from custom_ops.launch import launch_direct
-from custom_ops.gdn.fla import FLA_CHUNK, fla_uncached, fla_varlen_indices
+from custom_ops.gdn.fla import FLA_CHUNK, fla_call, fla_varlen_indices
 from custom_ops.gdn.kernels import CONV_SETTINGS, MAX_TAPS
 from custom_ops.gdn.reference import (
     causal_conv1d_gather_reference,
@@ -164,7 +164,7 @@ def _fla_conv_forward(x, weight, bias, cu_seqlens, activation) -> torch.Tensor:
     from fla.modules.causal_conv1d.ops import causal_conv1d_fwd
 
     cu_ext, chunk_indices = fla_varlen_indices(cu_seqlens, x.shape[0])
-    with fla_uncached():
+    with fla_call(x.device):
         y, _ = causal_conv1d_fwd(
             x=x.unsqueeze(0), weight=weight.contiguous(), bias=None if bias is None else bias.contiguous(),
             residual=None, initial_state=None, output_final_state=False,
@@ -180,7 +180,7 @@ def _fla_conv_backward(grad_y, x, weight, bias, cu_seqlens, activation):
     cu_ext, chunk_indices = fla_varlen_indices(cu_seqlens, x.shape[0])
     # FLA sums dbias only for a bias; a zero one gives the sum the op returns without one
     b = weight.new_zeros(weight.shape[0]) if bias is None else bias.contiguous()
-    with fla_uncached():
+    with fla_call(x.device):
         dx, dw, db, _, _ = causal_conv1d_bwd(
             x=x.unsqueeze(0), dy=grad_y.unsqueeze(0), dht=None, weight=weight.contiguous(), bias=b, residual=None,
             initial_state=None, activation="silu" if _is_silu(activation) else None, cu_seqlens=cu_ext,

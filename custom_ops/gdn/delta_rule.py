@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from custom_ops._common import NAMESPACE, check_index_tensor
-from custom_ops.gdn.fla import FLA_CHUNK, fla_uncached, fla_varlen_indices
+from custom_ops.gdn.fla import FLA_CHUNK, fla_call, fla_varlen_indices
 from custom_ops.gdn.reference import chunk_gated_delta_rule_reference, chunk_gated_delta_rule_reference_backward
 from custom_ops.registration import composite_op, opaque_op
 from custom_ops.validation import checked
@@ -54,6 +54,18 @@ def _check_gdn(q, k, v, g, beta, cu_seqlens) -> None:
     check_index_tensor("cu_seqlens", cu_seqlens, q.device)
 
 
+def _check_fla_indices(cu_seqlens, fla_cu_seqlens, chunk_indices, num_rows: int) -> None:
+    """The shapes :func:`custom_ops.gdn.fla.fla_varlen_indices` gives for ``cu_seqlens`` and T rows."""
+    num_seqs = cu_seqlens.shape[0] - 1
+    check_index_tensor("fla_cu_seqlens", fla_cu_seqlens, cu_seqlens.device)
+    if fla_cu_seqlens.shape[0] != num_seqs + 2 or tuple(chunk_indices.shape) != (num_rows // FLA_CHUNK + num_seqs, 2):
+        raise ValueError(
+            f"fla_cu_seqlens and chunk_indices must be fla_varlen_indices(cu_seqlens, {num_rows}): shapes "
+            f"[{num_seqs + 2}] and [{num_rows // FLA_CHUNK + num_seqs}, 2], got {tuple(fla_cu_seqlens.shape)} and "
+            f"{tuple(chunk_indices.shape)}"
+        )
+
+
 def _resolve_scale(q: torch.Tensor, scale: Optional[float]) -> float:
     return q.shape[-1] ** -0.5 if scale is None else scale
 
@@ -80,8 +92,14 @@ def chunk_gated_delta_rule_forward(
     beta: torch.Tensor,
     cu_seqlens: torch.Tensor,
     scale: Optional[float] = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(o [T, Hv, dv], g_cum, A)``: the output of :func:`chunk_gated_delta_rule` and what its backward needs.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(o [T, Hv, dv], g_cum, A, fla_cu_seqlens, chunk_indices)``: the output of
+    :func:`chunk_gated_delta_rule` and what its backward needs.
+
+    ``fla_cu_seqlens`` and ``chunk_indices`` are :func:`custom_ops.gdn.fla.fla_varlen_indices`
+    of ``cu_seqlens``, returned so that the backward reuses them instead of building them again;
+    ``chunk_indices`` flattened to ``[2 * rows]``, a length that is never 1, so that compiling
+    for shapes that vary does not guard on its row count being 1.
 
     CUDA: FLA's ``chunk_gated_delta_rule_fwd``; ``g_cum [T, Hv]`` (fp32) is g
     cumulated within each 64-row chunk (in log2 units) and ``A [T, Hv, 64]`` (q's
@@ -90,13 +108,13 @@ def chunk_gated_delta_rule_forward(
     """
     _check_gdn(q, k, v, g, beta, cu_seqlens)
     scale = _resolve_scale(q, scale)
+    fla_cu_seqlens, chunk_indices = fla_varlen_indices(cu_seqlens, q.shape[0])
     if not _uses_fla(q):
         o = chunk_gated_delta_rule_reference(q, k, v, g, beta, cu_seqlens, scale)
-        return o, g.new_empty(0, dtype=torch.float32), q.new_empty(0)
+        return o, g.new_empty(0, dtype=torch.float32), q.new_empty(0), fla_cu_seqlens, chunk_indices.view(-1)
     from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
 
-    cu_ext, chunk_indices = fla_varlen_indices(cu_seqlens, q.shape[0])
-    with fla_uncached():
+    with fla_call(q.device):
         g_cum, o, A, _, _, _ = chunk_gated_delta_rule_fwd(
             q=q.contiguous().unsqueeze(0),
             k=k.contiguous().unsqueeze(0),
@@ -106,18 +124,25 @@ def chunk_gated_delta_rule_forward(
             scale=scale,
             initial_state=None,
             output_final_state=False,
-            cu_seqlens=cu_ext,
+            cu_seqlens=fla_cu_seqlens,
             chunk_indices=chunk_indices,
             chunk_size=FLA_CHUNK,
         )
-    return o.squeeze(0).to(q.dtype), g_cum.squeeze(0), A.squeeze(0)
+    return o.squeeze(0).to(q.dtype), g_cum.squeeze(0), A.squeeze(0), fla_cu_seqlens, chunk_indices.view(-1)
 
 
 @chunk_gated_delta_rule_forward.register_fake
 def _(q, k, v, g, beta, cu_seqlens, scale=None):
     _check_gdn(q, k, v, g, beta, cu_seqlens)
     g_shape, a_shape = _aux_shapes(q, v)
-    return v.new_empty(v.shape, dtype=q.dtype), g.new_empty(g_shape, dtype=torch.float32), q.new_empty(a_shape)
+    num_seqs = cu_seqlens.shape[0] - 1
+    return (
+        v.new_empty(v.shape, dtype=q.dtype),
+        g.new_empty(g_shape, dtype=torch.float32),
+        q.new_empty(a_shape),
+        cu_seqlens.new_empty(num_seqs + 2),
+        cu_seqlens.new_empty(2 * (q.shape[0] // FLA_CHUNK + num_seqs)),
+    )
 
 
 @opaque_op(f"{NAMESPACE}::chunk_gated_delta_rule_backward", mutates_args=())
@@ -129,6 +154,8 @@ def chunk_gated_delta_rule_backward(
     g: torch.Tensor,
     beta: torch.Tensor,
     cu_seqlens: torch.Tensor,
+    fla_cu_seqlens: torch.Tensor,
+    chunk_indices: torch.Tensor,
     g_cum: torch.Tensor,
     A: torch.Tensor,
     scale: Optional[float] = None,
@@ -139,13 +166,14 @@ def chunk_gated_delta_rule_backward(
     states h from A and g_cum, as in FLA's own autograd). GVA: FLA sums the key-head
     gradients over each group of value heads. CPU: the reverse scan of the reference.
     """
+    chunk_indices = chunk_indices.view(-1, 2)
+    _check_fla_indices(cu_seqlens, fla_cu_seqlens, chunk_indices, q.shape[0])
     scale = _resolve_scale(q, scale)
     if not _uses_fla(q):
         return chunk_gated_delta_rule_reference_backward(grad_o, q, k, v, g, beta, cu_seqlens, scale)
     from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_bwd
 
-    cu_ext, chunk_indices = fla_varlen_indices(cu_seqlens, q.shape[0])
-    with fla_uncached():
+    with fla_call(q.device):
         dq, dk, dv, dbeta, dg, _, _, _ = chunk_gated_delta_rule_bwd(
             q=q.contiguous().unsqueeze(0),
             k=k.contiguous().unsqueeze(0),
@@ -157,7 +185,7 @@ def chunk_gated_delta_rule_backward(
             initial_state=None,
             do=grad_o.contiguous().unsqueeze(0),
             dht=None,
-            cu_seqlens=cu_ext,
+            cu_seqlens=fla_cu_seqlens,
             chunk_indices=chunk_indices,
             chunk_size=FLA_CHUNK,
         )
@@ -171,22 +199,19 @@ def chunk_gated_delta_rule_backward(
 
 
 @chunk_gated_delta_rule_backward.register_fake
-def _(grad_o, q, k, v, g, beta, cu_seqlens, g_cum, A, scale=None):
+def _(grad_o, q, k, v, g, beta, cu_seqlens, fla_cu_seqlens, chunk_indices, g_cum, A, scale=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), g.new_empty(g.shape), beta.new_empty(beta.shape)
 
 
 def _gdn_setup_context(ctx, inputs, output):
     q, k, v, g, beta, cu_seqlens, scale = inputs
-    _, g_cum, A = output
-    ctx.save_for_backward(q, k, v, g, beta, cu_seqlens, g_cum, A)
+    _, g_cum, A, fla_cu_seqlens, chunk_indices = output
+    ctx.save_for_backward(q, k, v, g, beta, cu_seqlens, fla_cu_seqlens, chunk_indices, g_cum, A)
     ctx.scale = scale
 
 
-def _gdn_backward(ctx, grad_o, _grad_g_cum, _grad_A):
-    q, k, v, g, beta, cu_seqlens, g_cum, A = ctx.saved_tensors
-    dq, dk, dv, dg, dbeta = torch.ops.cp_ops.chunk_gated_delta_rule_backward(
-        grad_o, q, k, v, g, beta, cu_seqlens, g_cum, A, ctx.scale
-    )
+def _gdn_backward(ctx, grad_o, *_grad_aux):
+    dq, dk, dv, dg, dbeta = torch.ops.cp_ops.chunk_gated_delta_rule_backward(grad_o, *ctx.saved_tensors, ctx.scale)
     return dq, dk, dv, dg, dbeta, None, None
 
 

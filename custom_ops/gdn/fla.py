@@ -6,8 +6,9 @@ whose length, the number of 64-row chunks, depends on the lengths. FLA builds it
 by :func:`fla_varlen_indices` with a length fixed by shapes, ``T // 64 + B``, an upper
 bound; the spare rows point at an extra zero-length sequence appended to ``cu_seqlens``,
 whose programs load nothing and store nothing. FLA then never calls
-``prepare_chunk_indices`` (docs/design.md section 3). :func:`fla_uncached` switches FLA's
-tensor cache off around each call.
+``prepare_chunk_indices`` (docs/design.md section 3). :func:`fla_call` wraps each call into
+FLA: the recorded autotuning choices for the device (:mod:`custom_ops.gdn.fla_configs`), and
+FLA's tensor cache switched off.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-__all__ = ["FLA_CHUNK", "fla_uncached", "fla_varlen_indices"]
+from custom_ops.gdn.fla_configs import use_recorded_configs
+
+__all__ = ["FLA_CHUNK", "fla_call", "fla_varlen_indices"]
 
 # FLA's chunk length for both kernels (its default; the GDN kernels take 16, 32 or 64).
 FLA_CHUNK = 64
@@ -54,8 +57,10 @@ def fla_varlen_indices(
 
 
 @contextlib.contextmanager
-def fla_uncached():
-    """FLA's ``tensor_cache`` off for one call into FLA.
+def fla_call(device: torch.device):
+    """Around one call into FLA on ``device``: FLA's autotuners seeded with the choices recorded
+    for the device (:func:`custom_ops.gdn.fla_configs.use_recorded_configs`, once per device),
+    and FLA's ``tensor_cache`` off.
 
     These ops pass FLA its ``chunk_indices``, so what FLA still caches is derived from the
     ``cu_seqlens`` each call builds anew (``prepare_chunk_offsets``, ``prepare_lens``): an
@@ -68,6 +73,7 @@ def fla_uncached():
     """
     import fla.utils
 
+    use_recorded_configs(device)
     before = getattr(fla.utils, "FLA_DISABLE_TENSOR_CACHE", False)
     fla.utils.FLA_DISABLE_TENSOR_CACHE = True
     try:

@@ -152,12 +152,12 @@ def test_fla_calls_keep_nothing_alive():
     import fla.utils
     from fla.ops.utils.index import prepare_chunk_offsets
 
-    from custom_ops.gdn.fla import fla_uncached
+    from custom_ops.gdn.fla import fla_call
 
     before = fla.utils.FLA_DISABLE_TENSOR_CACHE
     for uncached in (False, True):
         cu = _cu([5, 0, 70])
-        with fla_uncached() if uncached else contextlib.nullcontext():
+        with fla_call(cu.device) if uncached else contextlib.nullcontext():
             offsets = prepare_chunk_offsets(cu, 64)
         assert offsets.tolist() == [0, 1, 1, 3]
         alive = weakref.ref(cu)
@@ -194,6 +194,12 @@ def test_opcheck_causal_conv1d():
     torch.library.opcheck(torch.ops.cp_ops.causal_conv1d_backward.default, (torch.randn_like(x), x, w, b, cu, "silu"))
 
 
+def _flat_fla_indices(cu, num_rows):
+    """What the GDN forward op returns for its backward: FLA's cu_seqlens and flat chunk indices."""
+    fla_cu, chunk_indices = fla_varlen_indices(cu, num_rows)
+    return fla_cu, chunk_indices.view(-1)
+
+
 def test_opcheck_chunk_gated_delta_rule():
     for args in _gdn_samples():
         *tensors, scale = args
@@ -203,8 +209,21 @@ def test_opcheck_chunk_gated_delta_rule():
     aux = q.new_empty(0)
     torch.library.opcheck(
         torch.ops.cp_ops.chunk_gated_delta_rule_backward.default,
-        (torch.randn_like(v), q, k, v, g, beta, cu, aux.float(), aux, None),
+        (torch.randn_like(v), q, k, v, g, beta, cu, *_flat_fla_indices(cu, q.shape[0]), aux.float(), aux, None),
     )
+
+
+def test_gdn_forward_returns_the_fla_indices_and_backward_refuses_others():
+    q, k, v, g, beta, cu = _gdn_case([5, 4], 1, 2, 4, 3, torch.float32)
+    *_, fla_cu, chunk_indices = torch.ops.cp_ops.chunk_gated_delta_rule_forward(q, k, v, g, beta, cu)
+    expected = fla_varlen_indices(cu, q.shape[0])
+    assert torch.equal(fla_cu, expected[0]) and torch.equal(chunk_indices, expected[1].view(-1))
+    other = fla_varlen_indices(cu[:2], q.shape[0])
+    aux = q.new_empty(0)
+    with pytest.raises(ValueError, match="fla_varlen_indices"):
+        torch.ops.cp_ops.chunk_gated_delta_rule_backward(
+            torch.randn_like(v), q, k, v, g, beta, cu, other[0], other[1].view(-1), aux.float(), aux
+        )
 
 
 # --- gradients --------------------------------------------------------------------------------

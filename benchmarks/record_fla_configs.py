@@ -1,0 +1,118 @@
+"""Record the configurations FLA's autotuner picks for the GDN layer's kernels on this GPU.
+
+    python -m benchmarks.record_fla_configs [--heads 16,32 8,16 4,8 2,4] [--head-dim 128]
+                                            [--tokens 32768] [--seqs 8] [--write FILE]
+
+For each ``Hk,Hv`` pair, one eager forward and backward of ``cp_ops.GatedDeltaNet`` (head dims
+``--head-dim``, bf16, one GPU, ``--tokens`` tokens in ``--seqs`` sequences of random lengths)
+lets FLA autotune every kernel the layer launches; then every FLA autotuner's cache (key ->
+chosen configuration) is written as JSON in the form :mod:`custom_ops.gdn.fla_configs` reads:
+
+    {"fla": "0.6.0", "capability": [9, 0], "recorded_with": {device, torch, triton, ...},
+     "entries": [{"kernel": "fla.ops.common.chunk_o.chunk_fwd_kernel_o",
+                  "key": [...], "config": {"num_warps": 4, "num_stages": 2, "BV": 64, ...}}]}
+
+The default heads are Qwen3-Next-80B's per rank at W = 1, 2, 4, 8 (Hk 16, Hv 32 over W); the
+demo's default (8, 16) is among them. FLA's autotuning keys hold head counts, head dims, the
+chunk size and dtypes, not the number of tokens, so one run per head pair covers every packing.
+``--write`` (default: ``custom_ops/gdn/fla_configs/sm<major><minor>.json`` for this GPU)
+replaces the file; ``--out DIR`` only copies it there as well.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+
+import torch
+
+from benchmarks.cases import random_lengths
+from benchmarks.runner import ROOT, environment
+
+DEFAULT_HEADS = ("16,32", "8,16", "4,8", "2,4")
+
+
+def run_layer(hk: int, hv: int, head_dim: int, tokens: int, seqs: int) -> float:
+    """One eager fwd+bwd of a GatedDeltaNet with ``hk``/``hv`` heads; its wall seconds."""
+    import cp_ops
+
+    torch.manual_seed(0)
+    layer = cp_ops.GatedDeltaNet(2048, hk, hv, head_dim, head_dim).to("cuda", torch.bfloat16)
+    lens = random_lengths(tokens, seqs, torch.Generator().manual_seed(tokens + seqs))
+    _, cup = cp_ops.pad_cu_seqlens(lens, 1, device="cuda")
+    x = torch.randn(int(cup[-1]), 2048, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    start = time.perf_counter()
+    layer(x, cup).float().square().mean().backward()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def fla_autotuners() -> dict[str, object]:
+    """``{"module.attribute": Autotuner}`` for every autotuned kernel of the FLA modules loaded."""
+    from triton.runtime.autotuner import Autotuner
+    from triton.runtime.jit import KernelInterface
+
+    found = {}
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("fla.") or module is None:
+            continue
+        for attr, obj in list(vars(module).items()):
+            tuner = obj
+            while isinstance(tuner, KernelInterface) and not isinstance(tuner, Autotuner):
+                tuner = getattr(tuner, "fn", None)  # heuristics wrap the autotuner
+            if isinstance(tuner, Autotuner) and getattr(tuner.base_fn, "__module__", None) == name:
+                found[f"{name}.{attr}"] = tuner
+    return found
+
+
+def cache_entries() -> list[dict]:
+    """Every (kernel, key, chosen configuration) in the FLA autotuners' caches, sorted."""
+    entries = []
+    for kernel, tuner in sorted(fla_autotuners().items()):
+        for key, config in tuner.cache.items():
+            entries.append({"kernel": kernel, "key": list(key), "config": config.all_kwargs()})
+    return sorted(entries, key=lambda e: (e["kernel"], json.dumps(e["key"])))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--heads", nargs="+", default=list(DEFAULT_HEADS), help="Hk,Hv pairs to record")
+    parser.add_argument("--head-dim", type=int, default=128, help="dk = dv")
+    parser.add_argument("--tokens", type=int, default=32768)
+    parser.add_argument("--seqs", type=int, default=8)
+    parser.add_argument("--write", default=None, help="the JSON file to write (default: the package's for this GPU)")
+    parser.add_argument("--out", default=None, help="also copy the file into this directory")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA device: the configurations are recorded on the GPU they are for")
+    import fla
+
+    major, minor = torch.cuda.get_device_capability()
+    path = args.write or os.path.join(ROOT, "custom_ops", "gdn", "fla_configs", f"sm{major}{minor}.json")
+    for pair in args.heads:
+        hk, hv = (int(h) for h in pair.split(","))
+        seconds = run_layer(hk, hv, args.head_dim, args.tokens, args.seqs)
+        print(f"Hk {hk}, Hv {hv}: first fwd+bwd {seconds:.1f} s", flush=True)
+    record = {
+        "fla": fla.__version__,
+        "capability": [major, minor],
+        "recorded_with": environment(fla=fla.__version__, heads=args.heads, head_dim=args.head_dim,
+                                     tokens=args.tokens, seqs=args.seqs),  # fmt: skip
+        "entries": cache_entries(),
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1, default=str)
+        f.write("\n")
+    print(f"{len(record['entries'])} entries -> {path}", flush=True)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        shutil.copy(path, args.out)
+
+
+if __name__ == "__main__":
+    main()

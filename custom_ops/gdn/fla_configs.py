@@ -1,0 +1,97 @@
+"""Recorded autotuning choices for FLA's kernels, so that a first step does not autotune.
+
+FLA's kernels are ``triton.autotune``\\ d: the first launch with a new key (head counts, head
+dims, chunk size, flags, argument dtypes; not the number of tokens) compiles and times every
+configuration in the kernel's list, which is most of a cold first step of the GDN layer on a
+GPU. :func:`use_recorded_configs` puts the choices recorded on a GPU of the same compute
+capability (``fla_configs_sm<major><minor>.json`` beside this module, written by
+``python -m benchmarks.record_fla_configs``) into the autotuners' caches for the keys they have
+not seen, so those launches compile one configuration and time none. An entry is used only
+where FLA's version is the recorded one and its configuration is still in the kernel's list;
+other keys and other GPUs autotune as before. ``CP_OPS_FLA_CONFIGS=0`` turns this off
+(docs/design.md section 3).
+
+FLA's autotuners are shared by everything in the process that calls FLA: a key recorded here
+gets the recorded configuration for those callers as well, as if they had autotuned it first.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+from pathlib import Path
+
+import torch
+
+__all__ = ["recorded_configs_path", "seed_autotuners", "use_recorded_configs"]
+
+_DIR = Path(__file__).resolve().parent
+_SEEDED: dict[int, int] = {}  # device index -> entries put into the autotuners' caches
+
+
+def recorded_configs_path(capability: tuple[int, int]) -> Path:
+    """The file of recorded choices for GPUs of ``capability`` (it need not exist)."""
+    major, minor = capability
+    return _DIR / f"fla_configs_sm{major}{minor}.json"
+
+
+def _autotuner(name: str):
+    """The ``triton.runtime.autotuner.Autotuner`` of kernel ``module.attribute``, or None."""
+    from triton.runtime.autotuner import Autotuner
+    from triton.runtime.jit import KernelInterface
+
+    module_name, _, attr = name.rpartition(".")
+    try:
+        tuner = getattr(importlib.import_module(module_name), attr, None)
+    except ImportError:
+        return None
+    while isinstance(tuner, KernelInterface) and not isinstance(tuner, Autotuner):
+        tuner = getattr(tuner, "fn", None)  # heuristics wrap the autotuner
+    return tuner if isinstance(tuner, Autotuner) else None
+
+
+def seed_autotuners(record: dict, fla_version: str) -> int:
+    """Put ``record``'s choices into FLA's autotuner caches where their key is not cached yet;
+    the number put. Nothing for a record of another FLA version; an entry whose kernel is gone
+    or whose configuration is not among the kernel's configurations is skipped."""
+    if record.get("fla") != fla_version:
+        return 0
+    seeded = 0
+    for entry in record["entries"]:
+        tuner = _autotuner(entry["kernel"])
+        if tuner is None:
+            continue
+        config = next((c for c in tuner.configs if c.all_kwargs() == entry["config"]), None)
+        key = tuple(entry["key"])
+        if config is not None and key not in tuner.cache:
+            tuner.cache[key] = config
+            seeded += 1
+    return seeded
+
+
+def use_recorded_configs(device: torch.device) -> int:
+    """Seed FLA's autotuners with the choices recorded for ``device``'s compute capability, once
+    per device (later calls return at once); the number of entries put (0 on
+    devices other than CUDA ones)."""
+    if device.type != "cuda":
+        return 0
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    done = _SEEDED.get(index)
+    if done is not None:
+        return done
+    _SEEDED[index] = 0
+    switch = os.environ.get("CP_OPS_FLA_CONFIGS", "1")
+    if switch not in ("0", "1"):
+        raise ValueError(f"CP_OPS_FLA_CONFIGS must be 0 or 1, got {switch!r}")
+    if switch == "0":
+        return 0
+    path = recorded_configs_path(torch.cuda.get_device_capability(index))
+    if not path.exists():
+        return 0
+    import fla
+
+    with open(path) as f:
+        record = json.load(f)
+    _SEEDED[index] = seed_autotuners(record, fla.__version__)
+    return _SEEDED[index]
