@@ -15,8 +15,8 @@ chosen configuration) is written as JSON in the form :mod:`custom_ops.gdn.fla_co
 The default heads are Qwen3-Next-80B's per rank at W = 1, 2, 4, 8 (Hk 16, Hv 32 over W); the
 demo's default (8, 16) is among them. FLA's autotuning keys hold head counts, head dims, the
 chunk size and dtypes, not the number of tokens, so one run per head pair covers every packing.
-``--write`` (default: ``custom_ops/gdn/fla_configs/sm<major><minor>.json`` for this GPU)
-replaces the file; ``--out DIR`` only copies it there as well.
+``--write`` (default: ``custom_ops/gdn/fla_configs_sm<major><minor>.json`` for this GPU, the
+file the package reads) replaces the file; ``--out DIR`` also copies it there.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import time
 import torch
 
 from benchmarks.cases import random_lengths
-from benchmarks.runner import ROOT, environment
+from benchmarks.runner import environment
 
 DEFAULT_HEADS = ("16,32", "8,16", "4,8", "2,4")
 
@@ -91,8 +91,10 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("needs a CUDA device: the configurations are recorded on the GPU they are for")
     import fla
 
+    from custom_ops.gdn.fla_configs import recorded_configs_path
+
     major, minor = torch.cuda.get_device_capability()
-    path = args.write or os.path.join(ROOT, "custom_ops", "gdn", "fla_configs", f"sm{major}{minor}.json")
+    path = args.write or str(recorded_configs_path((major, minor)))
     for pair in args.heads:
         hk, hv = (int(h) for h in pair.split(","))
         seconds = run_layer(hk, hv, args.head_dim, args.tokens, args.seqs)
