@@ -120,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the data")
     p.add_argument("--lr", type=float, default=None, help=f"AdamW learning rate ({_both('lr')})")
     p.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
-    p.add_argument("--eager", action="store_true", help="run the model eagerly instead of torch.compile(fullgraph=True)")
+    p.add_argument("--eager", action="store_true", help="run the model eagerly instead of compiling each block with torch.compile(fullgraph=True)")
     p.add_argument("--no-check", action="store_true", help="skip the step-1 check against one device")
     p.add_argument("--quiet", action="store_true", help="no progress bar and no table")
     p.add_argument("--json", type=str, default=None, help="also write the results to this JSON file (default: none)")

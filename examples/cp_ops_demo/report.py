@@ -78,7 +78,7 @@ def _mode(res: dict) -> str:
         else "our Triton kernels in opaque ops (triton newer than torch's pin)" if res["kernels_visible"] is False
         else "our Triton kernels"
     )  # fmt: skip
-    return f"torch.compile(fullgraph=True); {where}"
+    return f"each block under torch.compile(fullgraph=True); {where}"
 
 
 def format_table(res: dict) -> str:
