@@ -34,7 +34,7 @@ from cp_ops_demo.cli import DEVICE_DEFAULTS, build_parser, main, parse_args, run
 from cp_ops_demo.data import make_batch
 from cp_ops_demo.model import IGNORE_INDEX, HybridLM, fla_dt_bias_
 from cp_ops_demo.report import format_table
-from cp_ops_demo.train import TOLERANCE
+from cp_ops_demo.train import REGIONS, TOLERANCE
 
 __all__ = [
     "HybridLM",
@@ -42,6 +42,7 @@ __all__ = [
     "IGNORE_INDEX",
     "make_batch",
     "TOLERANCE",
+    "REGIONS",
     "DEVICE_DEFAULTS",
     "build_parser",
     "parse_args",

@@ -107,5 +107,9 @@ class HybridLM(nn.Module):
         x = self.embed(tokens)
         for block in self.blocks:
             x = block(x, cu_seqlens, cu_seqlens_padded, group=group)
+        return self.loss(x, labels)
+
+    def loss(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The float32 sum of the cross-entropy of the LM head's logits over the targets."""
         logits = self.lm_head(self.norm(x)).float()
         return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
