@@ -52,19 +52,17 @@ def run_layer(hk: int, hv: int, head_dim: int, tokens: int, seqs: int) -> float:
 
 
 def fla_autotuners() -> dict[str, object]:
-    """``{"module.attribute": Autotuner}`` for every autotuned kernel of the FLA modules loaded."""
-    from triton.runtime.autotuner import Autotuner
-    from triton.runtime.jit import KernelInterface
+    """``{"module.attribute": Autotuner}`` for every autotuned kernel of the FLA modules loaded
+    (where it is defined, not where it is imported)."""
+    from custom_ops.gdn.fla_configs import autotuner_of
 
     found = {}
     for name, module in list(sys.modules.items()):
         if not name.startswith("fla.") or module is None:
             continue
         for attr, obj in list(vars(module).items()):
-            tuner = obj
-            while isinstance(tuner, KernelInterface) and not isinstance(tuner, Autotuner):
-                tuner = getattr(tuner, "fn", None)  # heuristics wrap the autotuner
-            if isinstance(tuner, Autotuner) and getattr(tuner.base_fn, "__module__", None) == name:
+            tuner = autotuner_of(obj)
+            if tuner is not None and getattr(tuner.base_fn, "__module__", None) == name:
                 found[f"{name}.{attr}"] = tuner
     return found
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["recorded_configs_path", "seed_autotuners", "use_recorded_configs"]
+__all__ = ["autotuner_of", "recorded_configs_path", "seed_autotuners", "use_recorded_configs"]
 
 _DIR = Path(__file__).resolve().parent
 _SEEDED: dict[int, int] = {}  # device index -> entries put into the autotuners' caches
@@ -36,19 +36,24 @@ def recorded_configs_path(capability: tuple[int, int]) -> Path:
     return _DIR / f"fla_configs_sm{major}{minor}.json"
 
 
-def _autotuner(name: str):
-    """The ``triton.runtime.autotuner.Autotuner`` of kernel ``module.attribute``, or None."""
+def autotuner_of(kernel):
+    """The ``triton.runtime.autotuner.Autotuner`` of a module-level kernel object (under any
+    ``triton.heuristics`` wrapping it), or None for a kernel that is not autotuned."""
     from triton.runtime.autotuner import Autotuner
     from triton.runtime.jit import KernelInterface
 
+    while isinstance(kernel, KernelInterface) and not isinstance(kernel, Autotuner):
+        kernel = getattr(kernel, "fn", None)
+    return kernel if isinstance(kernel, Autotuner) else None
+
+
+def _autotuner(name: str):
+    """The autotuner of kernel ``module.attribute``, or None."""
     module_name, _, attr = name.rpartition(".")
     try:
-        tuner = getattr(importlib.import_module(module_name), attr, None)
+        return autotuner_of(getattr(importlib.import_module(module_name), attr, None))
     except ImportError:
         return None
-    while isinstance(tuner, KernelInterface) and not isinstance(tuner, Autotuner):
-        tuner = getattr(tuner, "fn", None)  # heuristics wrap the autotuner
-    return tuner if isinstance(tuner, Autotuner) else None
 
 
 def seed_autotuners(record: dict, fla_version: str) -> int:
