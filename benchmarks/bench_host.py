@@ -85,8 +85,9 @@ def build_cases(device, smoke: bool, only=None):
     def rand(*shape, dtype=bf16):
         return torch.randn(shape, generator=gen, device=device).to(dtype)
 
-    def wanted(group):
-        return not only or group in only or any(name.startswith(group) for name in only) or group == "floor"
+    def wanted(group, *names):
+        """Whether ``--ops`` asks for the group or one of its ops (everything without ``--ops``)."""
+        return not only or group in only or any(name in only for name in names)
 
     def same_grads(outs):
         return [torch.ones_like(o) for o in outs]
@@ -141,7 +142,8 @@ def build_cases(device, smoke: bool, only=None):
     }  # fmt: skip
     for c in cases:
         c.reference = references.get(c.name)
-    if not wanted("varlen_attention"):
+    if not (wanted("attention", "varlen_attention") or wanted("conv", "causal_conv1d", "causal_conv1d_gather")
+            or wanted("gdn", "chunk_gated_delta_rule")):  # fmt: skip
         return _select(cases, only)
     # attention: 4 causal segments, 16 heads, D = 128
     a_seqs, a_len, heads, dim = (2, 16, 2, 16) if smoke else (4, 4096, 16, 128)
@@ -159,7 +161,7 @@ def build_cases(device, smoke: bool, only=None):
                                  lambda outs: [torch.ones_like(outs[0])] + [torch.zeros_like(o) for o in outs[1:]]),
                       None, calls=30))  # fmt: skip
 
-    if not (wanted("causal_conv1d") or wanted("chunk_gated_delta_rule")):
+    if not (wanted("conv", "causal_conv1d", "causal_conv1d_gather") or wanted("gdn", "chunk_gated_delta_rule")):
         return _select(cases, only)
     # the GDN layer's conv: C = 2048 channels of K = 4 taps over the layout above
     channels = 16 if smoke else 2048

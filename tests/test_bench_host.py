@@ -18,6 +18,20 @@ DIFFERENTIABLE = {
 }  # fmt: skip
 
 
+def test_ops_selects_groups_and_names():
+    """``--ops`` takes groups and op names alike; each selection has its cases (and the floor)."""
+    from benchmarks.bench_host import build_cases
+
+    def names(only):
+        return {c.name for c in build_cases("cpu", smoke=True, only=only)}
+
+    assert names(["attention", "conv"]) == {"clone (floor)", "varlen_attention", "causal_conv1d", "causal_conv1d_gather"}
+    assert names(["gdn"]) == {"clone (floor)", "chunk_gated_delta_rule"}
+    assert names(["causal_conv1d"]) == {"clone (floor)", "causal_conv1d"}
+    assert "thd_copy_valid_tokens_" in names(["layout"]) and "varlen_attention" not in names(["layout"])
+    assert DIFFERENTIABLE <= names(None)
+
+
 def test_bench_host_smoke(tmp_path):
     raw = tmp_path / "raw.json"
     env = dict(os.environ)
