@@ -102,8 +102,11 @@ INTERPRET_CONFIGS = _frozen({
 })  # fmt: skip
 
 # Segments, and tiles, handled per step of the segment-table kernel's loops (any count is
-# served by looping, so the kernel is compiled once whatever the packing); a power of two.
-TABLE_BLOCK = 1024
+# served by looping, so the kernel is compiled once whatever the packing), a power of two, and
+# the kernel's warps. Its sort and scans grow with BLOCK, and so does its compile time, which
+# a cold first step waits for (docs/benchmarks.md, section "Cold start").
+TABLE_BLOCK = 256
+TABLE_WARPS = 8
 # Launch-order buckets of the segments' work (see segment_tables_kernel): eight per doubling of
 # the key-tile count of a segment's last query tile, the last one holding every segment of
 # 2**15 key tiles and more.

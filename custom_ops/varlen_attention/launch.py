@@ -22,6 +22,7 @@ from custom_ops.varlen_attention.backward import varlen_attn_bwd_dkdv_kernel, va
 from custom_ops.varlen_attention.configs import (
     DEFAULT_SETTINGS,
     TABLE_BLOCK,
+    TABLE_WARPS,
     WORK_BUCKETS,
     AttentionSettings,
     has_tma_config,
@@ -54,9 +55,8 @@ def segment_tables(
     tiles = torch.empty((5, num_tiles), dtype=torch.int32, device=dev)
     launch_direct(
         segment_tables_kernel, (1,),
-        *seg, tab, cum, tiles, n_seg, num_q_rows, num_k_rows, num_tiles, left, right,
-        CAUSAL=causal, TILE=tile, KEY_TILE=key_tile, BY_WORK=by_work,
-        BLOCK=chunk, BUCKETS=WORK_BUCKETS, num_warps=4,
+        *seg, tab, cum, tiles, n_seg, num_q_rows, num_k_rows, num_tiles, left, right, tile, key_tile,
+        CAUSAL=causal, BY_WORK=by_work, BLOCK=chunk, BUCKETS=WORK_BUCKETS, num_warps=TABLE_WARPS,
     )  # fmt: skip
     return tab.unbind(0), tiles[0], tiles[1]
 

@@ -22,7 +22,7 @@ def _maximum(a, b):
     return tl.maximum(a, b)
 
 
-@triton.jit(do_not_specialize=["n_seg", "num_q_rows", "num_k_rows", "num_tiles", "left", "right"])
+@triton.jit(do_not_specialize=["n_seg", "num_q_rows", "num_k_rows", "num_tiles", "left", "right", "tile", "key_tile"])
 def segment_tables_kernel(
     q_start_ptr,
     q_len_ptr,
@@ -30,7 +30,7 @@ def segment_tables_kernel(
     k_start_ptr,
     k_len_ptr,
     tab_ptr,  # [5, n_seg] int32: q_start, q_len, q_pos, k_start, k_len, clamped into the tensors
-    cum_ptr,  # [n_seg] int32 scratch: inclusive cumulative count of TILE-row query tiles per segment
+    cum_ptr,  # [n_seg] int32 scratch: inclusive cumulative count of tile-row query tiles per segment
     tiles_ptr,  # [5, num_tiles] int32: rows 0 and 1 the launch order, rows 2 to 4 scratch
     n_seg,
     num_q_rows,
@@ -38,9 +38,9 @@ def segment_tables_kernel(
     num_tiles,
     left,
     right,
+    tile,
+    key_tile,
     CAUSAL: tl.constexpr,
-    TILE: tl.constexpr,
-    KEY_TILE: tl.constexpr,
     BY_WORK: tl.constexpr,
     BLOCK: tl.constexpr,
     BUCKETS: tl.constexpr,
@@ -48,7 +48,9 @@ def segment_tables_kernel(
     """Every table a forward or dq launch needs, in one program: the clamped segment tables,
     and for each of the grid's ``num_tiles`` query tiles, in the order the grid runs them,
     its segment (row 0 of ``tiles``; ``n_seg`` for a tile past the last segment's) and its
-    index within the segment (row 1).
+    index within the segment (row 1). The query and key tile sizes (``tile``, ``key_tile``)
+    are runtime arguments, so that the forward's and dq's launches, whose tiles differ,
+    share one compiled variant.
 
     Starts and lengths are clamped so that an invalid layout gives wrong rows but never
     an out-of-bounds access: ``start`` into ``[0, rows]``, ``len`` into
@@ -61,7 +63,7 @@ def segment_tables_kernel(
     (the whole table reversed; under a causal mask a segment's last tile is its longest).
     With ``BY_WORK`` the segments run heaviest first, each one's tiles last to first: a
     stable counting sort of the tiles on a bucket of their segment's work w, the number of
-    ``KEY_TILE``-row tiles of keys that the segment's last query tile sees
+    ``key_tile``-row tiles of keys that the segment's last query tile sees
     (:func:`_key_range`; under a causal mask the segment's longest tile), ``8 * floor(log2(w
     + 1))`` plus the three bits after the leading one, so eight buckets per doubling and
     segments whose work differs by less than an eighth keep their order. The launch then
@@ -91,7 +93,7 @@ def segment_tables_kernel(
         tl.store(tab_ptr + 2 * n_seg + i, qp.to(tl.int32), mask=m)
         tl.store(tab_ptr + 3 * n_seg + i, ks.to(tl.int32), mask=m)
         tl.store(tab_ptr + 4 * n_seg + i, kl.to(tl.int32), mask=m)
-        tiles = ((ql + TILE - 1) // TILE).to(tl.int32)  # 0 past n_seg (ql = 0 there)
+        tiles = ((ql + tile - 1) // tile).to(tl.int32)  # 0 past n_seg (ql = 0 there)
         cum = tl.cumsum(tiles, 0) + carry
         tl.store(cum_ptr + i, cum, mask=m)
         # the tile after segment i's last is the first of segment i + 1 (or of a later one,
@@ -122,10 +124,10 @@ def segment_tables_kernel(
             ql = tl.load(tab_ptr + n_seg + s, mask=live, other=0)
             qp = tl.load(tab_ptr + 2 * n_seg + s, mask=live, other=0)
             kl = tl.load(tab_ptr + 4 * n_seg + s, mask=live, other=0)
-            pos_lo = qp + (last - seg_first) * TILE
+            pos_lo = qp + (last - seg_first) * tile
             pos_hi = qp + ql - 1
-            lo, _, _, hi = _key_range(pos_lo, pos_hi, kl, left, right, CAUSAL, KEY_TILE)
-            work = (hi - lo + KEY_TILE - 1) // KEY_TILE
+            lo, _, _, hi = _key_range(pos_lo, pos_hi, kl, left, right, CAUSAL, key_tile)
+            work = (hi - lo + key_tile - 1) // key_tile
             # 8 * floor(log2(work + 1)) + the 3 bits after the leading one: exponent and top
             # mantissa bits of the float (exact below 2**24)
             bits = (work + 1).to(tl.float32).to(tl.int32, bitcast=True)

@@ -12,8 +12,11 @@ import triton.language as tl
 
 
 @triton.jit
-def _key_range(pos_lo, pos_hi, k_len, left, right, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr):
+def _key_range(pos_lo, pos_hi, k_len, left, right, CAUSAL: tl.constexpr, BLOCK_N):
     """Key loop phases for the query positions [pos_lo, pos_hi].
+
+    ``BLOCK_N`` is the attention kernels' constexpr key tile, or a runtime value in the
+    table kernel (one compiled variant serves every launch's tiles).
 
     Keys outside [lo, hi) are invisible to every query of the tile; key tiles in
     [mid_lo, mid_hi) are visible to every query (no elementwise mask). Returns

@@ -899,8 +899,8 @@ def test_segment_table_kernel_compiles_for_hopper(by_work):
     the launch parameters of the op, so a construct the GPU compiler refuses fails here."""
     pytest.importorskip("triton.backends.nvidia")
     config = dict(
-        TILE=128, KEY_TILE=128, BY_WORK=by_work, BLOCK=configs.TABLE_BLOCK,
-        BUCKETS=configs.WORK_BUCKETS, num_warps=4, num_stages=1,
+        BY_WORK=by_work, BLOCK=configs.TABLE_BLOCK, BUCKETS=configs.WORK_BUCKETS,
+        num_warps=configs.TABLE_WARPS, num_stages=1,
     )  # fmt: skip
     try:
         compiled = _compile_for_sm90(kernels_mod.segment_tables_kernel, config)
