@@ -18,6 +18,8 @@ from torch._library.triton import is_wrap_triton_enabled
 from torch.library import wrap_triton
 from triton import knobs
 
+from custom_ops import precompile
+
 __all__ = ["direct_launcher", "launch", "launch_direct"]
 
 _I32, _I63 = 2**31, 2**63
@@ -88,27 +90,37 @@ def direct_launcher(
         (:func:`spec_key` of every positional argument, the keyword arguments, the current
         device) goes through Triton, which compiles and launches; later ones launch the compiled
         kernel that call returned. Interpreted kernels (``TRITON_INTERPRET=1``) always go
-        through Triton.
+        through Triton. In a thread that precompiles (:mod:`custom_ops.precompile`), on meta
+        tensors, nothing launches: a kernel not launched yet with its key is compiled in a
+        worker, and the first launch with that key waits for that compile.
         """
         entry = kernels.get(id(kernel))
         if entry is None or entry[0] is not kernel:
             entry = kernels[id(kernel)] = (kernel, compiled(kernel), {})
         _, is_compiled, cache = entry
+        precompiling = precompile.state.device is not None
         if not is_compiled:
-            kernel[grid](*args, **kwargs)
+            if not precompiling:
+                kernel[grid](*args, **kwargs)
             return
         dev = device()
         key = [dev]
         for a in args:
             k = spec_key(a)
             if k is NO_KEY:
-                kernel[grid](*args, **kwargs)
+                if not precompiling:
+                    kernel[grid](*args, **kwargs)
                 return
             key.append(k)
         key.append(tuple(kwargs.items()))
         key = tuple(key)
         entry = cache.get(key)
+        if precompiling:
+            if entry is None:
+                precompile.submit_compile(kernel, key, grid, args, kwargs)
+            return
         if entry is None:
+            precompile.wait_for(kernel, key)
             result = kernel[grid](*args, **kwargs)
             if len(cache) >= MAX_KEYS:
                 cache.clear()

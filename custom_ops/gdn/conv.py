@@ -20,6 +20,8 @@ import torch
 
 from custom_ops._common import cdiv, check_index_tensor, NAMESPACE, unit_last_stride, use_triton
 from custom_ops.launch import launch_direct
+from custom_ops import precompile
+from custom_ops.precompile import cuda_index
 from custom_ops.gdn.fla import FLA_CHUNK, fla_call, fla_varlen_indices
 from custom_ops.gdn.kernels import CONV_SETTINGS, MAX_TAPS
 from custom_ops.gdn.reference import (
@@ -80,9 +82,32 @@ def causal_conv1d(
     return _conv_forward(x, weight, bias, cu_seqlens, activation)
 
 
+def _precompile(x, weight, bias, cu_seqlens, activation, rows=None) -> None:
+    """Start compiling the forward's and the backward's kernels of :func:`causal_conv1d` (with
+    ``rows``, of :func:`causal_conv1d_gather`) for these arguments, the fake tensors of a graph
+    being traced, in the background (:mod:`custom_ops.precompile`); the backward for a
+    contiguous upstream gradient."""
+    if x.device.type != "cuda" or weight.shape[1] > MAX_TAPS or not precompile.enabled():
+        return
+    try:
+        mx, mw, mb, mcu, mrows = (precompile.meta_like(t) for t in (x, weight, bias, cu_seqlens, rows))
+    except TypeError:  # symbolic sizes: nothing to predict
+        return
+    channels = weight.shape[0]
+
+    def launchers():
+        y = _conv_forward(mx[:, :channels], mw, mb, mcu, activation, mrows)
+        dx = None if rows is None else torch.empty(x.shape, dtype=x.dtype, device="meta")[:, :channels]
+        _conv_backward_kernel(torch.empty_like(y), mx[:, :channels], mw, mb, mcu, activation, mrows, dx)
+
+    key = ("causal_conv1d", precompile.tensor_key(x, weight, bias, cu_seqlens, rows), activation)
+    precompile.schedule(key, x.device, launchers)
+
+
 @causal_conv1d.register_fake
 def _(x, weight, bias, cu_seqlens, activation="silu"):
     _check_conv(x, weight, bias, cu_seqlens, activation)
+    _precompile(x, weight, bias, cu_seqlens, activation)
     return x.new_empty(x.shape)
 
 
@@ -115,7 +140,7 @@ def _conv_forward(x, weight, bias, cu_seqlens, activation, rows=None, settings=C
     x = unit_last_stride(x)
     weight = weight.contiguous()
     num_rows, channels = x.shape
-    block_rows, block_c, warps, stages = settings.config("fwd", x.is_cuda)
+    block_rows, block_c, warps, stages = settings.config("fwd", cuda_index(x) is not None)
     y = torch.empty(num_rows, channels, dtype=x.dtype, device=x.device)
     pos = _conv_positions(cu_seqlens, num_rows)
     grid = (cdiv(num_rows, block_rows), cdiv(channels, block_c))
@@ -137,7 +162,7 @@ def _conv_backward_kernel(grad_y, x, weight, bias, cu_seqlens, activation, rows=
     w = weight.contiguous()
     num_rows, channels = x.shape
     kernel = w.shape[1]
-    block_rows, block_c, warps, stages = settings.config("bwd", x.is_cuda)
+    block_rows, block_c, warps, stages = settings.config("bwd", cuda_index(x) is not None)
     programs = cdiv(num_rows, block_rows)
     if dx is None:
         dx = torch.empty(num_rows, channels, dtype=x.dtype, device=x.device)
@@ -262,6 +287,7 @@ def causal_conv1d_gather(
 @causal_conv1d_gather.register_fake
 def _(x, rows, weight, bias, cu_seqlens, activation="silu"):
     _check_conv_gather(x, rows, weight, bias, cu_seqlens, activation)
+    _precompile(x, weight, bias, cu_seqlens, activation, rows)
     channels = weight.shape[0]
     return x.new_empty(x.shape[0], channels), x.new_empty(x.shape[0], x.shape[1] - channels)
 

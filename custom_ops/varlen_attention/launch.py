@@ -18,6 +18,7 @@ import torch
 
 from custom_ops._common import cdiv, triton_interpreting, unit_last_stride
 from custom_ops.launch import launch_direct
+from custom_ops.precompile import cuda_index
 from custom_ops.varlen_attention.backward import varlen_attn_bwd_dkdv_kernel, varlen_attn_bwd_dq_kernel
 from custom_ops.varlen_attention.configs import (
     DEFAULT_SETTINGS,
@@ -124,8 +125,9 @@ def tma_usable(
         return False
     if not has_tma_config(kernel, block_d):
         return False
-    if t.device.type == "cuda":
-        if not _device_has_tma(t.device.index if t.device.index is not None else torch.cuda.current_device()):
+    index = cuda_index(t)
+    if index is not None:
+        if not _device_has_tma(index):
             return False
     elif not triton_interpreting():
         return False

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from custom_ops import precompile
 from custom_ops._common import check_index_tensor, NAMESPACE, use_triton
 from custom_ops.registration import kernel_op
 from custom_ops.varlen_attention.launch import backward, forward
@@ -113,10 +114,33 @@ def _varlen_attention(
     return forward(q, k, v, seg, causal, window_left, window_right, scale)
 
 
+def _precompile(q, k, v, seg, causal, left, right, scale) -> None:
+    """Start compiling the forward's and the backward's kernels for these arguments (the fake
+    tensors of a graph being traced) in the background (:mod:`custom_ops.precompile`); the
+    backward for a contiguous ``dout`` and no ``dlse``, as the layers produce them."""
+    if q.device.type != "cuda" or q.dtype == torch.float64 or type(left) is not int or type(right) is not int:
+        return
+    if not precompile.enabled():
+        return
+    try:
+        mq, mk, mv, *mseg = (precompile.meta_like(t) for t in (q, k, v, *seg))
+    except TypeError:  # symbolic sizes: nothing to predict
+        return
+    scale = resolve_scale(scale, q.shape[2])
+
+    def launchers():
+        out, lse = forward(mq, mk, mv, mseg, causal, left, right, scale)
+        backward(torch.empty_like(out), torch.empty_like(lse), mq, mk, mv, out, lse, mseg, causal, left, right, scale)
+
+    key = ("varlen_attention", precompile.tensor_key(q, k, v, *seg), causal, left, right)
+    precompile.schedule(key, q.device, launchers)
+
+
 @_varlen_attention.register_fake
 def _(q, k, v, q_start, q_len, q_pos, k_start, k_len, causal=True, window_left=-1, window_right=-1, scale=None):
     _check(q, k, v, (q_start, q_len, q_pos, k_start, k_len), causal, window_left, window_right)
     _use_kernel(q)  # same head_dim error as the real op
+    _precompile(q, k, v, (q_start, q_len, q_pos, k_start, k_len), causal, window_left, window_right, scale)
     return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=lse_dtype(q.dtype))
 
 

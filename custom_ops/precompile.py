@@ -1,0 +1,175 @@
+"""Compiling an op's kernels before its first call (docs/design.md section 3, "The first step").
+
+Triton compiles a kernel when it is first launched with a new specialization, seconds for
+each of this package's kernels, one after the other on the thread that calls the op. Under
+``torch.compile`` an op's fake implementation runs while the graph is traced, well before the
+compiled graph first calls the op. There the ops that launch through
+:func:`custom_ops.launch.launch_direct` call :func:`schedule` with their launchers and the
+fake arguments: a worker thread runs the launchers on meta tensors of the same shapes,
+strides and dtypes, under which ``launch_direct`` does not launch but hands each kernel to
+another worker to compile (Triton's ``JITFunction.warmup``, whose specialization is the
+launch's: dtypes, 16-byte alignment, the ints' divisibility). The compiles then run in
+parallel with each other and with the rest of the compilation (Triton releases the GIL while
+it compiles). A launch whose kernel is still compiling waits for it (:func:`wait_for`), then
+finds it in Triton's cache. Launches the fake arguments do not predict (other strides, a
+misaligned view) compile as before.
+
+``CP_OPS_PRECOMPILE=0`` turns it off. It never runs under ``TRITON_INTERPRET=1`` or without
+CUDA, nor for symbolic shapes (``dynamic=True``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import threading
+from collections.abc import Callable, Hashable
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+__all__ = ["compile_only", "cuda_index", "enabled", "meta_like", "schedule", "submit_compile", "tensor_key", "wait_all", "wait_for"]
+
+_log = logging.getLogger("cp_ops")
+
+
+class _State(threading.local):
+    device: int | None = None  # the CUDA device whose kernels this thread compiles instead of launching
+
+
+state = _State()
+_lock = threading.Lock()
+_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_scheduled: set = set()  # the keys passed to schedule()
+_compiling: dict = {}  # (id(kernel), launch key) -> Future of its compile
+_running: list = []  # the futures of every job and compile started, for wait_all()
+
+
+def enabled() -> bool:
+    """Whether :func:`schedule` runs: CUDA present, not interpreting, ``CP_OPS_PRECOMPILE`` not 0."""
+    flag = os.environ.get("CP_OPS_PRECOMPILE", "1")
+    if flag not in ("0", "1"):
+        raise ValueError(f"CP_OPS_PRECOMPILE must be 0 or 1, got {flag!r}")
+    return flag == "1" and os.environ.get("TRITON_INTERPRET", "0") != "1" and torch.cuda.is_available()
+
+
+def compile_only() -> int | None:
+    """The device whose kernels the current thread compiles instead of launching, else None."""
+    return state.device
+
+
+def cuda_index(t: torch.Tensor) -> int | None:
+    """The CUDA device a launch on ``t`` runs on: ``t``'s for a CUDA tensor, the precompiled
+    device for a meta tensor in a thread that precompiles, else None (CPU, interpreter). What
+    a launcher asks where its choices depend on the GPU, so that precompiling makes them alike."""
+    if t.device.type == "cuda":
+        return t.device.index if t.device.index is not None else torch.cuda.current_device()
+    if t.device.type == "meta":
+        return state.device
+    return None
+
+
+def tensor_key(*tensors: torch.Tensor | None) -> tuple:
+    """Shapes, strides and dtypes of ``tensors``: what a launcher's choices depend on."""
+    return tuple(None if t is None else (tuple(t.shape), t.stride(), t.dtype) for t in tensors)
+
+
+def _executor() -> concurrent.futures.ThreadPoolExecutor:
+    global _pool
+    with _lock:
+        if _pool is None:
+            _pool = concurrent.futures.ThreadPoolExecutor(
+                max_workers=min(8, os.cpu_count() or 1), thread_name_prefix="cp_ops-precompile"
+            )  # fmt: skip
+            # at exit, drop the compiles not started yet rather than wait for them (threading's
+            # exit callbacks run last registered first, so before the executor joins its threads)
+            register = getattr(threading, "_register_atexit", None)
+            if register is not None:
+                register(_pool.shutdown, wait=False, cancel_futures=True)
+        return _pool
+
+
+def meta_like(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A meta tensor of ``t``'s shape, strides and dtype (None for None); raises TypeError for
+    symbolic sizes, which :func:`schedule` treats as nothing to compile."""
+    if t is None:
+        return None
+    shape, stride = tuple(t.shape), t.stride()
+    if not all(type(n) is int for n in shape + tuple(stride)):
+        raise TypeError("symbolic sizes")
+    # a plain meta tensor, not one of the fake (or tracing) mode the caller runs under
+    with _disable_current_modes():
+        return torch.empty_strided(shape, stride, dtype=t.dtype, device="meta")
+
+
+def _on_device(device: int, fn: Callable[[], object]) -> None:
+    torch.cuda.set_device(device)
+    fn()
+
+
+def _run_launchers(device: int, launchers: Callable[[], object], key: Hashable) -> None:
+    state.device = device
+    try:
+        _on_device(device, launchers)
+    except Exception:  # a launcher the meta tensors cannot drive: its kernels compile at launch
+        _log.debug("cp_ops: precompiling %r failed; its kernels compile when launched", key, exc_info=True)
+    finally:
+        state.device = None
+
+
+def schedule(key: Hashable, device: torch.device, launchers: Callable[[], object]) -> bool:
+    """Run ``launchers()`` (which call an op's launchers on meta tensors, see :func:`meta_like`)
+    in a worker thread in compile-only mode for CUDA ``device``, once per ``key``. Returns
+    whether it was scheduled now (False: disabled, not CUDA, or ``key`` seen before)."""
+    if device.type != "cuda" or not enabled():
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with _lock:
+        if key in _scheduled:
+            return False
+        _scheduled.add(key)
+    future = _executor().submit(_run_launchers, index, launchers, key)
+    with _lock:
+        _running.append(future)
+    return True
+
+
+def submit_compile(kernel, launch_key: Hashable, grid, args: tuple, kwargs: dict) -> None:
+    """Compile ``kernel`` for these launch arguments in a worker (``launch_direct`` in
+    compile-only mode), once per ``launch_key``."""
+    device = compile_only()
+    executor = _executor()
+    with _lock:
+        if (id(kernel), launch_key) in _compiling:
+            return
+        future = executor.submit(_on_device, device, lambda: kernel.warmup(*args, grid=grid, **kwargs))
+        _compiling[(id(kernel), launch_key)] = future
+        _running.append(future)
+
+
+def wait_for(kernel, launch_key: Hashable) -> None:
+    """Wait for a compile of ``kernel`` for ``launch_key`` that :func:`submit_compile` started,
+    if any (a failed one is left to the launch, which compiles again)."""
+    if not _compiling:
+        return
+    with _lock:
+        future = _compiling.pop((id(kernel), launch_key), None)
+    if future is not None:
+        try:
+            future.result()
+        except Exception:
+            _log.debug("cp_ops: precompiling %s failed; compiling at launch", kernel, exc_info=True)
+
+
+def wait_all() -> None:
+    """Wait until every scheduled job and the compiles it started have finished (their errors
+    are left to the launches, as in :func:`wait_for`): for a warm-up that should end with the
+    kernels compiled, and for tests."""
+    while True:
+        with _lock:
+            futures = list(_running)
+            _running.clear()
+        if not futures:
+            return
+        concurrent.futures.wait(futures)

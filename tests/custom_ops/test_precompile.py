@@ -1,0 +1,191 @@
+"""Compiling the attention and conv kernels while a graph is traced (custom_ops.precompile).
+
+On the CPU: the ops' fake implementations, on fake CUDA tensors, hand each kernel of the
+forward and the backward to a worker to compile, once, with the arguments the launch would
+pass (TMA descriptors where the GPU launch uses them), and launch nothing. On a GPU: a
+compiled fwd+bwd compiles those kernels in the workers only, and matches eager.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import custom_ops
+from custom_ops import launch as launch_mod
+from custom_ops import precompile
+from custom_ops.gdn import conv as conv_mod
+from custom_ops.varlen_attention import launch as attention_launch
+
+triton = pytest.importorskip("triton")
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    """Precompiling on a CPU machine as on CUDA device 0: JITFunction.warmup records its
+    calls (kernel name, arguments, keyword arguments, thread) instead of compiling, and any
+    launch fails the test."""
+    calls = []
+
+    def warmup(self, *args, grid, **kwargs):
+        calls.append((self.fn.__name__, args, kwargs, threading.current_thread().name))
+
+    def run(self, *args, **kwargs):
+        raise AssertionError(f"{self.fn.__name__} launched while precompiling")
+
+    monkeypatch.setattr(JITFunction, "warmup", warmup)
+    monkeypatch.setattr(JITFunction, "run", run)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(attention_launch, "_device_has_tma", lambda index: True)
+    # the package's launcher reads the CUDA runtime's current device: one that answers 0 instead
+    direct = launch_mod.direct_launcher(device=lambda: 0, stream=lambda device: 0, compiled=lambda kernel: True)
+    monkeypatch.setattr(attention_launch, "launch_direct", direct)
+    monkeypatch.setattr(conv_mod, "launch_direct", direct)
+    monkeypatch.setattr(precompile, "_scheduled", set())
+    monkeypatch.setattr(precompile, "_compiling", {})
+    return calls
+
+
+def _names(calls):
+    return sorted(name for name, *_ in calls)
+
+
+def test_attention_fake_compiles_forward_and_backward_kernels(recorded):
+    with FakeTensorMode():
+        q = torch.empty(256, 8, 128, dtype=torch.bfloat16, device="cuda")
+        k = torch.empty(256, 2, 128, dtype=torch.bfloat16, device="cuda")
+        seg = [torch.empty(4, dtype=torch.int32, device="cuda") for _ in range(5)]
+        out, lse = custom_ops.varlen_attention(q, k, k, *seg, causal=True)
+        custom_ops.varlen_attention(q, k, k, *seg, causal=True)  # same shapes: scheduled once
+    precompile.wait_all()
+    assert out.shape == q.shape and lse.shape == (8, 256)
+    # the table kernel once (the forward's and dq's launches share its variant), then the three kernels
+    assert _names(recorded) == sorted([
+        "segment_tables_kernel", "varlen_attn_fwd_kernel", "varlen_attn_bwd_dq_kernel", "varlen_attn_bwd_dkdv_kernel",
+    ])  # fmt: skip
+    assert all(thread.startswith("cp_ops-precompile") for *_, thread in recorded)
+    by_name = {name: (args, kwargs) for name, args, kwargs, _ in recorded}
+    args, kwargs = by_name["varlen_attn_fwd_kernel"]
+    # D = 128 in bf16 loads K and V through TMA descriptors on Hopper: the same variant
+    assert kwargs["TMA"] is True
+    assert sum(type(a).__name__ == "TensorDescriptor" for a in args) == 2
+    assert all(a.device.type == "meta" for a in args if isinstance(a, torch.Tensor))
+    assert kwargs["CAUSAL"] is True and kwargs["HEAD_DIM"] == 128
+
+
+def test_attention_fake_with_window_is_a_second_schedule(recorded):
+    with FakeTensorMode():
+        q = torch.empty(64, 2, 64, dtype=torch.float16, device="cuda")
+        seg = [torch.empty(2, dtype=torch.int64, device="cuda") for _ in range(5)]
+        custom_ops.varlen_attention(q, q, q, *seg, causal=True)
+        custom_ops.varlen_attention(q, q, q, *seg, causal=True, window=(8, -1))
+    precompile.wait_all()
+    fwd = [kwargs for name, _, kwargs, _ in recorded if name == "varlen_attn_fwd_kernel"]
+    assert sorted(kw["WINDOW"] for kw in fwd) == [False, True]
+
+
+@pytest.mark.parametrize("gather", [False, True])
+def test_conv_fake_compiles_forward_and_backward_kernels(recorded, gather):
+    with FakeTensorMode():
+        x = torch.empty(128, 48, dtype=torch.bfloat16, device="cuda")
+        weight = torch.empty(32, 4, dtype=torch.bfloat16, device="cuda")
+        cu = torch.empty(3, dtype=torch.int32, device="cuda")
+        # views of fake CUDA tensors need a CUDA build of torch: the gather op's fake (which
+        # slices x) runs only there, so its schedule is called as that fake calls it
+        if gather:
+            rows = torch.empty(128, dtype=torch.int64, device="cuda")
+            conv_mod._precompile(x, weight, None, cu, "silu", rows)
+        else:
+            # the first 32 columns of x, as a view would have them
+            y = custom_ops.causal_conv1d(x.as_strided((128, 32), (48, 1)), weight, None, cu)
+            assert y.shape == (128, 32)
+    precompile.wait_all()
+    assert _names(recorded) == ["cp_causal_conv1d_bwd_kernel", "cp_causal_conv1d_fwd_kernel"]
+    for name, args, kwargs, _ in recorded:
+        assert kwargs["GATHER"] is gather
+        # x's row stride is the wider tensor's (48): the launch's specialization, not a copy's
+        assert 48 in [a for a in args if type(a) is int]
+
+
+def test_symbolic_shapes_and_the_switch_schedule_nothing(recorded, monkeypatch):
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    with mode:
+        q = torch.empty(mode.shape_env.create_unbacked_symint(), 2, 64, dtype=torch.float16, device="cuda")
+        seg = [torch.empty(2, dtype=torch.int64, device="cuda") for _ in range(5)]
+        with pytest.raises(TypeError, match="symbolic"):
+            precompile.meta_like(q)
+        custom_ops.varlen_attention(q, q, q, *seg)
+    precompile.wait_all()
+    assert recorded == []
+
+    monkeypatch.setenv("CP_OPS_PRECOMPILE", "0")
+    assert not precompile.enabled()
+    with FakeTensorMode():
+        q = torch.empty(64, 2, 64, dtype=torch.float16, device="cuda")
+        seg = [torch.empty(2, dtype=torch.int64, device="cuda") for _ in range(5)]
+        custom_ops.varlen_attention(q, q, q, *seg)
+    precompile.wait_all()
+    assert recorded == []
+    monkeypatch.setenv("CP_OPS_PRECOMPILE", "2")
+    with pytest.raises(ValueError, match="CP_OPS_PRECOMPILE"):
+        precompile.enabled()
+
+
+@pytest.mark.gpu
+def test_compiled_attention_compiles_its_kernels_in_the_workers(monkeypatch):
+    """torch.compile of an attention fwd+bwd: the four kernels compile in the precompile
+    workers while the graph is traced, none at launch, and the results are eager's."""
+    from collections import defaultdict
+
+    from custom_ops.varlen_attention import kernels as kernels_mod
+
+    kernels = [getattr(kernels_mod, name) for name in (
+        "segment_tables_kernel", "varlen_attn_fwd_kernel", "varlen_attn_bwd_dq_kernel", "varlen_attn_bwd_dkdv_kernel",
+    )]  # fmt: skip
+    if not hasattr(JITFunction, "_do_compile") or not all(isinstance(k.device_caches, defaultdict) for k in kernels):
+        pytest.skip(f"triton {triton.__version__} keeps its compiled kernels in another form")
+    compiles = []
+    do_compile = JITFunction._do_compile
+
+    def recording(self, *args, **kwargs):
+        compiles.append((self.fn.__name__, threading.current_thread().name))
+        return do_compile(self, *args, **kwargs)
+
+    monkeypatch.setattr(JITFunction, "_do_compile", recording)
+    for k in kernels:  # forget the compiled kernels of earlier tests (the disk cache makes compiles quick)
+        monkeypatch.setattr(k, "device_caches", defaultdict(k.device_caches.default_factory))
+    monkeypatch.setattr(attention_launch, "launch_direct", launch_mod.direct_launcher())
+    monkeypatch.setattr(precompile, "_scheduled", set())
+    monkeypatch.setattr(precompile, "_compiling", {})
+    torch._dynamo.reset()
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(300, h, 128, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+               for h in (4, 2, 2))  # fmt: skip
+    lens = torch.tensor([100, 120, 80], device="cuda", dtype=torch.int32)
+    starts = torch.cumsum(lens, 0, dtype=torch.int32) - lens
+    seg = (starts, lens, torch.zeros_like(lens), starts, lens)
+    g = torch.randn(300, 4, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+
+    def step(fn):
+        q.grad = k.grad = v.grad = None
+        out, _ = fn(q, k, v, *seg)
+        (out.float() * g).sum().backward()
+        return out.detach(), q.grad, k.grad, v.grad
+
+    compiled = step(torch.compile(custom_ops.varlen_attention, fullgraph=True))
+    assert {name for name, _ in compiles} == {k.fn.__name__ for k in kernels}
+    assert all(thread.startswith("cp_ops-precompile") for _, thread in compiles), compiles
+    for got, want in zip(compiled, step(custom_ops.varlen_attention)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
