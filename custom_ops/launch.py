@@ -98,24 +98,24 @@ def direct_launcher(
         if entry is None or entry[0] is not kernel:
             entry = kernels[id(kernel)] = (kernel, compiled(kernel), {})
         _, is_compiled, cache = entry
-        precompiling = precompile.state.device is not None
+        precompiling = precompile.state.device
         if not is_compiled:
-            if not precompiling:
+            if precompiling is None:
                 kernel[grid](*args, **kwargs)
             return
-        dev = device()
+        dev = device() if precompiling is None else precompiling
         key = [dev]
         for a in args:
             k = spec_key(a)
             if k is NO_KEY:
-                if not precompiling:
+                if precompiling is None:
                     kernel[grid](*args, **kwargs)
                 return
             key.append(k)
         key.append(tuple(kwargs.items()))
         key = tuple(key)
         entry = cache.get(key)
-        if precompiling:
+        if precompiling is not None:
             if entry is None:
                 precompile.submit_compile(kernel, key, grid, args, kwargs)
             return
@@ -141,6 +141,8 @@ def direct_launcher(
         fn.run(grid_0, grid_1, grid_2, s, fn.function, fn.packed_metadata, metadata, enter,
                runtime.launch_exit_hook, *args, *tail)  # fmt: skip
 
+    # forgets the compiled kernels, so that each kernel's next launch goes through Triton again
+    launch_direct.cache_clear = kernels.clear
     return launch_direct
 
 

@@ -1,4 +1,5 @@
-"""Compiling an op's kernels before its first call (docs/design.md section 3, "The first step").
+"""Compiling an op's kernels before its first call (docs/design.md section 3, "The first
+step").
 
 Triton compiles a kernel when it is first launched with a new specialization, seconds for
 each of this package's kernels, one after the other on the thread that calls the op. Under
@@ -29,7 +30,7 @@ from collections.abc import Callable, Hashable
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-__all__ = ["compile_only", "cuda_index", "enabled", "meta_like", "schedule", "submit_compile", "tensor_key", "wait_all", "wait_for"]
+__all__ = ["clear", "compile_only", "cuda_index", "enabled", "meta_like", "schedule", "submit_compile", "tensor_key", "wait_all", "wait_for"]
 
 _log = logging.getLogger("cp_ops")
 
@@ -131,6 +132,7 @@ def schedule(key: Hashable, device: torch.device, launchers: Callable[[], object
         _scheduled.add(key)
     future = _executor().submit(_run_launchers, index, launchers, key)
     with _lock:
+        _running[:] = [f for f in _running if not f.done()]
         _running.append(future)
     return True
 
@@ -146,6 +148,14 @@ def submit_compile(kernel, launch_key: Hashable, grid, args: tuple, kwargs: dict
         future = executor.submit(_on_device, device, lambda: kernel.warmup(*args, grid=grid, **kwargs))
         _compiling[(id(kernel), launch_key)] = future
         _running.append(future)
+    future.add_done_callback(lambda _: _forget_compile(kernel, launch_key, future))
+
+
+def _forget_compile(kernel, launch_key: Hashable, future) -> None:
+    """Once compiled, the kernel is in Triton's cache: launches need not wait for anything."""
+    with _lock:
+        if _compiling.get((id(kernel), launch_key)) is future:
+            del _compiling[(id(kernel), launch_key)]
 
 
 def wait_for(kernel, launch_key: Hashable) -> None:
@@ -160,6 +170,13 @@ def wait_for(kernel, launch_key: Hashable) -> None:
             future.result()
         except Exception:
             _log.debug("cp_ops: precompiling %s failed; compiling at launch", kernel, exc_info=True)
+
+
+def clear() -> None:
+    """Forget the keys :func:`schedule` has seen, so that they are scheduled again (for tests
+    and benchmarks that measure a first compile in one process)."""
+    with _lock:
+        _scheduled.clear()
 
 
 def wait_all() -> None:
