@@ -30,7 +30,18 @@ from collections.abc import Callable, Hashable
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-__all__ = ["clear", "compile_only", "cuda_index", "enabled", "meta_like", "schedule", "submit_compile", "tensor_key", "wait_all", "wait_for"]
+__all__ = [
+    "clear",
+    "compile_only",
+    "cuda_index",
+    "enabled",
+    "meta_like",
+    "schedule",
+    "submit_compile",
+    "tensor_key",
+    "wait_all",
+    "wait_for",
+]
 
 _log = logging.getLogger("cp_ops")
 

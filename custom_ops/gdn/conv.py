@@ -18,9 +18,9 @@ from typing import Optional
 
 import torch
 
+from custom_ops import precompile
 from custom_ops._common import cdiv, check_index_tensor, NAMESPACE, unit_last_stride, use_triton
 from custom_ops.launch import launch_direct
-from custom_ops import precompile
 from custom_ops.precompile import cuda_index
 from custom_ops.gdn.fla import FLA_CHUNK, fla_call, fla_varlen_indices
 from custom_ops.gdn.kernels import CONV_SETTINGS, MAX_TAPS

@@ -104,7 +104,8 @@ INTERPRET_CONFIGS = _frozen({
 # Segments, and tiles, handled per step of the segment-table kernel's loops (any count is
 # served by looping, so the kernel is compiled once whatever the packing), a power of two, and
 # the kernel's warps. Its sort and scans grow with BLOCK, and so does its compile time, which
-# a cold first step waits for (docs/benchmarks.md, section "Cold start").
+# a cold first step waits for (docs/benchmarks.md, section "Cold start: kernels compiled while
+# the graph is traced").
 TABLE_BLOCK = 256
 TABLE_WARPS = 8
 # Launch-order buckets of the segments' work (see segment_tables_kernel): eight per doubling of
