@@ -1,5 +1,7 @@
 """GatedDeltaNet layer (group=None): packing, padding, gradients, checkpoint mapping, compile, GPU."""
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -187,6 +189,7 @@ def test_compiled_inductor_matches_eager():
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(importlib.util.find_spec("fla") is None, reason="needs fla-core (FLA's kernels)")
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_layer_cuda_bf16_matches_float64_cpu(compiled):
     """The layer on CUDA in bf16 (FLA kernels) against the same weights in float64 on CPU,
