@@ -98,7 +98,10 @@ def _executor() -> concurrent.futures.ThreadPoolExecutor:
             # exit callbacks run last registered first, so before the executor joins its threads)
             register = getattr(threading, "_register_atexit", None)
             if register is not None:
-                register(_pool.shutdown, wait=False, cancel_futures=True)
+                try:
+                    register(_pool.shutdown, wait=False, cancel_futures=True)
+                except RuntimeError:  # the interpreter is already shutting down
+                    pass
         return _pool
 
 
