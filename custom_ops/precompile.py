@@ -144,7 +144,10 @@ def schedule(key: Hashable, device: torch.device, launchers: Callable[[], object
         if key in _scheduled:
             return False
         _scheduled.add(key)
-    future = _executor().submit(_run_launchers, index, launchers, key)
+    try:
+        future = _executor().submit(_run_launchers, index, launchers, key)
+    except RuntimeError:  # the interpreter is shutting down: nothing to compile for
+        return False
     with _lock:
         _running[:] = [f for f in _running if not f.done()]
         _running.append(future)
@@ -159,7 +162,10 @@ def submit_compile(kernel, launch_key: Hashable, grid, args: tuple, kwargs: dict
     with _lock:
         if (id(kernel), launch_key) in _compiling:
             return
-        future = executor.submit(_on_device, device, lambda: kernel.warmup(*args, grid=grid, **kwargs))
+        try:
+            future = executor.submit(_on_device, device, lambda: kernel.warmup(*args, grid=grid, **kwargs))
+        except RuntimeError:  # the interpreter is shutting down: the launch compiles, if it comes
+            return
         _compiling[(id(kernel), launch_key)] = future
         _running.append(future)
     future.add_done_callback(lambda _: _forget_compile(kernel, launch_key, future))
