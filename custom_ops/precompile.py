@@ -30,18 +30,7 @@ from collections.abc import Callable, Hashable
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-__all__ = [
-    "clear",
-    "compile_only",
-    "cuda_index",
-    "enabled",
-    "meta_like",
-    "schedule",
-    "submit_compile",
-    "tensor_key",
-    "wait_all",
-    "wait_for",
-]
+__all__ = ["clear", "cuda_index", "enabled", "meta_like", "schedule", "submit_compile", "wait_all", "wait_for"]
 
 _log = logging.getLogger("cp_ops")
 
@@ -66,11 +55,6 @@ def enabled() -> bool:
     return flag == "1" and os.environ.get("TRITON_INTERPRET", "0") != "1" and torch.cuda.is_available()
 
 
-def compile_only() -> int | None:
-    """The device whose kernels the current thread compiles instead of launching, else None."""
-    return state.device
-
-
 def cuda_index(t: torch.Tensor) -> int | None:
     """The CUDA device a launch on ``t`` runs on: ``t``'s for a CUDA tensor, the precompiled
     device for a meta tensor in a thread that precompiles, else None (CPU, interpreter). What
@@ -80,11 +64,6 @@ def cuda_index(t: torch.Tensor) -> int | None:
     if t.device.type == "meta":
         return state.device
     return None
-
-
-def tensor_key(*tensors: torch.Tensor | None) -> tuple:
-    """Shapes, strides and dtypes of ``tensors``: what a launcher's choices depend on."""
-    return tuple(None if t is None else (tuple(t.shape), t.stride(), t.dtype) for t in tensors)
 
 
 def _executor() -> concurrent.futures.ThreadPoolExecutor:
@@ -107,7 +86,7 @@ def _executor() -> concurrent.futures.ThreadPoolExecutor:
 
 def meta_like(t: torch.Tensor | None) -> torch.Tensor | None:
     """A meta tensor of ``t``'s shape, strides and dtype (None for None); raises TypeError for
-    symbolic sizes, which :func:`schedule` treats as nothing to compile."""
+    symbolic sizes."""
     if t is None:
         return None
     shape, stride = tuple(t.shape), t.stride()
@@ -133,19 +112,27 @@ def _run_launchers(device: int, launchers: Callable[[], object], key: Hashable) 
         state.device = None
 
 
-def schedule(key: Hashable, device: torch.device, launchers: Callable[[], object]) -> bool:
-    """Run ``launchers()`` (which call an op's launchers on meta tensors, see :func:`meta_like`)
-    in a worker thread in compile-only mode for CUDA ``device``, once per ``key``. Returns
-    whether it was scheduled now (False: disabled, not CUDA, or ``key`` seen before)."""
-    if device.type != "cuda" or not enabled():
+def schedule(name: str, launchers: Callable[..., object], *tensors: torch.Tensor | None, args: Hashable = ()) -> bool:
+    """Run ``launchers(*metas)`` in a worker thread in compile-only mode, ``metas`` being
+    :func:`meta_like` of ``tensors`` (an op's fake arguments; the first one on the CUDA device
+    of the launches): the op's launchers called on them hand their kernels to be compiled.
+    Once per op ``name``, shapes, strides and dtypes of ``tensors`` and other launch ``args``.
+    Returns whether it was scheduled now (False: disabled, not CUDA, symbolic sizes, or seen
+    before)."""
+    index = cuda_index(tensors[0])
+    if index is None or not enabled():
         return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    try:
+        metas = [meta_like(t) for t in tensors]
+    except TypeError:  # symbolic sizes: nothing to predict
+        return False
+    key = (name, tuple(None if t is None else (m.shape, m.stride(), m.dtype) for t, m in zip(tensors, metas)), args)
     with _lock:
         if key in _scheduled:
             return False
         _scheduled.add(key)
     try:
-        future = _executor().submit(_run_launchers, index, launchers, key)
+        future = _executor().submit(_run_launchers, index, lambda: launchers(*metas), key)
     except RuntimeError:  # the interpreter is shutting down: nothing to compile for
         return False
     with _lock:
@@ -157,7 +144,7 @@ def schedule(key: Hashable, device: torch.device, launchers: Callable[[], object
 def submit_compile(kernel, launch_key: Hashable, grid, args: tuple, kwargs: dict) -> None:
     """Compile ``kernel`` for these launch arguments in a worker (``launch_direct`` in
     compile-only mode), once per ``launch_key``."""
-    device = compile_only()
+    device = state.device
     executor = _executor()
     with _lock:
         if (id(kernel), launch_key) in _compiling:

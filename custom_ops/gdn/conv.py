@@ -87,21 +87,16 @@ def _precompile(x, weight, bias, cu_seqlens, activation, rows=None) -> None:
     ``rows``, of :func:`causal_conv1d_gather`) for these arguments, the fake tensors of a graph
     being traced, in the background (:mod:`custom_ops.precompile`); the backward for a
     contiguous upstream gradient."""
-    if x.device.type != "cuda" or weight.shape[1] > MAX_TAPS or not precompile.enabled():
-        return
-    try:
-        mx, mw, mb, mcu, mrows = (precompile.meta_like(t) for t in (x, weight, bias, cu_seqlens, rows))
-    except TypeError:  # symbolic sizes: nothing to predict
+    if weight.shape[1] > MAX_TAPS:
         return
     channels = weight.shape[0]
 
-    def launchers():
+    def launchers(mx, mw, mb, mcu, mrows):
         y = _conv_forward(mx[:, :channels], mw, mb, mcu, activation, mrows)
-        dx = None if rows is None else torch.empty(x.shape, dtype=x.dtype, device="meta")[:, :channels]
+        dx = None if rows is None else torch.empty(mx.shape, dtype=mx.dtype, device="meta")[:, :channels]
         _conv_backward_kernel(torch.empty_like(y), mx[:, :channels], mw, mb, mcu, activation, mrows, dx)
 
-    key = ("causal_conv1d", precompile.tensor_key(x, weight, bias, cu_seqlens, rows), activation)
-    precompile.schedule(key, x.device, launchers)
+    precompile.schedule("causal_conv1d", launchers, x, weight, bias, cu_seqlens, rows, args=activation)
 
 
 @causal_conv1d.register_fake

@@ -118,22 +118,15 @@ def _precompile(q, k, v, seg, causal, left, right, scale) -> None:
     """Start compiling the forward's and the backward's kernels for these arguments (the fake
     tensors of a graph being traced) in the background (:mod:`custom_ops.precompile`); the
     backward for a contiguous ``dout`` and no ``dlse``, as the layers produce them."""
-    if q.device.type != "cuda" or q.dtype == torch.float64 or type(left) is not int or type(right) is not int:
+    if q.dtype == torch.float64 or type(left) is not int or type(right) is not int:
         return
-    if not precompile.enabled():
-        return
-    try:
-        mq, mk, mv, *mseg = (precompile.meta_like(t) for t in (q, k, v, *seg))
-    except TypeError:  # symbolic sizes: nothing to predict
-        return
-    scale = resolve_scale(scale, q.shape[2])
 
-    def launchers():
-        out, lse = forward(mq, mk, mv, mseg, causal, left, right, scale)
-        backward(torch.empty_like(out), torch.empty_like(lse), mq, mk, mv, out, lse, mseg, causal, left, right, scale)
+    def launchers(mq, mk, mv, *mseg):
+        s = resolve_scale(scale, mq.shape[2])
+        out, lse = forward(mq, mk, mv, mseg, causal, left, right, s)
+        backward(torch.empty_like(out), torch.empty_like(lse), mq, mk, mv, out, lse, mseg, causal, left, right, s)
 
-    key = ("varlen_attention", precompile.tensor_key(q, k, v, *seg), causal, left, right)
-    precompile.schedule(key, q.device, launchers)
+    precompile.schedule("varlen_attention", launchers, q, k, v, *seg, args=(causal, left, right))
 
 
 @_varlen_attention.register_fake
