@@ -5,6 +5,10 @@
   opaque ``custom_op`` otherwise or on request;
 - :func:`opaque_op`: ops the compiler always calls as one extern node;
 - :func:`composite_op`: ops that are their decomposition (``CompositeImplicitAutograd``).
+
+The ``custom_op`` and ``triton_op`` forms also register their body directly as the op's CPU
+and CUDA kernel (:func:`_register_eager_kernels`), so an eager call reaches it without going
+through ``custom_op``'s Python backend wrapper.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ import torch
 from torch._library.infer_schema import infer_schema
 from torch._library.triton import set_wrap_triton_enabled
 from torch.library import custom_op, triton_op
+
+from custom_ops._common import NAMESPACE
 
 __all__ = ["composite_op", "kernel_op", "kernels_visible_to_compiler", "opaque_op"]
 
@@ -104,13 +110,17 @@ def kernel_op(qualname: str, *, mutates_args, opaque: bool = False):
     ``register_autograd``). Either way the body runs with ``wrap_triton`` off whenever it
     sees real tensors (``triton_op`` does that itself), so ``launch`` takes its eager path.
     """
-    if kernels_visible_to_compiler() and not opaque:
-        return triton_op(qualname, mutates_args=mutates_args)
+    visible = kernels_visible_to_compiler() and not opaque
 
     def register(fn):
-        # an opaque body is never traced: its launches never need torch's kernel wrapper
+        # the body of an eager call sees real tensors: its launches never need torch's kernel wrapper
         body = functools.update_wrapper(_without_wrap_triton(fn), fn)
-        return custom_op(qualname, body, mutates_args=mutates_args, schema=infer_schema(fn, mutates_args=mutates_args))
+        if visible:
+            op = triton_op(qualname, fn, mutates_args=mutates_args)
+        else:
+            op = custom_op(qualname, body, mutates_args=mutates_args, schema=infer_schema(fn, mutates_args=mutates_args))
+        _register_eager_kernels(qualname, body)
+        return op
 
     return register
 
@@ -124,9 +134,34 @@ def opaque_op(qualname: str, *, mutates_args):
     ``wrap_triton`` off, as it launches nothing through ``launch``."""
 
     def register(fn):
-        return custom_op(qualname, fn, mutates_args=mutates_args, schema=infer_schema(fn, mutates_args=mutates_args))
+        op = custom_op(qualname, fn, mutates_args=mutates_args, schema=infer_schema(fn, mutates_args=mutates_args))
+        _register_eager_kernels(qualname, fn)
+        return op
 
     return register
+
+
+# Holds the eager kernels' registrations for the life of the process.
+_EAGER_KERNELS = torch.library.Library(NAMESPACE, "FRAGMENT")
+
+
+def _register_eager_kernels(qualname: str, body) -> None:
+    """Register ``body`` as op ``qualname``'s CPU and CUDA kernel.
+
+    ``custom_op`` (and ``triton_op``, built on it) registers the body as the op's
+    ``CompositeExplicitAutograd`` kernel inside a Python wrapper that checks, at every call, that
+    the outputs alias no input; an eager call then costs about as much host time again as the
+    dispatch itself (docs/benchmarks.md, "Host time per op call"). A kernel registered for a
+    backend key takes precedence over that one, so eager calls on CPU and CUDA tensors reach
+    the body directly. Everything else stays ``custom_op``'s: the autograd kernel, the version
+    bump of mutated arguments, the fake, and under tracing the ``triton_op`` decomposition (a
+    mode's rule, which applies before any backend kernel).
+    """
+    namespace, name = qualname.split("::", 1)
+    if namespace != NAMESPACE:
+        raise ValueError(f"ops of this package live in namespace {NAMESPACE!r}, got {qualname!r}")
+    for key in ("CPU", "CUDA"):
+        _EAGER_KERNELS.impl(name, body, key)
 
 
 def composite_op(qualname: str, schema: str):

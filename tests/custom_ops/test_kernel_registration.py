@@ -121,3 +121,17 @@ def test_compiler_sees_what_each_visible_kernel_writes(name, monkeypatch):
         pytest.skip(f"identify_accessed_tensors: {e}")
     written = {dep.name for dep in accesses.read_writes.writes}
     assert outputs <= written and not (written & read_only), written
+
+
+def test_custom_ops_have_their_bodies_as_cpu_and_cuda_kernels():
+    """Every ``custom_op`` or ``triton_op`` of the package also has its body as its CPU and CUDA
+    kernel (``registration._register_eager_kernels``): a backend kernel takes precedence over
+    ``custom_op``'s ``CompositeExplicitAutograd`` wrapper, so eager calls skip that wrapper."""
+    import custom_ops  # noqa: F401  (registers every op)
+    from torch._library.custom_ops import OPDEFS
+
+    names = [name for name in OPDEFS if name.startswith("cp_ops::")]
+    assert len(names) >= 15, names
+    for name in names:
+        for key in ("CPU", "CUDA"):
+            assert torch._C._dispatch_has_kernel_for_dispatch_key(name, key), (name, key)
