@@ -10,6 +10,7 @@ Ops register through :mod:`custom_ops.registration` and launch kernels through
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -49,7 +50,7 @@ def use_triton(t: torch.Tensor) -> bool:
     the kernels are tested on machines without a GPU). The answer depends on the
     device only, so it is a trace-time constant under ``torch.compile``.
     """
-    return t.device.type == "cuda" or (t.device.type == "cpu" and triton_interpreting())
+    return t.is_cuda or (t.device.type == "cpu" and triton_interpreting())
 
 
 def unit_last_stride(t: torch.Tensor) -> torch.Tensor:
@@ -91,10 +92,10 @@ def check_rows(name: str, x: torch.Tensor) -> None:
 
 
 # dtypes Triton loads and stores as themselves; moving them is bit-exact
-_NATIVE_DTYPES = (
+_NATIVE_DTYPES = frozenset((
     torch.float16, torch.bfloat16, torch.float32, torch.float64,
     torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8,
-)  # fmt: skip
+))  # fmt: skip
 
 
 def word_dtype(dtype: torch.dtype) -> tuple[torch.dtype, int]:
@@ -130,6 +131,25 @@ def as_words(x: torch.Tensor) -> torch.Tensor:
     return to_words(x.reshape(x.shape[0], math.prod(x.shape[1:])))[0]
 
 
+def row_matrix(x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """``(m, rows, cols)``: ``x`` as the row-major ``[T, cols]`` matrix a row-moving kernel loads
+    and stores. For the dtypes Triton moves as themselves, ``m`` is ``x`` made contiguous, in
+    its own shape: a kernel addresses it by rows and columns, and no view is made (each costs
+    host time at every call). For the others, the view in words of :func:`as_words` (cols in
+    words). :func:`from_row_matrix` turns a kernel's output of the same form back."""
+    x = x.contiguous()
+    if x.dtype in _NATIVE_DTYPES:
+        rows = x.shape[0]
+        return x, rows, (x.numel() // rows if rows else math.prod(x.shape[1:]))
+    words = as_words(x)
+    return words, words.shape[0], words.shape[1]
+
+
+def from_row_matrix(m: torch.Tensor, dtype: torch.dtype, shape) -> torch.Tensor:
+    """A kernel's output ``m`` in the form :func:`row_matrix` gives, as ``dtype`` with ``shape``."""
+    return m if m.dtype == dtype and m.shape == shape else from_words(m, dtype, shape)
+
+
 @dataclass(frozen=True)
 class RowTile:
     """Tile shape of the row-moving kernels (reorder, valid-token copy): a program moves whole
@@ -151,6 +171,17 @@ def row_tile(cols: int, word_bytes: int, tile: RowTile = ROW_TILE) -> tuple[int,
     A program moves BLOCK_R whole rows of up to ``tile.max_row_bytes`` bytes, about
     ``tile.tile_bytes`` in all; wider rows are split over a second grid axis.
     """
+    if type(cols) is int:  # not a SymInt of a traced graph: the answer is cached
+        return _cached_row_tile(cols, word_bytes, tile)
+    return _row_tile(cols, word_bytes, tile)
+
+
+@functools.lru_cache(maxsize=1024)
+def _cached_row_tile(cols: int, word_bytes: int, tile: RowTile) -> tuple[int, int, int]:
+    return _row_tile(cols, word_bytes, tile)
+
+
+def _row_tile(cols, word_bytes: int, tile: RowTile) -> tuple[int, int, int]:
     block_d = max(1, min(next_power_of_2(max(cols, 1)), tile.max_row_bytes // word_bytes))
     block_r = max(1, min(64, tile.tile_bytes // (block_d * word_bytes)))
     return block_r, block_d, tile.num_warps

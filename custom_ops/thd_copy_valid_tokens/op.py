@@ -2,7 +2,9 @@
 
 import torch
 
-from custom_ops._common import as_words, cdiv, check_index_tensor, check_rows, from_words, NAMESPACE, row_tile, use_triton
+from custom_ops._common import (
+    cdiv, check_index_tensor, check_rows, from_row_matrix, NAMESPACE, row_matrix, row_tile, use_triton,
+)
 from custom_ops.launch import launch
 from custom_ops.registration import kernel_op
 from custom_ops.thd_copy_valid_tokens.kernels import thd_copy_valid_tokens_kernel
@@ -28,31 +30,31 @@ def _check(dst: torch.Tensor, src: torch.Tensor, offsets: torch.Tensor, cu_seqle
         )
 
 
-def _launch(dst: torch.Tensor, src: torch.Tensor, offsets: torch.Tensor, cu_seqlens: torch.Tensor, out) -> None:
-    """Runs the kernel; ``out is None`` means in place (into ``dst``, which must be contiguous)."""
-    dst_w, src_w = as_words(dst), as_words(src)
-    out_w = dst_w if out is None else out
-    rows, cols = dst_w.shape
-    if rows == 0 or cols == 0:
-        return
-    block_r, block_d, num_warps = row_tile(cols, dst_w.element_size())
-    grid = (cdiv(rows, block_r), cdiv(cols, block_d))
-    launch(
-        thd_copy_valid_tokens_kernel,
-        grid,
-        dst_w,
-        src_w,
-        out_w,
-        offsets,
-        cu_seqlens,
-        cu_seqlens.shape[0] - 1,
-        rows,
-        cols,
-        IN_PLACE=out is None,
-        BLOCK_R=block_r,
-        BLOCK_D=block_d,
-        num_warps=num_warps,
-    )
+def _launch(dst: torch.Tensor, src: torch.Tensor, offsets: torch.Tensor, cu_seqlens: torch.Tensor, in_place: bool):
+    """Runs the kernel into a new tensor, which it returns, or ``in_place`` into ``dst`` (which
+    must be contiguous)."""
+    (dst_m, rows, cols), src_m = row_matrix(dst), row_matrix(src)[0]
+    out = dst_m if in_place else torch.empty_like(dst_m)
+    if rows > 0 and cols > 0:
+        block_r, block_d, num_warps = row_tile(cols, dst_m.element_size())
+        grid = (cdiv(rows, block_r), cdiv(cols, block_d))
+        launch(
+            thd_copy_valid_tokens_kernel,
+            grid,
+            dst_m,
+            src_m,
+            out,
+            offsets,
+            cu_seqlens,
+            cu_seqlens.shape[0] - 1,
+            rows,
+            cols,
+            IN_PLACE=in_place,
+            BLOCK_R=block_r,
+            BLOCK_D=block_d,
+            num_warps=num_warps,
+        )
+    return out
 
 
 @kernel_op(f"{NAMESPACE}::thd_copy_valid_tokens", mutates_args=())
@@ -71,9 +73,7 @@ def thd_copy_valid_tokens(
     offsets = checked("offsets", offsets, (cu_seqlens,), dst.shape[0])
     if not use_triton(dst):
         return thd_copy_valid_tokens_reference(dst, src, offsets, cu_seqlens).contiguous()
-    out = torch.empty_like(as_words(dst))
-    _launch(dst, src, offsets, cu_seqlens, out)
-    return from_words(out, dst.dtype, dst.shape)
+    return from_row_matrix(_launch(dst, src, offsets, cu_seqlens, in_place=False), dst.dtype, dst.shape)
 
 
 @thd_copy_valid_tokens.register_fake
@@ -111,7 +111,7 @@ def thd_copy_valid_tokens_(dst: torch.Tensor, src: torch.Tensor, offsets: torch.
         return
     if not dst.is_contiguous():
         raise ValueError("thd_copy_valid_tokens_ needs a contiguous dst on the GPU path")
-    _launch(dst, src, offsets, cu_seqlens, None)
+    _launch(dst, src, offsets, cu_seqlens, in_place=True)
 
 
 @thd_copy_valid_tokens_.register_fake

@@ -2,7 +2,9 @@
 
 import torch
 
-from custom_ops._common import as_words, cdiv, check_cp_size, check_index_tensor, check_rows, from_words, NAMESPACE, row_tile, use_triton
+from custom_ops._common import (
+    cdiv, check_cp_size, check_index_tensor, check_rows, from_row_matrix, NAMESPACE, row_matrix, row_tile, use_triton,
+)
 from custom_ops.launch import launch
 from custom_ops.registration import kernel_op
 from custom_ops.thd_index import padding_multiple
@@ -23,16 +25,15 @@ def _check(x: torch.Tensor, cu_seqlens_padded: torch.Tensor, cp_size: int) -> No
 
 
 def _launch(x: torch.Tensor, cu_seqlens_padded: torch.Tensor, cp_size: int, to_rank: bool) -> torch.Tensor:
-    words = as_words(x)
-    out = torch.empty_like(words)
-    rows, cols = words.shape
+    src, rows, cols = row_matrix(x)
+    out = torch.empty_like(src)
     if rows > 0 and cols > 0:
-        block_r, block_d, num_warps = row_tile(cols, words.element_size())
+        block_r, block_d, num_warps = row_tile(cols, src.element_size())
         grid = (cdiv(rows, block_r), cdiv(cols, block_d))
         launch(
             thd_reorder_kernel,
             grid,
-            words,
+            src,
             out,
             cu_seqlens_padded,
             cu_seqlens_padded.shape[0] - 1,
@@ -44,7 +45,7 @@ def _launch(x: torch.Tensor, cu_seqlens_padded: torch.Tensor, cp_size: int, to_r
             BLOCK_D=block_d,
             num_warps=num_warps,
         )
-    return from_words(out, x.dtype, x.shape)
+    return from_row_matrix(out, x.dtype, x.shape)
 
 
 @kernel_op(f"{NAMESPACE}::thd_seq_to_rank_order", mutates_args=())
