@@ -14,6 +14,7 @@ import inspect
 from collections.abc import Callable
 
 import torch
+from torch import Tensor
 from torch._library.triton import is_wrap_triton_enabled
 from torch.library import wrap_triton
 from triton import knobs
@@ -22,28 +23,46 @@ from custom_ops import precompile
 
 __all__ = ["direct_launcher", "launch", "launch_direct"]
 
-_I32, _I63 = 2**31, 2**63
 NO_KEY = object()
 MAX_KEYS = 1024
+
+
+# Keys of ints by what Triton specializes on (their values never enter a key): small negative
+# ints, which no other argument's key equals (a bool's key is the bool, and True == 1).
+_INT_ONE, _I32_DIV16, _I32, _I64_DIV16, _I64, _U64_DIV16, _U64 = -1, -2, -3, -4, -5, -6, -7
+_I32_BOUND, _I64_BOUND = 2**31, 2**63
+
+
+def _int_key(a: int) -> int:
+    if a == 1:
+        return _INT_ONE
+    div16 = a % 16 == 0
+    if -_I32_BOUND <= a < _I32_BOUND:
+        return _I32_DIV16 if div16 else _I32
+    if a < _I64_BOUND:
+        return _I64_DIV16 if div16 else _I64
+    return _U64_DIV16 if div16 else _U64
 
 
 def spec_key(a):
     """What Triton specializes a kernel argument on, or a finer key; :data:`NO_KEY` when unknown.
 
-    Tensors: dtype and 16-byte alignment of the pointer. Ints: equal to 1, divisible by 16,
-    32- or 64-bit, signed or not (never the value, so a size that changes every call reuses
-    one entry). Floats: their type. Bools, None, TMA descriptors (dtype, block shape,
-    padding) and other hashable values (tuples, dtypes): themselves.
+    Tensors: their dtype where the pointer is 16-byte aligned, else a 1-tuple of it. Ints: one
+    of seven small negative ints (equal to 1, or 32-bit, 64-bit or unsigned 64-bit, each
+    divisible by 16 or not), never the value, so a size that changes every call reuses one
+    entry. Floats: their type. Bools, None, TMA descriptors (dtype, block shape, padding) and
+    other hashable values (tuples, dtypes): themselves. Keys are small and flat because
+    :func:`launch_direct` builds one per argument at every launch.
     """
     t = type(a)
     if t is int:
-        return (a == 1, a % 16 == 0, -_I32 <= a < _I32, a >= _I63)
+        return _int_key(a)
     if t is float:
         return 0.5
     if t is bool or a is None:
         return a
     if isinstance(a, torch.Tensor):
-        return (a.dtype, a.data_ptr() % 16 == 0)
+        return a.dtype if a.data_ptr() % 16 == 0 else (a.dtype,)
     block_shape = getattr(a, "block_shape", None)
     if block_shape is not None and isinstance(getattr(a, "base", None), torch.Tensor):  # a TensorDescriptor
         return (a.base.dtype, tuple(block_shape), getattr(a, "padding", None), getattr(a, "round_f32_to_tf32", None))
@@ -105,14 +124,21 @@ def direct_launcher(
             return
         dev = device() if precompiling is None else precompiling
         key = [dev]
-        for a in args:
-            k = spec_key(a)
-            if k is NO_KEY:
-                if precompiling is None:
-                    kernel[grid](*args, **kwargs)
-                return
-            key.append(k)
-        key.append(tuple(kwargs.items()))
+        append = key.append
+        for a in args:  # spec_key, its two common cases inlined: this loop runs at every launch
+            t = type(a)
+            if t is int:
+                append(_int_key(a))
+            elif t is Tensor:
+                append(a.dtype if a.data_ptr() % 16 == 0 else (a.dtype,))
+            else:
+                k = spec_key(a)
+                if k is NO_KEY:
+                    if precompiling is None:
+                        kernel[grid](*args, **kwargs)
+                    return
+                append(k)
+        append(tuple(kwargs.items()))
         key = tuple(key)
         entry = cache.get(key)
         if precompiling is not None:
