@@ -29,7 +29,6 @@ from custom_ops.gdn.reference import (
     causal_conv1d_reference,
     causal_conv1d_reference_backward,
     check_activation,
-    row_positions,
 )
 from custom_ops.registration import opaque_op
 from custom_ops.validation import checked
@@ -124,8 +123,19 @@ def causal_conv1d_backward(
 
 
 def _conv_positions(cu_seqlens: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """Each row's position in its sequence capped at MAX_TAPS, int32 ``[T]`` (what the kernels' taps test)."""
-    return row_positions(cu_seqlens, num_rows).clamp_(max=MAX_TAPS).to(torch.int32)
+    """Each row's position in its sequence capped at MAX_TAPS, int32 ``[T]`` (what the kernels'
+    taps test): one launch of :func:`conv_positions_kernel`, where the same from torch ops
+    (:func:`custom_ops.gdn.reference.row_positions`) would take nine."""
+    from custom_ops.gdn.kernels import POSITIONS_BLOCK, conv_positions_kernel
+
+    pos = torch.empty(num_rows, dtype=torch.int32, device=cu_seqlens.device)
+    if num_rows > 0:
+        bounds = cu_seqlens.shape[0]
+        launch_direct(
+            conv_positions_kernel, (cdiv(num_rows, POSITIONS_BLOCK),),
+            cu_seqlens, pos, bounds, num_rows, bounds.bit_length(), CAP=MAX_TAPS, BLOCK=POSITIONS_BLOCK,
+        )  # fmt: skip
+    return pos
 
 
 def _conv_forward(x, weight, bias, cu_seqlens, activation, rows=None, settings=CONV_SETTINGS) -> torch.Tensor:

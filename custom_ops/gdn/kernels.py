@@ -6,8 +6,8 @@ rows a tap needs are carried from step to step in registers, so every row of x (
 the output gradient) is read from memory once, in whole rows (the loads of later steps
 are issued ahead by the loop pipeliner). The grid is sized from shapes only. Sequences
 enter through ``pos``, each row's position in its sequence capped at :data:`MAX_TAPS`
-(built on the device from ``cu_seqlens``): tap j of row t sees x[t-j] iff ``pos[t] >= j``,
-the zero history at every sequence start.
+(built on the device from ``cu_seqlens`` by :func:`conv_positions_kernel`): tap j of row t
+sees x[t-j] iff ``pos[t] >= j``, the zero history at every sequence start.
 
 The backward streams the rows backwards: the pre-activation of row t is recomputed from
 the carried x rows (no pre-activation tensor goes through memory), ``dx[t]`` combines
@@ -59,6 +59,31 @@ class ConvSettings:
 # The settings the ops launch with. Nothing assigns it: a benchmark passes other settings to
 # the launchers.
 CONV_SETTINGS = ConvSettings()
+
+
+# Rows per program of conv_positions_kernel.
+POSITIONS_BLOCK = 1024
+
+
+@triton.jit
+def conv_positions_kernel(cu_ptr, pos_ptr, num_bounds, num_rows, steps, CAP: tl.constexpr, BLOCK: tl.constexpr):
+    """``pos[t] = min(t - cu[s], CAP)`` (int32) for the rows t of this program, where s is the
+    last index with ``cu[s] <= t``, clamped to ``[0, num_bounds - 1]`` (zero-length sequences
+    are skipped; rows past ``cu[-1]`` start a sequence of their own there): the reference's
+    ``row_positions`` capped at CAP, found by a binary search of ``steps >= log2(num_bounds + 1)``
+    halvings over the ``num_bounds`` entries of ``cu``."""
+    t = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    lo = tl.zeros([BLOCK], dtype=tl.int32)  # becomes the count of entries <= t
+    hi = tl.zeros([BLOCK], dtype=tl.int32) + num_bounds
+    for _ in range(steps):
+        mid = (lo + hi) // 2
+        open_ = lo < hi
+        below = tl.load(cu_ptr + mid, mask=open_ & (mid < num_bounds), other=0).to(tl.int64) <= t
+        lo = tl.where(open_ & below, mid + 1, lo)
+        hi = tl.where(open_ & ~below, mid, hi)
+    seq = tl.minimum(tl.maximum(lo - 1, 0), num_bounds - 1)
+    start = tl.load(cu_ptr + seq).to(tl.int64)
+    tl.store(pos_ptr + t, tl.minimum(t - start, CAP).to(tl.int32), mask=t < num_rows)
 
 
 @triton.jit

@@ -454,6 +454,48 @@ def test_conv_kernels_compile_for_hopper(kind, row_map):
 
 
 @pytest.mark.interpret
+@given(
+    st.lists(st.one_of(st.just(0), st.integers(1, 9)), min_size=1, max_size=12),
+    st.integers(0, 5),
+    st.sampled_from([torch.int32, torch.int64]),
+)
+def test_conv_positions_kernel_matches_reference(seqlens, extra_rows, index_dtype):
+    """The positions kernel against the reference's row positions capped at MAX_TAPS: zero-length
+    sequences, rows past ``cu[-1]``, layouts spanning several of the kernel's blocks."""
+    from custom_ops.gdn import conv
+    from custom_ops.gdn.kernels import MAX_TAPS
+    from custom_ops.gdn.reference import row_positions
+
+    cu = _cu([s * 150 for s in seqlens], dtype=index_dtype)  # up to 16200 rows: up to 16 blocks
+    num_rows = int(cu[-1]) + extra_rows
+    pos = conv._conv_positions(cu, num_rows)
+    assert pos.dtype == torch.int32
+    assert torch.equal(pos, row_positions(cu, num_rows).clamp(max=MAX_TAPS).int())
+
+
+def test_conv_positions_kernel_compiles_for_hopper():
+    pytest.importorskip("triton.backends.nvidia")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from custom_ops.gdn.kernels import MAX_TAPS, POSITIONS_BLOCK, conv_positions_kernel
+
+    constants = dict(CAP=MAX_TAPS, BLOCK=POSITIONS_BLOCK)
+    names = conv_positions_kernel.arg_names
+    types = {"cu_ptr": "*i32", "pos_ptr": "*i32"}
+    signature = {n: "constexpr" if n in constants else types.get(n, "i32") for n in names}
+    source = ASTSource(
+        fn=conv_positions_kernel, signature=signature, constexprs={(names.index(k),): v for k, v in constants.items()}
+    )
+    try:
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    except (ImportError, TypeError, AttributeError) as e:  # compile API of another triton release
+        pytest.skip(f"cannot compile for sm_90 with triton {triton.__version__}: {e}")
+    assert "st.global" in compiled.asm["ptx"]
+
+
+@pytest.mark.interpret
 def test_conv_kernels_rows_past_the_layout():
     """Rows past ``cu[-1]`` (outside the op's contract) start a sequence of their own there, as in
     the reference."""
