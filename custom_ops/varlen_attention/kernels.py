@@ -6,10 +6,11 @@ in configs.py, their launchers in launch.py."""
 from custom_ops.varlen_attention.backward import varlen_attn_bwd_dkdv_kernel, varlen_attn_bwd_dq_kernel
 from custom_ops.varlen_attention.configs import has_tma_config, kernel_config
 from custom_ops.varlen_attention.forward import varlen_attn_fwd_kernel
-from custom_ops.varlen_attention.schedule import segment_tables_kernel
+from custom_ops.varlen_attention.schedule import key_tile_segments_kernel, segment_tables_kernel
 
 __all__ = [
     "segment_tables_kernel",
+    "key_tile_segments_kernel",
     "varlen_attn_fwd_kernel",
     "varlen_attn_bwd_dq_kernel",
     "varlen_attn_bwd_dkdv_kernel",

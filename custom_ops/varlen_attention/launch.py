@@ -22,6 +22,7 @@ from custom_ops.precompile import cuda_index
 from custom_ops.varlen_attention.backward import varlen_attn_bwd_dkdv_kernel, varlen_attn_bwd_dq_kernel
 from custom_ops.varlen_attention.configs import (
     DEFAULT_SETTINGS,
+    KEY_TILE_BLOCK,
     TABLE_BLOCK,
     TABLE_WARPS,
     WORK_BUCKETS,
@@ -30,7 +31,7 @@ from custom_ops.varlen_attention.configs import (
     kernel_config,
 )
 from custom_ops.varlen_attention.forward import varlen_attn_fwd_kernel
-from custom_ops.varlen_attention.schedule import segment_tables_kernel
+from custom_ops.varlen_attention.schedule import key_tile_segments_kernel, segment_tables_kernel
 
 _LOG2E = 1.4426950408889634
 
@@ -62,28 +63,24 @@ def segment_tables(
     return tab.unbind(0), tiles[0], tiles[1]
 
 
-def key_tile_segments(qs, ql, ks, kl, block: int, num_tiles: int, num_k_rows: int):
-    """``(order, first, last)`` for the dk/dv kernel, on the device and sized from shapes.
-
-    ``order``: the segments sorted by key start, those with no query or no key last
-    (and in no tile's slice). Key tile t (rows ``[t*block, (t+1)*block)``) can only be
-    reached by ``order[first[t]:last[t]]``: ``last[t]`` counts the sorted segments that
-    start before the tile ends, ``first[t]`` those whose running maximum of key ends is
-    at or before the tile's start (so they and every segment before them end there).
-    Disjoint and identical key ranges (self-attention, all-gather CP) make the slice
-    exactly the segments that reach the tile; other overlaps may add some that
-    miss it, which the kernel skips (a few scalar loads each: one wide key range
-    that spans many short ones makes every tile under it scan all of them).
-    """
-    live = (ql > 0) & (kl > 0)
-    start = torch.where(live, ks, num_k_rows + block)  # past every tile's end
-    end = torch.where(live, ks + kl, 0)
-    order = torch.argsort(start, stable=True)
-    reach = torch.cummax(end[order], 0).values.contiguous()
-    tile_start = torch.arange(num_tiles, dtype=torch.int32, device=ks.device) * block
-    first = torch.searchsorted(reach, tile_start, right=True, out_int32=True)
-    last = torch.searchsorted(start[order].contiguous(), tile_start + block, out_int32=True)
-    return order.int(), first, last
+def key_tile_segments(ql, ks, kl, block: int, num_tiles: int, num_k_rows: int):
+    """``(order, first, last)`` for the dk/dv kernel, int32 on the device and sized from shapes:
+    one launch of :func:`key_tile_segments_kernel`, which defines them
+    (:func:`custom_ops.varlen_attention.reference.key_tile_segments_reference` computes the
+    same with a dozen torch ops). Disjoint and identical key ranges (self-attention, all-gather
+    CP) make ``order[first[t]:last[t]]`` exactly the segments that reach key tile t; other
+    overlaps may add some that miss it, which the kernel skips (a few scalar loads each: one
+    wide key range that spans many short ones makes every tile under it scan all of them)."""
+    n_seg = ql.shape[0]
+    order = torch.empty(n_seg, dtype=torch.int32, device=ql.device)
+    first = torch.empty(num_tiles, dtype=torch.int32, device=ql.device)
+    last = torch.empty(num_tiles, dtype=torch.int32, device=ql.device)
+    order_programs = cdiv(n_seg, KEY_TILE_BLOCK)
+    launch_direct(
+        key_tile_segments_kernel, (order_programs + cdiv(num_tiles, KEY_TILE_BLOCK),),
+        ql, ks, kl, order, first, last, n_seg, num_tiles, num_k_rows, block, order_programs, BLOCK=KEY_TILE_BLOCK,
+    )  # fmt: skip
+    return order, first, last
 
 
 def _block_d(head_dim) -> int:
@@ -240,7 +237,7 @@ def backward(
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     num_tiles = cdiv(tk, cfg["BLOCK_N"])
-    order, first, last = key_tile_segments(qs, ql, ks, kl, cfg["BLOCK_N"], num_tiles, tk)
+    order, first, last = key_tile_segments(ql, ks, kl, cfg["BLOCK_N"], num_tiles, tk)
     launch_direct(
         varlen_attn_bwd_dkdv_kernel, (num_tiles * hkv * cfg.get("PARTS", 1),),
         q, k, v, dout, lse, delta, dk, dv, *descriptors,

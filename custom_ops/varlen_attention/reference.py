@@ -245,3 +245,24 @@ def varlen_attention_loop(
             out[idx, h] = torch.softmax(scores, dim=1) @ vh
             lse[h, idx] = row_lse
     return out, lse
+
+
+def key_tile_segments_reference(ql, ks, kl, block: int, num_tiles: int, num_k_rows: int):
+    """``(order, first, last)`` of the dk/dv kernel's key tiles in torch ops, the definition
+    ``custom_ops.varlen_attention.schedule.key_tile_segments_kernel`` is tested against.
+
+    ``order``: the segments sorted by key start (stable), those with no query or no key last
+    (and in no tile's slice). Key tile t (rows ``[t*block, (t+1)*block)``) can only be
+    reached by ``order[first[t]:last[t]]``: ``last[t]`` counts the sorted segments that
+    start before the tile ends, ``first[t]`` those whose running maximum of key ends is
+    at or before the tile's start (so they and every segment before them end there).
+    """
+    live = (ql > 0) & (kl > 0)
+    start = torch.where(live, ks, num_k_rows + block)  # past every tile's end
+    end = torch.where(live, ks + kl, 0)
+    order = torch.argsort(start, stable=True)
+    reach = torch.cummax(end[order], 0).values.contiguous()
+    tile_start = torch.arange(num_tiles, dtype=torch.int32, device=ks.device) * block
+    first = torch.searchsorted(reach, tile_start, right=True, out_int32=True)
+    last = torch.searchsorted(start[order].contiguous(), tile_start + block, out_int32=True)
+    return order.int(), first, last

@@ -169,6 +169,71 @@ def segment_tables_kernel(
 
 
 @triton.jit
+def _sort_keys(ql_ptr, ks_ptr, kl_ptr, j, n_seg, num_k_rows, key_tile):
+    """``(start, end, key)`` of segments ``j`` for :func:`key_tile_segments_kernel`: a segment
+    with no query or no key starts past every key tile and ends at 0; ``key`` orders them by
+    start, ties by index (a stable sort); past ``n_seg``, the largest key and no reach."""
+    ok = j < n_seg
+    kl = tl.load(kl_ptr + j, mask=ok, other=0)
+    live = ok & (tl.load(ql_ptr + j, mask=ok, other=0) > 0) & (kl > 0)
+    ks = tl.load(ks_ptr + j, mask=ok, other=0).to(tl.int64)
+    start = tl.where(live, ks, num_k_rows + key_tile)
+    end = tl.where(live, ks + kl, 0)
+    key = tl.where(ok, start * n_seg + j, 2**62)
+    return start, end, key
+
+
+@triton.jit(do_not_specialize=["n_seg", "num_tiles", "num_k_rows", "key_tile", "order_programs"])
+def key_tile_segments_kernel(
+    ql_ptr,
+    ks_ptr,
+    kl_ptr,
+    order_ptr,  # [n_seg] int32: the segments sorted by key start (stable), those with no query or no key last
+    first_ptr,  # [num_tiles] int32
+    last_ptr,  # [num_tiles] int32
+    n_seg,
+    num_tiles,
+    num_k_rows,
+    key_tile,
+    order_programs,
+    BLOCK: tl.constexpr,
+):
+    """The dk/dv kernel's tables: key tile t (rows ``[t*key_tile, (t+1)*key_tile)``) can only be
+    reached by the segments ``order[first[t]:last[t]]``. ``last[t]`` counts the segments that
+    start before the tile ends; ``first[t]`` the sorted segments before the first one (in
+    ``order``) that ends past the tile's start, so they and every segment before them end at
+    or before it. Programs below ``order_programs`` sort BLOCK segments each by rank (the count
+    of smaller keys); the others fill BLOCK tiles each. Every program reads all segments once
+    or twice, BLOCK at a time: ``n_seg * (n_seg + 2 * num_tiles)`` comparisons in all."""
+    pid = tl.program_id(0)
+    lane = tl.arange(0, BLOCK)
+    if pid < order_programs:
+        i = pid * BLOCK + lane
+        _, _, key_i = _sort_keys(ql_ptr, ks_ptr, kl_ptr, i, n_seg, num_k_rows, key_tile)
+        rank = tl.zeros([BLOCK], dtype=tl.int32)
+        for j0 in range(0, n_seg, BLOCK):
+            _, _, key_j = _sort_keys(ql_ptr, ks_ptr, kl_ptr, j0 + lane, n_seg, num_k_rows, key_tile)
+            rank += tl.sum((key_j[None, :] < key_i[:, None]).to(tl.int32), axis=1)
+        tl.store(order_ptr + rank, i.to(tl.int32), mask=i < n_seg)
+    else:
+        t = (pid - order_programs) * BLOCK + lane
+        tile_start = t.to(tl.int64) * key_tile
+        least = tl.full([BLOCK], 2**62, dtype=tl.int64)  # the least key among segments ending past the tile's start
+        last = tl.zeros([BLOCK], dtype=tl.int32)
+        for j0 in range(0, n_seg, BLOCK):
+            start, end, key = _sort_keys(ql_ptr, ks_ptr, kl_ptr, j0 + lane, n_seg, num_k_rows, key_tile)
+            past = end[None, :] > tile_start[:, None]
+            least = tl.minimum(least, tl.min(tl.where(past, key[None, :], 2**62), axis=1))
+            last += tl.sum((start[None, :] < tile_start[:, None] + key_tile).to(tl.int32), axis=1)
+        first = tl.zeros([BLOCK], dtype=tl.int32)
+        for j0 in range(0, n_seg, BLOCK):
+            _, _, key = _sort_keys(ql_ptr, ks_ptr, kl_ptr, j0 + lane, n_seg, num_k_rows, key_tile)
+            first += tl.sum((key[None, :] < least[:, None]).to(tl.int32), axis=1)
+        tl.store(first_ptr + t, first, mask=t < num_tiles)
+        tl.store(last_ptr + t, last, mask=t < num_tiles)
+
+
+@triton.jit
 def _program_tile(num_parts, HEAD_GROUP: tl.constexpr):
     """``(tile, part)`` of this program in a 1-D grid of ``num_tiles * num_parts`` programs
     (parts: the heads, or kv heads x PARTS in dk/dv). Launch order: the parts in groups of

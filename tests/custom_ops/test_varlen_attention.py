@@ -675,6 +675,48 @@ def test_segment_table_kernel_matches_torch(case):
     assert torch.equal(tile_row[:n_live], want_row)
 
 
+@st.composite
+def key_tile_cases(draw):
+    """Segment tables as the backward builds them (clamped into the tensors): up to 150
+    segments (several programs of 64), dead ones (no query or no key rows) among them, key
+    ranges disjoint, identical (all-gather CP) or overlapping, in any order; key tiles of 1 to
+    64 rows over up to 600 key rows (up to 600 tiles)."""
+    n = draw(st.integers(1, 150))
+    tk = draw(st.integers(1, 600))
+    kind = draw(st.sampled_from(["disjoint", "identical", "random"]))
+    lens = draw(st.lists(st.integers(0, 12), min_size=n, max_size=n))
+    if kind == "disjoint":
+        starts, pos = [], 0
+        for length in lens:
+            starts.append(min(pos, tk))
+            pos += length
+    elif kind == "identical":
+        starts = [0] * n
+    else:
+        starts = draw(st.lists(st.integers(0, tk), min_size=n, max_size=n))
+    kl = [max(0, min(length, tk - s)) for s, length in zip(starts, lens)]
+    ql = draw(st.lists(st.integers(0, 3), min_size=n, max_size=n))
+    block = draw(st.sampled_from([1, 16, 64]))
+    as_int = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    return as_int(ql), as_int(starts), as_int(kl), block, -(-tk // block), tk
+
+
+@pytest.mark.interpret
+@settings(max_examples=30)
+@given(key_tile_cases())
+def test_key_tile_kernel_matches_torch(case):
+    """The dk/dv kernel's tables from one launch equal the torch definition's: the stable order
+    by key start with dead segments last, and each key tile's slice of it."""
+    from custom_ops.varlen_attention.reference import key_tile_segments_reference
+
+    ql, ks, kl, block, num_tiles, tk = case
+    with poisoned_allocations():
+        got = launch.key_tile_segments(ql, ks, kl, block, num_tiles, tk)
+    for g, want in zip(got, key_tile_segments_reference(ql, ks, kl, block, num_tiles, tk)):
+        assert g.dtype == torch.int32
+        assert torch.equal(g, want)
+
+
 def test_launch_settings_are_immutable():
     """The tuned tables are read-only, settings are frozen values (other settings are new
     instances passed to the launchers), and the launchers default to the settings the ops use."""
@@ -907,6 +949,16 @@ def test_segment_table_kernel_compiles_for_hopper(by_work):
     except (ImportError, TypeError, AttributeError) as e:  # compile API of another triton release
         pytest.skip(f"cannot compile for sm_90 with triton {triton.__version__}: {e}")
     assert "tt.scan" in compiled.asm["ttir"]  # the running tile count is a scan, not a serial loop
+
+
+def test_key_tile_kernel_compiles_for_hopper():
+    pytest.importorskip("triton.backends.nvidia")
+    config = dict(BLOCK=configs.KEY_TILE_BLOCK, num_warps=4, num_stages=1)
+    try:
+        compiled = _compile_for_sm90(kernels_mod.key_tile_segments_kernel, config)
+    except (ImportError, TypeError, AttributeError) as e:  # compile API of another triton release
+        pytest.skip(f"cannot compile for sm_90 with triton {triton.__version__}: {e}")
+    assert "st.global" in compiled.asm["ptx"]
 
 
 @pytest.mark.parametrize("kind", list(_KERNELS))
