@@ -1,12 +1,14 @@
 """Host time per eager call of every cp_ops op, in both registration forms.
 
     python -m benchmarks.bench_host [--out DIR] [--raw FILE.json] [--baseline DIR] [--ops NAME ...]
-                                    [--breakdown] [--layout-sweep] [--smoke]
+                                    [--rounds N] [--breakdown] [--layout-sweep] [--smoke]
 
 For each op (forward, and backward through autograd where it is differentiable):
 
   host us    wall time to issue N calls / N, with the calls queued behind a long GPU sleep
              (``torch.cuda._sleep``) so that the GPU never waits and no launch waits for it;
+             the median of 7 batches (5 for a backward), as a garbage collection or a new
+             allocator segment inside one batch adds tens of us per call to it;
              a CUDA event recorded after the sleep must still be pending when issuing ends
              (else the GPU ran dry, or the call synchronised, and the row says so)
   call ms    ``triton.testing.do_bench`` of one call (GPU time, or host time where that is longer)
@@ -17,9 +19,11 @@ The registration form (``triton_op`` or opaque ``custom_op``) is decided when ``
 is imported, so each form runs in a subprocess of its own (``CP_OPS_OPAQUE_KERNELS=0`` and
 ``=1``). ``--baseline DIR`` also times the ``custom_ops`` package found in DIR (a copy of an
 older checkout) in two more subprocesses, so before and after come from one run on one
-machine. ``--breakdown`` times the pieces of one ``thd_seq_to_rank_order`` call (dispatch,
-body, launch) and prints a cProfile of it; ``--layout-sweep`` times the four THD layout ops
-against a clone at both row widths of bench_thd_layout.py and W = 2, 4, 8. ``--smoke`` runs
+machine. ``--rounds N`` runs every subprocess N times, the packages interleaved, and reports
+the least of each host figure (:func:`merge_rounds`). ``--breakdown`` times the pieces of one
+``thd_seq_to_rank_order`` call (dispatch, body, launch) and prints a cProfile of it;
+``--layout-sweep`` times the four THD layout ops against a clone at both row widths of
+bench_thd_layout.py and W = 2, 4, 8. ``--smoke`` runs
 tiny shapes on the CPU (the torch references, wall-clock timing, no sleep).
 
 Results (benchmarks/runner.py): ``host`` (``host-smoke`` with --smoke) and, with
@@ -223,7 +227,7 @@ def _has_fla() -> bool:
 # --- timing -----------------------------------------------------------------------------------
 
 
-def host_us(fn, calls: int, cuda: bool, reps: int = 3) -> dict:
+def host_us(fn, calls: int, cuda: bool, reps: int = 7) -> dict:
     """Host microseconds per call of ``fn``: ``{"us": median over reps, "min": best rep,
     "gpu_waited": whether the sleep ran out in any rep}``. On the CPU, plain wall time."""
     import torch
@@ -274,7 +278,7 @@ def _sleep_cycles(calls: int, seconds_per_call: float) -> int:
     return int(min(2 * calls * seconds_per_call, 2.0) * 2e9) + 2_000_000
 
 
-def host_us_backward(make_bwd, calls: int, cuda: bool, reps: int = 2) -> dict:
+def host_us_backward(make_bwd, calls: int, cuda: bool, reps: int = 5) -> dict:
     """:func:`host_us` of backward calls alone: N forwards are issued first (not timed)."""
     import torch
 
@@ -544,6 +548,25 @@ def spawn(form: str, package: str, args, tmp: str, host_only: bool) -> dict:
         return json.load(f)
 
 
+def merge_rounds(results: list[dict]) -> dict:
+    """One subprocess's result from the rounds of one (package, form): the first round's, with
+    each host figure the least over the rounds (each round's own figures kept as ``... rounds``).
+    A process's host speed varies from one to the next on one machine (a clone's call: 7 us in
+    one, 17 in the next), more than the changes measured; the rounds interleave the packages, so
+    each gets the fast and the slow processes alike, and the least is what the code costs."""
+    merged = json.loads(json.dumps(results[0]))
+    for row in merged["rows"]:
+        for which in ("fwd", "bwd"):
+            key = f"{which} host us"
+            figures = [r[key] for res in results for r in res["rows"] if r["op"] == row["op"] and r.get(key) is not None]
+            if figures:
+                row[key] = min(figures)
+                row[f"{key} rounds"] = figures
+                waited = [r.get(f"{which} gpu waited") for res in results for r in res["rows"] if r["op"] == row["op"]]
+                row[f"{which} gpu waited"] = any(waited)
+    return merged
+
+
 def table(runs: dict, smoke: bool) -> tuple[list[str], list[list]]:
     """``(columns, rows)``: one row per op and form, host us (baseline -> this tree where there
     is a baseline)."""
@@ -610,6 +633,9 @@ def main() -> None:
     parser.add_argument("--package", help="time the custom_ops package in this folder instead of this tree's")
     parser.add_argument("--forms", nargs="+", choices=list(FORMS), default=list(FORMS),
                         help="CP_OPS_OPAQUE_KERNELS values to run (default: 0 1)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every (package, form) subprocess this many times, interleaved; each cell is the "
+                             "least of their figures (default 1)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--child-out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -622,13 +648,17 @@ def main() -> None:
     print(env_line(env), flush=True)
     tree = ("this tree", ROOT) if args.package is None else (os.path.basename(args.package), os.path.abspath(args.package))
     packages = ([("baseline", os.path.abspath(args.baseline))] if args.baseline else []) + [tree]
-    runs = {}
+    rounds = {(label, form): [] for label, _ in packages for form in args.forms}
     with tempfile.TemporaryDirectory() as tmp:
-        for label, package in packages:
-            runs[label] = {}
-            for form in args.forms:
-                result = spawn(form, package, args, tmp, host_only=args.host_only or label == "baseline")
-                runs[label][result["form"]] = result
+        for i in range(args.rounds):
+            for label, package in packages:
+                for form in args.forms:
+                    host_only = args.host_only or label == "baseline" or i > 0
+                    rounds[label, form].append(spawn(form, package, args, tmp, host_only=host_only))
+    runs = {}
+    for (label, _), results in rounds.items():
+        merged = merge_rounds(results)
+        runs.setdefault(label, {})[merged["form"]] = merged
     command = "python -m benchmarks.bench_host " + " ".join(sys.argv[1:])
     name = "host" + "-smoke" * args.smoke
     results = [Result("host", "Host time per op call, both registration forms", *table(runs, args.smoke),
