@@ -111,6 +111,7 @@ TABLE_WARPS = 8
 
 # Segments and key tiles per program of key_tile_segments_kernel (its comparisons are BLOCK x BLOCK).
 KEY_TILE_BLOCK = 64
+
 # Launch-order buckets of the segments' work (see segment_tables_kernel): eight per doubling of
 # the key-tile count of a segment's last query tile, the last one holding every segment of
 # 2**15 key tiles and more.
