@@ -508,6 +508,7 @@ def breakdown(cuda: bool) -> dict:
         pieces["wrap_triton(kernel)[grid](...), eager"] = lambda: torch.library.wrap_triton(thd_reorder_kernel)[grid](
             *kernel_args, **kernel_kwargs
         )
+        pieces.update(_launcher_pieces(thd_reorder_kernel, grid, kernel_args, kernel_kwargs))
     result = {}
     for name, fn in pieces.items():
         result[name] = host_us(fn, 100, cuda)["us"]
@@ -525,6 +526,57 @@ def breakdown(cuda: bool) -> dict:
     pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(18)
     print(text.getvalue(), flush=True)
     return {"pieces us": result, "cprofile": text.getvalue()}
+
+
+def _launcher_pieces(kernel, grid, args, kwargs) -> dict:
+    """Launches of one compiled kernel by what sits under ``launch_direct``: the compiled
+    kernel's ``run`` (Triton's generated launcher), the C function that launcher calls, with
+    the arguments it passed once, and torch's own compiled launcher (Inductor's static CUDA
+    launcher), each where this triton and torch have it in the form used here."""
+    import torch
+    from triton import knobs
+
+    compiled = kernel[grid](*args, **kwargs)
+    stream = torch._C._cuda_getCurrentRawStream(torch.cuda.current_device())
+    positional = len(args)
+    # the parameters after the positional ones, as launch_direct passes them: given, or their defaults
+    tail = tuple(kwargs.get(p.name, kernel.signature.parameters[p.name].default) for p in kernel.params[positional:])
+    grid = tuple(grid) + (1,) * (3 - len(grid))
+    hooks = knobs.runtime
+
+    def run():
+        compiled.run(*grid, stream, compiled.function, compiled.packed_metadata, None, hooks.launch_enter_hook,
+                     hooks.launch_exit_hook, *args, *tail)  # fmt: skip
+
+    pieces = {"compiled kernel's run (Triton's launcher)": run}
+    launcher = compiled.run
+    c_launch = getattr(launcher, "launch", None)
+    if c_launch is not None:
+        captured = []
+        launcher.launch = lambda *a: (captured.append(a), c_launch(*a))[1]
+        try:
+            run()
+        finally:
+            launcher.launch = c_launch
+        pieces["Triton's C launch function, its arguments prepared"] = lambda: c_launch(*captured[0])
+    try:
+        from torch._inductor.runtime.static_triton_launcher import StaticallyLaunchedCudaKernel
+    except ImportError:
+        return pieces
+    import tempfile
+
+    try:
+        if not hasattr(compiled, "_cubin_path"):
+            compiled._cubin_path = None
+        static = StaticallyLaunchedCudaKernel(compiled)
+        static.reload_cubin_from_raw(os.path.join(tempfile.mkdtemp(), "kernel.cubin"))
+        static.load_kernel(torch.cuda.current_device())
+    except (NotImplementedError, AttributeError, RuntimeError, TypeError):
+        return pieces
+    constants = set(getattr(static, "full_constexprs", ()))
+    static_args = tuple(a for i, a in enumerate(args) if i not in constants)
+    pieces["torch's static CUDA launcher (Inductor's)"] = lambda: static.run(*grid, stream, *static_args)
+    return pieces
 
 
 # --- the parent: one subprocess per form (and package) ------------------------------------------
