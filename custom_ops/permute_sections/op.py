@@ -14,7 +14,9 @@ import math
 
 import torch
 
-from custom_ops._common import cdiv, check_cp_size, from_words, NAMESPACE, next_power_of_2, to_words, use_triton, word_dtype
+from custom_ops._common import (
+    cdiv, check_cp_size, from_row_matrix, NAMESPACE, next_power_of_2, to_words, use_triton, word_dtype,
+)
 from custom_ops.launch import launch
 from custom_ops.registration import kernel_op
 from custom_ops.permute_sections.kernels import permute_sections_kernel
@@ -86,8 +88,13 @@ def _check_rank_blocks(blocks: torch.Tensor, sections, cp_size: int) -> None:
 
 def _words(x: torch.Tensor, num_cols: int) -> tuple[torch.Tensor, int]:
     """``x`` as a contiguous ``[R, num_cols * k]`` matrix of the same bytes, and k
-    (words per element, see :func:`custom_ops._common.word_dtype`)."""
-    return to_words(x.contiguous().reshape(math.prod(x.shape[:-1]), num_cols))
+    (words per element, see :func:`custom_ops._common.word_dtype`): a 2-D ``x`` of a dtype
+    Triton moves as itself is that matrix already, made contiguous (no view, which costs host
+    time at every call)."""
+    x = x.contiguous()
+    if x.dim() == 2 and word_dtype(x.dtype)[0] == x.dtype:
+        return x, 1
+    return to_words(x.reshape(math.prod(x.shape[:-1]), num_cols))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,7 +184,7 @@ def _permute(x: torch.Tensor, sections, cp_size: int, rank_blocks: bool) -> torc
         strides = (local_cols * k, num_cols * k)
         shape = x.shape
     _launch(plain, out, local, cp_size, k, strides, to_blocks=True)
-    return from_words(out, x.dtype, shape)
+    return from_row_matrix(out, x.dtype, shape)
 
 
 def _unpermute(x: torch.Tensor, sections, cp_size: int, rank_blocks: bool) -> torch.Tensor:
@@ -209,7 +216,7 @@ def _unpermute(x: torch.Tensor, sections, cp_size: int, rank_blocks: bool) -> to
     else:
         strides = (local_cols * k, num_cols * k)
     _launch(out, blocked, local, cp_size, k, strides, to_blocks=False)
-    return from_words(out, x.dtype, lead + (num_cols,))
+    return from_row_matrix(out, x.dtype, lead + (num_cols,))
 
 
 @kernel_op(f"{NAMESPACE}::sections_to_rank_blocks", mutates_args=())
