@@ -20,8 +20,9 @@ from torch.library import wrap_triton
 from triton import knobs
 
 from custom_ops import precompile
+from custom_ops._common import cdiv, row_tile
 
-__all__ = ["direct_launcher", "launch", "launch_direct"]
+__all__ = ["direct_launcher", "launch", "launch_direct", "launch_rows"]
 
 NO_KEY = object()
 MAX_KEYS = 1024
@@ -207,3 +208,12 @@ def launch(kernel, grid, *args, **kwargs) -> None:
         wrap_triton(kernel)[grid](*args, **kwargs)
     else:
         launch_direct(kernel, grid, *args, **kwargs)
+
+
+def launch_rows(kernel, rows: int, cols: int, word_bytes: int, *args, **kwargs) -> None:
+    """:func:`launch` of a row-moving kernel over a ``[rows, cols]`` matrix of ``word_bytes``-byte
+    elements: one program per tile of :func:`custom_ops._common.row_tile`, whose BLOCK_R, BLOCK_D
+    and num_warps it passes with ``kwargs``."""
+    block_r, block_d, num_warps = row_tile(cols, word_bytes)
+    grid = (cdiv(rows, block_r), cdiv(cols, block_d))
+    launch(kernel, grid, *args, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=num_warps, **kwargs)

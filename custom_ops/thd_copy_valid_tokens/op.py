@@ -2,10 +2,8 @@
 
 import torch
 
-from custom_ops._common import (
-    cdiv, check_index_tensor, check_rows, from_row_matrix, NAMESPACE, row_matrix, row_tile, use_triton,
-)
-from custom_ops.launch import launch
+from custom_ops._common import check_index_tensor, check_rows, from_row_matrix, NAMESPACE, row_matrix, use_triton
+from custom_ops.launch import launch_rows
 from custom_ops.registration import kernel_op
 from custom_ops.thd_copy_valid_tokens.kernels import thd_copy_valid_tokens_kernel
 from custom_ops.thd_copy_valid_tokens.reference import thd_copy_valid_tokens_reference, valid_token_mask
@@ -36,24 +34,10 @@ def _launch(dst: torch.Tensor, src: torch.Tensor, offsets: torch.Tensor, cu_seql
     (dst_m, rows, cols), src_m = row_matrix(dst), row_matrix(src)[0]
     out = dst_m if in_place else torch.empty_like(dst_m)
     if rows > 0 and cols > 0:
-        block_r, block_d, num_warps = row_tile(cols, dst_m.element_size())
-        grid = (cdiv(rows, block_r), cdiv(cols, block_d))
-        launch(
-            thd_copy_valid_tokens_kernel,
-            grid,
-            dst_m,
-            src_m,
-            out,
-            offsets,
-            cu_seqlens,
-            cu_seqlens.shape[0] - 1,
-            rows,
-            cols,
-            IN_PLACE=in_place,
-            BLOCK_R=block_r,
-            BLOCK_D=block_d,
-            num_warps=num_warps,
-        )
+        launch_rows(
+            thd_copy_valid_tokens_kernel, rows, cols, dst_m.element_size(),
+            dst_m, src_m, out, offsets, cu_seqlens, cu_seqlens.shape[0] - 1, rows, cols, IN_PLACE=in_place,
+        )  # fmt: skip
     return out
 
 

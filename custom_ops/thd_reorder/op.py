@@ -3,9 +3,9 @@
 import torch
 
 from custom_ops._common import (
-    cdiv, check_cp_size, check_index_tensor, check_rows, from_row_matrix, NAMESPACE, row_matrix, row_tile, use_triton,
+    check_cp_size, check_index_tensor, check_rows, from_row_matrix, NAMESPACE, row_matrix, use_triton,
 )
-from custom_ops.launch import launch
+from custom_ops.launch import launch_rows
 from custom_ops.registration import kernel_op
 from custom_ops.thd_index import padding_multiple
 from custom_ops.thd_reorder.kernels import thd_reorder_kernel
@@ -28,23 +28,10 @@ def _launch(x: torch.Tensor, cu_seqlens_padded: torch.Tensor, cp_size: int, to_r
     src, rows, cols = row_matrix(x)
     out = torch.empty_like(src)
     if rows > 0 and cols > 0:
-        block_r, block_d, num_warps = row_tile(cols, src.element_size())
-        grid = (cdiv(rows, block_r), cdiv(cols, block_d))
-        launch(
-            thd_reorder_kernel,
-            grid,
-            src,
-            out,
-            cu_seqlens_padded,
-            cu_seqlens_padded.shape[0] - 1,
-            rows,
-            cols,
-            cp_size,
-            TO_RANK=to_rank,
-            BLOCK_R=block_r,
-            BLOCK_D=block_d,
-            num_warps=num_warps,
-        )
+        launch_rows(
+            thd_reorder_kernel, rows, cols, src.element_size(),
+            src, out, cu_seqlens_padded, cu_seqlens_padded.shape[0] - 1, rows, cols, cp_size, TO_RANK=to_rank,
+        )  # fmt: skip
     return from_row_matrix(out, x.dtype, x.shape)
 
 
