@@ -23,7 +23,14 @@ from custom_ops._common import cdiv, check_index_tensor, NAMESPACE, unit_last_st
 from custom_ops.launch import launch_direct
 from custom_ops.precompile import cuda_index
 from custom_ops.gdn.fla import FLA_CHUNK, fla_call, fla_varlen_indices
-from custom_ops.gdn.kernels import CONV_SETTINGS, MAX_TAPS
+from custom_ops.gdn.kernels import (
+    CONV_SETTINGS,
+    MAX_TAPS,
+    POSITIONS_BLOCK,
+    conv_positions_kernel,
+    cp_causal_conv1d_bwd_kernel,
+    cp_causal_conv1d_fwd_kernel,
+)
 from custom_ops.gdn.reference import (
     causal_conv1d_gather_reference,
     causal_conv1d_reference,
@@ -126,8 +133,6 @@ def _conv_positions(cu_seqlens: torch.Tensor, num_rows: int) -> torch.Tensor:
     """Each row's position in its sequence capped at MAX_TAPS, int32 ``[T]`` (what the kernels'
     taps test): one launch of :func:`conv_positions_kernel`, where the same from torch ops
     (:func:`custom_ops.gdn.reference.row_positions`) would take nine."""
-    from custom_ops.gdn.kernels import POSITIONS_BLOCK, conv_positions_kernel
-
     pos = torch.empty(num_rows, dtype=torch.int32, device=cu_seqlens.device)
     if num_rows > 0:
         bounds = cu_seqlens.shape[0]
@@ -140,8 +145,6 @@ def _conv_positions(cu_seqlens: torch.Tensor, num_rows: int) -> torch.Tensor:
 
 def _conv_forward(x, weight, bias, cu_seqlens, activation, rows=None, settings=CONV_SETTINGS) -> torch.Tensor:
     """Our forward kernel; with ``rows``, sequence row t of x is its row ``rows[t]``."""
-    from custom_ops.gdn.kernels import cp_causal_conv1d_fwd_kernel
-
     x = unit_last_stride(x)
     weight = weight.contiguous()
     num_rows, channels = x.shape
@@ -161,8 +164,6 @@ def _conv_forward(x, weight, bias, cu_seqlens, activation, rows=None, settings=C
 def _conv_backward_kernel(grad_y, x, weight, bias, cu_seqlens, activation, rows=None, dx=None, settings=CONV_SETTINGS):
     """Our backward kernel; with ``rows``, sequence row t of x is its row ``rows[t]`` and so is
     that of dx (written into ``dx`` when given, an x-shaped view, else a new tensor)."""
-    from custom_ops.gdn.kernels import cp_causal_conv1d_bwd_kernel
-
     x, grad_y = unit_last_stride(x), unit_last_stride(grad_y)
     w = weight.contiguous()
     num_rows, channels = x.shape
