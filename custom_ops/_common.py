@@ -146,7 +146,9 @@ def row_matrix(x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
 
 
 def from_row_matrix(m: torch.Tensor, dtype: torch.dtype, shape) -> torch.Tensor:
-    """A kernel's output ``m`` in the form :func:`row_matrix` gives, as ``dtype`` with ``shape``."""
+    """A kernel's output ``m``, of ``dtype`` already (as :func:`row_matrix` passes the dtypes Triton
+    moves as themselves) or in words (:func:`to_words`), as ``dtype`` with ``shape``: ``m`` itself
+    where it has both already, else a view."""
     return m if m.dtype == dtype and m.shape == shape else from_words(m, dtype, shape)
 
 
