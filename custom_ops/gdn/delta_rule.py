@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from custom_ops._common import NAMESPACE, check_index_tensor
-from custom_ops.gdn.fla import FLA_CHUNK, fla_call, fla_varlen_indices
+from custom_ops.gdn.fla import FLA_CHUNK, fla_call, fla_varlen_indices, precompile_varlen_indices
 from custom_ops.gdn.reference import chunk_gated_delta_rule_reference, chunk_gated_delta_rule_reference_backward
 from custom_ops.registration import composite_op, opaque_op
 from custom_ops.validation import checked
@@ -134,6 +134,8 @@ def chunk_gated_delta_rule_forward(
 @chunk_gated_delta_rule_forward.register_fake
 def _(q, k, v, g, beta, cu_seqlens, scale=None):
     _check_gdn(q, k, v, g, beta, cu_seqlens)
+    if _uses_fla(q):
+        precompile_varlen_indices(cu_seqlens, q.shape[0])
     g_shape, a_shape = _aux_shapes(q, v)
     num_seqs = cu_seqlens.shape[0] - 1
     return (

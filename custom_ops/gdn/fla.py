@@ -6,7 +6,9 @@ whose length, the number of 64-row chunks, depends on the lengths. FLA builds it
 by :func:`fla_varlen_indices` with a length fixed by shapes, ``T // 64 + B``, an upper
 bound; the spare rows point at an extra zero-length sequence appended to ``cu_seqlens``,
 whose programs load nothing and store nothing. FLA then never calls
-``prepare_chunk_indices`` (docs/design.md section 3). :func:`fla_call` wraps each call into
+``prepare_chunk_indices`` (docs/design.md section 3). On CUDA one launch of
+:func:`fla_chunk_indices_kernel` builds both tensors; :func:`fla_varlen_indices_reference`
+builds the same from torch ops (the CPU path, and the tests' reference). :func:`fla_call` wraps each call into
 FLA: the recorded autotuning choices for the device (:mod:`custom_ops.gdn.fla_configs`), and
 FLA's tensor cache switched off.
 """
@@ -17,13 +19,29 @@ import contextlib
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
+from custom_ops import precompile
+from custom_ops._common import cdiv, use_triton
 from custom_ops.gdn.fla_configs import use_recorded_configs
+from custom_ops.launch import launch_direct
 
-__all__ = ["FLA_CHUNK", "fla_call", "fla_varlen_indices"]
+__all__ = [
+    "FLA_CHUNK",
+    "fla_call",
+    "fla_chunk_indices_kernel",
+    "fla_varlen_indices",
+    "fla_varlen_indices_reference",
+    "precompile_varlen_indices",
+]
 
 # FLA's chunk length for both kernels (its default; the GDN kernels take 16, 32 or 64).
 FLA_CHUNK = 64
+
+# Chunk-index rows, and sequences per loop step, of one program of fla_chunk_indices_kernel.
+INDICES_BLOCK = 128
+INDICES_SEQ_BLOCK = 128
 
 
 def fla_varlen_indices(
@@ -40,13 +58,50 @@ def fla_varlen_indices(
     process as empty (masked loads and stores; its per-chunk partial sums are zero).
     ``cu_seqlens`` is clamped to ``[0, num_rows]`` first: a layout whose last entry
     exceeds the rows (validate_thd reports it where data is prepared) then gives
-    wrong rows, never an out-of-bounds access inside FLA's kernels.
+    wrong rows, never an out-of-bounds access inside FLA's kernels; a step down in
+    ``cu_seqlens`` counts as an empty sequence. Both tensors have ``cu_seqlens``'s dtype.
+
+    On CUDA (and on the CPU under ``TRITON_INTERPRET=1``) one launch of
+    :func:`fla_chunk_indices_kernel`; otherwise :func:`fla_varlen_indices_reference`.
     """
+    if not use_triton(cu_seqlens) or cu_seqlens.shape[0] == 0:
+        return fla_varlen_indices_reference(cu_seqlens, num_rows, chunk_size)
+    return _launch_chunk_indices(cu_seqlens, num_rows, chunk_size)
+
+
+def _launch_chunk_indices(cu_seqlens: torch.Tensor, num_rows: int, chunk_size: int):
+    """:func:`fla_varlen_indices` by one launch of :func:`fla_chunk_indices_kernel`."""
+    num_seqs = cu_seqlens.shape[0] - 1
+    slots = num_rows // chunk_size + num_seqs
+    cu_ext = torch.empty(num_seqs + 2, dtype=cu_seqlens.dtype, device=cu_seqlens.device)
+    chunk_indices = torch.empty((slots, 2), dtype=cu_seqlens.dtype, device=cu_seqlens.device)
+    launch_direct(
+        fla_chunk_indices_kernel, (cdiv(max(slots, num_seqs + 2), INDICES_BLOCK),),
+        cu_seqlens, cu_ext, chunk_indices, num_seqs, num_rows, slots,
+        CHUNK=chunk_size, BLOCK=INDICES_BLOCK, SEQ_BLOCK=INDICES_SEQ_BLOCK,
+    )  # fmt: skip
+    return cu_ext, chunk_indices
+
+
+def precompile_varlen_indices(cu_seqlens: torch.Tensor, num_rows) -> None:
+    """Start compiling :func:`fla_chunk_indices_kernel` for these arguments (an op's fake
+    ``cu_seqlens`` and its row count, while a graph is traced) in the background
+    (:mod:`custom_ops.precompile`); nothing for a symbolic row count."""
+    if type(num_rows) is int:
+        precompile.schedule(
+            "fla_varlen_indices", lambda cu: _launch_chunk_indices(cu, num_rows, FLA_CHUNK), cu_seqlens
+        )
+
+
+def fla_varlen_indices_reference(
+    cu_seqlens: torch.Tensor, num_rows: int, chunk_size: int = FLA_CHUNK
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`fla_varlen_indices` from torch ops (a dozen launches on a GPU)."""
     cu = cu_seqlens.clamp(0, num_rows)
     num_seqs = cu.numel() - 1
     slots = num_rows // chunk_size + num_seqs
     cu_ext = torch.cat([cu, cu[-1:]])
-    lens = (cu[1:] - cu[:-1]).to(torch.int64)
+    lens = (cu[1:] - cu[:-1]).to(torch.int64).clamp(min=0)
     offsets = F.pad(torch.div(lens + chunk_size - 1, chunk_size, rounding_mode="floor").cumsum(0), (1, 0))
     slot = torch.arange(slots, device=cu.device, dtype=torch.int64)
     # right-sided search skips zero-length sequences; slots past the last chunk land on B
@@ -54,6 +109,50 @@ def fla_varlen_indices(
     real = seq < num_seqs
     chunk = torch.where(real, slot - offsets[seq.clamp(max=num_seqs)], 0)
     return cu_ext, torch.stack([seq, chunk], 1).to(cu.dtype)
+
+
+@triton.jit(do_not_specialize=["num_seqs", "num_rows", "slots"])
+def fla_chunk_indices_kernel(
+    cu_ptr,
+    cu_ext_ptr,  # [num_seqs + 2]
+    idx_ptr,  # [slots, 2]
+    num_seqs,
+    num_rows,
+    slots,
+    CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr,
+    SEQ_BLOCK: tl.constexpr,
+):
+    """:func:`fla_varlen_indices_reference` for BLOCK rows of ``chunk_indices`` (and of ``cu_ext``)
+    per program. With ``end_i`` the chunks of sequences 0..i (each ``cdiv(max(L_i, 0), CHUNK)``
+    of its ``cu`` clamped into ``[0, num_rows]``), row s is sequence ``i = #{i : end_i <= s}``
+    and chunk ``s - max{end_i <= s}`` (0 where i = num_seqs): the reference's right-sided search,
+    as counts over all sequences, SEQ_BLOCK at a time (``slots * num_seqs`` comparisons in all)."""
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    # cu_ext: cu clamped, its last entry twice
+    ext = rows < num_seqs + 2
+    bound = tl.load(cu_ptr + tl.minimum(rows, num_seqs), mask=ext, other=0).to(tl.int64)
+    bound = tl.minimum(tl.maximum(bound, 0), num_rows)
+    tl.store(cu_ext_ptr + rows, bound.to(cu_ext_ptr.dtype.element_ty), mask=ext)
+
+    seq = tl.zeros([BLOCK], dtype=tl.int32)
+    start = tl.zeros([BLOCK], dtype=tl.int32)  # the chunk of the row's sequence that comes first
+    carry = tl.full([], 0, tl.int32)
+    for c in range(0, num_seqs, SEQ_BLOCK):
+        i = c + tl.arange(0, SEQ_BLOCK)
+        m = i < num_seqs
+        lo = tl.minimum(tl.maximum(tl.load(cu_ptr + i, mask=m, other=0).to(tl.int64), 0), num_rows)
+        hi = tl.minimum(tl.maximum(tl.load(cu_ptr + i + 1, mask=m, other=0).to(tl.int64), 0), num_rows)
+        chunks = ((tl.maximum(hi - lo, 0) + CHUNK - 1) // CHUNK).to(tl.int32)  # 0 past num_seqs
+        end = tl.cumsum(chunks, 0) + carry
+        carry += tl.sum(chunks, 0)
+        done = m[None, :] & (end[None, :] <= rows[:, None])
+        seq += tl.sum(done.to(tl.int32), 1)
+        start = tl.maximum(start, tl.max(tl.where(done, end[None, :], 0), 1))
+    chunk = tl.where(seq < num_seqs, rows - start, 0)
+    out = rows < slots
+    tl.store(idx_ptr + 2 * rows, seq.to(idx_ptr.dtype.element_ty), mask=out)
+    tl.store(idx_ptr + 2 * rows + 1, chunk.to(idx_ptr.dtype.element_ty), mask=out)
 
 
 @contextlib.contextmanager

@@ -496,6 +496,53 @@ def test_conv_positions_kernel_compiles_for_hopper():
 
 
 @pytest.mark.interpret
+@given(
+    st.lists(st.one_of(st.just(0), st.integers(1, 200)), max_size=300),
+    st.integers(-40, 130),
+    st.sampled_from([torch.int32, torch.int64]),
+    st.data(),
+)
+def test_fla_chunk_indices_kernel_matches_reference(seqlens, extra_rows, index_dtype, data):
+    """The chunk-index kernel against the torch reference: empty sequences, several of the
+    kernel's sequence blocks and row blocks, rows past ``cu[-1]`` and ``cu[-1]`` past the rows,
+    and an invalid layout with a step down (an empty sequence to both)."""
+    from custom_ops.gdn.fla import fla_varlen_indices_reference
+
+    cu = _cu(seqlens, dtype=index_dtype)
+    if len(seqlens) > 1 and data.draw(st.booleans()):
+        cu[data.draw(st.integers(1, len(seqlens)))] -= data.draw(st.integers(1, 60))
+    num_rows = max(int(cu[-1]) + extra_rows, 0)
+    cu_ext, chunk_indices = fla_varlen_indices(cu, num_rows)
+    expected = fla_varlen_indices_reference(cu, num_rows)
+    assert cu_ext.dtype == chunk_indices.dtype == index_dtype
+    assert torch.equal(cu_ext, expected[0])
+    assert torch.equal(chunk_indices, expected[1])
+
+
+def test_fla_chunk_indices_kernel_compiles_for_hopper():
+    pytest.importorskip("triton.backends.nvidia")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from custom_ops.gdn.fla import INDICES_BLOCK, INDICES_SEQ_BLOCK, fla_chunk_indices_kernel
+
+    constants = dict(CHUNK=64, BLOCK=INDICES_BLOCK, SEQ_BLOCK=INDICES_SEQ_BLOCK)
+    names = fla_chunk_indices_kernel.arg_names
+    types = {"cu_ptr": "*i32", "cu_ext_ptr": "*i32", "idx_ptr": "*i32"}
+    signature = {n: "constexpr" if n in constants else types.get(n, "i32") for n in names}
+    source = ASTSource(
+        fn=fla_chunk_indices_kernel, signature=signature,
+        constexprs={(names.index(k),): v for k, v in constants.items()},
+    )  # fmt: skip
+    try:
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    except (ImportError, TypeError, AttributeError) as e:  # compile API of another triton release
+        pytest.skip(f"cannot compile for sm_90 with triton {triton.__version__}: {e}")
+    assert "st.global" in compiled.asm["ptx"]
+
+
+@pytest.mark.interpret
 def test_conv_kernels_rows_past_the_layout():
     """Rows past ``cu[-1]`` (outside the op's contract) start a sequence of their own there, as in
     the reference."""

@@ -1,4 +1,4 @@
-"""Compiling the attention and conv kernels while a graph is traced (custom_ops.precompile).
+"""Compiling the attention, conv and chunk-index kernels while a graph is traced (custom_ops.precompile).
 
 On the CPU: the ops' fake implementations, on fake CUDA tensors, hand each kernel of the
 forward and the backward to a worker to compile, once, with the arguments the launch would
@@ -119,6 +119,23 @@ def test_conv_fake_compiles_forward_and_backward_kernels(recorded, gather):
         assert kwargs["GATHER"] is gather
         # x's row stride is the wider tensor's (48): the launch's specialization, not a copy's
         assert 48 in [a for a in args if type(a) is int]
+
+
+def test_gdn_fake_compiles_the_chunk_index_kernel(recorded):
+    """The delta rule's fake schedules the kernel that builds FLA's chunk indices (FLA's own
+    kernels compile in FLA), once per shape."""
+    with FakeTensorMode():
+        q = torch.empty(256, 2, 64, dtype=torch.bfloat16, device="cuda")
+        v = torch.empty(256, 4, 64, dtype=torch.bfloat16, device="cuda")
+        g = torch.empty(256, 4, dtype=torch.float32, device="cuda")
+        cu = torch.empty(5, dtype=torch.int32, device="cuda")
+        for _ in range(2):
+            torch.ops.cp_ops.chunk_gated_delta_rule_forward(q, q, v, g, g.to(q.dtype), cu)
+    precompile.wait_all()
+    assert _names(recorded) == ["fla_chunk_indices_kernel"]
+    _, args, kwargs, thread = recorded[0]
+    assert args[3:] == (4, 256, 256 // 64 + 4) and kwargs["CHUNK"] == 64
+    assert thread != threading.current_thread().name
 
 
 def test_symbolic_shapes_and_the_switch_schedule_nothing(recorded, monkeypatch):
