@@ -1,7 +1,8 @@
 """Host time to issue one compiled fwd+bwd step of each layer, against the step's GPU time.
 
     python -m benchmarks.bench_layer_host [--tokens 32768] [--seqs 8 64] [--layers gdn attention]
-                                          [--dynamic] [--runs 20] [--host-profile DIR] [--out DIR]
+                                          [--dynamic] [--compiled-autograd] [--runs 20]
+                                          [--host-profile DIR] [--out DIR]
     python -m benchmarks.bench_layer_host --smoke    # the CPU, tiny widths, in seconds
 
 Layers on one GPU (``group=None``), bf16, at Qwen3-Next-80B's widths:
@@ -18,7 +19,11 @@ T/B, a fixed seed per case, summing to T), laid out by ``cp_ops.pad_cu_seqlens(l
 (each sequence padded to a multiple of 2 rows, so ``rows`` may exceed T by up to B).
 One step: clear the grads of the parameters and the input, run the compiled layer, and
 backward from a fixed random upstream gradient (the loss ``sum(out * g)``), which fills
-the gradients of every parameter and of the input.
+the gradients of every parameter and of the input. ``--compiled-autograd`` runs the backward
+under compiled autograd instead (``torch._dynamo.config.compiled_autograd = True``, the forward
+and ``backward()`` inside one ``torch.compile``\ d function, as PyTorch documents it): the
+whole backward, the gradients' accumulation included, is one compiled graph, and the autograd
+engine no longer walks the nodes one by one on the host.
 
 Columns, per (layer, B):
 
@@ -55,7 +60,8 @@ Columns, per (layer, B):
 timing; host ms is the median wall time of a step (the CPU has no queue to keep busy),
 kernels ms and the launch counts are null.
 
-Result (benchmarks/runner.py): ``layer-host`` (``layer-host-smoke`` with --smoke).
+Result (benchmarks/runner.py): ``layer-host`` (``layer-host-compiled-autograd`` with
+--compiled-autograd; ``-smoke`` appended with --smoke).
 """
 
 from __future__ import annotations
@@ -288,17 +294,25 @@ def case_inputs(tokens: int, num_seqs: int, hidden: int, device, dtype) -> dict:
     return {"lens": lens, "cu": cu, "cup": cup, "rows": rows, "x": x, "grad": grad}
 
 
-def make_step(name: str, fn, layer: torch.nn.Module, batch: dict):
+def make_step(name: str, fn, layer: torch.nn.Module, batch: dict, compiled_autograd: bool = False):
     """One fwd+bwd step of ``fn`` (the layer, compiled or not) on ``batch``: the grads of the
-    parameters and the input cleared, the forward, the backward from the fixed gradient."""
+    parameters and the input cleared, the forward, the backward from the fixed gradient. With
+    ``compiled_autograd`` the forward and the backward run in one ``torch.compile``\ d function,
+    whose ``backward()`` compiled autograd compiles when ``torch._dynamo.config.compiled_autograd``
+    is set."""
     x, cu, cup, grad = batch["x"], batch["cu"], batch["cup"], batch["grad"]
     leaves = [x, *layer.parameters()]
     args = (x, cup) if name == "gdn" else (x, cu, cup)
 
+    def fwd_bwd(*inputs):
+        fn(*inputs).backward(grad)
+
+    run = torch.compile(fwd_bwd) if compiled_autograd else fwd_bwd
+
     def step():
         for t in leaves:
             t.grad = None
-        fn(*args).backward(grad)
+        run(*args)
 
     return step
 
@@ -314,7 +328,7 @@ def bench_case(name: str, tokens: int, num_seqs: int, args, cycles_per_ms: float
     batch = case_inputs(tokens, num_seqs, layer.hidden_size, device, dtype)
     torch._dynamo.reset()  # each case compiles for its own shapes, as a fresh run would
     compiled = torch.compile(layer, fullgraph=True, dynamic=True if args.dynamic else None)
-    step = make_step(name, compiled, layer, batch)
+    step = make_step(name, compiled, layer, batch, args.compiled_autograd)
     step()  # compiles
     _sync(cuda)
     if cuda:
@@ -352,11 +366,14 @@ def result(rows: list[list], args, tokens: int) -> Result:
         f"step ms: do_bench median; host ms: median of {args.runs} issues behind a GPU sleep; "
         f"launches, GPU kernels, copies, ops: per step (benchmarks/bench_layer_host.py's docstring defines them)"
     )
+    if args.compiled_autograd:
+        notes += "; the backward under compiled autograd (--compiled-autograd)"
     if smoke:
         notes += "; --smoke: wall-clock times on the CPU, host ms = a step's wall time, no launch counts"
     title = "Host time to issue a compiled fwd+bwd step of each layer, against its GPU time (one GPU)"
-    return Result("layer_host", title, list(COLUMNS), rows, notes, _environment(),
-                  name="layer-host" + "-smoke" * smoke, formats=dict(COLUMNS))  # fmt: skip
+    name = "layer-host" + "-compiled-autograd" * args.compiled_autograd + "-smoke" * smoke
+    return Result("layer_host", title, list(COLUMNS), rows, notes, _environment(), name=name,
+                  formats=dict(COLUMNS))  # fmt: skip
 
 
 def _environment() -> dict:
@@ -375,6 +392,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seqs", type=int, nargs="+", default=None, help=f"sequences per batch (default {SEQS})")
     parser.add_argument("--layers", nargs="+", choices=LAYERS, default=list(LAYERS), help="layers to time")
     parser.add_argument("--dynamic", action="store_true", help="compile with dynamic=True (default: None)")
+    parser.add_argument("--compiled-autograd", action="store_true",
+                        help="run the backward under compiled autograd (torch._dynamo.config.compiled_autograd)")
     parser.add_argument("--runs", type=int, default=None, help="timed runs of the host issue (default 20; 3 with --smoke)")
     parser.add_argument("--smoke", action="store_true", help="the CPU, tiny widths in float32, few runs")
     parser.add_argument("--host-profile", metavar="DIR", default=None,
@@ -388,6 +407,10 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("bench_layer_host needs a CUDA device (or --smoke on the CPU)")
     if min(seqs) < 1 or tokens < 2 * max(seqs):
         raise SystemExit(f"--seqs must be >= 1 and --tokens at least 2 per sequence, got {tokens} and {seqs}")
+    if args.compiled_autograd:
+        import torch._dynamo
+
+        torch._dynamo.config.compiled_autograd = True
     cycles_per_ms = None if args.smoke else sleep_cycles_per_ms()
     if cycles_per_ms is not None:
         print(f"torch.cuda._sleep: {cycles_per_ms:,.0f} cycles per ms", flush=True)
