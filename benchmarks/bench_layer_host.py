@@ -21,7 +21,7 @@ One step: clear the grads of the parameters and the input, run the compiled laye
 backward from a fixed random upstream gradient (the loss ``sum(out * g)``), which fills
 the gradients of every parameter and of the input. ``--compiled-autograd`` runs the backward
 under compiled autograd instead (``torch._dynamo.config.compiled_autograd = True``, the forward
-and ``backward()`` inside one ``torch.compile``\ d function, as PyTorch documents it): the
+and ``backward()`` inside one function compiled by ``torch.compile``, as PyTorch documents it): the
 whole backward, the gradients' accumulation included, is one compiled graph, and the autograd
 engine no longer walks the nodes one by one on the host.
 
@@ -73,6 +73,7 @@ import statistics
 import time
 
 import torch
+import torch._dynamo
 
 from benchmarks.cases import random_lengths
 from benchmarks.runner import Result, add_out_argument, emit, environment
@@ -297,9 +298,10 @@ def case_inputs(tokens: int, num_seqs: int, hidden: int, device, dtype) -> dict:
 def make_step(name: str, fn, layer: torch.nn.Module, batch: dict, compiled_autograd: bool = False):
     """One fwd+bwd step of ``fn`` (the layer, compiled or not) on ``batch``: the grads of the
     parameters and the input cleared, the forward, the backward from the fixed gradient. With
-    ``compiled_autograd`` the forward and the backward run in one ``torch.compile``\ d function,
-    whose ``backward()`` compiled autograd compiles when ``torch._dynamo.config.compiled_autograd``
-    is set."""
+    ``compiled_autograd`` the forward and the backward run in one function compiled by
+    ``torch.compile``, whose ``backward()`` compiled autograd compiles when
+    ``torch._dynamo.config.compiled_autograd`` is set (before this call: ``torch.compile`` keeps
+    the config it was called under)."""
     x, cu, cup, grad = batch["x"], batch["cu"], batch["cup"], batch["grad"]
     leaves = [x, *layer.parameters()]
     args = (x, cup) if name == "gdn" else (x, cu, cup)
@@ -319,8 +321,6 @@ def make_step(name: str, fn, layer: torch.nn.Module, batch: dict, compiled_autog
 
 def bench_case(name: str, tokens: int, num_seqs: int, args, cycles_per_ms: float | None) -> list:
     """One row of the table (:data:`COLUMNS`)."""
-    import torch._dynamo
-
     cuda = not args.smoke
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     torch.manual_seed(0)
@@ -408,8 +408,6 @@ def main(argv: list[str] | None = None) -> None:
     if min(seqs) < 1 or tokens < 2 * max(seqs):
         raise SystemExit(f"--seqs must be >= 1 and --tokens at least 2 per sequence, got {tokens} and {seqs}")
     if args.compiled_autograd:
-        import torch._dynamo
-
         torch._dynamo.config.compiled_autograd = True
     cycles_per_ms = None if args.smoke else sleep_cycles_per_ms()
     if cycles_per_ms is not None:
