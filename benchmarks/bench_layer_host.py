@@ -4,6 +4,7 @@
                                           [--dynamic] [--compiled-autograd] [--runs 20]
                                           [--host-profile DIR] [--out DIR]
     python -m benchmarks.bench_layer_host --smoke    # the CPU, tiny widths, in seconds
+    python -m benchmarks.bench_layer_host --baseline DIR --rounds 3 [the options above]
 
 Layers on one GPU (``group=None``), bf16, at Qwen3-Next-80B's widths:
 
@@ -62,21 +63,33 @@ kernels ms and the launch counts are null.
 
 Result (benchmarks/runner.py): ``layer-host`` (``layer-host-compiled-autograd`` with
 --compiled-autograd; ``-smoke`` appended with --smoke).
+
+Comparing code: the host time of one process differs from the next one's on the same machine
+by more than most changes measured (one commit's GatedDeltaNet step: 7.9-11.0 ms over six
+processes). ``--baseline DIR`` (a checkout of older code, with its own copy of this script)
+and ``--rounds N`` run the benchmark in a fresh process per checkout and round, the
+checkouts interleaved, each from its own folder with its own packages first on the path (the
+other options passed on), and write one table (:func:`merge_runs`, result ``<name>-runs``):
+a row per checkout and case with the least host time of its runs, and each run's.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 
 import torch
 import torch._dynamo
 
 from benchmarks.cases import random_lengths
-from benchmarks.runner import Result, add_out_argument, emit, environment
+from benchmarks.runner import ROOT, Result, add_out_argument, emit, environment, git_commit
 from benchmarks.timing import kernel_ms, median_ms, median_ms_counted
 
 TOKENS, SEQS = 32768, (8, 64)
@@ -386,6 +399,72 @@ def _environment() -> dict:
     return environment(fla=version)
 
 
+def merge_runs(runs: list[tuple[str, list[dict]]]) -> tuple[list[str], list[list]]:
+    """``(columns, rows)`` from ``runs``, ``[(code, [the result of each of its runs, as JSON])]``:
+    a row per code and case, the first run's row with ``host ms`` the least over the code's runs
+    (``host / step`` and the target recomputed from it), ``GPU waited`` summed, and each run's
+    host ms in a last column. Columns are matched by name, so an older checkout's script, whose
+    table may lack some, leaves those cells empty."""
+    columns = ["code", *COLUMNS, "host ms, each run"]
+    rows = []
+    for code, results in runs:
+        tables = [[dict(zip(r["columns"], row)) for row in r["rows"]] for r in results]
+        for i, first in enumerate(tables[0]):
+            case = (first["layer"], first["B"])
+            same = [next(c for c in t if (c["layer"], c["B"]) == case) for t in tables]
+            hosts = [c["host ms"] for c in same]
+            cells = dict(first, **{"host ms": min(hosts), "GPU waited": sum(c["GPU waited"] for c in same)})
+            cells["host / step"] = cells["host ms"] / cells["step ms"]
+            cells["host <= step / 4"] = "yes" if cells["host / step"] <= TARGET else "no"
+            rows.append([code, *(cells.get(c) for c in COLUMNS), ", ".join(f"{h:.2f}" for h in hosts)])
+    return columns, rows
+
+
+def _child_args(args) -> list[str]:
+    """The options a child run gets: this run's, without the interleaving and output ones."""
+    argv = ["--layers", *args.layers]
+    if args.tokens is not None:
+        argv += ["--tokens", str(args.tokens)]
+    if args.seqs is not None:
+        argv += ["--seqs", *map(str, args.seqs)]
+    if args.runs is not None:
+        argv += ["--runs", str(args.runs)]
+    flags = {"--dynamic": args.dynamic, "--compiled-autograd": args.compiled_autograd, "--smoke": args.smoke}
+    return argv + [flag for flag, on in flags.items() if on]
+
+
+def run_interleaved(args, command: str) -> Result:
+    """``--rounds`` runs of each checkout (``--baseline`` first, then this one), interleaved, each a
+    fresh process started in the checkout's folder; their tables merged by :func:`merge_runs`."""
+    checkouts = [os.path.abspath(args.baseline)] if args.baseline else []
+    checkouts.append(str(ROOT))
+    codes = [git_commit(c) or os.path.basename(c) for c in checkouts]
+    if len(set(codes)) < len(codes):
+        codes[0] += " (baseline)"
+    results: list[list[dict]] = [[] for _ in checkouts]
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.rounds):
+            for k, folder in enumerate(checkouts):
+                out = os.path.join(tmp, f"{k}-{i}")
+                env = dict(os.environ, PYTHONUNBUFFERED="1")
+                env["PYTHONPATH"] = os.pathsep.join(p for p in (folder, env.get("PYTHONPATH")) if p)
+                print(f"===== {codes[k]}, run {i + 1} of {args.rounds}", flush=True)
+                cmd = [sys.executable, "-m", "benchmarks.bench_layer_host", *_child_args(args), "--out", out]
+                if subprocess.run(cmd, cwd=folder, env=env).returncode != 0:
+                    raise SystemExit(f"the run of {folder} failed: {' '.join(cmd)}")
+                (path,) = [os.path.join(out, f) for f in os.listdir(out) if f.endswith(".json")]
+                with open(path) as f:
+                    results[k].append(json.load(f))
+    first = results[-1][0]
+    columns, rows = merge_runs(list(zip(codes, results)))
+    notes = (f"{first['notes']}\n- `{command}`: {args.rounds} run(s) of each checkout, each in its own process, "
+             f"the checkouts interleaved; host ms is the least of a checkout's runs (each run's in the last "
+             f"column), the other columns its first run's")  # fmt: skip
+    formats = {c: f for c, f in COLUMNS.items() if f}
+    return Result("layer_host", first["title"], columns, rows, notes, _environment(), name=f"{first['name']}-runs",
+                  formats=formats)  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=None, help=f"real tokens per batch (default {TOKENS})")
@@ -398,8 +477,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--smoke", action="store_true", help="the CPU, tiny widths in float32, few runs")
     parser.add_argument("--host-profile", metavar="DIR", default=None,
                         help="also write a cProfile of issuing each case's steps to DIR (GPU only)")
+    parser.add_argument("--baseline", metavar="DIR", default=None,
+                        help="also time the checkout in DIR, each run in a fresh process, interleaved with this one's")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="runs of each checkout, interleaved; a row's host ms is the least of them (default 1)")
     add_out_argument(parser)
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds must be >= 1, got {args.rounds}")
+    if args.baseline or args.rounds > 1:
+        if args.host_profile:
+            raise SystemExit("--host-profile profiles one run: leave out --baseline and --rounds")
+        command = "python -m benchmarks.bench_layer_host " + " ".join(sys.argv[1:] if argv is None else argv)
+        emit([run_interleaved(args, command)], args.out)
+        return
     tokens = args.tokens or (SMOKE_TOKENS if args.smoke else TOKENS)
     seqs = args.seqs or (SMOKE_SEQS if args.smoke else SEQS)
     args.runs = args.runs or (3 if args.smoke else 20)

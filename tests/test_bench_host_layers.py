@@ -52,6 +52,41 @@ def test_layer_host_smoke_writes_its_table(tmp_path):
     assert "|---" in result.markdown() and result.env["device"]
 
 
+def test_layer_host_rounds_write_one_table_of_the_runs(tmp_path):
+    _run("benchmarks.bench_layer_host", "--smoke", "--layers", "attention", "--seqs", "2", "--rounds", "2",
+         "--out", str(tmp_path))  # fmt: skip
+    result = load(tmp_path / "layer-host-smoke-runs.json")
+    assert result.columns == ["code", *host.COLUMNS, "host ms, each run"]
+    (row,) = result.records()
+    runs = [float(h) for h in row["host ms, each run"].split(", ")]
+    assert len(runs) == 2 and row["host ms"] == pytest.approx(min(runs), abs=0.005)
+    assert (row["layer"], row["B"]) == ("attention", 2) and "--rounds 2" in result.notes
+
+
+def _table(rows, columns=tuple(host.COLUMNS)):
+    return {"columns": list(columns), "rows": [[dict(r).get(c) for c in columns] for r in rows]}
+
+
+def test_merge_runs_keeps_each_codes_least_host_time():
+    def case(layer, b, host_ms, waited=0):
+        return {"layer": layer, "B": b, "step ms": 20.0, "host ms": host_ms, "GPU waited": waited, "launches": 83.0}
+
+    old_columns = [c for c in host.COLUMNS if c != "ops"]  # an older script's table
+    runs = [
+        ("old", [_table([case("gdn", 8, 9.0), case("gdn", 64, 6.0, 1)], old_columns),
+                 _table([case("gdn", 64, 7.0), case("gdn", 8, 4.0)], old_columns)]),
+        ("new", [_table([case("gdn", 8, 8.0)]), _table([case("gdn", 8, 5.5)])]),
+    ]  # fmt: skip
+    columns, rows = host.merge_runs(runs)
+    records = [dict(zip(columns, r)) for r in rows]
+    assert [(r["code"], r["B"], r["host ms"], r["host ms, each run"]) for r in records] == [
+        ("old", 8, 4.0, "9.00, 4.00"), ("old", 64, 6.0, "6.00, 7.00"), ("new", 8, 5.5, "8.00, 5.50")
+    ]  # fmt: skip
+    assert records[0]["host / step"] == pytest.approx(0.2) and records[0]["host <= step / 4"] == "yes"
+    assert records[2]["host <= step / 4"] == "no" and records[1]["GPU waited"] == 1
+    assert records[0]["ops"] is None and records[2]["launches"] == 83.0
+
+
 def _event(name, parent=None, device_type="DeviceType.CPU"):
     return SimpleNamespace(name=name, cpu_parent=parent, device_type=device_type)
 
