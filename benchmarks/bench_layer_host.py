@@ -70,7 +70,10 @@ processes). ``--baseline DIR`` (a checkout of older code, with its own copy of t
 and ``--rounds N`` run the benchmark in a fresh process per checkout and round, the
 checkouts interleaved, each from its own folder with its own packages first on the path (the
 other options passed on), and write one table (:func:`merge_runs`, result ``<name>-runs``):
-a row per checkout and case with the least host time of its runs, and each run's.
+a row per checkout and case with the least host time of its runs, and each run's. Each
+checkout gets its own Inductor cache: PyTorch's compile caches key a graph by the names of
+the ops it calls, not by their code (pytorch/pytorch#144344), so a graph compiled against one
+checkout's ops would be loaded for the other's.
 """
 
 from __future__ import annotations
@@ -446,7 +449,7 @@ def run_interleaved(args, command: str) -> Result:
         for i in range(args.rounds):
             for k, folder in enumerate(checkouts):
                 out = os.path.join(tmp, f"{k}-{i}")
-                env = dict(os.environ, PYTHONUNBUFFERED="1")
+                env = dict(os.environ, PYTHONUNBUFFERED="1", TORCHINDUCTOR_CACHE_DIR=os.path.join(tmp, f"inductor-{k}"))
                 env["PYTHONPATH"] = os.pathsep.join(p for p in (folder, env.get("PYTHONPATH")) if p)
                 print(f"===== {codes[k]}, run {i + 1} of {args.rounds}", flush=True)
                 cmd = [sys.executable, "-m", "benchmarks.bench_layer_host", *_child_args(args), "--out", out]
