@@ -449,7 +449,8 @@ def run_interleaved(args, command: str) -> Result:
         for i in range(args.rounds):
             for k, folder in enumerate(checkouts):
                 out = os.path.join(tmp, f"{k}-{i}")
-                env = dict(os.environ, PYTHONUNBUFFERED="1", TORCHINDUCTOR_CACHE_DIR=os.path.join(tmp, f"inductor-{k}"))
+                env = dict(os.environ, PYTHONUNBUFFERED="1")
+                env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tmp, f"inductor-{k}")
                 env["PYTHONPATH"] = os.pathsep.join(p for p in (folder, env.get("PYTHONPATH")) if p)
                 print(f"===== {codes[k]}, run {i + 1} of {args.rounds}", flush=True)
                 cmd = [sys.executable, "-m", "benchmarks.bench_layer_host", *_child_args(args), "--out", out]

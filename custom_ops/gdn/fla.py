@@ -8,9 +8,9 @@ bound; the spare rows point at an extra zero-length sequence appended to ``cu_se
 whose programs load nothing and store nothing. FLA then never calls
 ``prepare_chunk_indices`` (docs/design.md section 3). On CUDA one launch of
 :func:`fla_chunk_indices_kernel` builds both tensors; :func:`fla_varlen_indices_reference`
-builds the same from torch ops (the CPU path, and the tests' reference). :func:`fla_call` wraps each call into
-FLA: the recorded autotuning choices for the device (:mod:`custom_ops.gdn.fla_configs`), and
-FLA's tensor cache switched off.
+builds the same from torch ops (the CPU path, and the tests' reference). :func:`fla_call`
+wraps each call into FLA: the recorded autotuning choices for the device
+(:mod:`custom_ops.gdn.fla_configs`), and FLA's tensor cache switched off.
 """
 
 from __future__ import annotations
