@@ -1,7 +1,8 @@
 """The multi-rank benchmark scripts run end to end in their ``--smoke`` mode (2 gloo ranks on
 the CPU, tiny shapes): their built-in checks against references pass and they write their
-result as JSON (benchmarks/runner.py). So does the single-process GEMM benchmark (tiny
-shapes on the CPU). Keeps the GPU benchmarks from rotting between GPU runs."""
+result as JSON (benchmarks/runner.py). So do the single-process GEMM benchmark (tiny
+shapes on the CPU) and the dispatch benchmark (it builds a C++ op with g++). Keeps the GPU
+benchmarks from rotting between GPU runs."""
 
 import os
 import subprocess
@@ -19,6 +20,7 @@ CASES = {
     "gdn": ("benchmarks.bench_gdn", ["--cp", "2"], "gdn-cp-smoke-w2", "scaling efficiency, compiled"),
     "ag-attention": ("benchmarks.bench_ag_attention", [], "ag-attention-smoke-w2", "eff 1L compiled vs 1 GPU compiled"),
     "gdn-gemms": ("benchmarks.bench_gdn_gemms", [], "gdn-gemms-smoke-w2", "rank / (1 GPU / W)"),
+    "dispatch": ("benchmarks.bench_dispatch", [], "dispatch-smoke", "C++ op (TORCH_LIBRARY)"),
 }
 
 
