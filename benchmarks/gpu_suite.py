@@ -19,6 +19,8 @@ PARTS (default: every part that fits the visible GPUs):
                   each layer against its GPU time, kernel launches and ops per step
   cold-start      benchmarks/bench_cold_start.py: the demo and a GDN layer in fresh processes on
                   empty caches, then warm (time to the end of step 1, compile, steady step)
+  dispatch        benchmarks/bench_dispatch.py: host time per call of an op registered in C++
+                  against one registered from Python
   a2a             benchmarks/bench_cp2hp.py --world W --profile        multi-rank, >= 2 GPUs
   ag-attention    benchmarks/bench_ag_attention.py --world W           multi-rank, >= 2 GPUs
   gdn-cp          benchmarks/bench_gdn.py --cp W --profile              multi-rank, >= 2 GPUs
@@ -78,6 +80,7 @@ PARTS = {
     "demo": (1, [sys.executable, "-m", "cp_ops", "demo", "--cp-size", "1"]),
     "layer-host": (1, [sys.executable, "-m", "benchmarks.bench_layer_host", "--out", "{out}"]),
     "cold-start": (1, [sys.executable, "-m", "benchmarks.bench_cold_start", "--out", "{out}"]),
+    "dispatch": (1, [sys.executable, "-m", "benchmarks.bench_dispatch", "--out", "{out}"]),
     # multi-rank: {world} is the CP size, {name} the part's name with it (a2a-w8)
     "a2a": (
         2,
