@@ -2,7 +2,7 @@
 layer-host smoke run writes its table, the profiler events are counted as the docstring
 defines, and the cold-start benchmark reads a child's output as it comes and parses the
 demo's real output. The cold-start smoke run (fresh processes that compile from empty caches)
-takes minutes on the CPU: it runs with CP_OPS_SLOW_TESTS=1."""
+and the interleaved layer-host runs take minutes on the CPU: they run with CP_OPS_SLOW_TESTS=1."""
 
 import os
 import subprocess
@@ -52,6 +52,7 @@ def test_layer_host_smoke_writes_its_table(tmp_path):
     assert "|---" in result.markdown() and result.env["device"]
 
 
+@SLOW  # two fresh processes that each compile a layer
 def test_layer_host_rounds_write_one_table_of_the_runs(tmp_path):
     _run("benchmarks.bench_layer_host", "--smoke", "--layers", "attention", "--seqs", "2", "--rounds", "2",
          "--out", str(tmp_path))  # fmt: skip
