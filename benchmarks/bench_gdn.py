@@ -103,8 +103,8 @@ from cp_ops import (
     COMPILE_OPTIONS,
     GatedDeltaNet,
     group_rank,
-    group_size,
     pad_cu_seqlens,
+    resolve_group,
     shard_thd,
     thd_cp2hp,
     thd_hp2cp,
@@ -264,7 +264,7 @@ def forward_sections(layer: GatedDeltaNet, x, cu_seqlens_padded, group, cp2hp=th
     of q, k, v, b, a, the core on this rank's heads, ``hp2cp`` of its output, the gated norm,
     ``out_proj``; the z projection after the exchange, nothing overlapped. The same values as
     ``layer.forward``, with a pass over the activations on each side of each exchange."""
-    heads = layer.num_k_heads // group_size(group)
+    heads = layer.num_k_heads // resolve_group(group)[1]
     qkvba, z = layer.project(x)
     qkvba_hp = cp2hp(qkvba, cu_seqlens_padded, layer.exchanged_sections(), group)
     o_hp = layer.head_parallel_core(qkvba_hp, cu_seqlens_padded, group_rank(group) * heads, heads)

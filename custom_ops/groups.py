@@ -13,7 +13,12 @@ __all__ = ["resolve_group", "group_rank", "group_size", "check_group_size"]
 
 
 def group_size(group_name: str) -> int:
-    """The number of ranks in the process group registered under ``group_name``."""
+    """The number of ranks in the process group registered under ``group_name`` (a string:
+    :func:`resolve_group` takes a ``ProcessGroup`` or ``DeviceMesh``)."""
+    if not isinstance(group_name, str):
+        raise TypeError(
+            f"group_size takes a group name (str), got {type(group_name).__name__}; use resolve_group(group)[1]"
+        )
     by_name = getattr(dist.distributed_c10d, "_get_group_size_by_name", None)
     if by_name is not None:
         return by_name(group_name)

@@ -21,6 +21,7 @@ from cp_ops import (
     all_gather_rows,
     pad_cu_seqlens,
     reduce_scatter_rows,
+    group_size,
     resolve_group,
     shard_thd,
     thd_cp2hp,
@@ -240,6 +241,9 @@ def _check_compiled_and_extras(rank, world):
 
     # all-gather / reduce-scatter shims: values and gradients (each other's adjoint)
     name, _ = resolve_group(group)
+    assert group_size(name) == world
+    with pytest.raises(TypeError, match="group name"):
+        group_size(group)
     shards = [random_tensor((3, 5), torch.float64, generator=gen) for _ in range(world)]
     grads = [random_tensor((3 * world, 5), torch.float64, generator=gen) for _ in range(world)]
     mine = shards[rank].clone().requires_grad_()
