@@ -1,7 +1,7 @@
 """All-gather CP attention on W GPUs (NCCL) against segment attention on one GPU.
 
 For packed documents of mixed lengths (benchmarks/cases.packed_lengths)
-totalling 32768 and 65536 real tokens globally, bf16, causal, H = 16 query heads
+totalling 32768 and 65536 real tokens globally (--tokens), bf16, causal, H = 16 query heads
 (Hkv = H / --gqa), D = 128 (--head-dim; Qwen3-Next's attention layers: --gqa 8
 --head-dim 256):
 
@@ -142,11 +142,12 @@ def _worker(*args) -> None:
 def _rank(
     rank: int, world: int, init_method: str, gqa: int, out: str | None, smoke: bool, profile: bool, cudagraphs: bool,
     head_groups: tuple[int, ...] = (), max_ctas: tuple[int, ...] = (0,), head_dim: int = HEAD_DIM,
+    tokens: tuple[int, ...] = TOTALS,
 ) -> None:
     device = init_local_rank(rank, world, init_method, "cpu" if smoke else "cuda")
     groups = nccl_cta_groups(max_ctas)  # {cap: group}: the CP forms are timed on each
     name_cap = len(groups) > 1
-    totals, heads, head_dim = (SMOKE_TOTALS, SMOKE_HEADS, SMOKE_HEAD_DIM) if smoke else (TOTALS, HEADS, head_dim)
+    totals, heads, head_dim = (SMOKE_TOTALS, SMOKE_HEADS, SMOKE_HEAD_DIM) if smoke else (tokens, HEADS, head_dim)
     warmup, runs = (1, 3) if smoke else (5, 40)
 
     def timed(fn):
@@ -355,6 +356,8 @@ def main() -> None:
     parser.add_argument(
         "--world", type=int, default=None, help="ranks, one GPU each (default: every visible GPU, at least 2)"
     )
+    parser.add_argument("--tokens", type=int, nargs="+", default=list(TOTALS),
+                        help=f"global real tokens per batch (default {' '.join(map(str, TOTALS))}; not with --smoke)")
     parser.add_argument("--gqa", type=int, default=1, help="query heads per kv head (Hkv = H / gqa)")
     parser.add_argument("--head-dim", type=int, default=HEAD_DIM, help=f"D (default {HEAD_DIM}; not with --smoke)")
     parser.add_argument("--smoke", action="store_true", help="2 gloo ranks on the CPU, tiny shapes, few runs")
@@ -386,7 +389,7 @@ def main() -> None:
         raise SystemExit(f"--smoke runs D = {SMOKE_HEAD_DIM}; --head-dim is for the GPU runs")
     check_nccl_cta_argument(args.nccl_max_ctas, args.smoke)
     spawn_ranks(_worker, world, args.gqa, args.out, args.smoke, args.profile, args.cudagraphs,
-                tuple(args.head_groups), tuple(args.nccl_max_ctas), args.head_dim,
+                tuple(args.head_groups), tuple(args.nccl_max_ctas), args.head_dim, tuple(args.tokens),
                 device="cpu" if args.smoke else "cuda")  # fmt: skip
 
 
