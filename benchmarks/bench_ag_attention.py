@@ -9,10 +9,8 @@ totalling 32768 and 65536 real tokens globally (--tokens), bf16, causal, H = 16 
              timed on rank 0 while the other ranks wait
   W 1L       cp_ops.ag_thd_attention on each rank's shard, one launch (both local chunks)
   W 2L       the same with launches=2 (one launch per local chunk + thd_copy_valid_tokens)
-  W 1L comp  the one-launch form under torch.compile(fullgraph=True, options=COMPILE_OPTIONS):
-             the local diagonal chunks attended while the K/V all-gather travels (overlap=True,
-             the default), the segment tables, the K/V concatenation and the reorder fused
-  no overlap the same compiled with overlap=False: every key attended after the all-gather
+  W 1L comp  the one-launch form under torch.compile(fullgraph=True): the segment tables,
+             the K/V concatenation and the reorder fused, fewer launches than eager
   1 GPU comp the one-GPU step compiled the same way (the compiled forms' baseline)
   all-gather the K,V all-gather alone (the communication part of the forward)
   G groups   the compiled one-launch form with head_groups=G (--head-groups, default 2 and 4):
@@ -214,8 +212,6 @@ def _rank(
                            t1[idx] / (world * w1), t1[idx] / (world * w2), w2 / w1,
                            t_ag if idx == 0 else "", wc, t1[idx] / (world * wc),
                            t1c[idx], t1c[idx] / (world * wc)]  # fmt: skip
-                    tn = times["no overlap"]["ms"][idx]
-                    row += [tn, t1c[idx] / (world * tn)]
                     for g in head_groups:  # compiled: against the compiled one-GPU step
                         tg = times[f"G={g}"]["ms"][idx]
                         row += [tg, t1c[idx] / (world * tg)]
@@ -259,8 +255,7 @@ def _tables(rows, profiles, world, heads, kv_heads, head_dim, runs, gqa, smoke, 
     columns = {"T": None, "docs": None, "pass": None, "1 GPU": ms, f"W={world} 1 launch": ms,
                f"W={world} 2 launches": ms, "eff 1L": eff, "eff 2L": eff, "2L / 1L": eff, "KV all-gather": ms,
                f"W={world} 1L compiled": ms, "eff 1L compiled": eff, "1 GPU compiled": ms,
-               "eff 1L compiled vs 1 GPU compiled": eff, f"W={world} 1L compiled, no overlap": ms,
-               "eff no overlap vs 1 GPU compiled": eff}  # fmt: skip
+               "eff 1L compiled vs 1 GPU compiled": eff}  # fmt: skip
     for g in head_groups:
         columns.update({f"W={world} compiled, {g} head groups": ms, f"eff, {g} groups": eff})
     title = f"All-gather CP attention, W = {world}, against segment attention on one GPU"
@@ -282,17 +277,14 @@ def _time_cp_forms(group, cu, cup, local, want, head_groups, cudagraphs, timed) 
     ``({form: {"fn": fn, "ms": [fwd, fwd+bwd]}}, all-gather ms)``, times max over ranks."""
     group_name, world = resolve_group(group)
 
-    def cp_fn(launches, groups=1, overlap=True):
+    def cp_fn(launches, groups=1):
         def fn(q_, k_, v_):
             return ag_thd_attention(q_, k_, v_, cu, cup, causal=True, group=group, launches=launches,
-                                    head_groups=groups, overlap=overlap)  # fmt: skip
+                                    head_groups=groups)  # fmt: skip
 
         return fn
 
-    # compiled as the layer is (COMPILE_OPTIONS: its scheduling pass puts the local diagonal
-    # attention inside the all-gather's window), and the one-launch form without that split
-    forms = {1: cp_fn(1), 2: cp_fn(2), "compiled": _compiled(cp_fn(1), cudagraphs, COMPILE_OPTIONS),
-             "no overlap": _compiled(cp_fn(1, overlap=False), cudagraphs, COMPILE_OPTIONS)}  # fmt: skip
+    forms = {1: cp_fn(1), 2: cp_fn(2), "compiled": _compiled(cp_fn(1), cudagraphs)}
     for g in head_groups:  # pipelined: the scheduling pass of COMPILE_OPTIONS overlaps the groups
         forms[f"G={g}"] = _compiled(cp_fn(1, g), cudagraphs, COMPILE_OPTIONS)
     with torch.no_grad():

@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from custom_ops._common import NAMESPACE, check_index_tensor
-from custom_ops.ag_attention.segments import ag_thd_segments, ag_thd_split_segments
+from custom_ops.ag_attention.segments import ag_thd_segments
 from custom_ops.collectives import all_gather_rows
 from custom_ops.groups import check_group_size, resolve_group
 from custom_ops.registration import composite_op, opaque_op
@@ -102,27 +102,10 @@ def _(like, group_name):
     return like.new_empty((), dtype=torch.int64)
 
 
-def merge_attention(out_a, lse_a, out_b, lse_b) -> torch.Tensor:
-    """Attention over the union of two disjoint key sets from each set's ``(out [Tq, Hq, D],
-    lse [Hq, Tq])``: ``(e^lse_a out_a + e^lse_b out_b) / (e^lse_a + e^lse_b)``, in lse's dtype,
-    returned in out's; 0 where neither set has a visible key. Differentiable in all four."""
-    la, lb = lse_a.transpose(0, 1).unsqueeze(-1), lse_b.transpose(0, 1).unsqueeze(-1)  # [Tq, Hq, 1]
-    # the shift only keeps exp in range (the value does not depend on it), so no gradient flows through it
-    top = torch.maximum(la, lb).detach()
-    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    wa, wb = torch.exp(la - top), torch.exp(lb - top)
-    total = wa + wb
-    merged = (out_a.to(la.dtype) * wa + out_b.to(la.dtype) * wb) / torch.where(total > 0, total, torch.ones_like(total))
-    return merged.to(out_a.dtype)
-
-
 def _ag_thd_attention(q, k, v, cu_seqlens, cu_seqlens_padded, causal, window_left, window_right, scale, group_name,
-                      cp_size=1, launches=1, head_groups=1, overlap=True):  # fmt: skip
+                      cp_size=1, launches=1, head_groups=1):  # fmt: skip
     """The decomposition: per head group one collective, one reorder and one (or two)
-    segment-attention launches; the groups' outputs concatenated over heads. With ``overlap``
-    (causal, no left window, one launch, a group): each group's diagonal chunks attend to
-    their local keys while the gather is in flight, the keys before each chunk after it, the
-    two merged by log-sum-exp."""
+    segment-attention launches; the groups' outputs concatenated over heads."""
     _check(q, k, v, cu_seqlens, cu_seqlens_padded, launches, head_groups)
     cu_seqlens = checked("thd", cu_seqlens, (cu_seqlens_padded,), cp_size, q.shape[0] * cp_size)
     window = (window_left, window_right)
@@ -132,10 +115,7 @@ def _ag_thd_attention(q, k, v, cu_seqlens, cu_seqlens_padded, causal, window_lef
         world, rank = 1, 0
     else:
         world, rank = check_group_size(group_name, cp_size), group_rank_tensor(cu_seqlens_padded, group_name)
-    split = overlap and group_name is not None and launches == 1 and causal and window_left < 0
-    if split:
-        diagonal, prefix = ag_thd_split_segments(cu_seqlens, cu_seqlens_padded, world, rank)
-    elif launches == 1:
+    if launches == 1:
         segs = [ag_thd_segments(cu_seqlens, cu_seqlens_padded, world, rank, causal, window_right)]
     else:
         segs = [ag_thd_segments(cu_seqlens, cu_seqlens_padded, world, rank, causal, window_right, chunks=(h,))
@@ -160,16 +140,8 @@ def _ag_thd_attention(q, k, v, cu_seqlens, cu_seqlens_padded, causal, window_lef
         # K and V travel together: one all-gather forward, one reduce-scatter backward per group;
         # a group's attention needs only its own gather, so it runs while the next group's travels
         kv = all_gather_rows(torch.cat([k[:, kv_heads], v[:, kv_heads]], dim=1), group_name)  # rank order
-        q_g = q[:, g * hq : (g + 1) * hq]
-        if split:  # needs no gathered row: runs while the gather travels
-            near = varlen_attention(q_g, k[:, kv_heads].contiguous(), v[:, kv_heads].contiguous(), *diagonal,
-                                    causal=True, window=window, scale=scale)  # fmt: skip
         kv = thd_rank_to_seq_order(kv, cu_seqlens_padded, world)
-        if split:
-            far = varlen_attention(q_g, kv[:, :hkv], kv[:, hkv:], *prefix, causal=True, window=window, scale=scale)
-            outs.append(merge_attention(*near, *far))
-        else:
-            outs.append(attend(q_g, kv[:, :hkv], kv[:, hkv:]))
+        outs.append(attend(q[:, g * hq : (g + 1) * hq], kv[:, :hkv], kv[:, hkv:]))
     return outs[0] if head_groups == 1 else torch.cat(outs, dim=1)
 
 
@@ -182,13 +154,13 @@ def _ag_thd_attention(q, k, v, cu_seqlens, cu_seqlens_padded, causal, window_lef
     f"{NAMESPACE}::ag_thd_attention",
     "(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens, Tensor cu_seqlens_padded, bool causal=True, "
     "SymInt window_left=-1, SymInt window_right=-1, float? scale=None, str? group_name=None, int cp_size=1, "
-    "int head_groups=1, bool overlap=True) -> Tensor",
+    "int head_groups=1) -> Tensor",
 )
 def _ag_thd_attention_composite(q, k, v, cu_seqlens, cu_seqlens_padded, causal=True, window_left=-1, window_right=-1,
-                                scale=None, group_name=None, cp_size=1, head_groups=1, overlap=True):  # fmt: skip
+                                scale=None, group_name=None, cp_size=1, head_groups=1):  # fmt: skip
     return _ag_thd_attention(
         q, k, v, cu_seqlens, cu_seqlens_padded, causal, window_left, window_right, scale, group_name, cp_size,
-        head_groups=head_groups, overlap=overlap,
+        head_groups=head_groups,
     )
 
 
@@ -205,7 +177,6 @@ def ag_thd_attention(
     group=None,
     launches: int = 1,
     head_groups: int = 1,
-    overlap: bool = True,
 ) -> torch.Tensor:
     """All-gather CP attention on this rank's THD shard: ``out [T/W, Hq, D]``.
 
@@ -229,23 +200,19 @@ def ag_thd_attention(
     own all-gather and attended by its own launch(es), so each group's attention runs
     while later groups' K/V travel (and, backward, each group's reduce-scatter while
     the next group's gradients are computed); same result. Ignored when group is None.
-    ``overlap`` (causal, no left window, one launch): the local chunks' diagonal blocks
-    are attended from the local K/V while the gather is in flight, the rest from the
-    gathered rows, merged by log-sum-exp (:func:`merge_attention`); same result.
 
     Also ``torch.ops.cp_ops.ag_thd_attention(q, k, v, cu_seqlens, cu_seqlens_padded,
-    causal, window_left, window_right, scale, group_name, cp_size, head_groups, overlap)``
-    (the one-launch form).
+    causal, window_left, window_right, scale, group_name, cp_size, head_groups)`` (the
+    one-launch form).
     """
     group_name, world = resolve_group(group)
     if not isinstance(window, (tuple, list)) or len(window) != 2:
         raise TypeError(f"window must be a pair (left, right) of ints, got {window!r}")
     if launches == 1:
         return torch.ops.cp_ops.ag_thd_attention(
-            q, k, v, cu_seqlens, cu_seqlens_padded, causal, window[0], window[1], scale, group_name, world, head_groups,
-            overlap,
+            q, k, v, cu_seqlens, cu_seqlens_padded, causal, window[0], window[1], scale, group_name, world, head_groups
         )
     return _ag_thd_attention(
         q, k, v, cu_seqlens, cu_seqlens_padded, causal, window[0], window[1], scale, group_name, world, launches,
-        head_groups, overlap,
+        head_groups,
     )

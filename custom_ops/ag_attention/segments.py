@@ -61,38 +61,3 @@ def ag_thd_segments(
         _chunk_segments(cu_seqlens, cu_seqlens_padded, cp_size, ids[h], h == 1, causal, window_right) for h in chunks
     ]
     return tuple(torch.stack(parts, dim=1).flatten().to(torch.int32) for parts in zip(*cols))
-
-
-def ag_thd_split_segments(
-    cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor, cp_size: int, rank: int | torch.Tensor
-) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-    """The causal, unwindowed attention of rank ``rank``'s local chunks in two parts, each
-    ``(q_start, q_len, q_pos, k_start, k_len)`` (int32, ``[2B]``, interleaved as in
-    :func:`ag_thd_segments`):
-
-    - ``diagonal``: chunk j's queries against its own keys, read from the local shard
-      (``k_start = q_start``, ``k_len = q_len``, ``q_pos = 0``): needs no gathered row;
-    - ``prefix``: chunk j's queries against the keys before the chunk, read from the gathered,
-      sequence-order rows (``k_start = cup[i]``, ``k_len = min(L_i, j*c_i)``, ``q_pos = j*c_i``,
-      so every key is visible under causality).
-
-    The two key sets are disjoint and together are what :func:`ag_thd_segments` gives a causal
-    query, so their outputs merged by log-sum-exp equal its attention.
-    """
-    cu = cu_seqlens.to(torch.int64)
-    cup = cu_seqlens_padded.to(torch.int64)
-    lens = cu[1:] - cu[:-1]
-    start = cup[:-1]
-    c = chunk_rows(cup, cp_size)
-    first_row = local_offsets(start, cp_size)
-    diagonal, prefix = [], []
-    for h, j in enumerate(local_chunks(rank, cp_size)):
-        q_start = first_row + c if h else first_row
-        q_len = valid_rows(lens, c, j)
-        diagonal.append((q_start, q_len, torch.zeros_like(q_len), q_start, q_len))
-        prefix.append((q_start, q_len, j * c, start, torch.minimum(lens, j * c)))
-
-    def table(cols):
-        return tuple(torch.stack(parts, dim=1).flatten().to(torch.int32) for parts in zip(*cols))
-
-    return table(diagonal), table(prefix)

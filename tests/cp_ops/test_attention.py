@@ -18,7 +18,6 @@ Spawns are the main cost, so each spawned test runs every case of its W in one g
 
 from __future__ import annotations
 
-import functools
 import re
 
 import pytest
@@ -31,8 +30,6 @@ import cp_ops
 import custom_ops
 from cp_ops import Attention, ag_thd_attention, ag_thd_attention_reference, ag_thd_segments, pad_cu_seqlens, shard_thd
 from cp_ops.attention import apply_rotary
-from custom_ops.ag_attention.op import merge_attention
-from custom_ops.ag_attention.segments import ag_thd_split_segments
 from custom_ops.testing import TOLERANCE, random_seqlens, rel_error, thd_layouts
 from custom_ops.thd_copy_valid_tokens.reference import valid_token_mask
 from tests._dist import collective_windows, run_ranks
@@ -104,42 +101,6 @@ def test_segments_give_global_attention(layout, causal, window):
         assert rel_error(got, shard_thd(want, cup, world, rank)) < TOL
 
 
-def _split_attention(q_cp, k_cp, v_cp, k, v, cu, cup, world, rank):
-    """The op's overlapped form after its gather: diagonal chunks from the local K/V, the keys
-    before each chunk from the global ones, merged by log-sum-exp."""
-    diagonal, prefix = ag_thd_split_segments(cu, cup, world, rank)
-    near = custom_ops.varlen_attention(q_cp, k_cp, v_cp, *diagonal, causal=True)
-    far = custom_ops.varlen_attention(q_cp, k, v, *prefix, causal=True)
-    return merge_attention(*near, *far)
-
-
-@given(thd_layouts(max_seqs=5, max_len=30, cp_sizes=(1, 2, 3, 4, 5)))
-def test_split_segments_give_global_causal_attention(layout):
-    """For every rank r: the diagonal and prefix tables, merged, equal shard_r of the global
-    causal attention, and the two tables' key sets are disjoint (the merge counts no key twice)."""
-    world, seqlens = layout
-    cu, cup, q, k, v, _ = _global_case(seqlens, (4, 2), 4, world, seed=len(seqlens))
-    want = ag_thd_attention_reference(q, k, v, cu, cup, causal=True)
-    for rank in range(world):
-        shard = [shard_thd(t, cup, world, rank) for t in (q, k, v)]
-        got = _split_attention(*shard, k, v, cu, cup, world, rank)
-        assert rel_error(got, shard_thd(want, cup, world, rank)) < TOL
-        diagonal, prefix = ag_thd_split_segments(cu, cup, world, rank)
-        # a chunk's prefix ends at its first position, where its diagonal starts
-        assert torch.equal(prefix[4], torch.minimum(prefix[2], prefix[4]))
-        assert torch.equal(diagonal[4], diagonal[1]) and not diagonal[2].any()
-
-
-def test_merge_of_empty_parts_is_zero_without_nan():
-    """Rows with no visible key in either part come back 0, with finite gradients."""
-    out = torch.randn(3, 2, 4, dtype=torch.float64, requires_grad=True)
-    lse = torch.full((2, 3), float("-inf"), dtype=torch.float64, requires_grad=True)
-    merged = merge_attention(out, lse, out, lse)
-    merged.sum().backward()
-    assert torch.equal(merged, torch.zeros_like(merged))
-    assert torch.isfinite(out.grad).all() and torch.isfinite(lse.grad).all()
-
-
 def test_segment_formulas():
     """The tables spelled out for one layout: W = 2, rank 1, lengths 5 and 8 (padded 8 and 8, c = 2)."""
     cu, cup = torch.tensor([0, 5, 13]), torch.tensor([0, 8, 16])
@@ -176,30 +137,6 @@ def test_kernels_with_ag_segments(causal, window, poison_empty):
         assert rel_error(q_cp.grad, shard_thd(want[1], cup, world, rank)) < tol
     assert rel_error(kv.grad[:, :1], want[2]) < TOLERANCE[torch.float32]
     assert rel_error(kv.grad[:, 1:], want[3]) < TOLERANCE[torch.float32]
-
-
-@pytest.mark.interpret
-def test_kernels_with_split_segments(poison_empty):
-    """The overlapped form's two launches and merge with the Triton kernels (interpreted) at
-    W = 2, float32, fwd and bwd: dk, dv of the local and the gathered keys summed over the ranks
-    (what the reduce-scatter and the local gradient do) equal the global gradients."""
-    world = 2
-    cu, cup, q, k, v, dout = _global_case([9, 0, 1, 13, 2], (2, 1), 16, world, seed=6)
-    want = _reference(q, k, v, dout, cu, cup, True, (-1, -1))
-    k32, v32 = k.float().requires_grad_(), v.float().requires_grad_()
-    dk, dv = torch.zeros_like(k32), torch.zeros_like(v32)
-    tol = TOLERANCE[torch.float32]
-    for rank in range(world):
-        q_cp, k_cp, v_cp = (shard_thd(t, cup, world, rank).float().requires_grad_() for t in (q, k, v))
-        out = _split_attention(q_cp, k_cp, v_cp, k32, v32, cu, cup, world, rank)
-        out.backward(shard_thd(dout, cup, world, rank).float())
-        assert rel_error(out.detach(), shard_thd(want[0], cup, world, rank)) < tol
-        assert rel_error(q_cp.grad, shard_thd(want[1], cup, world, rank)) < tol
-        rows = shard_thd(torch.arange(k.shape[0]), cup, world, rank)
-        dk[rows] += k_cp.grad
-        dv[rows] += v_cp.grad
-    assert rel_error(k32.grad + dk, want[2]) < tol
-    assert rel_error(v32.grad + dv, want[3]) < tol
 
 
 # --- no group (W = 1), in process -------------------------------------------------------------------
@@ -385,9 +322,6 @@ def _op_rank(rank, world, compiled):
         _assert_close(got, want, TOL, f"W={world} rank {rank} case {i}")
         two = _cp_run(ag_thd_attention, q_cp, k_cp, v_cp, dout_cp, cu, cup, causal, window, group=group, launches=2)
         _assert_close(two, got, TOL, f"launches=2 W={world} rank {rank} case {i}")
-        # the default splits causal unwindowed cases into local diagonal + gathered prefix; the one launch
-        whole = _cp_run(ag_thd_attention, q_cp, k_cp, v_cp, dout_cp, cu, cup, causal, window, group=group, overlap=False)
-        _assert_close(whole, want, TOL, f"overlap=False W={world} rank {rank} case {i}")
         if heads[1] % 2 == 0:  # the KV heads in two groups, one all-gather each; both forms
             for launches in (1, 2):
                 split = _cp_run(ag_thd_attention, q_cp, k_cp, v_cp, dout_cp, cu, cup, causal, window, group=group,
@@ -485,18 +419,6 @@ def _pipelined_rank(rank, world, group):
     assert attention.search(second), "no attention while the second all-gather is in flight"
     first, second = collective_windows(backward, "reduce_scatter_tensor")
     assert attention.search(first), "no gradient computed while the first reduce-scatter is in flight"
-
-    # one group: the local diagonal chunks are attended while the only all-gather is in flight,
-    # and their gradients computed while the only reduce-scatter is
-    torch._dynamo.reset()
-    compiled = torch.compile(functools.partial(ag_thd_attention, group=group), fullgraph=True,
-                             options=cp_ops.COMPILE_OPTIONS)  # fmt: skip
-    got, (forward, backward) = run_and_get_code(lambda: _cp_run(compiled, *local, cu, cup, causal, window))
-    _assert_close(got, want, TOL, f"compiled overlap rank {rank}")
-    (window_fw,) = collective_windows(forward, "all_gather_into_tensor")
-    assert attention.search(window_fw), "no attention while the all-gather is in flight"
-    (window_bw,) = collective_windows(backward, "reduce_scatter_tensor")
-    assert attention.search(window_bw), "no gradient computed while the reduce-scatter is in flight"
 
 
 def _aot_graph_codes(step, q, k, v, dout, cu, cup):
