@@ -3,8 +3,9 @@
     python -m benchmarks.report [--results DIR] [--doc docs/benchmarks.md] [--check]
     python -m benchmarks.report --show NAME [NAME ...]     # print results as markdown
 
-The document's prose is written by hand; each measured table sits between markers naming
-a result file (its ``name``)::
+docs/benchmarks.md shows the current result of each capability (older results stay in
+benchmarks/results/; ``--show NAME`` prints one). Its prose is written by hand; each measured
+table sits between markers naming a result file (its ``name``)::
 
     <!-- results:layout -->
     ... generated: environment line, notes, table ...

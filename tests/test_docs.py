@@ -1,8 +1,10 @@
-"""docs/design.md, the design document the code's docstrings cite, stays in step with the code.
+"""The documents stay in step with the code and the results.
 
-It exists, describes every public op of README's op table, and has a numbered section for
-every "docs/design.md section <number>" the code cites (a renumbered section fails here,
-not when someone next follows a citation).
+docs/design.md, which the code's docstrings cite, exists, describes every public op of README's
+op table, and has a numbered section for every "docs/design.md section <number>" the code
+cites (a renumbered section fails here, not when someone next follows a citation).
+docs/benchmarks.md holds exactly the tables `python -m benchmarks.report` generates from
+benchmarks/results/, and stays short; docs/README.md indexes every document.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 DESIGN = ROOT / "docs" / "design.md"
+BENCHMARKS = ROOT / "docs" / "benchmarks.md"
 
 # a citation, possibly broken over a docstring's or comment's line
 CITATION = re.compile(r"docs/design\.md,?\s+(?:#\s*)?section\s+(\d+)")
@@ -23,9 +26,9 @@ def _design() -> str:
 
 
 def _readme_ops() -> list[str]:
-    """The op names of the first column of README's op table (section "## The ops")."""
+    """The op names of the first column of README's op table (section "## What each piece does")."""
     readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## The ops") :]
+    section = readme[readme.index("## What each piece does") :]
     section = section[: section.index("\n## ", 1)]
     names = re.findall(r"^\| `(\w+)\(", section, re.M)
     assert names, "README's op table has no rows"
@@ -77,3 +80,36 @@ def test_linked_images_exist_and_are_small():
         image = DESIGN.parent / link
         assert image.is_file(), f"docs/design.md shows {link}, which does not exist"
         assert image.stat().st_size < 200_000, f"{link} is {image.stat().st_size} bytes; keep pictures under 200 KB"
+
+
+# --- docs/benchmarks.md: the tables generated from the results ------------------------------------
+
+
+def test_benchmarks_tables_are_what_the_generator_writes(tmp_path):
+    """The command docs/benchmarks.md names regenerates it; its check mode finds it up to date."""
+    from benchmarks import report
+
+    assert report.main(["--doc", str(BENCHMARKS), "--check"]) == 0, "run python -m benchmarks.report"
+    copy = tmp_path / "benchmarks.md"
+    copy.write_text(BENCHMARKS.read_text())
+    assert report.main(["--doc", str(copy)]) == 0 and copy.read_text() == BENCHMARKS.read_text()
+
+
+def test_benchmarks_shows_each_result_once_with_its_command():
+    from benchmarks import report
+
+    text = BENCHMARKS.read_text()
+    names = report.section_names(text)
+    assert len(names) == len(set(names)), "a result shown twice"
+    assert len(text.splitlines()) <= 870, "docs/benchmarks.md holds the current tables only"
+    for section in re.split(r"^## ", text, flags=re.M)[1:]:
+        if "<!-- results:" in section:
+            assert "python -m benchmarks." in section, f"section {section.splitlines()[0]!r} names no command"
+
+
+def test_docs_index_names_every_document():
+    index = (ROOT / "docs" / "README.md").read_text()
+    linked = set(re.findall(r"\]\(([\w.-]+\.md)\)", index))
+    documents = {p.name for p in (ROOT / "docs").glob("*.md")} - {"README.md"}
+    assert documents <= linked, f"documents docs/README.md does not list: {documents - linked}"
+    assert "../CHANGELOG.md" in index and (ROOT / "CHANGELOG.md").is_file()

@@ -160,12 +160,13 @@ def test_nothing_refers_to_files_outside_the_repository():
     assert not bad, f"references to files outside the repository: {bad}"
 
 
-# --- README's layout of the repository -----------------------------------------------------------
+# --- the layout of the repository (docs/design.md section 6) ---------------------------------------
 
 
 def _readme_layout() -> list[str]:
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## Layout of the repository") :]
+    design = (ROOT / "docs" / "design.md").read_text()
+    section = design[design.index("## 6. Where the code lives") :]
+    section = section[: section.index("\n## ", 1)]
     block = section[section.index("```") + 3 :]
     block = block[: block.index("```")]
     return [line.split()[0] for line in block.strip().splitlines() if line.strip()]
@@ -180,7 +181,7 @@ def test_readme_layout_names_existing_paths():
                 missing.append(entry)
         elif not (ROOT / entry).exists():
             missing.append(entry)
-    assert not missing, f"README's layout names paths the tree does not have: {missing}"
+    assert not missing, f"the layout in docs/design.md section 6 names paths the tree does not have: {missing}"
 
 
 def test_readme_layout_names_every_library_module():
@@ -196,7 +197,7 @@ def test_readme_layout_names_every_library_module():
         if rel in entries or folder in entries or any(pat.fullmatch(rel) for pat in patterns):
             continue
         unnamed.append(rel)
-    assert not unnamed, f"library modules README's layout does not name (file or folder): {unnamed}"
+    assert not unnamed, f"library modules the layout in docs/design.md section 6 does not name (file or folder): {unnamed}"
 
 
 def test_paths_the_docs_name_exist():
