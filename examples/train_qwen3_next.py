@@ -139,12 +139,13 @@ def build_model(config, seed: int, device="cpu"):
 
 
 @torch.no_grad()
-def init_meta_model(model, config, device) -> None:
+def init_meta_model(model, config, device, seed: int) -> None:
     """Storage on ``device`` and initial values for a model built on "meta" and sharded: every rank
     fills its own shards (transformers' initial distributions), the rotary tables are rebuilt."""
     from torch.distributed.tensor import DTensor
 
     model.to_empty(device=device)
+    torch.manual_seed(seed * 65_537 + dist.get_rank() + 1)  # each rank's shards draw their own values
     std = config.initializer_range
     for name, p in model.named_parameters():
         local = p.to_local() if isinstance(p, DTensor) else p
@@ -156,8 +157,8 @@ def init_meta_model(model, config, device) -> None:
             local.normal_(0.0, std)
         else:
             local.zero_()  # the zero-centred RMSNorm weights (1 + weight) and biases
-    rotary = model.model.rotary_emb
-    model.model.rotary_emb = type(rotary)(config=config, device=device)
+    with torch.device(device):
+        model.model.rotary_emb = type(model.model.rotary_emb)(config=config)
 
 
 def active_params(config) -> int:
@@ -292,8 +293,7 @@ def init_distributed(device_type: str) -> tuple[int, int, torch.device]:
 
 def flatten(mesh):
     """The dp x cp mesh as one dimension "dp_cp" (FSDP2's data-parallel mesh)."""
-    sub = mesh["dp", "cp"]
-    return sub._flatten("dp_cp") if hasattr(sub, "_flatten") else sub._flatten(mesh_dim_name="dp_cp")
+    return mesh["dp", "cp"]._flatten("dp_cp")  # private, but torchtitan's way on torch 2.11 and 2.13 alike
 
 
 def setup(args: argparse.Namespace, rank: int, world: int, device: torch.device) -> Run:
@@ -317,7 +317,7 @@ def setup(args: argparse.Namespace, rank: int, world: int, device: torch.device)
         fully_shard(layer, **shard_kw)
     fully_shard(model, **shard_kw)
     if on_meta:
-        init_meta_model(model, config, device)
+        init_meta_model(model, config, device, args.seed)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, **ADAMW)
     tokens = args.tokens_per_step // args.dp
