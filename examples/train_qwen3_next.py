@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import resource
 import statistics
@@ -378,7 +377,7 @@ def train_step(run: Run, step: int) -> dict:
     # FSDP2 averages gradients over all dp x cp ranks; the cp shares must add up instead, so each
     # is scaled by cp: mean over (dp, cp) of cp x share = mean over dp of the replica gradients
     (loss * args.cp).backward()
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad_norm or math.inf)
+    norm = clip_gradients(model, args.clip_grad_norm)
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
     if timer:
@@ -389,11 +388,22 @@ def train_step(run: Run, step: int) -> dict:
     if run.device.type == "cuda":
         torch.cuda.synchronize()
     step_ms = (time.perf_counter() - t0) * 1e3
-    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
     return dict(
         step=step, loss=total.item() / args.dp, grad_norm=float(norm), tokens=args.tokens_per_step,
         step_ms=step_ms, host_ms=host_ms, gpu_ms=timer[0].elapsed_time(timer[1]) if timer else None,
     )  # fmt: skip
+
+
+def clip_gradients(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+    """The gradients' global norm (over every rank's shards), and clipping to ``max_norm`` (0: none)."""
+    from torch.distributed.tensor import DTensor
+
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    norm = norm.full_tensor() if isinstance(norm, DTensor) else norm  # the shards' partial norms reduced
+    if max_norm:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm
 
 
 # --- checkpoints --------------------------------------------------------------------------------

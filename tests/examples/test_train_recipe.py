@@ -32,6 +32,7 @@ SCRIPT = ROOT / "examples" / "train_qwen3_next.py"
 TOL = 1e-5
 STEPS = 5
 BASE = ["--preset", "tiny", "--device", "cpu", "--dtype", "fp32", "--no-progress"]
+CLIP = ["--clip-grad-norm", "0.3"]  # below the (dp 2) run's gradient norms (about 0.38): clipping acts
 
 
 def _load_recipe():
@@ -61,9 +62,9 @@ def _torchrun(tmp_path: Path, name: str, *argv: str) -> dict:
     return json.loads(log.read_text())
 
 
-def _one_process(dp: int, steps: int = STEPS) -> list[tuple[float, float]]:
+def _one_process(dp: int, *argv: str, steps: int = STEPS) -> list[tuple[float, float]]:
     """(loss, gradient norm) of every step: every replica's batch in this process, averaged."""
-    args = _args("--dp", str(dp), "--cp", "1", world=dp)
+    args = _args("--dp", str(dp), "--cp", "1", *argv, world=dp)
     config = recipe.model_config(args.preset, args.num_layers)
     model = apply_context_parallel(recipe.build_model(config, args.seed), None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, **recipe.ADAMW)
@@ -72,7 +73,7 @@ def _one_process(dp: int, steps: int = STEPS) -> list[tuple[float, float]]:
     for step in range(1, steps + 1):
         loss = sum(model(**shard_batch(batches(step, d), 1, 0).model_inputs()).loss for d in range(dp)) / dp
         loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad_norm)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad_norm or math.inf)
         optimizer.step()
         optimizer.zero_grad()
         out.append((loss.item(), norm.item()))
@@ -91,7 +92,8 @@ def _more_runs(rank: int, world: int, ckpt: str, out: str) -> None:
     """In one spawn of 2 ranks (the ranks' imports are the cost of a run): a run resumed from the
     checkpoint of step 2, then a run at (dp 2, cp 1), through the recipe's own train()."""
     resume = ["--cp", "2", "--steps", "3", "--checkpoint-dir", ckpt, "--resume", f"{ckpt}/step-00000002"]
-    for name, argv in (("resumed", resume), ("dp2", ["--dp", "2", "--steps", str(STEPS)])):
+    dp2 = ["--dp", "2", "--steps", str(STEPS), *CLIP]
+    for name, argv in (("resumed", resume), ("dp2", dp2)):
         recipe.train(_args(*argv, "--log-json", f"{out}/{name}.json"), rank, world, torch.device("cpu"))
 
 
@@ -108,7 +110,7 @@ def test_recipe_equals_one_process_and_resumes_exactly(tmp_path):
     resumed = json.loads((tmp_path / "resumed.json").read_text())
     assert resumed["resumed_from"] == 2
     _check_steps(resumed, [(r["loss"], r["grad_norm"]) for r in run["steps"][2:3]], first=3)
-    _check_steps(json.loads((tmp_path / "dp2.json").read_text()), _one_process(2))
+    _check_steps(json.loads((tmp_path / "dp2.json").read_text()), _one_process(2, *CLIP))
     # --resume without a path takes the latest complete checkpoint; other settings are refused
     latest = _args("--cp", "2", "--checkpoint-dir", str(ckpt), "--resume")
     assert recipe.find_checkpoint(latest) == ckpt / "step-00000004"
