@@ -94,7 +94,8 @@ def check_args(args: argparse.Namespace, world: int) -> None:
         raise ValueError("--device cuda: no CUDA device is available (use --device cpu)")
     if args.cuda_graphs and (not args.compile or args.device != "cuda"):
         raise ValueError("--cuda-graphs needs --compile and --device cuda")
-    if args.save_every and not args.checkpoint_dir or args.resume and not (args.checkpoint_dir or args.resume != "latest"):
+    needs_dir = args.save_every or args.resume == "latest"
+    if needs_dir and not args.checkpoint_dir:
         raise ValueError("--save-every and --resume need --checkpoint-dir (or --resume PATH)")
     if args.data:
         check_token_file(args.data)
@@ -367,7 +368,8 @@ def train_step(run: Run, step: int) -> dict:
     """One optimizer step; the replica-mean loss and gradient norm, and host-side timings."""
     model, args = run.model, run.args
     _, batch = replica_batch(run, step)
-    timer = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if run.device.type == "cuda" else None
+    cuda = run.device.type == "cuda"
+    timer = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else None
     if args.cuda_graphs:
         torch.compiler.cudagraph_mark_step_begin()
     t0 = time.perf_counter()
@@ -385,7 +387,7 @@ def train_step(run: Run, step: int) -> dict:
     host_ms = (time.perf_counter() - t0) * 1e3
     total = loss.detach().float().reshape(1)
     dist.all_reduce(total)  # the sum of every rank's share = dp x the replica-mean loss
-    if run.device.type == "cuda":
+    if cuda:
         torch.cuda.synchronize()
     step_ms = (time.perf_counter() - t0) * 1e3
     return dict(
@@ -491,6 +493,13 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
     log = {"settings": vars(args), "world": world, "device": str(torch.cuda.get_device_name(device))
            if device.type == "cuda" else "cpu", "torch": torch.__version__, "num_tokens": run.num_tokens,
            "resumed_from": start, "steps": []}  # fmt: skip
+    if rank == 0:
+        params = sum(p.numel() for p in run.model.parameters())  # the DTensors' global sizes
+        print(f"[train] world {world} = dp {args.dp} x cp {args.cp} on {log['device']}; {args.preset}, "
+              f"{args.num_layers} layers, {params / 1e6:.1f}M parameters ({active_params(run.config) / 1e6:.1f}M "
+              f"active, non-embedding); {args.tokens_per_step} tokens per step, {run.num_tokens} rows per replica "
+              f"batch; steps {start + 1}..{args.steps}" + (" (the first compiles)" if args.compile else ""),
+              flush=True)  # fmt: skip
     bar = None
     if rank == 0 and not args.no_progress:
         from tqdm import tqdm
@@ -522,6 +531,7 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
         bar.close()
     log["graphs"] = counters["stats"]["unique_graphs"]
     log["recompiles"] = log["graphs"] - graphs_after_first if graphs_after_first is not None else 0
+    log["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"]  # graphs that run without CUDA graphs
     times = [r["step_ms"] for r in log["steps"][1:]] or [r["step_ms"] for r in log["steps"]]
     log["summary"] = {"first_step_ms": log["steps"][0]["step_ms"] if log["steps"] else None,
                       "median_step_ms": statistics.median(times) if times else None}  # fmt: skip
@@ -529,10 +539,13 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
         if args.log_json:
             write_log(log, args.log_json)
         if args.compile:
-            print(f"compiled graphs: {log['graphs']}, recompiles after the first step: {log['recompiles']}")
+            skips = f", CUDA graphs skipped: {log['cudagraph_skips']}" if args.cuda_graphs else ""
+            print(f"[train] compiled graphs: {log['graphs']}, recompiles after the first step: {log['recompiles']}"
+                  + skips)  # fmt: skip
         if log["steps"]:
             last = log["steps"][-1]
-            print(f"step {last['step']}: loss {last['loss']:.4f}, median step {log['summary']['median_step_ms']:.1f} ms, "
+            median = log["summary"]["median_step_ms"]
+            print(f"[train] step {last['step']}: loss {last['loss']:.4f}, median step {median:.1f} ms, "
                   f"{last['tokens_per_s']:.0f} tokens/s, peak memory {last['peak_mem_gib']:.2f} GiB")  # fmt: skip
     return log
 
