@@ -44,6 +44,8 @@ __all__ = [
     "shard_thd",
     "unshard_thd",
     "pack",
+    "static_seqlens",
+    "static_num_tokens",
     "seq_to_rank_index",
     "rank_to_seq_index",
 ]
@@ -174,3 +176,46 @@ def pack(
     for t, start in zip(tensors, cup.tolist()):
         out[start : start + t.shape[0]] = t
     return out, cu, cup
+
+
+def static_num_tokens(real_tokens: int, max_sequences: int, cp_size: int) -> int:
+    """The fewest rows that hold any batch of at most ``max_sequences`` sequences and
+    ``real_tokens`` real tokens once each is padded to a multiple of ``2 * cp_size``
+    (each sequence adds at most ``2 * cp_size - 1`` rows of padding)."""
+    check_cp_size(cp_size)
+    if real_tokens < 0 or max_sequences < 1:
+        raise ValueError(f"need real_tokens >= 0 and max_sequences >= 1, got {real_tokens} and {max_sequences}")
+    block = padding_multiple(cp_size)
+    return -(-(real_tokens + max_sequences * (block - 1)) // block) * block
+
+
+def static_seqlens(
+    seqlens: Sequence[int], cp_size: int, num_tokens: int | None = None, max_sequences: int | None = None
+) -> list[int]:
+    """Lengths that give a batch of ``seqlens`` a static shape: zero-length sequences up to
+    ``max_sequences`` sequences, then (with ``num_tokens``) one more sequence that fills the packed
+    batch up to exactly ``num_tokens`` rows (a multiple of ``2 * cp_size``; the caller masks its
+    labels). Every batch then packs to ``[num_tokens]`` rows and ``cu_seqlens`` of
+    ``max_sequences + 2`` entries (``+ 1`` without ``num_tokens``). Raises ``ValueError`` when the
+    batch has more sequences than ``max_sequences`` or needs more rows than ``num_tokens``.
+    """
+    check_cp_size(cp_size)
+    lens = [operator.index(n) for n in seqlens]
+    if max_sequences is not None:
+        if len(lens) > max_sequences:
+            raise ValueError(
+                f"the batch has {len(lens)} sequences, more than the static maximum max_sequences = {max_sequences}"
+            )
+        lens += [0] * (max_sequences - len(lens))
+    if num_tokens is None:
+        return lens
+    block = padding_multiple(cp_size)
+    if num_tokens < 0 or num_tokens % block:
+        raise ValueError(f"num_tokens = {num_tokens} must be a multiple of 2 * cp_size = {block}")
+    rows = sum(-(-n // block) * block for n in lens)
+    if rows > num_tokens:
+        raise ValueError(
+            f"the batch needs {rows} rows ({sum(lens)} tokens, each sequence padded to a multiple of {block}), "
+            f"more than the static num_tokens = {num_tokens}"
+        )
+    return lens + [num_tokens - rows]

@@ -12,46 +12,42 @@ On each of the W ranks of a CP group::
     for p in model.parameters():                             # every gradient is the rank's share
         dist.all_reduce(p.grad, group=group)
 
+``group`` may be a larger mesh's CP dimension (``mesh["cp"]``). FSDP2 may reduce the gradients
+instead (over the data-parallel and CP ranks together, examples/train_qwen3_next.py); its
+``fully_shard`` may come before or after the patch, which changes no parameter.
+
 The batch is packed the way transformers hands packed sequences to flash-attention:
 ``input_ids [1, T/W]`` (this rank's THD shard: chunks r and 2W-1-r of every sequence, padded
-to a multiple of 2W at its tail) with ``cu_seq_lens_q`` (and ``cu_seq_lens_k``, the same
-tensor) the *global* cumulative real lengths, int32 or int64 on the model's device. Each
-patched layer derives ``cu_seqlens_padded`` from them on the device (:func:`cu_seqlens_padded`,
-the package's padding rule), so nothing reads a value on the host inside the forward.
+to a multiple of 2W at its tail) with ``cu_seq_lens_q`` (= ``cu_seq_lens_k``) the *global*
+cumulative real lengths, int32 or int64 on the device; each patched layer derives
+``cu_seqlens_padded`` from them on the device (:func:`cu_seqlens_padded`), no host sync.
 
 What :func:`apply_context_parallel` changes:
 
 - Every ``Qwen3NextGatedDeltaNet`` runs :class:`cp_ops.GatedDeltaNet`'s forward (one all-to-all
   to head parallelism and one back, per-sequence conv and delta rule) and every
-  ``Qwen3NextAttention`` :class:`cp_ops.Attention`'s (all-gather CP attention; its rotary
-  embedding at each token's position in its own sequence, computed on the device, with
-  ``partial_rotary_factor`` and ``rope_theta`` from the config), on the module's own
-  parameters. The module's class becomes a subclass of its transformers class
-  (:class:`ContextParallelQwen3NextGatedDeltaNet`, :class:`ContextParallelQwen3NextAttention`);
-  no parameter is added, removed, moved or renamed, so ``state_dict``, ``save_pretrained`` /
-  ``from_pretrained`` checkpoints and optimizers work unchanged, and a patched model's
-  checkpoint is an ordinary transformers checkpoint. The layouts are converted inside the
-  forward: the GDN's ``in_proj_qkvz`` and ``in_proj_ba`` weights are regrouped into
-  :class:`cp_ops.GatedDeltaNet`'s section layout on every call (a copy of weight rows, the
-  mapping of :func:`cp_ops.from_qwen3_next_state_dict`; their gradients flow back in
-  transformers' layout); the attention's ``q_proj`` already has :class:`cp_ops.Attention`'s
-  layout (per head D query rows, then D gate rows).
-- Every ``Qwen3NextModel`` in the model gets a forward pre-hook that skips its mask creation
-  (the layers take their sequence boundaries from ``cu_seq_lens_q``) and runs it with
-  ``use_cache=False``: CP is for training; a key/value cache (``use_cache=True``, ``cache=`` /
-  ``past_key_values=``) is refused with a ``ValueError``, as is an ``attention_mask``.
-  ``position_ids`` and the rotary cos / sin the model computes are not used (no host sync
-  either way; under ``torch.compile`` the unused cos / sin are dropped from the graph).
-- The model itself gets a forward pre-hook that checks the packed inputs: ``input_ids``
-  ``[1, T/W]``, ``cu_seq_lens_q`` present, labels given as ``shift_labels`` of the same shape
-  (shifted within each sequence before sharding: the model's own shift would cross chunk and
-  sequence boundaries), and with W > 1 ``num_items_in_batch`` (the global number of label
-  tokens, so that the W ranks' losses add up to the one-device loss).
+  ``Qwen3NextAttention`` :class:`cp_ops.Attention`'s (all-gather CP attention, rotary embedding
+  at each token's position in its own sequence, ``partial_rotary_factor`` and ``rope_theta``
+  from the config), on the module's own parameters; its class becomes a subclass of its
+  transformers class (:class:`ContextParallelQwen3NextGatedDeltaNet`,
+  :class:`ContextParallelQwen3NextAttention`). No parameter is added, removed, moved or
+  renamed: ``state_dict``, ``save_pretrained`` / ``from_pretrained`` and optimizers work
+  unchanged. The GDN's ``in_proj_qkvz`` / ``in_proj_ba`` weights are regrouped into
+  :class:`cp_ops.GatedDeltaNet`'s section layout on every call (:func:`cp_ops.from_qwen3_next_state_dict`'s
+  mapping; gradients flow back in transformers' layout); ``q_proj`` already has
+  :class:`cp_ops.Attention`'s layout (per head D query rows, then D gate rows).
+- Every ``Qwen3NextModel`` gets a forward pre-hook that skips its mask creation (the layers read
+  ``cu_seq_lens_q``) and sets ``use_cache=False``; a key/value cache and an ``attention_mask``
+  are refused with a ``ValueError``. ``position_ids`` and the model's rotary cos / sin are
+  not used (under ``torch.compile`` they are dropped from the graph).
+- The model gets a forward pre-hook that checks the packed inputs: ``input_ids [1, T/W]``,
+  ``cu_seq_lens_q``, labels as ``shift_labels`` of the same shape (shifted within each sequence
+  before sharding), and with W > 1 ``num_items_in_batch`` (the global label count, so that the
+  W ranks' losses add up to the one-device loss).
 
 Every other module (embeddings, norms, MLP / MoE, lm_head) is per token and runs unchanged on
-the shard. GDN layers need ``linear_num_key_heads % W == 0``; attention has no head
-constraint. Compile each decoder layer with ``torch.compile(layer, fullgraph=True)`` (or the
-whole model; ``options=cp_ops.COMPILE_OPTIONS`` keeps the exchanges overlapped).
+the shard. GDN layers need ``linear_num_key_heads % W == 0``. Compile each decoder layer with
+``torch.compile(layer, fullgraph=True, options=cp_ops.COMPILE_OPTIONS)`` (or the whole model).
 """
 
 from __future__ import annotations
@@ -66,7 +62,7 @@ import torch.nn as nn
 from cp_ops.attention import Attention
 from custom_ops import resolve_group
 from cp_ops.gdn import GatedDeltaNet, from_qwen3_next_state_dict
-from cp_ops.layout import pack, shard_thd
+from cp_ops.layout import pack, shard_thd, static_seqlens
 
 try:
     from transformers.models.qwen3_next.modeling_qwen3_next import (
@@ -367,8 +363,8 @@ def apply_context_parallel(model: nn.Module, group=None) -> nn.Module:
     """Run every ``Qwen3NextGatedDeltaNet`` and ``Qwen3NextAttention`` of ``model`` through this
     package's layers with context parallelism over ``group``; in place, returns ``model``.
 
-    ``group``: a ``ProcessGroup``, a 1-D ``DeviceMesh`` or None (W = 1: the packed batch on
-    one device, still through this package's layers). ``model``: any module built from those
+    ``group``: a ``ProcessGroup``, a 1-D ``DeviceMesh`` (``mesh["cp"]``) or None (W = 1: one device,
+    still through this package's layers). ``model``: any module built from those
     transformers classes (``Qwen3NextForCausalLM``, ``Qwen3NextModel``, ...). Parameters stay
     the same objects under the same names and shapes (checkpoints interchangeable, layouts
     converted inside the forward); see the module docstring for what else changes. Calling
@@ -429,11 +425,8 @@ class ShardedBatch:
 
     def to(self, device) -> ShardedBatch:
         """The same batch with every tensor on ``device``."""
-        return replace(
-            self, input_ids=self.input_ids.to(device), shift_labels=self.shift_labels.to(device),
-            cu_seqlens=self.cu_seqlens.to(device), cu_seqlens_padded=self.cu_seqlens_padded.to(device),
-            num_items_in_batch=self.num_items_in_batch.to(device),
-        )  # fmt: skip
+        names = ("input_ids", "shift_labels", "cu_seqlens", "cu_seqlens_padded", "num_items_in_batch")
+        return replace(self, **{name: getattr(self, name).to(device) for name in names})
 
     def model_inputs(self) -> dict:
         """Keyword arguments for a patched transformers causal LM: ``input_ids`` and ``labels`` /
@@ -461,6 +454,8 @@ def shard_batch(
     rank: int,
     ignore_index: int = -100,
     pad_token_id: int = 0,
+    num_tokens: int | None = None,
+    max_sequences: int | None = None,
 ) -> ShardedBatch:
     """This rank's share of a batch of token sequences for causal-LM training with CP.
 
@@ -471,6 +466,11 @@ def shard_batch(
     the label tokens of the whole batch, so that each rank's loss (sum over its label tokens /
     that count, transformers' ``ForCausalLMLoss`` with ``num_items_in_batch``) adds up over
     the ranks to the one-device mean. Host-side data preparation: it may read lengths.
+
+    Static shapes (:func:`cp_ops.layout.static_seqlens`): ``max_sequences`` appends zero-length
+    sequences up to that many, ``num_tokens`` one sequence of ``pad_token_id`` (labels
+    ``ignore_index``) that fills the batch to ``num_tokens`` rows, so every batch has
+    ``input_ids [num_tokens / W]`` and ``cu_seqlens [max_sequences + 2]``; ``ValueError`` past either.
     """
     if isinstance(sequences, torch.Tensor) or len(sequences) == 0:
         raise ValueError("sequences must be a non-empty list of 1-D token tensors")
@@ -484,6 +484,10 @@ def shard_batch(
         raise ValueError(f"rank must be in [0, cp_size = {cp_size}), got {rank}")
     ids = [seq.to(torch.int64) for seq in sequences]
     labels = [torch.cat([seq[1:], seq.new_full((min(len(seq), 1),), ignore_index)]) for seq in ids]
+    lens = static_seqlens([len(seq) for seq in ids], cp_size, num_tokens, max_sequences)
+    for n in lens[len(ids) :]:  # the zero-length sequences, then the filler
+        ids.append(ids[0].new_full((n,), pad_token_id))
+        labels.append(ids[0].new_full((n,), ignore_index))
     packed_ids, cu, cup = pack(ids, cp_size, padding_value=pad_token_id)
     packed_labels, _, _ = pack(labels, cp_size, padding_value=ignore_index)
     return ShardedBatch(

@@ -385,6 +385,91 @@ def test_patched_model_equals_transformers_w2_compiled():
     run_ranks(2, _rank, True)
 
 
+# --- static shapes ------------------------------------------------------------------------------
+
+
+def test_static_shapes_are_one_shape_and_keep_the_loss():
+    """Two packings of different lengths and counts shard to the same shapes on every rank; with
+    the static padding the loss and gradients are the plain batch's."""
+    from cp_ops.layout import static_num_tokens
+
+    packings, world, max_seqs = ([1, 9, 0, 70, 6], [33, 2]), 2, 5
+    shapes = set()
+    for seqlens in packings:
+        seqs = _sequences(seqlens)
+        for rank in range(world):
+            static = shard_batch(seqs, world, rank, num_tokens=static_num_tokens(86, max_seqs, world),
+                                 max_sequences=max_seqs)  # fmt: skip
+            plain = shard_batch(seqs, world, rank)
+            shapes.add((*static.input_ids.shape, *static.shift_labels.shape, *static.cu_seqlens.shape))
+            assert torch.equal(static.cu_seqlens[: len(plain.cu_seqlens)], plain.cu_seqlens)
+            assert torch.equal(static.input_ids[: len(plain.input_ids)], plain.input_ids)  # the filler comes last
+            assert int(static.num_items_in_batch) == int(plain.num_items_in_batch)
+    num_tokens = static_num_tokens(86, max_seqs, world)
+    assert shapes == {(num_tokens // world, num_tokens // world, max_seqs + 2)}
+    model = apply_context_parallel(_model(_config()), None)
+    for seqlens in packings:
+        results = []
+        for static in (dict(num_tokens=static_num_tokens(86, max_seqs, 1), max_sequences=max_seqs), {}):
+            model.zero_grad()
+            loss = model(**shard_batch(_sequences(seqlens), 1, 0, **static).model_inputs()).loss
+            loss.backward()
+            results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+        (loss, grads), (want_loss, want_grads) = results
+        assert rel_error(loss, want_loss) < TOL and grads.keys() == want_grads.keys()
+        for name, grad in grads.items():
+            assert rel_error(grad, want_grads[name]) < TOL, name
+
+
+def test_static_shapes_refuse_larger_batches():
+    seqs = _sequences([10, 20])
+    with pytest.raises(ValueError, match="2 sequences, more than the static maximum max_sequences = 1"):
+        shard_batch(seqs, 2, 0, max_sequences=1)
+    with pytest.raises(ValueError, match="needs 32 rows .* more than the static num_tokens = 24"):
+        shard_batch(seqs, 2, 0, num_tokens=24, max_sequences=4)
+    with pytest.raises(ValueError, match="num_tokens = 30 must be a multiple of 2 \\* cp_size = 4"):
+        shard_batch(seqs, 2, 0, num_tokens=30)
+
+
+# --- FSDP2 over a 2-D mesh ------------------------------------------------------------------------
+
+
+def _fsdp_rank(rank, world):
+    """FSDP2 over the flattened (dp = 1, cp = W) mesh, the patch before or after ``fully_shard``:
+    the W shares (scaled by W, as FSDP2 averages) give the one-device loss and gradients."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "cp"))
+    flat = mesh["dp", "cp"]._flatten("dp_cp")
+    sequences, config = _sequences(SEQLENS), _config(num_k_heads=2)
+    reference = apply_context_parallel(_model(config), None)
+    want = reference(**shard_batch(sequences, 1, 0).model_inputs()).loss
+    want.backward()
+    for patch_first in (True, False):
+        model = _model(config)
+        if patch_first:
+            apply_context_parallel(model, mesh["cp"])
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=flat)
+        fully_shard(model, mesh=flat)
+        if not patch_first:
+            apply_context_parallel(model, mesh["cp"])
+        loss = model(**shard_batch(sequences, world, mesh["cp"].get_local_rank()).model_inputs()).loss
+        (loss * world).backward()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        what = "patch, then fully_shard" if patch_first else "fully_shard, then patch"
+        assert rel_error(total, want.detach()) < TOL, what
+        for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+            assert rel_error(p.grad.full_tensor(), q.grad) < TOL, f"{what}: {name}"
+
+
+@pytest.mark.dist
+def test_fsdp2_over_a_2d_mesh_in_either_order():
+    run_ranks(2, _fsdp_rank)
+
+
 # --- the benchmark ------------------------------------------------------------------------------
 
 

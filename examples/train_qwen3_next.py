@@ -1,0 +1,576 @@
+"""Train transformers' Qwen3-Next with context parallelism (CP) and FSDP2, under torchrun.
+
+    torchrun --nproc-per-node 4 examples/train_qwen3_next.py --preset slice4 --dp 1 --cp 4 --compile
+    torchrun --nproc-per-node 2 examples/train_qwen3_next.py --preset tiny --device cpu --cp 2
+
+The W = dp x cp ranks form a 2-D DeviceMesh ("dp", "cp"). Every decoder layer's Gated DeltaNet
+and attention run CP over mesh["cp"] (cp_ops.integrations.transformers.apply_context_parallel);
+FSDP2 shards every decoder layer and the root over the flattened dp x cp mesh and reduces the
+gradients over it. Each dp replica trains on its own packed batch of --tokens-per-step / dp real
+tokens, each cp rank on its shard of it (shard_batch, static shapes). docs/training.md explains
+the mesh, the gradient scaling, the checkpoint and data formats, static shapes and CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from cp_ops.layout import static_num_tokens
+
+PRESETS = ("tiny", "slice4", "qwen3-next-80b")
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0}  # dense bf16, per GPU
+ADAMW = dict(betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+# what a checkpoint must agree on to be resumed: the model, the data stream and the optimiser
+RESUME_KEYS = ("preset", "num_layers", "dp", "cp", "tokens_per_step", "max_seqs", "seed", "dtype", "lr", "data")
+
+
+# --- the command line -------------------------------------------------------------------------
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", choices=PRESETS, default="tiny")
+    p.add_argument("--num-layers", type=int, help="decoder layers, in the 3:1 linear / full attention pattern")
+    p.add_argument("--dp", type=int, default=None, help="data-parallel replicas (default: world / cp)")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel ranks per replica")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--tokens-per-step", type=int, default=None, help="global real tokens per step")
+    p.add_argument("--max-seqs", type=int, default=8, help="static maximum number of sequences per replica batch")
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--clip-grad-norm", type=float, default=1.0, help="0: no clipping (the norm is still logged)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    p.add_argument("--compile", action="store_true", help="torch.compile(fullgraph=True) every decoder layer")
+    p.add_argument("--ac", action="store_true", help="activation checkpointing per decoder layer")
+    p.add_argument("--cuda-graphs", action="store_true", help="CUDA graphs in the compiled layers (needs --compile)")
+    p.add_argument("--data", help="a .npy file of one 1-D integer array of token ids (default: synthetic)")
+    p.add_argument("--checkpoint-dir")
+    p.add_argument("--save-every", type=int, default=0, help="save a checkpoint every N steps (0: never)")
+    p.add_argument("--resume", nargs="?", const="latest", help="resume from the latest checkpoint or from PATH")
+    p.add_argument("--log-json", help="rank 0 writes the per-step log here")
+    p.add_argument("--peak-tflops", type=float, help="the device's peak for MFU (default: 989 on H100 / H200)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def check_args(args: argparse.Namespace, world: int) -> None:
+    """Fill in defaults and refuse inconsistent settings (``ValueError``) before anything starts."""
+    if args.cp < 1:
+        raise ValueError(f"--cp must be >= 1, got {args.cp}")
+    if args.dp is None:
+        args.dp = world // args.cp
+    if args.dp < 1 or args.dp * args.cp != world:
+        raise ValueError(f"--dp {args.dp} x --cp {args.cp} must equal the world size {world} (torchrun's ranks)")
+    if args.num_layers is None:
+        args.num_layers = {"tiny": 4, "slice4": 4, "qwen3-next-80b": 48}[args.preset]
+    if args.num_layers < 1:
+        raise ValueError(f"--num-layers must be >= 1, got {args.num_layers}")
+    if args.tokens_per_step is None:
+        args.tokens_per_step = 256 * args.dp if args.preset == "tiny" else 32768
+    if args.tokens_per_step % args.dp or args.tokens_per_step // args.dp < args.max_seqs or args.max_seqs < 1:
+        raise ValueError(
+            f"--tokens-per-step {args.tokens_per_step} must split evenly over --dp {args.dp} replicas with at "
+            f"least --max-seqs {args.max_seqs} (>= 1) tokens each"
+        )
+    config = model_config(args.preset, args.num_layers)
+    if config.linear_num_key_heads % args.cp or config.linear_num_value_heads % args.cp:
+        raise ValueError(
+            f"--cp {args.cp} must divide the Gated DeltaNet's {config.linear_num_key_heads} key and "
+            f"{config.linear_num_value_heads} value heads (preset {args.preset})"
+        )
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available (use --device cpu)")
+    if args.cuda_graphs and (not args.compile or args.device != "cuda"):
+        raise ValueError("--cuda-graphs needs --compile and --device cuda")
+    needs_dir = args.save_every or args.resume == "latest"
+    if needs_dir and not args.checkpoint_dir:
+        raise ValueError("--save-every and --resume need --checkpoint-dir (or --resume PATH)")
+    if args.data:
+        check_token_file(args.data)
+
+
+# --- the model ----------------------------------------------------------------------------------
+
+
+def model_config(preset: str, num_layers: int):
+    """The ``Qwen3NextConfig`` of a preset with ``num_layers`` layers (every fourth full attention)."""
+    from transformers import Qwen3NextConfig
+
+    layer_types = ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(num_layers)]
+    common = dict(num_hidden_layers=num_layers, layer_types=layer_types, use_cache=False)
+    rope = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}  # the checkpoints' values
+    if preset == "tiny":
+        return Qwen3NextConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=8,
+            linear_value_head_dim=8, num_experts=0, rope_parameters=dict(rope, rope_theta=1e4), **common,
+        )  # fmt: skip
+    if preset == "slice4":
+        return Qwen3NextConfig(
+            vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_attention_heads=16,
+            num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
+            linear_key_head_dim=128, linear_value_head_dim=128, num_experts=0, rope_parameters=rope, **common,
+        )  # fmt: skip
+    if preset == "qwen3-next-80b":
+        # transformers' defaults are Qwen3-Next-80B-A3B; grouped GEMMs keep the experts compilable
+        return Qwen3NextConfig(rope_parameters=rope, experts_implementation="grouped_mm", **common)
+    raise ValueError(f"unknown preset {preset!r}; one of {PRESETS}")
+
+
+def build_model(config, seed: int, device="cpu"):
+    """A seeded ``Qwen3NextForCausalLM`` (float32) on ``device`` ("meta": no storage)."""
+    from transformers import Qwen3NextForCausalLM
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        return Qwen3NextForCausalLM(config)
+
+
+@torch.no_grad()
+def init_meta_model(model, config, device, seed: int) -> None:
+    """Storage on ``device`` and initial values for a model built on "meta" and sharded: every rank
+    fills its own shards (transformers' initial distributions), the rotary tables are rebuilt."""
+    from torch.distributed.tensor import DTensor
+
+    model.to_empty(device=device)
+    torch.manual_seed(seed * 65_537 + dist.get_rank() + 1)  # each rank's shards draw their own values
+    std = config.initializer_range
+    for name, p in model.named_parameters():
+        local = p.to_local() if isinstance(p, DTensor) else p
+        if name.endswith("A_log"):
+            local.uniform_(0.01, 16).log_()
+        elif name.endswith("dt_bias") or name.endswith("linear_attn.norm.weight"):
+            local.fill_(1.0)
+        elif p.dim() >= 2:
+            local.normal_(0.0, std)
+        else:
+            local.zero_()  # the zero-centred RMSNorm weights (1 + weight) and biases
+    with torch.device(device):
+        model.model.rotary_emb = type(model.model.rotary_emb)(config=config)
+
+
+def active_params(config) -> int:
+    """Parameters a token passes through, without the input embedding (lm_head included): of the
+    routed experts only ``num_experts_per_tok`` of ``num_experts``."""
+    h, types = config.hidden_size, config.layer_types
+    hk, hv, dk, dv = (config.linear_num_key_heads, config.linear_num_value_heads,
+                      config.linear_key_head_dim, config.linear_value_head_dim)  # fmt: skip
+    hq, hkv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    gdn = h * (2 * hk * dk + 2 * hv * dv + 2 * hv) + config.linear_conv_kernel_dim * (2 * hk * dk + hv * dv)
+    gdn += 2 * hv + hv * dv * h + dv  # A_log, dt_bias, out_proj, the gated norm
+    attn = h * (2 * hq * d + 2 * hkv * d) + hq * d * h + 2 * d  # q (with gate), k, v, o, q / k norms
+    if config.num_experts:
+        mlp = 3 * h * config.moe_intermediate_size * config.num_experts_per_tok
+        mlp += 3 * h * config.shared_expert_intermediate_size + h * config.num_experts + h  # router, shared gate
+    else:
+        mlp = 3 * h * config.intermediate_size
+    layers = sum(gdn if t == "linear_attention" else attn for t in types) + len(types) * (mlp + 2 * h)
+    return layers + h + h * config.vocab_size  # final norm, lm_head
+
+
+def count_flops_per_step(config, seqlens_per_replica: list[list[int]]) -> float:
+    """Model FLOPs of one training step (forward + backward) over every replica's sequences:
+    6 x :func:`active_params` per real token, plus causal softmax attention, 6 x Hq x D x L^2
+    per sequence and full-attention layer (QK^T and PV, half of the square), plus the Gated
+    DeltaNet's chunked recurrence, about 6 x Hv x (2 dk dv + C (dk + dv)) per token and linear
+    layer (state update and read-out, the intra-chunk products; C = 64, the chunk size).
+    """
+    n_full = sum(t == "full_attention" for t in config.layer_types)
+    n_linear = len(config.layer_types) - n_full
+    hv, dk, dv = config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim
+    tokens = sum(sum(lens) for lens in seqlens_per_replica)
+    square = sum(n * n for lens in seqlens_per_replica for n in lens)
+    flops = 6 * active_params(config) * tokens + 6 * n_full * config.num_attention_heads * config.head_dim * square
+    return flops + 6 * n_linear * hv * (2 * dk * dv + 64 * (dk + dv)) * tokens
+
+
+# --- the data -----------------------------------------------------------------------------------
+
+
+def check_token_file(path: str):
+    """The token ids of a ``--data`` file, memory-mapped: a ``.npy`` holding one 1-D array of an
+    integer dtype. ``ValueError`` for anything else."""
+    import numpy as np
+
+    if not path.endswith(".npy"):
+        raise ValueError(f"--data {path}: expected a .npy file holding one 1-D integer array of token ids")
+    try:
+        tokens = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"--data {path}: not a readable .npy array ({err})") from None
+    if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
+        raise ValueError(
+            f"--data {path}: expected one 1-D integer array of token ids, got shape {tokens.shape} {tokens.dtype}"
+        )
+    return tokens
+
+
+class Batches:
+    """The sequences of step ``s`` for dp replica ``d``: a pure function of (seed, s, d), so a
+    resumed run continues the same stream. Between 1 and ``max_seqs`` sequences of random lengths
+    adding up to ``tokens`` real tokens; their ids uniform over the vocabulary, or windows at
+    random offsets of the ``--data`` file."""
+
+    def __init__(self, tokens: int, max_seqs: int, vocab_size: int, seed: int, data: str | None = None):
+        self.tokens, self.max_seqs, self.vocab_size, self.seed = tokens, max_seqs, vocab_size, seed
+        self.data = check_token_file(data) if data else None
+        if self.data is not None and len(self.data) < tokens:
+            raise ValueError(f"--data {data}: {len(self.data)} tokens, fewer than one replica's batch ({tokens})")
+
+    def _lengths(self, step: int, dp_rank: int) -> tuple[torch.Generator, list[int]]:
+        gen = torch.Generator().manual_seed((self.seed * 1_000_003 + step) * 1_009 + dp_rank)
+        n = int(torch.randint(1, self.max_seqs + 1, (), generator=gen))
+        cuts = (torch.randperm(self.tokens - 1, generator=gen)[: n - 1] + 1).sort().values.tolist()
+        return gen, [b - a for a, b in zip([0] + cuts, cuts + [self.tokens])]
+
+    def lengths(self, step: int, dp_rank: int) -> list[int]:
+        return self._lengths(step, dp_rank)[1]
+
+    def __call__(self, step: int, dp_rank: int) -> list[torch.Tensor]:
+        gen, lens = self._lengths(step, dp_rank)
+        if self.data is None:
+            return [torch.randint(0, self.vocab_size, (n,), generator=gen) for n in lens]
+        seqs = []
+        for n in lens:
+            start = int(torch.randint(0, len(self.data) - n + 1, (), generator=gen))
+            seq = torch.from_numpy(self.data[start : start + n].astype("int64"))
+            if len(seq) and (int(seq.min()) < 0 or int(seq.max()) >= self.vocab_size):
+                raise ValueError(f"--data: token ids outside [0, {self.vocab_size}) near offset {start}")
+            seqs.append(seq)
+        return seqs
+
+
+# --- setting up ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    args: argparse.Namespace
+    config: object
+    device: torch.device
+    mesh: object
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    batches: Batches
+    num_tokens: int  # static padded rows of a replica's batch
+    rank: int
+    dp_rank: int
+    cp_rank: int
+
+
+def init_distributed(device_type: str) -> tuple[int, int, torch.device]:
+    """Join torchrun's group (NCCL on CUDA, gloo on the CPU); ``(rank, world, device)``."""
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if "MASTER_ADDR" not in os.environ:  # a plain `python` run: a group of one
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29517"))
+        os.environ.update(RANK="0", WORLD_SIZE="1")
+    if device_type == "cuda":
+        # NVLink multicast off: a program that uses it can put a shared host's GPUs out of service
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    return rank, world, device
+
+
+def flatten(mesh):
+    """The dp x cp mesh as one dimension "dp_cp" (FSDP2's data-parallel mesh)."""
+    return mesh["dp", "cp"]._flatten("dp_cp")  # private, but torchtitan's way on torch 2.11 and 2.13 alike
+
+
+def setup(args: argparse.Namespace, rank: int, world: int, device: torch.device) -> Run:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from cp_ops.integrations.transformers import apply_context_parallel
+
+    mesh = init_device_mesh(device.type, (args.dp, args.cp), mesh_dim_names=("dp", "cp"))
+    config = model_config(args.preset, args.num_layers)
+    on_meta = args.preset == "qwen3-next-80b"  # too large to build whole on every rank first
+    model = build_model(config, args.seed, "meta" if on_meta else "cpu")
+    # the patch changes no parameter and the CP layers read their weights inside the forward,
+    # where FSDP2 has unsharded them; either order works, the patch comes first here
+    apply_context_parallel(model, mesh["cp"] if args.cp > 1 else None)
+    for layer in model.model.layers:
+        wrap_layer(layer, args)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    shard_kw = dict(mesh=flatten(mesh), **({"mp_policy": policy} if args.dtype == "bf16" else {}))
+    for layer in model.model.layers:
+        fully_shard(layer, **shard_kw)
+    fully_shard(model, **shard_kw)
+    if on_meta:
+        init_meta_model(model, config, device, args.seed)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, **ADAMW)
+    tokens = args.tokens_per_step // args.dp
+    batches = Batches(tokens, args.max_seqs, config.vocab_size, args.seed, args.data)
+    return Run(args, config, device, mesh, model, optimizer, batches, static_num_tokens(tokens, args.max_seqs, args.cp),
+               rank, mesh["dp"].get_local_rank(), mesh["cp"].get_local_rank())  # fmt: skip
+
+
+def wrap_layer(layer: torch.nn.Module, args: argparse.Namespace) -> None:
+    """Activation checkpointing and compilation of one decoder layer's forward. The forward is
+    replaced (not the module), so parameter names stay transformers' and FSDP2's hooks, which
+    are not traceable, run eagerly around the compiled code."""
+    import functools
+
+    import cp_ops
+
+    forward = layer.forward
+    if args.ac:
+        from torch.utils.checkpoint import checkpoint
+
+        forward = functools.partial(checkpoint, forward, use_reentrant=False)
+    if args.compile:
+        options = dict(cp_ops.COMPILE_OPTIONS)
+        if args.cuda_graphs:
+            # mode="reduce-overhead" is triton.cudagraphs=True; it cannot be combined with options.
+            # Graphs per layer, not of the whole step: FSDP2's all-gathers, reduce-scatters and the
+            # optimizer stay eager; the CP all-to-alls / all-gathers inside the layer are captured
+            # (NCCL allows it). Inputs are copied into the graph's buffers; parameters are static
+            # inputs, re-recorded if FSDP2 hands a layer its unsharded parameters at new addresses.
+            options["triton.cudagraphs"] = True
+        forward = torch.compile(forward, fullgraph=True, options=options)
+    layer.forward = forward
+
+
+# --- the step -----------------------------------------------------------------------------------
+
+
+def replica_batch(run: Run, step: int, dp_rank: int | None = None):
+    """The sequences and this rank's static-shape shard of dp replica ``dp_rank``'s batch of ``step``."""
+    from cp_ops.integrations.transformers import shard_batch
+
+    seqs = run.batches(step, run.dp_rank if dp_rank is None else dp_rank)
+    shard = shard_batch(seqs, run.args.cp, run.cp_rank, num_tokens=run.num_tokens, max_sequences=run.args.max_seqs)
+    return seqs, shard.to(run.device)
+
+
+def train_step(run: Run, step: int) -> dict:
+    """One optimizer step; the replica-mean loss and gradient norm, and host-side timings."""
+    model, args = run.model, run.args
+    _, batch = replica_batch(run, step)
+    cuda = run.device.type == "cuda"
+    timer = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else None
+    if args.cuda_graphs:
+        torch.compiler.cudagraph_mark_step_begin()
+    t0 = time.perf_counter()
+    if timer:
+        timer[0].record()
+    loss = model(**batch.model_inputs()).loss  # this cp rank's share of its replica's batch loss
+    # FSDP2 averages gradients over all dp x cp ranks; the cp shares must add up instead, so each
+    # is scaled by cp: mean over (dp, cp) of cp x share = mean over dp of the replica gradients
+    (loss * args.cp).backward()
+    norm = clip_gradients(model, args.clip_grad_norm)
+    run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    if timer:
+        timer[1].record()
+    host_ms = (time.perf_counter() - t0) * 1e3
+    total = loss.detach().float().reshape(1)
+    dist.all_reduce(total)  # the sum of every rank's share = dp x the replica-mean loss
+    if cuda:
+        torch.cuda.synchronize()
+    step_ms = (time.perf_counter() - t0) * 1e3
+    return dict(
+        step=step, loss=total.item() / args.dp, grad_norm=float(norm), tokens=args.tokens_per_step,
+        step_ms=step_ms, host_ms=host_ms, gpu_ms=timer[0].elapsed_time(timer[1]) if timer else None,
+    )  # fmt: skip
+
+
+def clip_gradients(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+    """The gradients' global norm (over every rank's shards), and clipping to ``max_norm`` (0: none)."""
+    from torch.distributed.tensor import DTensor
+
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    norm = norm.full_tensor() if isinstance(norm, DTensor) else norm  # the shards' partial norms reduced
+    if max_norm:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm
+
+
+# --- checkpoints --------------------------------------------------------------------------------
+
+
+def resume_config(args: argparse.Namespace) -> dict:
+    return {k: getattr(args, k) for k in RESUME_KEYS}
+
+
+def checkpoint_path(root: str, step: int) -> Path:
+    return Path(root) / f"step-{step:08d}"
+
+
+def save_checkpoint(run: Run, step: int) -> Path:
+    """``DIR/step-NNNNNNNN/``: the model and optimizer (torch.distributed.checkpoint, sharded,
+    loadable at another world size) and ``recipe.json`` (step, settings), written last."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    path = checkpoint_path(run.args.checkpoint_dir, step)
+    model_sd, optim_sd = get_state_dict(run.model, run.optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
+    dist.barrier()
+    if run.rank == 0:
+        meta = {"format": 1, "step": step, "config": resume_config(run.args), "model": run.config.to_dict()}
+        (path / "recipe.json").write_text(json.dumps(meta, indent=1, default=str))
+    dist.barrier()
+    return path
+
+
+def find_checkpoint(args: argparse.Namespace) -> Path:
+    """The checkpoint ``--resume`` names: a path, or the latest complete one in --checkpoint-dir."""
+    if args.resume != "latest":
+        path = Path(args.resume)
+    else:
+        done = sorted(p.parent for p in Path(args.checkpoint_dir).glob("step-*/recipe.json"))
+        if not done:
+            raise ValueError(f"--resume: no complete checkpoint (step-*/recipe.json) in {args.checkpoint_dir}")
+        path = done[-1]
+    if not (path / "recipe.json").is_file():
+        raise ValueError(f"--resume {path}: not a complete checkpoint of this recipe (no recipe.json)")
+    return path
+
+
+def check_resume(path: Path, args: argparse.Namespace) -> int:
+    """The step a checkpoint was saved at; ``ValueError`` naming every setting that differs."""
+    meta = json.loads((path / "recipe.json").read_text())
+    saved, now = meta["config"], resume_config(args)
+    diff = [f"--{k.replace('_', '-')} {saved.get(k)!r} -> {now[k]!r}" for k in RESUME_KEYS if saved.get(k) != now[k]]
+    if diff:
+        raise ValueError(f"--resume {path}: the checkpoint was trained with other settings: {'; '.join(diff)}")
+    return int(meta["step"])
+
+
+def load_checkpoint(run: Run, path: Path) -> int:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    step = check_resume(path, run.args)
+    model_sd, optim_sd = get_state_dict(run.model, run.optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(run.model, run.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return step
+
+
+# --- the loop -----------------------------------------------------------------------------------
+
+
+def peak_tflops(args: argparse.Namespace, device: torch.device) -> float | None:
+    if args.peak_tflops:
+        return args.peak_tflops
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+    return None
+
+
+def train(args: argparse.Namespace, rank: int, world: int, device: torch.device) -> dict:
+    from torch._dynamo.utils import counters
+
+    run = setup(args, rank, world, device)
+    start = load_checkpoint(run, find_checkpoint(args)) if args.resume else 0
+    peak = peak_tflops(args, device)
+    log = {"settings": vars(args), "world": world, "device": str(torch.cuda.get_device_name(device))
+           if device.type == "cuda" else "cpu", "torch": torch.__version__, "num_tokens": run.num_tokens,
+           "resumed_from": start, "steps": []}  # fmt: skip
+    if rank == 0:
+        params = sum(p.numel() for p in run.model.parameters())  # the DTensors' global sizes
+        print(f"[train] world {world} = dp {args.dp} x cp {args.cp} on {log['device']}; {args.preset}, "
+              f"{args.num_layers} layers, {params / 1e6:.1f}M parameters ({active_params(run.config) / 1e6:.1f}M "
+              f"active, non-embedding); {args.tokens_per_step} tokens per step, {run.num_tokens} rows per replica "
+              f"batch; steps {start + 1}..{args.steps}" + (" (the first compiles)" if args.compile else ""),
+              flush=True)  # fmt: skip
+    bar = None
+    if rank == 0 and not args.no_progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=args.steps, initial=start, desc=f"train dp={args.dp} cp={args.cp}", file=sys.stdout)
+    graphs_after_first = None
+    for step in range(start + 1, args.steps + 1):
+        rec = train_step(run, step)
+        rec["tokens_per_s"] = rec["tokens"] / (rec["step_ms"] / 1e3)
+        flops = count_flops_per_step(run.config, [run.batches.lengths(step, d) for d in range(args.dp)])
+        rec["mfu"] = flops / (rec["step_ms"] / 1e3) / (world * peak * 1e12) if peak else None
+        if device.type == "cuda":
+            mem = torch.tensor([torch.cuda.max_memory_allocated(device) / 2**30], device=device)
+            dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+            rec["peak_mem_gib"] = mem.item()
+        else:
+            rec["peak_mem_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # host RSS
+        if graphs_after_first is None:
+            graphs_after_first = counters["stats"]["unique_graphs"]
+        log["steps"].append(rec)
+        if bar:
+            bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}", ms=f"{rec['step_ms']:.0f}")
+            bar.update()
+        if args.save_every and step % args.save_every == 0:
+            save_checkpoint(run, step)
+        if rank == 0 and args.log_json:
+            write_log(log, args.log_json)
+    if bar:
+        bar.close()
+    log["graphs"] = counters["stats"]["unique_graphs"]
+    log["recompiles"] = log["graphs"] - graphs_after_first if graphs_after_first is not None else 0
+    log["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"]  # graphs that run without CUDA graphs
+    times = [r["step_ms"] for r in log["steps"][1:]] or [r["step_ms"] for r in log["steps"]]
+    log["summary"] = {"first_step_ms": log["steps"][0]["step_ms"] if log["steps"] else None,
+                      "median_step_ms": statistics.median(times) if times else None}  # fmt: skip
+    if rank == 0:
+        if args.log_json:
+            write_log(log, args.log_json)
+        if args.compile:
+            skips = f", CUDA graphs skipped: {log['cudagraph_skips']}" if args.cuda_graphs else ""
+            print(f"[train] compiled graphs: {log['graphs']}, recompiles after the first step: {log['recompiles']}"
+                  + skips)  # fmt: skip
+        if log["steps"]:
+            last = log["steps"][-1]
+            median = log["summary"]["median_step_ms"]
+            print(f"[train] step {last['step']}: loss {last['loss']:.4f}, median step {median:.1f} ms, "
+                  f"{last['tokens_per_s']:.0f} tokens/s, peak memory {last['peak_mem_gib']:.2f} GiB")  # fmt: skip
+    return log
+
+
+def write_log(log: dict, path: str) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(log, f, indent=1, default=str)
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = parser()
+    args = p.parse_args(argv)
+    try:
+        check_args(args, int(os.environ.get("WORLD_SIZE", 1)))
+    except ValueError as err:
+        p.error(str(err))
+    rank, world, device = init_distributed(args.device)
+    try:
+        train(args, rank, world, device)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
