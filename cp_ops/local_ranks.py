@@ -20,6 +20,8 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
+from custom_ops import env
+
 
 @contextlib.contextmanager
 def local_rendezvous() -> Iterator[str]:
@@ -50,8 +52,7 @@ def init_local_rank(
     if num_threads is not None:
         torch.set_num_threads(num_threads)
     if device == "cuda":
-        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+        env.set_nvlink_multicast_off()
         torch.cuda.set_device(rank)
         dev = torch.device("cuda", rank)
         dist.init_process_group("nccl", init_method=init_method, rank=rank, world_size=world, device_id=dev)

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from dataclasses import dataclass
 
 import torch
+
+from custom_ops import env
 
 NAMESPACE = "cp_ops"
 
@@ -39,7 +40,7 @@ _WORD_DTYPES = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 def triton_interpreting() -> bool:
     """True when Triton runs kernels on CPU tensors (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return env.triton_interpret()
 
 
 def use_triton(t: torch.Tensor) -> bool:
