@@ -10,6 +10,7 @@ the layers in ``cp_ops`` build on (group resolution, collectives, argument check
 modules beside it: :mod:`custom_ops.thd_index` (the layout's index maps),
 :mod:`custom_ops.validation` (value checks, the checked mode), :mod:`custom_ops.env` (every
 environment variable the package reads, docs/environment.md) and :mod:`custom_ops.testing`.
+``NAMESPACE`` is the ops' namespace, ``"cp_ops"``.
 """
 
 from custom_ops import env, thd_index

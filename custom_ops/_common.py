@@ -77,6 +77,8 @@ def check_index_tensor(name: str, t: torch.Tensor, device: torch.device, min_num
 
 
 def check_cp_size(cp_size: int) -> None:
+    """Raise ``TypeError`` unless ``cp_size`` is an int (a ``SymInt`` under tracing, never a
+    bool) and ``ValueError`` unless it is at least 1."""
     # SymInt: dynamo turns an int that changes between calls into a symbol (automatic dynamic)
     if isinstance(cp_size, bool) or not isinstance(cp_size, (int, torch.SymInt)):
         raise TypeError(f"cp_size must be an int, got {type(cp_size).__name__}")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+import inspect
 import logging
 import re
 from collections.abc import Iterable
@@ -121,7 +122,7 @@ def kernel_op(qualname: str, *, mutates_args, opaque: bool = False):
         else:
             op = custom_op(qualname, body, mutates_args=mutates_args, schema=infer_schema(fn, mutates_args=mutates_args))
         _register_eager_kernels(qualname, body)
-        return op
+        return _documented(op, fn)
 
     return register
 
@@ -137,9 +138,24 @@ def opaque_op(qualname: str, *, mutates_args):
     def register(fn):
         op = custom_op(qualname, fn, mutates_args=mutates_args, schema=infer_schema(fn, mutates_args=mutates_args))
         _register_eager_kernels(qualname, fn)
-        return op
+        return _documented(op, fn)
 
     return register
+
+
+def _documented(op, fn):
+    """``op`` (a ``CustomOpDef``) with ``fn``'s signature and docstring as its ``__doc__``.
+
+    ``help()`` and ``pydoc`` show an instance's own ``__doc__`` (otherwise the class's generic
+    text), but no signature for an instance, so the signature leads the text, as for builtins.
+    """
+    try:  # annotations as types, not the strings of a module with postponed annotations
+        signature = inspect.signature(fn, eval_str=True)
+    except (NameError, SyntaxError, TypeError):
+        signature = inspect.signature(fn)
+    doc = inspect.getdoc(fn)
+    op.__doc__ = f"{fn.__name__}{signature}" + (f"\n\n{doc}" if doc else "")
+    return op
 
 
 # Holds the eager kernels' registrations for the life of the process.
