@@ -1,5 +1,6 @@
-"""A CPU run prints nothing of its own making: importing the packages is silent, and FLA's notice
-that Triton has no GPU driver is silenced where this package imports FLA (and nothing else is)."""
+"""A CPU run prints nothing of its own making: importing the packages is silent, FLA's notice
+that Triton has no GPU driver is silenced where this package imports FLA (and nothing else is),
+and spawned ranks leave no semaphore for multiprocessing's resource tracker to report."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -47,3 +50,40 @@ def test_other_warnings_pass(tmp_path):
     out = _run("from custom_ops.gdn.fla import fla_module; fla_module('noisy')", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert "roll back to CPU" in out.stderr and "something else" in out.stderr
+
+
+SPAWN = """
+import multiprocessing
+import sys
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from cp_ops.local_ranks import init_local_rank, leave_local_rank, local_rendezvous
+
+
+def entry(rank, world, init_method):
+    init_local_rank(rank, world, init_method, "cpu", num_threads=1)
+    lock = multiprocessing.RLock()  # a named semaphore, as tqdm's write lock is
+    dist.barrier()
+    dist.destroy_process_group()
+    leave_local_rank()
+
+
+if __name__ == "__main__":
+    with local_rendezvous() as init_method:
+        mp.spawn(entry, args=(2, init_method), nprocs=2, join=True)
+    print("done")
+"""
+
+
+@pytest.mark.dist
+def test_spawned_ranks_leave_no_semaphore(tmp_path):
+    """Ranks that end with leave_local_rank (skipping the interpreter's teardown) while holding
+    a multiprocessing lock: the parent's resource tracker finds nothing leaked at its exit."""
+    script = tmp_path / "ranks.py"
+    script.write_text(SPAWN)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout == "done\n", out.stderr
+    assert "resource_tracker" not in out.stderr and "leaked" not in out.stderr, out.stderr
