@@ -2,7 +2,8 @@
 
 ``cp_ops`` is the public Python API (layout helpers, collectives, layers);
 the torch.library ops it builds on live in ``custom_ops`` and are registered as
-``torch.ops.cp_ops.*`` on import.
+``torch.ops.cp_ops.*`` on import. ``COMPILE_OPTIONS`` are the Inductor options that keep the
+layers' all-to-alls overlapped with work: ``torch.compile(model, options=COMPILE_OPTIONS)``.
 """
 
 import custom_ops  # noqa: F401  (registers torch.ops.cp_ops.*)

@@ -11,6 +11,7 @@ host's GPUs out of service.
 from __future__ import annotations
 
 import contextlib
+import multiprocessing.util
 import os
 import shutil
 import sys
@@ -19,6 +20,8 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
+
+from custom_ops import env
 
 
 @contextlib.contextmanager
@@ -50,8 +53,7 @@ def init_local_rank(
     if num_threads is not None:
         torch.set_num_threads(num_threads)
     if device == "cuda":
-        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+        env.set_nvlink_multicast_off()
         torch.cuda.set_device(rank)
         dev = torch.device("cuda", rank)
         dist.init_process_group("nccl", init_method=init_method, rank=rank, world_size=world, device_id=dev)
@@ -71,7 +73,12 @@ def leave_local_rank() -> None:
     ("terminate called without an active exception", SIGABRT): once in the demo's two-rank
     test and once in the GDN benchmark's smoke run, neither reproducible on demand (the
     mechanism is described in pytorch/pytorch#179291). Skipping the teardown skips that.
+
+    The one part of the teardown kept is multiprocessing's: its finalizers release the named
+    semaphores the rank created (tqdm's write lock, for one: the demo's progress bar), which
+    the parent's resource tracker would otherwise report as leaked when the run ends.
     """
+    multiprocessing.util._run_finalizers(0)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -8,10 +8,12 @@ and ``torch.ops.cp_ops.<name>``. Each op folder holds ``kernels.py`` (Triton),
 This module is the package's public API: the op wrappers, their references, and the helpers
 the layers in ``cp_ops`` build on (group resolution, collectives, argument checks). The public
 modules beside it: :mod:`custom_ops.thd_index` (the layout's index maps),
-:mod:`custom_ops.validation` (value checks, the checked mode) and :mod:`custom_ops.testing`.
+:mod:`custom_ops.validation` (value checks, the checked mode), :mod:`custom_ops.env` (every
+environment variable the package reads, docs/environment.md) and :mod:`custom_ops.testing`.
+``NAMESPACE`` is the ops' namespace, ``"cp_ops"``.
 """
 
-from custom_ops import thd_index
+from custom_ops import env, thd_index
 from custom_ops._common import NAMESPACE, check_cp_size, check_index_tensor
 from custom_ops.ag_attention.op import ag_thd_attention
 from custom_ops.ag_attention.reference import ag_thd_attention_reference
@@ -91,4 +93,5 @@ __all__ = [
     "kernels_visible_to_compiler",
     "NAMESPACE",
     "thd_index",
+    "env",
 ]

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from dataclasses import dataclass
 
 import torch
+
+from custom_ops import env
 
 NAMESPACE = "cp_ops"
 
@@ -39,7 +40,7 @@ _WORD_DTYPES = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 def triton_interpreting() -> bool:
     """True when Triton runs kernels on CPU tensors (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return env.triton_interpret()
 
 
 def use_triton(t: torch.Tensor) -> bool:
@@ -76,6 +77,8 @@ def check_index_tensor(name: str, t: torch.Tensor, device: torch.device, min_num
 
 
 def check_cp_size(cp_size: int) -> None:
+    """Raise ``TypeError`` unless ``cp_size`` is an int (a ``SymInt`` under tracing, never a
+    bool) and ``ValueError`` unless it is at least 1."""
     # SymInt: dynamo turns an int that changes between calls into a symbol (automatic dynamic)
     if isinstance(cp_size, bool) or not isinstance(cp_size, (int, torch.SymInt)):
         raise TypeError(f"cp_size must be an int, got {type(cp_size).__name__}")

@@ -30,6 +30,8 @@ from collections.abc import Callable, Hashable
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from custom_ops import env
+
 __all__ = ["clear", "cuda_index", "enabled", "meta_like", "schedule", "submit_compile", "wait_all", "wait_for"]
 
 _log = logging.getLogger("cp_ops")
@@ -49,10 +51,7 @@ _running: list = []  # the futures of every job and compile started, for wait_al
 
 def enabled() -> bool:
     """Whether :func:`schedule` runs: CUDA present, not interpreting, ``CP_OPS_PRECOMPILE`` not 0."""
-    flag = os.environ.get("CP_OPS_PRECOMPILE", "1")
-    if flag not in ("0", "1"):
-        raise ValueError(f"CP_OPS_PRECOMPILE must be 0 or 1, got {flag!r}")
-    return flag == "1" and os.environ.get("TRITON_INTERPRET", "0") != "1" and torch.cuda.is_available()
+    return env.precompile() and not env.triton_interpret() and torch.cuda.is_available()
 
 
 def cuda_index(t: torch.Tensor) -> int | None:

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+import inspect
 import logging
-import os
 import re
 from collections.abc import Iterable
 
@@ -25,6 +25,7 @@ from torch._library.infer_schema import infer_schema
 from torch._library.triton import set_wrap_triton_enabled
 from torch.library import custom_op, triton_op
 
+from custom_ops import env
 from custom_ops._common import NAMESPACE
 
 __all__ = ["composite_op", "kernel_op", "kernels_visible_to_compiler", "opaque_op"]
@@ -57,10 +58,9 @@ def torch_triton_pin() -> str | None:
 def visible_to_compiler(pin: str | None, installed: str, forced: str | None) -> bool:
     """The rule of :func:`kernels_visible_to_compiler` for a torch pin, an installed triton
     version and the value of ``CP_OPS_OPAQUE_KERNELS`` (None when unset)."""
-    if forced in ("0", "1"):
-        return forced == "0"
+    forced = env.parse("CP_OPS_OPAQUE_KERNELS", forced)
     if forced is not None:
-        raise ValueError(f"CP_OPS_OPAQUE_KERNELS must be 0 or 1, got {forced!r}")
+        return forced == "0"
     have = _major_minor(installed)
     pinned = _major_minor(pin) if pin else None
     return pinned is None or have is None or have <= pinned
@@ -87,10 +87,12 @@ def kernels_visible_to_compiler() -> bool:
     """
     import triton
 
-    forced = os.environ.get("CP_OPS_OPAQUE_KERNELS")
-    pin = None if forced in ("0", "1") else torch_triton_pin()
-    visible = visible_to_compiler(pin, triton.__version__, forced)
-    if not visible and forced is None:
+    opaque = env.opaque_kernels()
+    if opaque is not None:
+        return not opaque
+    pin = torch_triton_pin()
+    visible = visible_to_compiler(pin, triton.__version__, None)
+    if not visible:
         logging.getLogger("cp_ops").info(
             "triton %s is newer than the %s torch %s pins: cp_ops kernels run as opaque ops under torch.compile",
             triton.__version__, pin, torch.__version__,
@@ -120,7 +122,7 @@ def kernel_op(qualname: str, *, mutates_args, opaque: bool = False):
         else:
             op = custom_op(qualname, body, mutates_args=mutates_args, schema=infer_schema(fn, mutates_args=mutates_args))
         _register_eager_kernels(qualname, body)
-        return op
+        return _documented(op, fn)
 
     return register
 
@@ -136,9 +138,24 @@ def opaque_op(qualname: str, *, mutates_args):
     def register(fn):
         op = custom_op(qualname, fn, mutates_args=mutates_args, schema=infer_schema(fn, mutates_args=mutates_args))
         _register_eager_kernels(qualname, fn)
-        return op
+        return _documented(op, fn)
 
     return register
+
+
+def _documented(op, fn):
+    """``op`` (a ``CustomOpDef``) with ``fn``'s signature and docstring as its ``__doc__``.
+
+    ``help()`` and ``pydoc`` show an instance's own ``__doc__`` (otherwise the class's generic
+    text), but no signature for an instance, so the signature leads the text, as for builtins.
+    """
+    try:  # annotations as types, not the strings of a module with postponed annotations
+        signature = inspect.signature(fn, eval_str=True)
+    except (NameError, SyntaxError, TypeError):
+        signature = inspect.signature(fn)
+    doc = inspect.getdoc(fn)
+    op.__doc__ = f"{fn.__name__}{signature}" + (f"\n\n{doc}" if doc else "")
+    return op
 
 
 # Holds the eager kernels' registrations for the life of the process.

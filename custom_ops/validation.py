@@ -14,11 +14,11 @@ before compiling (``torch._dynamo.reset()`` after changing it).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import torch
 
+from custom_ops import env
 from custom_ops._common import NAMESPACE, check_cp_size, check_index_tensor
 from custom_ops.registration import opaque_op
 
@@ -34,14 +34,7 @@ __all__ = [
 ]
 
 
-def _env_checks() -> bool:
-    value = os.environ.get("CP_OPS_CHECKS", "0")
-    if value not in ("0", "1"):
-        raise ValueError(f"CP_OPS_CHECKS must be 0 or 1, got {value!r}")
-    return value == "1"
-
-
-_CHECKS = _env_checks()
+_CHECKS = env.checks()
 
 
 def set_checks(enabled: bool) -> None:

@@ -22,7 +22,7 @@ from custom_ops import precompile
 from custom_ops._common import cdiv, check_index_tensor, NAMESPACE, unit_last_stride, use_triton
 from custom_ops.launch import launch_direct
 from custom_ops.precompile import cuda_index
-from custom_ops.gdn.fla import FLA_CHUNK, fla_call, fla_varlen_indices
+from custom_ops.gdn.fla import FLA_CHUNK, fla_call, fla_module, fla_varlen_indices
 from custom_ops.gdn.kernels import (
     CONV_SETTINGS,
     MAX_TAPS,
@@ -192,7 +192,7 @@ def _is_silu(activation: Optional[str]) -> bool:
 
 
 def _fla_conv_forward(x, weight, bias, cu_seqlens, activation) -> torch.Tensor:
-    from fla.modules.causal_conv1d.ops import causal_conv1d_fwd
+    causal_conv1d_fwd = fla_module("fla.modules.causal_conv1d.ops").causal_conv1d_fwd
 
     cu_ext, chunk_indices = fla_varlen_indices(cu_seqlens, x.shape[0])
     with fla_call(x.device):
@@ -206,7 +206,7 @@ def _fla_conv_forward(x, weight, bias, cu_seqlens, activation) -> torch.Tensor:
 
 
 def _fla_conv_backward(grad_y, x, weight, bias, cu_seqlens, activation):
-    from fla.modules.causal_conv1d.ops import causal_conv1d_bwd
+    causal_conv1d_bwd = fla_module("fla.modules.causal_conv1d.ops").causal_conv1d_bwd
 
     cu_ext, chunk_indices = fla_varlen_indices(cu_seqlens, x.shape[0])
     # FLA sums dbias only for a bias; a zero one gives the sum the op returns without one

@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from custom_ops._common import NAMESPACE, check_index_tensor
-from custom_ops.gdn.fla import FLA_CHUNK, fla_call, fla_varlen_indices, precompile_varlen_indices
+from custom_ops.gdn.fla import FLA_CHUNK, fla_call, fla_module, fla_varlen_indices, precompile_varlen_indices
 from custom_ops.gdn.reference import chunk_gated_delta_rule_reference, chunk_gated_delta_rule_reference_backward
 from custom_ops.registration import composite_op, opaque_op
 from custom_ops.validation import checked
@@ -112,7 +112,7 @@ def chunk_gated_delta_rule_forward(
     if not _uses_fla(q):
         o = chunk_gated_delta_rule_reference(q, k, v, g, beta, cu_seqlens, scale)
         return o, g.new_empty(0, dtype=torch.float32), q.new_empty(0), fla_cu_seqlens, chunk_indices.view(-1)
-    from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
+    chunk_gated_delta_rule_fwd = fla_module("fla.ops.gated_delta_rule.chunk").chunk_gated_delta_rule_fwd
 
     with fla_call(q.device):
         g_cum, o, A, _, _, _ = chunk_gated_delta_rule_fwd(
@@ -173,7 +173,7 @@ def chunk_gated_delta_rule_backward(
     scale = _resolve_scale(q, scale)
     if not _uses_fla(q):
         return chunk_gated_delta_rule_reference_backward(grad_o, q, k, v, g, beta, cu_seqlens, scale)
-    from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_bwd
+    chunk_gated_delta_rule_bwd = fla_module("fla.ops.gated_delta_rule.chunk").chunk_gated_delta_rule_bwd
 
     with fla_call(q.device):
         dq, dk, dv, dbeta, dg, _, _, _ = chunk_gated_delta_rule_bwd(

@@ -16,6 +16,9 @@ wraps each call into FLA: the recorded autotuning choices for the device
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -31,10 +34,27 @@ __all__ = [
     "FLA_CHUNK",
     "fla_call",
     "fla_chunk_indices_kernel",
+    "fla_module",
     "fla_varlen_indices",
     "fla_varlen_indices_reference",
     "precompile_varlen_indices",
 ]
+
+# What FLA's hardware probe warns, once a process, on importing FLA where Triton has no GPU driver.
+_NO_DRIVER_NOTICE = r"Triton is not supported on current platform, roll back to CPU\.$"
+
+
+@functools.cache
+def fla_module(name: str):
+    """FLA's module ``name`` (e.g. ``"fla.ops.gated_delta_rule.chunk"``), imported without the
+    notice "Triton is not supported on current platform, roll back to CPU." that FLA's hardware
+    probe warns on a machine without a GPU: every CPU run would print it, and it concerns FLA's
+    own device choice, which these ops never use (they pass FLA tensors on the device they
+    chose). Every other warning passes."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", _NO_DRIVER_NOTICE, UserWarning, r"fla\.utils\.hardware$")
+        return importlib.import_module(name)
+
 
 # FLA's chunk length for both kernels (its default; the GDN kernels take 16, 32 or 64).
 FLA_CHUNK = 64
@@ -170,13 +190,12 @@ def fla_call(device: torch.device):
     tracked as outputs"). FLA reads the switch ``fla.utils.FLA_DISABLE_TENSOR_CACHE`` at
     every call.
     """
-    import fla.utils
-
+    fla_utils = fla_module("fla.utils")
     use_recorded_configs(device)
-    before = getattr(fla.utils, "FLA_DISABLE_TENSOR_CACHE", False)
-    fla.utils.FLA_DISABLE_TENSOR_CACHE = True
+    before = getattr(fla_utils, "FLA_DISABLE_TENSOR_CACHE", False)
+    fla_utils.FLA_DISABLE_TENSOR_CACHE = True
     try:
         yield
     finally:
-        fla.utils.FLA_DISABLE_TENSOR_CACHE = before
+        fla_utils.FLA_DISABLE_TENSOR_CACHE = before
 

@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
 from pathlib import Path
 
 import torch
+
+from custom_ops import env
 
 __all__ = ["autotuner_of", "recorded_configs_path", "seed_autotuners", "use_recorded_configs"]
 
@@ -86,10 +87,7 @@ def use_recorded_configs(device: torch.device) -> int:
     if done is not None:
         return done
     _SEEDED[index] = 0
-    switch = os.environ.get("CP_OPS_FLA_CONFIGS", "1")
-    if switch not in ("0", "1"):
-        raise ValueError(f"CP_OPS_FLA_CONFIGS must be 0 or 1, got {switch!r}")
-    if switch == "0":
+    if not env.fla_configs():
         return 0
     path = recorded_configs_path(torch.cuda.get_device_capability(index))
     if not path.exists():

@@ -35,10 +35,18 @@ def section_index(sections: Sequence[int], cp_size: int, device: torch.device | 
 
 
 def permute_sections_reference(x: torch.Tensor, sections: Sequence[int], cp_size: int) -> torch.Tensor:
+    """:func:`custom_ops.permute_sections` in torch ops: ``x[..., idx]`` with ``idx`` from
+    :func:`section_index`.
+
+    x: ``[..., F]`` any dtype, ``sections`` widths each divisible by ``cp_size`` and summing to
+    F; returns ``[..., F]``. Differentiable through ``index_select``.
+    """
     return x.index_select(-1, section_index(sections, cp_size, x.device))
 
 
 def unpermute_sections_reference(x: torch.Tensor, sections: Sequence[int], cp_size: int) -> torch.Tensor:
+    """:func:`custom_ops.unpermute_sections` in torch ops, the inverse of
+    :func:`permute_sections_reference`: ``[..., F]`` -> ``[..., F]``, differentiable."""
     # the inverse permutation of a permutation index is its argsort
     return x.index_select(-1, torch.argsort(section_index(sections, cp_size, x.device)))
 

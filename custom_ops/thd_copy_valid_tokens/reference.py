@@ -31,6 +31,12 @@ def valid_token_mask(offsets: torch.Tensor, cu_seqlens: torch.Tensor, num_rows: 
 def thd_copy_valid_tokens_reference(
     dst: torch.Tensor, src: torch.Tensor, offsets: torch.Tensor, cu_seqlens: torch.Tensor
 ) -> torch.Tensor:
+    """:func:`custom_ops.thd_copy_valid_tokens` in torch ops: ``torch.where`` over the mask of
+    :func:`valid_token_mask`.
+
+    dst, src: ``[T, ...]``, one shape and dtype; offsets ``[B]`` or ``[B+1]``; cu_seqlens
+    ``[B+1]``. Returns ``[T, ...]``, differentiable in dst and src; no host sync.
+    """
     mask = valid_token_mask(offsets, cu_seqlens, dst.shape[0])
     return torch.where(mask.view((-1,) + (1,) * (dst.dim() - 1)), src, dst)
 

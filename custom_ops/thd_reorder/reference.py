@@ -16,10 +16,20 @@ from custom_ops.thd_index import chunk_spans, rank_to_seq_index, seq_to_rank_ind
 
 
 def thd_seq_to_rank_order_reference(x: torch.Tensor, cu_seqlens_padded: torch.Tensor, cp_size: int) -> torch.Tensor:
+    """:func:`custom_ops.thd_seq_to_rank_order` in torch ops (one ``index_select`` of the rows).
+
+    x: ``[T, ...]`` any dtype, ``T = cu_seqlens_padded[-1]``; returns ``[T, ...]`` in CP rank
+    order. Differentiable through ``index_select``; no argument checks, no host sync.
+    """
     return x.index_select(0, seq_to_rank_index(cu_seqlens_padded, cp_size, x.shape[0]))
 
 
 def thd_rank_to_seq_order_reference(x: torch.Tensor, cu_seqlens_padded: torch.Tensor, cp_size: int) -> torch.Tensor:
+    """:func:`custom_ops.thd_rank_to_seq_order` in torch ops (one ``index_select`` of the rows).
+
+    x: ``[T, ...]`` in CP rank order; returns ``[T, ...]`` in sequence order. Differentiable
+    through ``index_select``; no argument checks, no host sync.
+    """
     return x.index_select(0, rank_to_seq_index(cu_seqlens_padded, cp_size, x.shape[0]))
 
 

@@ -46,6 +46,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import cp_ops
+from custom_ops import env
 from cp_ops_demo.data import Batches, num_targets, shard
 from cp_ops_demo.model import HybridLM
 
@@ -88,7 +89,7 @@ def compile_options(world: int) -> dict:
     if world == 1:
         return {}
     options = dict(cp_ops.COMPILE_OPTIONS)
-    if "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
+    if not env.inductor_compile_threads_set():
         options["compile_threads"] = max(1, (os.cpu_count() or 1) // world)
     return options
 

@@ -1,0 +1,156 @@
+"""Every environment variable the library reads or sets, each described once (:data:`VARIABLES`)
+and read through a typed accessor here; docs/environment.md is the table :func:`markdown_table`
+renders (a test keeps the two equal).
+
+A malformed value raises ``ValueError`` naming the variable and the accepted values, when the
+variable is read: at import for the ones read then, at the call for the others.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+__all__ = [
+    "VARIABLES",
+    "Variable",
+    "checks",
+    "fla_configs",
+    "inductor_compile_threads_set",
+    "markdown_table",
+    "opaque_kernels",
+    "parse",
+    "precompile",
+    "set_nvlink_multicast_off",
+    "triton_interpret",
+]
+
+
+@dataclass(frozen=True)
+class Variable:
+    """One environment variable: its accepted values (``None``: any value, only whether it is set
+    counts), its value when unset (``None``: unset has a meaning of its own, said in ``effect``),
+    what it does and when the library reads it."""
+
+    name: str
+    values: tuple[str, ...] | None
+    default: str | None
+    effect: str
+    read: str
+
+
+VARIABLES: tuple[Variable, ...] = (
+    Variable(
+        "CP_OPS_CHECKS", ("0", "1"), "0",
+        "1: the checked mode, every op and layer validates its layout values (a host sync) and "
+        "raises `ValueError` where it would return wrong rows; `set_checks` changes it later",
+        "once, on import",
+    ),
+    Variable(
+        "CP_OPS_OPAQUE_KERNELS", ("0", "1"), None,
+        "1: the kernel ops register as opaque `custom_op`s, 0: as `triton_op`s; unset: `triton_op`s "
+        "unless the installed triton is newer than the one torch pins (`kernels_visible_to_compiler`)",
+        "once, on import",
+    ),
+    Variable(
+        "CP_OPS_PRECOMPILE", ("0", "1"), "1",
+        "0: no kernel is compiled in worker threads while `torch.compile` traces a graph "
+        "(each compiles at its first launch instead)",
+        "each time `torch.compile` traces an op on CUDA tensors",
+    ),
+    Variable(
+        "CP_OPS_FLA_CONFIGS", ("0", "1"), "1",
+        "0: FLA's autotuners are not seeded with the choices recorded for the GPU's architecture "
+        "(they tune at the first call)",
+        "at the first GDN call on each GPU",
+    ),
+    Variable(
+        "TRITON_INTERPRET", None, None,
+        "1: the kernels run on CPU tensors in Triton's interpreter (Triton reads it on its import); "
+        "any other value or unset: CPU tensors take the torch references",
+        "at each op call on CPU tensors",
+    ),
+    Variable(
+        "TORCHINDUCTOR_COMPILE_THREADS", None, None,
+        "set (any value): the demo leaves Inductor's compile threads to it; unset: a W-rank demo "
+        "gives each rank's compiles the cores divided by W",
+        "by the demo, before it compiles",
+    ),
+    Variable(
+        "NCCL_NVLS_ENABLE", ("0", "1"), "0",
+        "NCCL's NVLink SHARP; `init_local_rank` sets 0 on CUDA when unset (NVLink multicast can put "
+        "a shared host's GPUs out of service)",
+        "set by `init_local_rank` on CUDA",
+    ),
+    Variable(
+        "TORCH_SYMM_MEM_DISABLE_MULTICAST", ("0", "1"), "1",
+        "torch's symmetric-memory multicast; `init_local_rank` sets 1 (off) on CUDA when unset, "
+        "for the same reason",
+        "set by `init_local_rank` on CUDA",
+    ),
+)
+
+_BY_NAME = {v.name: v for v in VARIABLES}
+
+
+def parse(name: str, value: str | None) -> str | None:
+    """``value`` of variable ``name`` checked against its accepted values, its default when
+    ``value`` is None; raises ``ValueError`` for a value it does not accept."""
+    var = _BY_NAME[name]
+    if value is None:
+        return var.default
+    if var.values is not None and value not in var.values:
+        raise ValueError(f"{name} must be {' or '.join(var.values)}, got {value!r}")
+    return value
+
+
+def _get(name: str) -> str | None:
+    return parse(name, os.environ.get(name))
+
+
+def checks() -> bool:
+    """``CP_OPS_CHECKS``: whether the checked mode starts on."""
+    return _get("CP_OPS_CHECKS") == "1"
+
+
+def opaque_kernels() -> bool | None:
+    """``CP_OPS_OPAQUE_KERNELS``: True or False when forced, None when unset."""
+    value = _get("CP_OPS_OPAQUE_KERNELS")
+    return None if value is None else value == "1"
+
+
+def precompile() -> bool:
+    """``CP_OPS_PRECOMPILE``: whether tracing may compile kernels in worker threads."""
+    return _get("CP_OPS_PRECOMPILE") == "1"
+
+
+def fla_configs() -> bool:
+    """``CP_OPS_FLA_CONFIGS``: whether FLA's autotuners are seeded with recorded choices."""
+    return _get("CP_OPS_FLA_CONFIGS") == "1"
+
+
+def triton_interpret() -> bool:
+    """``TRITON_INTERPRET``: whether it is ``1``."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def inductor_compile_threads_set() -> bool:
+    """Whether ``TORCHINDUCTOR_COMPILE_THREADS`` is set (to any value)."""
+    return "TORCHINDUCTOR_COMPILE_THREADS" in os.environ
+
+
+def set_nvlink_multicast_off() -> None:
+    """Set ``NCCL_NVLS_ENABLE`` and ``TORCH_SYMM_MEM_DISABLE_MULTICAST`` to their defaults here
+    where unset, before a process starts NCCL or symmetric memory."""
+    for name in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST"):
+        os.environ.setdefault(name, _BY_NAME[name].default)
+
+
+def markdown_table() -> str:
+    """The table of docs/environment.md: one row per variable of :data:`VARIABLES`."""
+    rows = ["| Variable | Values | Default | Effect | Read |", "|---|---|---|---|---|"]
+    for v in VARIABLES:
+        values = " or ".join(f"`{x}`" for x in v.values) if v.values else "any"
+        default = f"`{v.default}`" if v.default is not None else "unset"
+        rows.append(f"| `{v.name}` | {values} | {default} | {v.effect} | {v.read} |")
+    return "\n".join(rows) + "\n"
