@@ -22,6 +22,7 @@ __all__ = [
     "parse",
     "precompile",
     "set_nvlink_multicast_off",
+    "torchrun_ranks",
     "triton_interpret",
 ]
 
@@ -88,7 +89,15 @@ VARIABLES: tuple[Variable, ...] = (
         "for the same reason",
         "set by `init_local_rank` on CUDA",
     ),
+    Variable(
+        "RANK", None, None,
+        "set by `torchrun` with `WORLD_SIZE`, `LOCAL_RANK` and `LOCAL_WORLD_SIZE` (non-negative "
+        "integers): the training recipe's place in the job; unset: the recipe runs as a group of one",
+        "by examples/train_qwen3_next.py, at its start",
+    ),
 )
+
+_TORCHRUN = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 
 _BY_NAME = {v.name: v for v in VARIABLES}
 
@@ -137,6 +146,20 @@ def triton_interpret() -> bool:
 def inductor_compile_threads_set() -> bool:
     """Whether ``TORCHINDUCTOR_COMPILE_THREADS`` is set (to any value)."""
     return "TORCHINDUCTOR_COMPILE_THREADS" in os.environ
+
+
+def torchrun_ranks() -> tuple[int, int, int, int] | None:
+    """``(RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE)`` as torchrun sets them, or None when
+    ``RANK`` is unset (not started by torchrun); ``ValueError`` when one is missing or malformed."""
+    if "RANK" not in os.environ:
+        return None
+    values = []
+    for name in _TORCHRUN:
+        value = os.environ.get(name)
+        if value is None or not value.isdigit():
+            raise ValueError(f"{name} must be a non-negative integer (torchrun sets it), got {value!r}")
+        values.append(int(value))
+    return tuple(values)
 
 
 def set_nvlink_multicast_off() -> None:

@@ -19,6 +19,7 @@ import os
 import resource
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from cp_ops.layout import static_num_tokens
+from custom_ops import env
 
 PRESETS = ("tiny", "slice4", "qwen3-next-80b")
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0}  # dense bf16, per GPU
@@ -271,23 +273,20 @@ class Run:
 
 
 def init_distributed(device_type: str) -> tuple[int, int, torch.device]:
-    """Join torchrun's group (NCCL on CUDA, gloo on the CPU); ``(rank, world, device)``."""
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    if "MASTER_ADDR" not in os.environ:  # a plain `python` run: a group of one
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29517"))
-        os.environ.update(RANK="0", WORLD_SIZE="1")
+    """Join torchrun's group (NCCL on CUDA, gloo on the CPU); ``(rank, world, device)``. A plain
+    ``python`` run is a group of one, meeting at a file in a temporary directory."""
+    ranks = env.torchrun_ranks()
+    rank, world, local_rank, local_world = ranks or (0, 1, 0, 1)
+    init = {} if ranks else {"init_method": f"file://{tempfile.mkdtemp()}/store", "rank": 0, "world_size": 1}
     if device_type == "cuda":
-        # NVLink multicast off: a program that uses it can put a shared host's GPUs out of service
-        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+        env.set_nvlink_multicast_off()
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
+        dist.init_process_group("nccl", device_id=device, **init)
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
         device = torch.device("cpu")
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", **init)
     return rank, world, device
 
 
@@ -561,7 +560,7 @@ def main(argv: list[str] | None = None) -> None:
     p = parser()
     args = p.parse_args(argv)
     try:
-        check_args(args, int(os.environ.get("WORLD_SIZE", 1)))
+        check_args(args, (env.torchrun_ranks() or (0, 1))[1])
     except ValueError as err:
         p.error(str(err))
     rank, world, device = init_distributed(args.device)
