@@ -3,6 +3,14 @@ layers), CP over W = 1, 2, 4 GPUs of one host at fixed global tokens (strong sca
 
     python -m benchmarks.bench_train                          # W = 1, 2, 4; 32768 and 131072 tokens; graphs off / on
     python -m benchmarks.bench_train --smoke                  # tiny preset, CPU, W = 1, 2, 3 steps
+    python -m benchmarks.bench_train --curves                 # loss curves: 1 GPU, (dp 1, cp 4), (dp 2, cp 2)
+
+``--curves`` trains the same model from the same seed for ``--steps`` (default 50) steps on one
+GPU, at (dp 1, cp 4) and at (dp 2, cp 2), on a token file with learnable structure that it
+writes first (:func:`markov_tokens`), saves a checkpoint at step ``--steps // 2`` of the
+(dp 1, cp 4) run and resumes from it for one step; the result ``train-curves-<preset>`` has
+every run's loss per step, its largest difference from the one-GPU curve, the resumed step's
+loss against the uninterrupted one, and each run's peak memory.
 
 Every run is the recipe itself, started with torchrun (``--dp 1 --cp W --compile``, one run
 with ``--cuda-graphs`` and one without), under a timeout, and read back from its ``--log-json``:
@@ -78,6 +86,91 @@ def run_one(world: int, tokens: int, graphs: bool, args: argparse.Namespace, tmp
     return row
 
 
+def markov_tokens(path: Path, vocab_size: int, count: int = 1 << 21, seed: int = 0) -> Path:
+    """A ``.npy`` token stream a model can learn: each token follows its predecessor through a
+    fixed random permutation with probability 0.9, else it is drawn uniformly."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    follow = rng.permutation(vocab_size)
+    tokens = np.empty(count, dtype=np.int32)
+    tokens[0] = 0
+    jump = rng.random(count) >= 0.9
+    fresh = rng.integers(0, vocab_size, count)
+    for i in range(1, count):
+        tokens[i] = fresh[i] if jump[i] else follow[tokens[i - 1]]
+    np.save(path, tokens)
+    return path
+
+
+def torchrun(world: int, recipe_args: list[str], timeout: int) -> tuple[str, float]:
+    """One torchrun of the recipe: ``(status, seconds)``, its output's tail printed on failure."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world), str(SCRIPT),
+           *recipe_args, "--no-progress"]  # fmt: skip
+    print(f"[bench_train] {' '.join(cmd[2:])}", flush=True)
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, timeout=timeout, capture_output=True, text=True)
+        status = "ok" if proc.returncode == 0 else f"failed (rc {proc.returncode})"
+        if status != "ok":
+            print(proc.stdout[-2000:] + proc.stderr[-4000:], flush=True)
+    except subprocess.TimeoutExpired:
+        status = "timeout"
+    seconds = time.perf_counter() - start
+    print(f"[bench_train]   {status} in {seconds:.0f} s", flush=True)
+    return status, seconds
+
+
+def curves(args: argparse.Namespace) -> Result:
+    """The ``--curves`` runs (module docstring) as one result."""
+    tmp = Path(tempfile.mkdtemp())
+    sys.path.insert(0, str(SCRIPT.parent))
+    from train_qwen3_next import model_config
+
+    data = markov_tokens(tmp / "tokens.npy", model_config(args.preset, 4).vocab_size)
+    tokens = args.tokens.split(",")[0]
+    common = ["--preset", args.preset, "--tokens-per-step", tokens, "--max-seqs", str(args.max_seqs), "--data",
+              str(data), *(["--compile"] if args.compile else []), *args.extra]  # fmt: skip
+    half = args.steps // 2
+    runs = {"1 GPU": (1, 1, 1), "dp 1, cp 4": (4, 1, 4), "dp 2, cp 2": (4, 2, 2)}
+    logs, rows = {}, []
+    for label, (world, dp, cp) in runs.items():
+        log = tmp / f"{dp}x{cp}.json"
+        extra = ["--checkpoint-dir", str(tmp / "ck"), "--save-every", str(half)] if label == "dp 1, cp 4" else []
+        status, _ = torchrun(world, [*common, "--steps", str(args.steps), "--dp", str(dp), "--cp", str(cp),
+                                     "--log-json", str(log), *extra], args.timeout)  # fmt: skip
+        logs[label] = json.loads(log.read_text()) if status == "ok" else None
+        rows.append([label, world, status])
+    resumed = tmp / "resumed.json"
+    status, _ = torchrun(4, [*common, "--steps", str(half + 1), "--dp", "1", "--cp", "4", "--checkpoint-dir",
+                             str(tmp / "ck"), "--resume", str(tmp / "ck" / f"step-{half:08d}"), "--log-json",
+                             str(resumed)], args.timeout)  # fmt: skip
+    base = [s["loss"] for s in logs["1 GPU"]["steps"]] if logs["1 GPU"] else None
+    table = []
+    for (label, world, status_), log in zip(rows, logs.values()):
+        losses = [s["loss"] for s in log["steps"]] if log else []
+        diff = max(abs(a - b) / abs(b) for a, b in zip(losses, base)) if log and base else None
+        peak = max(s["peak_mem_gib"] for s in log["steps"]) if log else None
+        table.append([label, world, status_, losses[0] if losses else None, losses[-1] if losses else None, diff,
+                      peak, json.dumps([round(x, 5) for x in losses])])  # fmt: skip
+    cp4 = logs["dp 1, cp 4"]
+    resumed_loss = json.loads(resumed.read_text())["steps"][-1]["loss"] if status == "ok" else None
+    uninterrupted = cp4["steps"][half]["loss"] if cp4 else None
+    notes = (f"{args.steps} steps, {tokens} tokens a step, bf16, the same seed and token file; max rel diff = "
+             f"largest |loss - loss on 1 GPU| / loss on 1 GPU over the steps; resumed from the step-{half} checkpoint "
+             f"of (dp 1, cp 4): step {half + 1} loss {resumed_loss} against {uninterrupted} uninterrupted")
+    import fla
+
+    return Result(
+        benchmark="train", name=f"train-curves-{args.preset}",
+        title=f"Loss curves of examples/train_qwen3_next.py, preset {args.preset}: one GPU, (dp 1, cp 4), (dp 2, cp 2)",
+        columns=["run", "GPUs", "status", "first loss", "last loss", "max rel diff vs 1 GPU", "peak GiB", "losses"],
+        rows=table, formats={"first loss": "{:.4f}", "last loss": "{:.4f}", "max rel diff vs 1 GPU": "{:.2e}",
+                             "peak GiB": "{:.1f}"},
+        env=environment(world=4, fla=fla.__version__), notes=notes,
+    )  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> Result:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--worlds", default="1,2,4", help="CP sizes W (one GPU per rank)")
@@ -90,6 +183,7 @@ def main(argv: list[str] | None = None) -> Result:
     p.add_argument("--timeout", type=int, default=1200, help="seconds per run")
     p.add_argument("--out", default=str(RESULTS_DIR))
     p.add_argument("--smoke", action="store_true", help="tiny preset on the CPU, W = 1, 2, eager, 3 steps")
+    p.add_argument("--curves", action="store_true", help="loss curves on 1 GPU, (dp 1, cp 4), (dp 2, cp 2); resume")
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="further recipe arguments, last")
     args = p.parse_args(argv)
     args.compile = not args.smoke
@@ -97,6 +191,13 @@ def main(argv: list[str] | None = None) -> Result:
         args.preset, args.worlds, args.tokens, args.graphs, args.steps, args.warmup = "tiny", "1,2", "256", "off", 3, 1
         args.extra = ["--device", "cpu", *args.extra]
     worlds, token_counts = [int(w) for w in args.worlds.split(",")], [int(t) for t in args.tokens.split(",")]
+    if args.curves:
+        if args.steps == 15:
+            args.steps = 50
+        result = curves(args)
+        print(result.markdown())
+        print(f"[bench_train] wrote {result.write(args.out)}")
+        return result
     modes = {"off": [False], "on": [True], "both": [False, True]}[args.graphs]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
