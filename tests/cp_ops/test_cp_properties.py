@@ -40,8 +40,10 @@ from custom_ops.testing import (
     TOLERANCE,
     as_memory_layout,
     attention_masks,
+    first_autotune_config,
     gqa_heads,
     index_dtypes,
+    poisoned_allocations,
     rel_error,
     thd_layouts,
     thd_packing,
@@ -394,10 +396,10 @@ def _cases(cp_sizes, attention: int, collectives: int, layers: int) -> list:
 
 @pytest.mark.dist
 def test_cp_pieces_match_their_oracles():
-    """W = 1-3 (W = 1 through a group of one rank: the collectives and the reorder run)."""
-    cases = _cases((1, 2, 3), attention=10, collectives=6, layers=6)
-    assert {c.cp_size for c in cases} == {1, 2, 3}
-    run_ranks(3, _check_cases, cases)
+    """W = 1-7 (W = 1 through a group of one rank: the collectives and the reorder run)."""
+    cases = _cases(tuple(range(1, 8)), attention=10, collectives=7, layers=7)
+    assert {c.cp_size for c in cases} == set(range(1, 8))
+    run_ranks(7, _check_cases, cases)
 
 
 @pytest.mark.dist
@@ -407,3 +409,88 @@ def test_cp_pieces_match_their_oracles_wide():
     cases = _cases(tuple(range(1, 9)), attention=80, collectives=40, layers=40)
     assert {c.cp_size for c in cases} == set(range(1, 9))
     run_ranks(8, _check_cases, cases)
+
+
+# --- float32 on gloo ranks with the Triton kernels in the interpreter (TRITON_INTERPRET=1) ----------
+#
+# float64 takes the torch references inside the ops, so the tests above never run a kernel inside
+# CP. In float32 under TRITON_INTERPRET=1 (inherited by the spawned ranks) the segment-attention,
+# reorder, valid-token copy, section and conv kernels run, in the op and in both layers, with
+# fresh memory poisoned. The oracle is float64 (the dense attention; the layer on one process in
+# float64, from the same parameters); float32 rounding bounds the error: 1e-5 relative
+# (TOLERANCE[float32]) for the op and the layers (whose errors stay near 1e-6 on one process).
+
+F32_LAYER_TOL = 1e-5
+
+
+def _check_attention_float32(case: AttentionCase, group, rank):
+    packing = thd_packing(case.cp_size, case.seqlens, case.index_dtype)
+    cup, w = packing.cu_seqlens_padded, case.cp_size
+    q, k, v, dout = (t.float().double() for t in _attention_tensors(packing, case.heads, case.head_dim, case.seed))
+    want = [shard_thd(t, cup, w, rank) for t in _oracle(q, k, v, dout, packing, case.causal, case.window)]
+    leaves = [shard_thd(t, cup, w, rank).float().requires_grad_() for t in (q, k, v)]
+    out = ag_thd_attention(*leaves, packing.cu_seqlens, cup, causal=case.causal, window=case.window, group=group,
+                           launches=case.launches, head_groups=case.head_groups)  # fmt: skip
+    out.backward(shard_thd(dout, cup, w, rank).float())
+    _assert_close([out.detach()] + [t.grad for t in leaves], want, TOLERANCE[torch.float32], f"{case} rank {rank}")
+
+
+def _check_layer_float32(case: LayerCase, group, rank):
+    import copy
+
+    packing = thd_packing(case.cp_size, case.seqlens)
+    cup, w = packing.cu_seqlens_padded, case.cp_size
+    layer = _layer(case)
+    layer32 = copy.deepcopy(layer).float()
+    gen = torch.Generator().manual_seed(case.seed)
+    x = torch.randn(packing.num_rows, 12, dtype=torch.float64, generator=gen).float().double()
+    grad_out = torch.randn(x.shape, dtype=torch.float64, generator=gen).float().double()
+
+    x_ref = x.clone().requires_grad_()
+    out_ref = _run_layer(layer, case.kind, x_ref, packing, None)
+    out_ref.backward(grad_out)
+
+    x_cp = shard_thd(x, cup, w, rank).float().requires_grad_()
+    out_cp = _run_layer(layer32, case.kind, x_cp, packing, group)
+    out_cp.backward(shard_thd(grad_out, cup, w, rank).float())
+    what = f"float32 {case} rank {rank}"
+    assert rel_error(out_cp.detach(), shard_thd(out_ref.detach(), cup, w, rank)) < F32_LAYER_TOL, what
+    assert rel_error(x_cp.grad, shard_thd(x_ref.grad, cup, w, rank)) < F32_LAYER_TOL, what
+    ref_grads = dict(layer.named_parameters())
+    for name, p in layer32.named_parameters():
+        dist.all_reduce(p.grad, group=group)
+        assert rel_error(p.grad, ref_grads[name].grad) < F32_LAYER_TOL, f"{what}: {name}"
+
+
+_FLOAT32_CHECKS = {AttentionCase: _check_attention_float32, LayerCase: _check_layer_float32}
+
+
+def _check_cases_float32(rank, world, cases):
+    groups = {w: dist.new_group(list(range(w))) for w in range(1, world + 1)}
+    with poisoned_allocations(), first_autotune_config():
+        for case in cases:
+            if rank < case.cp_size:
+                _FLOAT32_CHECKS[type(case)](case, groups[case.cp_size], rank)
+
+
+def _float32_cases(cp_sizes, attention, layers, max_len=12):
+    """Op cases and ``layers`` cases of each layer, sequences cut to ``max_len`` (the interpreter
+    is slow)."""
+    cases = draw_cases(attention_cases(cp_sizes), attention)
+    for kind in ("attention", "gdn"):
+        cases += draw_cases(layer_cases(cp_sizes).filter(lambda c, kind=kind: c.kind == kind), layers)
+    return [c._replace(seqlens=[min(n, max_len) for n in c.seqlens]) for c in cases]
+
+
+@pytest.mark.dist
+@pytest.mark.interpret
+def test_float32_kernels_inside_cp_match_float64_oracles():
+    """W = 2: the op and both layers (each at least once) in float32 with the kernels interpreted."""
+    run_ranks(2, _check_cases_float32, _float32_cases((2,), attention=3, layers=2))
+
+
+@pytest.mark.dist
+@pytest.mark.interpret
+@pytest.mark.slow
+def test_float32_kernels_inside_cp_match_float64_oracles_wide():
+    run_ranks(4, _check_cases_float32, _float32_cases((1, 2, 3, 4), attention=16, layers=8, max_len=24))
