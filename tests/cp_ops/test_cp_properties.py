@@ -1,5 +1,5 @@
 """Property tests of the CP pieces on drawn layouts: all-gather CP attention, the row all-gather
-and reduce-scatter, and both CP layers, on gloo ranks, against oracles that never run the CP path.
+and reduce-scatter, both CP layers and (at W = 5-7) the all-to-all, on gloo ranks, against oracles that never run the CP path.
 
 Oracles: all-gather CP attention against :func:`dense_attention`, every sequence's softmax
 attention written out over its own keys (float64, autograd for the gradients), which shares no
@@ -185,6 +185,11 @@ class CollectiveCase(NamedTuple):
     seed: int
 
 
+class AllToAllCase(NamedTuple):
+    cp_size: int
+    case: tuple  # test_comm's case: (seqlens, section multiples, middle shape, dtype, seed)
+
+
 class LayerCase(NamedTuple):
     kind: str  # "attention" or "gdn"
     cp_size: int
@@ -234,6 +239,8 @@ def layer_cases(draw, cp_sizes):
 def _size(case) -> int:
     if isinstance(case, CollectiveCase):
         return case.rows * (1 + sum(case.trailing))
+    if isinstance(case, AllToAllCase):
+        return sum(case.case[0]) * sum(case.case[1])
     return sum(case.seqlens) + len(case.seqlens)
 
 
@@ -375,7 +382,18 @@ def _check_layer(case: LayerCase, group, rank):
         assert rel_error(p.grad, ref_grads[name]) < LAYER_TOL, f"{what}: {name}"
 
 
-_CHECKS = {AttentionCase: _check_attention, CollectiveCase: _check_collectives, LayerCase: _check_layer}
+def _check_all_to_all(case: AllToAllCase, group, rank):
+    from tests.cp_ops.test_comm import _check_cases as check_exchange
+
+    check_exchange(rank, case.cp_size, [case.case], group)
+
+
+_CHECKS = {
+    AttentionCase: _check_attention,
+    CollectiveCase: _check_collectives,
+    LayerCase: _check_layer,
+    AllToAllCase: _check_all_to_all,
+}
 
 
 def _check_cases(rank, world, cases):
@@ -386,18 +404,29 @@ def _check_cases(rank, world, cases):
             _CHECKS[type(case)](case, groups[case.cp_size], rank)
 
 
-def _cases(cp_sizes, attention: int, collectives: int, layers: int) -> list:
-    return (
+def all_to_all_cases(cp_size):
+    """thd_cp2hp / thd_hp2cp cases of test_comm.py (which spawns W = 1-4 and 8) at ``cp_size``."""
+    from tests.cp_ops.test_comm import _case
+
+    return st.builds(AllToAllCase, st.just(cp_size), _case())
+
+
+def _cases(cp_sizes, attention: int, collectives: int, layers: int, exchanges: int, exchange_sizes=(5, 6, 7)):
+    """Drawn cases of each kind; ``exchanges`` all-to-all cases at each of ``exchange_sizes``."""
+    cases = (
         draw_cases(attention_cases(cp_sizes), attention)
         + draw_cases(collective_cases(cp_sizes), collectives)
         + draw_cases(layer_cases(cp_sizes), layers)
     )
+    for w in exchange_sizes:  # the simplest (one empty sequence) left out: test_comm.py has it
+        cases += draw_cases(all_to_all_cases(w), exchanges + 1)[1:]
+    return cases
 
 
 @pytest.mark.dist
 def test_cp_pieces_match_their_oracles():
     """W = 1-7 (W = 1 through a group of one rank: the collectives and the reorder run)."""
-    cases = _cases(tuple(range(1, 8)), attention=10, collectives=7, layers=7)
+    cases = _cases(tuple(range(1, 8)), attention=10, collectives=7, layers=7, exchanges=1)
     assert {c.cp_size for c in cases} == set(range(1, 8))
     run_ranks(7, _check_cases, cases)
 
@@ -405,8 +434,8 @@ def test_cp_pieces_match_their_oracles():
 @pytest.mark.dist
 @pytest.mark.slow
 def test_cp_pieces_match_their_oracles_wide():
-    """W = 1-8, odd sizes 5 and 7 and 6 among them, many more cases."""
-    cases = _cases(tuple(range(1, 9)), attention=80, collectives=40, layers=40)
+    """W = 1-8, many more cases; the all-to-all at W = 5-7."""
+    cases = _cases(tuple(range(1, 9)), attention=80, collectives=40, layers=40, exchanges=10)
     assert {c.cp_size for c in cases} == set(range(1, 9))
     run_ranks(8, _check_cases, cases)
 
