@@ -447,7 +447,8 @@ def test_cp_pieces_match_their_oracles_wide():
 # reorder, valid-token copy, section and conv kernels run, in the op and in both layers, with
 # fresh memory poisoned. The oracle is float64 (the dense attention; the layer on one process in
 # float64, from the same parameters); float32 rounding bounds the error: 1e-5 relative
-# (TOLERANCE[float32]) for the op and the layers (whose errors stay near 1e-6 on one process).
+# (TOLERANCE[float32]) for the op and the layers' outputs and input gradients (their errors
+# stay near 1e-6 on one process).
 
 F32_LAYER_TOL = 1e-5
 
@@ -485,10 +486,13 @@ def _check_layer_float32(case: LayerCase, group, rank):
     what = f"float32 {case} rank {rank}"
     assert rel_error(out_cp.detach(), shard_thd(out_ref.detach(), cup, w, rank)) < F32_LAYER_TOL, what
     assert rel_error(x_cp.grad, shard_thd(x_ref.grad, cup, w, rank)) < F32_LAYER_TOL, what
+    # parameter gradients are sums over all T rows of terms that may cancel (dt_bias, A_log: one
+    # number per head), so float32 error grows with T; a missing or doubled term is of order one
     ref_grads = dict(layer.named_parameters())
     for name, p in layer32.named_parameters():
         dist.all_reduce(p.grad, group=group)
-        assert rel_error(p.grad, ref_grads[name].grad) < F32_LAYER_TOL, f"{what}: {name}"
+        torch.testing.assert_close(p.grad.double(), ref_grads[name].grad, rtol=F32_LAYER_TOL,
+                                   atol=1e-6 * max(packing.num_rows, 1), msg=f"{what}: {name}")  # fmt: skip
 
 
 _FLOAT32_CHECKS = {AttentionCase: _check_attention_float32, LayerCase: _check_layer_float32}
