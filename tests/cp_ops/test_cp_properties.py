@@ -13,8 +13,8 @@ against its own forward by central differences along a random direction of the g
 Spawning ranks costs seconds each, so hypothesis draws the cases in the parent and one spawn
 checks them all: the ranks build a subgroup of ranks ``[0, W)`` for every W up to the spawn's
 size, and a case of CP size W runs on the first W ranks. A failing case is named in the
-assertion message (its repr rebuilds it); rerun it alone with
-``run_ranks(W, _check_cases, [case])`` from this module.
+assertion message and printed with it to the captured stderr by the rank that failed (its repr
+rebuilds it); rerun it alone with ``run_ranks(W, _check_cases, [case])`` from this module.
 
 Tolerances: float64, so the CP path agrees with the oracle to rounding: 1e-10 for the op
 (TOLERANCE[float64]), 1e-7 for the layers (parameter gradients summed over ranks in another
@@ -25,6 +25,7 @@ every sum is exact in any order and the comparisons are exact.
 
 from __future__ import annotations
 
+import sys
 from typing import NamedTuple
 
 import pytest
@@ -396,12 +397,23 @@ _CHECKS = {
 }
 
 
+def _run_case(checks, case, group, rank):
+    """``checks[type(case)](case, group, rank)``; a failure is also printed with its case to
+    stderr (pytest shows it): the spawn reports the first rank to exit, which may be a peer whose
+    collective broke off when the failing rank left."""
+    try:
+        checks[type(case)](case, group, rank)
+    except BaseException as e:
+        print(f"rank {rank} failed on {case!r}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        raise
+
+
 def _check_cases(rank, world, cases):
     # every rank takes part in creating every group, in one order; a case of size W runs on [0, W)
     groups = {w: dist.new_group(list(range(w))) for w in range(1, world + 1)}
     for case in cases:
         if rank < case.cp_size:
-            _CHECKS[type(case)](case, groups[case.cp_size], rank)
+            _run_case(_CHECKS, case, groups[case.cp_size], rank)
 
 
 def all_to_all_cases(cp_size):
@@ -503,7 +515,7 @@ def _check_cases_float32(rank, world, cases):
     with poisoned_allocations(), first_autotune_config():
         for case in cases:
             if rank < case.cp_size:
-                _FLOAT32_CHECKS[type(case)](case, groups[case.cp_size], rank)
+                _run_case(_FLOAT32_CHECKS, case, groups[case.cp_size], rank)
 
 
 def _float32_cases(cp_sizes, attention, layers, max_len=12):
