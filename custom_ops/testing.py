@@ -1,13 +1,30 @@
 """Input factories, tolerances and hypothesis strategies shared by tests, benchmarks and notebooks.
 
-Layout ops move bits and are compared exactly. Compute ops are compared by the
-error-RMS / reference-RMS ratio (:func:`rel_error`) against a float64 reference,
-with the bound for the working dtype in :data:`TOLERANCE`.
+Layout ops move bits and are compared exactly (:func:`same_bits`). Compute ops are compared by
+the error-RMS / reference-RMS ratio (:func:`rel_error`) against a float64 reference, with the
+bound for the working dtype in :data:`TOLERANCE`.
+
+The hypothesis strategies draw what the ops' contracts allow, for property tests of code built
+on them: THD layouts (:func:`thd_layouts`, :func:`thd_packings`: CP sizes 1-8, no sequences,
+zero-length and one-token sequences, int32 and int64 index tensors), element dtypes
+(:func:`layout_dtypes`: every dtype the layout ops move), memory layouts (:func:`strided_views`:
+offset, transposed and strided views of a larger buffer), feature sections
+(:func:`section_layouts`) and attention masks and heads (:func:`attention_masks`,
+:func:`gqa_heads`). For example::
+
+    @given(thd_packings(), layout_dtypes(), st.data())
+    def test_my_op(packing, dtype, data):
+        x = data.draw(strided_views(random_tensor((packing.num_rows, 4), dtype)))
+        ...
+
+hypothesis is imported only when a strategy is built, so the rest of this module works without it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import itertools
 from unittest import mock
 
 import torch
@@ -23,6 +40,26 @@ TOLERANCE = {
 # dtypes the layout ops are property-tested over (they move bits, so any dtype works)
 LAYOUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64)
 
+# The other dtypes the layout ops promise to move ("any dtype"): the row kernels move these as
+# integer words of their element size (custom_ops._common.word_dtype), 16-byte ones as two words.
+WORD_DTYPES = (
+    torch.bool, torch.int8, torch.uint8, torch.int16, torch.int32,
+    torch.float8_e4m3fn, torch.float8_e5m2, torch.complex64, torch.complex128,
+)  # fmt: skip
+
+# torch's unsigned dtypes past 8 bits, which few CPU ops implement (index_select of a 1-D
+# tensor among those missing): drawn by layout_dtypes(unsigned=True) only
+UNSIGNED_DTYPES = (torch.uint16, torch.uint32, torch.uint64)
+
+# CP sizes the strategies draw by default: every size up to a node of 8 GPUs, odd ones included
+CP_SIZES = (1, 2, 3, 4, 5, 6, 7, 8)
+
+# dtypes an index tensor (cu_seqlens, offsets) may have
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+# memory layouts :func:`as_memory_layout` gives a tensor (its values unchanged)
+MEMORY_LAYOUTS = ("contiguous", "offset", "row_strided", "transposed", "last_dim_strided")
+
 
 def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     """``||out - ref|| / ||ref||`` in float64 (0 when both are zero; inf on NaN)."""
@@ -35,13 +72,68 @@ def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def random_tensor(shape, dtype: torch.dtype, device="cpu", generator: torch.Generator | None = None) -> torch.Tensor:
-    """Fresh random data, never zeros: normal floats, or integers across the whole range."""
+    """Fresh random data, never zeros: normal floats (complex: both parts), or integers across
+    the whole range (unsigned 16-64 bit ones as random bytes)."""
     if dtype.is_floating_point:
         return torch.randn(shape, dtype=torch.float32, device=device, generator=generator).to(dtype)
+    if dtype.is_complex:
+        return torch.randn(shape, dtype=dtype, device=device, generator=generator)
     if dtype == torch.bool:
         return torch.randint(0, 2, shape, device=device, generator=generator).bool()
+    if dtype in (torch.uint16, torch.uint32, torch.uint64):  # randint takes no bounds past int64
+        shape = tuple(shape)
+        size = torch.empty((), dtype=dtype).element_size()
+        raw = torch.randint(0, 256, shape + (size,), dtype=torch.uint8, device=device, generator=generator)
+        return raw.view(dtype).reshape(shape)
     info = torch.iinfo(dtype)
     return torch.randint(info.min, info.max, shape, dtype=dtype, device=device, generator=generator)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` have one shape and dtype and the same bytes, element by element
+    (``torch.equal`` is not implemented for every dtype, float8 among them, and calls NaN != NaN)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+
+    def as_bytes(t):  # a fresh row-major copy: .contiguous() keeps the strides of empty tensors
+        return torch.empty_like(t, memory_format=torch.contiguous_format).copy_(t).view(-1).view(torch.uint8)
+
+    return torch.equal(as_bytes(a), as_bytes(b))
+
+
+def as_memory_layout(t: torch.Tensor, layout: str, generator: torch.Generator | None = None) -> torch.Tensor:
+    """A tensor with ``t``'s shape, dtype and values, stored as ``layout`` (one of
+    :data:`MEMORY_LAYOUTS`) inside a larger buffer of random data:
+
+    - ``contiguous``: a contiguous copy;
+    - ``offset``: contiguous, starting one element into its storage (a pointer no longer
+      16-byte aligned), with rows of random data after it;
+    - ``row_strided``: every other row of a buffer twice as long (dim 0 strided);
+    - ``transposed``: dim 0 innermost in memory (a ``[..., T]`` buffer seen as ``[T, ...]``);
+      1-D tensors get ``row_strided``;
+    - ``last_dim_strided``: every other element of the last dim (no unit stride); 1-D tensors
+      get ``row_strided``.
+
+    Reading outside the view reads the random data around it.
+    """
+    if layout not in MEMORY_LAYOUTS:
+        raise ValueError(f"layout must be one of {MEMORY_LAYOUTS}, got {layout!r}")
+    if t.dim() == 0 or layout == "contiguous":
+        return t.clone(memory_format=torch.contiguous_format)
+    if t.dim() == 1 and layout in ("transposed", "last_dim_strided"):
+        layout = "row_strided"
+    shape = tuple(t.shape)
+    if layout == "offset":
+        flat = random_tensor((t.numel() + 1 + 7,), t.dtype, t.device, generator)
+        view = flat[1 : 1 + t.numel()].view(shape)
+    elif layout == "row_strided":
+        view = random_tensor((2 * shape[0],) + shape[1:], t.dtype, t.device, generator)[::2]
+    elif layout == "transposed":
+        view = random_tensor(shape[1:] + (shape[0],), t.dtype, t.device, generator).movedim(-1, 0)
+    else:
+        view = random_tensor(shape[:-1] + (2 * shape[-1],), t.dtype, t.device, generator)[..., ::2]
+    view.copy_(t)
+    return view
 
 
 def random_seqlens(num_seqs: int, max_len: int, generator: torch.Generator | None = None) -> list[int]:
@@ -52,12 +144,86 @@ def random_seqlens(num_seqs: int, max_len: int, generator: torch.Generator | Non
     return lens.tolist()
 
 
-def thd_layouts(max_seqs: int = 6, max_len: int = 40, cp_sizes=(1, 2, 3, 4, 5, 8)):
-    """Hypothesis strategy of ``(cp_size, seqlens)``: zero-length and length-1 sequences included."""
+def thd_layouts(max_seqs: int = 6, max_len: int = 40, cp_sizes=CP_SIZES, min_seqs: int = 1):
+    """Hypothesis strategy of ``(cp_size, seqlens)``: zero-length and length-1 sequences likely,
+    ``min_seqs = 0`` for batches with no sequence at all. Pad with ``cp_ops.pad_cu_seqlens``."""
     from hypothesis import strategies as st
 
     lengths = st.one_of(st.just(0), st.just(1), st.integers(0, max_len))
-    return st.tuples(st.sampled_from(cp_sizes), st.lists(lengths, min_size=1, max_size=max_seqs))
+    return st.tuples(st.sampled_from(cp_sizes), st.lists(lengths, min_size=min_seqs, max_size=max_seqs))
+
+
+@dataclasses.dataclass(frozen=True)
+class ThdPacking:
+    """A packed batch for W = ``cp_size`` ranks: real lengths and both cumulative index tensors
+    (``cu_seqlens``, ``cu_seqlens_padded``, of one index dtype; each padded length the least
+    multiple of 2W that holds the sequence)."""
+
+    cp_size: int
+    seqlens: tuple[int, ...]
+    cu_seqlens: torch.Tensor
+    cu_seqlens_padded: torch.Tensor
+
+    @property
+    def num_rows(self) -> int:
+        """T, the rows of the global (sequence-order) tensor."""
+        return int(self.cu_seqlens_padded[-1])
+
+    @property
+    def local_rows(self) -> int:
+        """T/W, the rows of one rank's shard."""
+        return self.num_rows // self.cp_size
+
+    def __repr__(self) -> str:  # what a failing example prints: enough to rebuild it
+        return f"ThdPacking(cp_size={self.cp_size}, seqlens={list(self.seqlens)}, index_dtype={self.cu_seqlens.dtype})"
+
+
+def thd_packing(cp_size: int, seqlens, index_dtype: torch.dtype = torch.int32) -> ThdPacking:
+    """The :class:`ThdPacking` of real lengths ``seqlens`` for ``cp_size`` ranks."""
+    steps = [-(-int(n) // (2 * cp_size)) * 2 * cp_size for n in seqlens]
+    cu = torch.tensor([0] + list(itertools.accumulate(int(n) for n in seqlens)), dtype=index_dtype)
+    cup = torch.tensor([0] + list(itertools.accumulate(steps)), dtype=index_dtype)
+    return ThdPacking(cp_size, tuple(int(n) for n in seqlens), cu, cup)
+
+
+def thd_packings(max_seqs: int = 6, max_len: int = 40, cp_sizes=CP_SIZES, min_seqs: int = 0, index_dtypes=INDEX_DTYPES):
+    """Hypothesis strategy of :class:`ThdPacking`: :func:`thd_layouts` (no sequences allowed by
+    default) with index tensors of a drawn dtype (int32 or int64)."""
+    from hypothesis import strategies as st
+
+    layouts = thd_layouts(max_seqs, max_len, cp_sizes, min_seqs)
+    return st.builds(lambda layout, dtype: thd_packing(*layout, dtype), layouts, st.sampled_from(index_dtypes))
+
+
+def index_dtypes():
+    """Hypothesis strategy of the dtypes of index tensors (int32, int64)."""
+    from hypothesis import strategies as st
+
+    return st.sampled_from(INDEX_DTYPES)
+
+
+def layout_dtypes(words: bool = True, unsigned: bool = False):
+    """Hypothesis strategy of element dtypes for the layout ops: :data:`LAYOUT_DTYPES`, with
+    ``words`` the ones moved as integer words (:data:`WORD_DTYPES`: bool, float8, complex,
+    int8-32, ...), with ``unsigned`` also :data:`UNSIGNED_DTYPES`. Compare results with
+    :func:`same_bits`."""
+    from hypothesis import strategies as st
+
+    return st.sampled_from(LAYOUT_DTYPES + (WORD_DTYPES if words else ()) + (UNSIGNED_DTYPES if unsigned else ()))
+
+
+def memory_layouts():
+    """Hypothesis strategy of :data:`MEMORY_LAYOUTS` names (see :func:`as_memory_layout`)."""
+    from hypothesis import strategies as st
+
+    return st.sampled_from(MEMORY_LAYOUTS)
+
+
+def strided_views(t: torch.Tensor):
+    """Hypothesis strategy of tensors equal to ``t`` in every element but stored differently:
+    contiguous, offset into their storage, row-strided, transposed or last-dim-strided views of
+    a larger buffer of random data (:func:`as_memory_layout`)."""
+    return memory_layouts().map(lambda layout: as_memory_layout(t, layout))
 
 
 def trailing_shapes():
@@ -112,6 +278,43 @@ def kernel_constexprs(kernel, constants: dict) -> dict:
         if param.is_constexpr and param.has_default:
             out.setdefault(param.name, param.default)
     return out
+
+
+def section_layouts(cp_sizes=CP_SIZES, max_sections: int = 6, max_multiple: int = 5):
+    """Hypothesis strategy of ``(cp_size, sections, leading shape)`` for the section ops:
+    widths ``m * cp_size`` with ``0 <= m <= max_multiple`` (zero-width and unequal sections
+    included), leading shapes with no, one, seven or zero rows."""
+    from hypothesis import strategies as st
+
+    @st.composite
+    def cases(draw):
+        cp_size = draw(st.sampled_from(cp_sizes))
+        multiples = draw(
+            st.lists(st.one_of(st.just(0), st.integers(1, max_multiple)), min_size=1, max_size=max_sections)
+        )
+        lead = draw(st.sampled_from([(), (1,), (7,), (3, 2), (0,)]))
+        return cp_size, [m * cp_size for m in multiples], lead
+
+    return cases()
+
+
+def gqa_heads(max_kv_heads: int = 3, max_group: int = 3):
+    """Hypothesis strategy of ``(Hq, Hkv)`` with ``Hq = G * Hkv``: multi-head (G = 1),
+    grouped-query and multi-query (Hkv = 1) attention."""
+    from hypothesis import strategies as st
+
+    return st.builds(
+        lambda hkv, group: (hkv * group, hkv), st.integers(1, max_kv_heads), st.integers(1, max_group)
+    )
+
+
+def attention_masks(max_window: int = 8):
+    """Hypothesis strategy of ``(causal, (left, right))``: causal or not, each window bound
+    unbounded (-1) or ``0..max_window`` (0: the query's own position only)."""
+    from hypothesis import strategies as st
+
+    bound = st.one_of(st.just(-1), st.integers(0, max_window))
+    return st.tuples(st.booleans(), st.tuples(bound, bound))
 
 
 def gdn_layouts(max_seqs: int = 4, max_len: int = 12):

@@ -1,14 +1,26 @@
 """thd_copy_valid_tokens (functional) and thd_copy_valid_tokens_ (in place)."""
 
+import contextlib
+
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import custom_ops
 from cp_ops import local_cu_seqlens, pad_cu_seqlens
-from custom_ops.testing import LAYOUT_DTYPES, poisoned_allocations, random_tensor, thd_layouts, trailing_shapes
+from custom_ops.testing import (
+    index_dtypes,
+    layout_dtypes,
+    poisoned_allocations,
+    random_tensor,
+    same_bits,
+    strided_views,
+    thd_layouts,
+    trailing_shapes,
+)
 from custom_ops.thd_copy_valid_tokens.reference import thd_copy_valid_tokens_loop, thd_copy_valid_tokens_reference
+from tests.custom_ops.test_thd_reorder import two_word_bug
 
 
 def _case(cp_size, seqlens, trailing, dtype, local=False, offsets_len="B+1", index_dtype=torch.int32):
@@ -26,18 +38,54 @@ def _case(cp_size, seqlens, trailing, dtype, local=False, offsets_len="B+1", ind
     return dst, src, offsets.to(index_dtype), cu.to(index_dtype)
 
 
-layouts = st.tuples(thd_layouts(), st.booleans(), st.sampled_from(["B", "B+1"]))
+# (cp_size, seqlens), a local shard's offsets or the global ones, offsets of B or B+1 entries
+layouts = st.tuples(thd_layouts(min_seqs=0), st.booleans(), st.sampled_from(["B", "B+1"]))
 
 
-@given(layouts, trailing_shapes(), st.sampled_from(LAYOUT_DTYPES), st.sampled_from([torch.int32, torch.int64]))
-def test_matches_loop_definition(layout, trailing, dtype, index_dtype):
+def _definition(dst, src, offsets, cu):
+    """The contract spelled out row by row: rows offsets[i] + j, j < L_i, from src."""
+    out = dst.clone()
+    bounds = cu.tolist()
+    for i in range(len(bounds) - 1):
+        start = int(offsets[i])
+        for row in range(start, start + bounds[i + 1] - bounds[i]):
+            out[row] = src[row]
+    return out
+
+
+def _check(layout, trailing, dtype, index_dtype, data, kernel=False):
     (cp_size, seqlens), local, offsets_len = layout
     dst, src, offsets, cu = _case(cp_size, seqlens, trailing, dtype, local, offsets_len, index_dtype)
-    expected = thd_copy_valid_tokens_loop(dst, src, offsets, cu)
-    assert torch.equal(custom_ops.thd_copy_valid_tokens(dst, src, offsets, cu), expected)
-    inplace = dst.clone()
-    custom_ops.thd_copy_valid_tokens_(inplace, src, offsets, cu)
-    assert torch.equal(inplace, expected)
+    dst_view = data.draw(strided_views(dst), label="dst memory layout")
+    src_view = data.draw(strided_views(src), label="src memory layout")
+    if kernel:
+        assume(not any(two_word_bug(t) for t in (dst_view, src_view)))
+    expected = _definition(dst, src, offsets, cu)
+    with poisoned_allocations() if kernel else contextlib.nullcontext():
+        out = custom_ops.thd_copy_valid_tokens(dst_view, src_view, offsets, cu)
+    assert same_bits(out, expected)
+    # in place: any dst on the CPU path; the kernel path writes a contiguous dst (offset in its storage or not)
+    inplace = dst_view.clone() if not kernel or dst_view.is_contiguous() else dst.clone()
+    with poisoned_allocations() if kernel else contextlib.nullcontext():
+        custom_ops.thd_copy_valid_tokens_(inplace, src_view, offsets, cu)
+    assert same_bits(inplace, expected)
+
+
+@given(layouts, trailing_shapes(), layout_dtypes(), index_dtypes(), st.data())
+def test_matches_the_definition(layout, trailing, dtype, index_dtype, data):
+    """No sequences, empty and one-token ones, W = 1-8, global and local offsets, int32 and
+    int64 indices, every dtype, dst and src in any memory layout; functional and in place."""
+    _check(layout, trailing, dtype, index_dtype, data)
+
+
+@pytest.mark.slow
+@settings(max_examples=400)
+@given(
+    st.tuples(thd_layouts(max_seqs=12, max_len=200, min_seqs=0), st.booleans(), st.sampled_from(["B", "B+1"])),
+    trailing_shapes(), layout_dtypes(), index_dtypes(), st.data(),
+)  # fmt: skip
+def test_matches_the_definition_wide(layout, trailing, dtype, index_dtype, data):
+    _check(layout, trailing, dtype, index_dtype, data)
 
 
 def test_no_sequences_returns_dst():
@@ -126,17 +174,22 @@ def test_compiled_fullgraph_dynamic_no_recompile(fn, expected):
 
 
 @pytest.mark.interpret
-@given(layouts, trailing_shapes(), st.sampled_from(LAYOUT_DTYPES))
-def test_kernel_matches_reference_bit_exact(layout, trailing, dtype):
-    (cp_size, seqlens), local, offsets_len = layout
-    dst, src, offsets, cu = _case(cp_size, seqlens, trailing, dtype, local, offsets_len)
-    expected = thd_copy_valid_tokens_reference(dst, src, offsets, cu)
-    inplace = dst.clone()
-    with poisoned_allocations():
-        out = custom_ops.thd_copy_valid_tokens(dst, src, offsets, cu)
-        custom_ops.thd_copy_valid_tokens_(inplace, src, offsets, cu)
-    assert torch.equal(out, expected)
-    assert torch.equal(inplace, expected)
+@given(layouts, trailing_shapes(), layout_dtypes(), index_dtypes(), st.data())
+def test_kernel_matches_reference_bit_exact(layout, trailing, dtype, index_dtype, data):
+    """The kernel with int32 and int64 indices, every dtype (those Triton has no type for moved
+    as integer words), dst and src in any memory layout; fresh memory poisoned."""
+    _check(layout, trailing, dtype, index_dtype, data, kernel=True)
+
+
+@pytest.mark.interpret
+@pytest.mark.slow
+@settings(max_examples=200)
+@given(
+    st.tuples(thd_layouts(max_seqs=8, max_len=80, min_seqs=0), st.booleans(), st.sampled_from(["B", "B+1"])),
+    trailing_shapes(), layout_dtypes(), index_dtypes(), st.data(),
+)  # fmt: skip
+def test_kernel_matches_reference_bit_exact_wide(layout, trailing, dtype, index_dtype, data):
+    _check(layout, trailing, dtype, index_dtype, data, kernel=True)
 
 
 @pytest.mark.interpret
