@@ -80,9 +80,9 @@ def run_one(world: int, tokens: int, graphs: bool, args: argparse.Namespace, tmp
     if status == "ok":
         row.update(summarise(json.loads(log.read_text()), args.warmup))
     row["status"] = status
-    numbers = f": step {row['step ms']:.1f} ms, {row['tokens/s']:.0f} tokens/s, peak {row['peak GiB']:.1f} GiB"
-    print(f"[bench_train]   {status} in {time.perf_counter() - start:.0f} s" + (numbers if status == "ok" else ""),
-          flush=True)  # fmt: skip
+    numbers = (f": step {row['step ms']:.1f} ms, {row['tokens/s']:.0f} tokens/s, peak {row['peak GiB']:.1f} GiB"
+               if status == "ok" else "")  # fmt: skip
+    print(f"[bench_train]   {status} in {time.perf_counter() - start:.0f} s{numbers}", flush=True)
     return row
 
 
@@ -146,29 +146,38 @@ def curves(args: argparse.Namespace) -> Result:
                              str(tmp / "ck"), "--resume", str(tmp / "ck" / f"step-{half:08d}"), "--log-json",
                              str(resumed)], args.timeout)  # fmt: skip
     base = [s["loss"] for s in logs["1 GPU"]["steps"]] if logs["1 GPU"] else None
-    table = []
+    table, curves_ = [], {}
     for (label, world, status_), log in zip(rows, logs.values()):
         losses = [s["loss"] for s in log["steps"]] if log else []
+        curves_[label] = losses
         diff = max(abs(a - b) / abs(b) for a, b in zip(losses, base)) if log and base else None
         peak = max(s["peak_mem_gib"] for s in log["steps"]) if log else None
         table.append([label, world, status_, losses[0] if losses else None, losses[-1] if losses else None, diff,
-                      peak, json.dumps([round(x, 5) for x in losses])])  # fmt: skip
+                      peak])  # fmt: skip
     cp4 = logs["dp 1, cp 4"]
     resumed_loss = json.loads(resumed.read_text())["steps"][-1]["loss"] if status == "ok" else None
     uninterrupted = cp4["steps"][half]["loss"] if cp4 else None
-    notes = (f"{args.steps} steps, {tokens} tokens a step, bf16, the same seed and token file; max rel diff = "
+    notes = (f"{args.steps} steps, {tokens} tokens a step, the same seed and token file; max rel diff = "
              f"largest |loss - loss on 1 GPU| / loss on 1 GPU over the steps; resumed from the step-{half} checkpoint "
              f"of (dp 1, cp 4): step {half + 1} loss {resumed_loss} against {uninterrupted} uninterrupted")
     import fla
 
-    return Result(
+    env = environment(world=4, fla=fla.__version__)
+    summary = Result(
         benchmark="train", name=f"train-curves-{args.preset}",
         title=f"Loss curves of examples/train_qwen3_next.py, preset {args.preset}: one GPU, (dp 1, cp 4), (dp 2, cp 2)",
-        columns=["run", "GPUs", "status", "first loss", "last loss", "max rel diff vs 1 GPU", "peak GiB", "losses"],
+        columns=["run", "GPUs", "status", "first loss", "last loss", "max rel diff vs 1 GPU", "peak GiB"],
         rows=table, formats={"first loss": "{:.4f}", "last loss": "{:.4f}", "max rel diff vs 1 GPU": "{:.2e}",
                              "peak GiB": "{:.1f}"},
-        env=environment(world=4, fla=fla.__version__), notes=notes,
+        env=env, notes=notes,
     )  # fmt: skip
+    steps = max((len(v) for v in curves_.values()), default=0)
+    per_step = Result(
+        benchmark="train", name=f"train-losses-{args.preset}", title=f"Loss per step, preset {args.preset}",
+        columns=["step", *curves_], env=env, notes=notes,
+        rows=[[i + 1, *(v[i] if i < len(v) else None for v in curves_.values())] for i in range(steps)],
+    )  # fmt: skip
+    return summary, per_step
 
 
 def main(argv: list[str] | None = None) -> Result:
@@ -194,10 +203,11 @@ def main(argv: list[str] | None = None) -> Result:
     if args.curves:
         if args.steps == 15:
             args.steps = 50
-        result = curves(args)
-        print(result.markdown())
-        print(f"[bench_train] wrote {result.write(args.out)}")
-        return result
+        summary, per_step = curves(args)
+        print(summary.markdown())
+        for result in (summary, per_step):
+            print(f"[bench_train] wrote {result.write(args.out)}")
+        return summary
     modes = {"off": [False], "on": [True], "both": [False, True]}[args.graphs]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -15,6 +15,8 @@ so a picture never shows anything the tables do not. One figure per question:
   scaling.png    scaling efficiency T_1 / (W * T_W) of the CP layers (every result of
                  bench_gdn's CP table and bench_ag_attention's timing table; a later one's
                  point replaces an earlier one's)
+  train_curves.png  the training recipe's loss per step on one GPU, at (dp 1, cp 4) and (dp 2, cp 2)
+                 (result "train-losses-slice4")
 """
 
 from __future__ import annotations
@@ -166,6 +168,21 @@ def plot_scaling(results, out):
     plt.close(fig)
 
 
+def plot_train_curves(results, out):
+    res = result(results, "train-losses-slice4")
+    fig, ax = plt.subplots(figsize=(7, 4))
+    steps = [row[0] for row in res.rows]
+    for i, label in enumerate(res.columns[1:], start=1):
+        ax.plot(steps, [row[i] for row in res.rows], label=label, linewidth=1.2, linestyle="-" if i == 1 else "--")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title(f"examples/train_qwen3_next.py, slice4, bf16 ({res.env.get('device', '')})")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "train_curves.png"), dpi=110)
+    plt.close(fig)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--results", default=str(RESULTS_DIR), help="directory of JSON results")
@@ -173,7 +190,7 @@ def main() -> None:
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     results = load_all(args.results)
-    for plot in (plot_layout, plot_a2a, plot_attention, plot_scaling):
+    for plot in (plot_layout, plot_a2a, plot_attention, plot_scaling, plot_train_curves):
         plot(results, args.out)
         print(f"{plot.__name__.removeprefix('plot_')}.png written to {args.out}")
 

@@ -56,7 +56,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     p.add_argument("--compile", action="store_true", help="torch.compile(fullgraph=True) every decoder layer")
     p.add_argument("--ac", action="store_true", help="activation checkpointing per decoder layer")
-    p.add_argument("--cuda-graphs", action="store_true", help="CUDA graphs in the compiled layers (needs --compile)")
+    p.add_argument("--cuda-graphs", action="store_true", help="CUDA graphs in the compiled layers (needs --compile; slower for now, docs/training.md)")
     p.add_argument("--data", help="a .npy file of one 1-D integer array of token ids (default: synthetic)")
     p.add_argument("--checkpoint-dir")
     p.add_argument("--save-every", type=int, default=0, help="save a checkpoint every N steps (0: never)")
