@@ -28,6 +28,10 @@ PARTS (default: every part that fits the visible GPUs):
   ag-attention-graphs  bench_ag_attention.py --cudagraphs --profile     multi-rank, >= 2 GPUs
   ag-attention-qwen    the same at Qwen3-Next's attention heads: Hkv = 2 (--gqa 8), D = 256
   demo-cp         python -m cp_ops demo --cp-size W                     multi-rank, >= 2 GPUs
+  train           benchmarks/bench_train.py --worlds 1,W: the training recipe's step, W = 1 and W,
+                  32768 and 131072 tokens, CUDA graphs off and on         multi-rank, >= 2 GPUs
+  train-curves    benchmarks/bench_train.py --curves: loss curves on 1 GPU, (dp 1, cp 4),
+                  (dp 2, cp 2), and the resume from the middle checkpoint        4 GPUs
   tests-dist      pytest -m "gpu and dist" -k W<W> (NCCL tests at W)   multi-rank, >= 2 GPUs
                   ("tests-2gpu" is accepted as its old name)
 
@@ -110,6 +114,8 @@ PARTS = {
          "--head-groups", "2", "--cudagraphs", "--profile", "--out", "{out}"],
     ),  # fmt: skip
     "demo-cp": (2, [sys.executable, "-m", "cp_ops", "demo", "--cp-size", "{world}"]),
+    "train": (2, [sys.executable, "-m", "benchmarks.bench_train", "--worlds", "1,{world}", "--out", "{out}"]),
+    "train-curves": (4, [sys.executable, "-m", "benchmarks.bench_train", "--curves", "--out", "{out}"]),
     "tests-dist": (
         2,
         [sys.executable, "-m", "pytest", "tests/cp_ops/test_gpu_multi_rank.py", "-m", "gpu and dist", "-k",
@@ -118,7 +124,7 @@ PARTS = {
 }
 ALIASES = {"tests-2gpu": "tests-dist"}
 # parts that need longer than the default --timeout: seconds, used where --timeout is shorter
-PART_TIMEOUTS = {"layer-host": 900, "cold-start": 1800}
+PART_TIMEOUTS = {"layer-host": 900, "cold-start": 1800, "train": 1800, "train-curves": 900}
 TEST_WORLDS = (2, 4, 8)
 
 
@@ -131,8 +137,8 @@ def _module_file(template: list[str]) -> str | None:
 
 def runs_of(part: str, worlds: list[int] | None, gpus: int) -> list[tuple[str, int, int | None]]:
     """``(name, GPUs needed, W)`` for each run of ``part``: one for a one-GPU part, one per W otherwise."""
-    need, _ = PARTS[part]
-    if need < 2:
+    need, template = PARTS[part]
+    if need < 2 or "{world}" not in template:  # a fixed number of GPUs
         return [(part, need, None)]
     if worlds is None:
         worlds = ([w for w in TEST_WORLDS if w <= gpus] or [2]) if part == "tests-dist" else [max(2, gpus)]
