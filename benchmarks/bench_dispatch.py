@@ -20,7 +20,7 @@ Host microseconds per call: N calls timed with ``time.perf_counter`` (on a GPU b
 ``torch.cuda._sleep``, so that no call waits for the device), the least and the median of 7
 batches. ``over empty_like`` is the least figure less the floor's. The ops registered in
 Python are the floor under this package's layout ops (docs/benchmarks.md, section "Host time
-per op call"); the C++ row is what the same ops would start from if they were registered in
+per eager op call"); the C++ row is what the same ops would start from if they were registered in
 C++, which needs a compiled extension in the package.
 
 Needs ``g++`` (the C++ row) on the path. Result: ``dispatch`` (``dispatch-smoke`` with --smoke).

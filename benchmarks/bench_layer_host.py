@@ -65,7 +65,7 @@ Result (benchmarks/runner.py): ``layer-host`` (``layer-host-compiled-autograd`` 
 --compiled-autograd; ``-smoke`` appended with --smoke).
 
 Comparing code: the host time of one process differs from the next one's on the same machine
-by more than most changes measured (docs/benchmarks.md, section "FLA's chunk indices from one
+by more than most changes measured (docs/benchmarks.md's history, section "FLA's chunk indices from one
 kernel; compiled autograd"). ``--baseline DIR`` (a checkout of older code, with its own copy of this script)
 and ``--rounds N`` run the benchmark in a fresh process per checkout and round, the
 checkouts interleaved, each from its own folder with its own packages first on the path (the

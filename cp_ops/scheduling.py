@@ -17,7 +17,7 @@ __all__ = ["COMPILE_OPTIONS", "issue_early_wait_late"]
 
 
 # Work is weighed as FLOPs plus this many FLOPs per byte a node reads and writes: about the ratio
-# of bf16 tensor-core throughput to memory bandwidth on H100 / H200 (docs/benchmarks.md, section
+# of bf16 tensor-core throughput to memory bandwidth on H100 / H200 (docs/benchmarks.md's history, section
 # "Work spread over every exchange window; out_proj per received block").
 # Only the ratio between the work items matters (which ones share a window), never a clock.
 _FLOPS_PER_BYTE = 250

@@ -168,7 +168,7 @@ def _register_eager_kernels(qualname: str, body) -> None:
     ``custom_op`` (and ``triton_op``, built on it) registers the body as the op's
     ``CompositeExplicitAutograd`` kernel inside a Python wrapper that checks, at every call, that
     the outputs alias no input, at a cost in host time to every eager call (docs/benchmarks.md,
-    "Host time per op call"). A kernel registered for a
+    "Host time per eager op call"). A kernel registered for a
     backend key takes precedence over that one, so eager calls on CPU and CUDA tensors reach
     the body directly. Everything else stays ``custom_op``'s: the autograd kernel, the version
     bump of mutated arguments, the fake, and under tracing the ``triton_op`` decomposition (a

@@ -113,3 +113,19 @@ def test_docs_index_names_every_document():
     documents = {p.name for p in (ROOT / "docs").glob("*.md")} - {"README.md"}
     assert documents <= linked, f"documents docs/README.md does not list: {documents - linked}"
     assert "../CHANGELOG.md" in index and (ROOT / "CHANGELOG.md").is_file()
+
+
+def test_code_cites_sections_the_benchmarks_page_has():
+    """A comment or docstring that cites docs/benchmarks.md by section names a heading the page
+    has today; a measurement the page no longer shows is cited as its history (git)."""
+    lines = (ROOT / "docs" / "benchmarks.md").read_text().splitlines()
+    heads = [line[3:].strip() for line in lines if line.startswith("## ")]
+    cite = re.compile(r'docs/benchmarks\.md,\s*(?:#\s*)?(?:sections?\s*(?:#\s*)?)?"([^"]*)"')
+    stale = []
+    for folder in ("custom_ops", "cp_ops", "examples", "benchmarks"):
+        for path in (ROOT / folder).rglob("*.py"):
+            for name in cite.findall(path.read_text()):
+                name = re.sub(r"\s*\n\s*#?\s*", " ", name)
+                if not any(h.startswith(name) for h in heads):
+                    stale.append(f"{path.relative_to(ROOT)}: {name!r}")
+    assert not stale, "citations of sections docs/benchmarks.md no longer has:\n" + "\n".join(stale)

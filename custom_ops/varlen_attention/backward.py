@@ -395,7 +395,7 @@ def varlen_attn_bwd_dkdv_kernel(
     accumulator registers. At D = 256 the two accumulators alone fill half a thread's
     registers at 64 x 256 with 8 warps and the kernel spills heavily; the split form still
     spills but is faster there for the whole backward and slower at D = 128, so only
-    D = 256 uses it (docs/benchmarks.md, section "D = 256 with 16 query
+    D = 256 uses it (docs/benchmarks.md's history, section "D = 256 with 16 query
     heads on 2 kv heads").
     """
     # fp32 scales, as in the forward

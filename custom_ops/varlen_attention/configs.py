@@ -55,7 +55,7 @@ CONFIGS = _frozen({
 # entry here uses the pointer loads and CONFIGS. The entries are the best of a sweep of tile
 # shapes (forward) and of --tune --kinds bwd_dq bwd_dkdv (backward) under the HEAD_GROUP launch
 # order; D = 256 has no backward entry because its backward is slower with TMA loads than with
-# the pointer loads (docs/benchmarks.md, sections "TMA loads", "Launch order, and TMA loads in
+# the pointer loads (docs/benchmarks.md's history, sections "TMA loads", "Launch order, and TMA loads in
 # the D = 256 forward" and "The backward's tiles re-tuned").
 TMA_CONFIGS = _frozen({
     "fwd": {
@@ -104,7 +104,7 @@ INTERPRET_CONFIGS = _frozen({
 # Segments, and tiles, handled per step of the segment-table kernel's loops (any count is
 # served by looping, so the kernel is compiled once whatever the packing), a power of two, and
 # the kernel's warps. Its sort and scans grow with BLOCK, and so does its compile time, which
-# a cold first step waits for (docs/benchmarks.md, section "Cold start: kernels compiled while
+# a cold first step waits for (docs/benchmarks.md's history, section "Cold start: kernels compiled while
 # the graph is traced").
 TABLE_BLOCK = 256
 TABLE_WARPS = 8
@@ -189,7 +189,7 @@ class AttentionSettings:
     one head's long tiles, and groups stop at 16 kv heads because past that the programs running
     together read ever more K/V; the forward keeps one kv head's query heads together (they read
     the same K/V) since larger groups did not gain, and dq runs groups of 2 since its segments
-    run heaviest first (docs/benchmarks.md, sections "Launch order, and TMA loads in the D = 256
+    run heaviest first (docs/benchmarks.md's history, sections "Launch order, and TMA loads in the D = 256
     forward" and "Segments heaviest first").
     """
 

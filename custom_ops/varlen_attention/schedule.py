@@ -69,7 +69,7 @@ def segment_tables_kernel(
     segments whose work differs by less than an eighth keep their order. The launch then
     ends on the short documents, and a segment's tiles still run side by side. (Sorting
     the tiles themselves, longest first, mixes the tiles of many segments among the programs
-    running together and is slower; docs/benchmarks.md, section "Segments heaviest first".) Tiles past the
+    running together and is slower; docs/benchmarks.md's history, section "Segments heaviest first".) Tiles past the
     last segment's come last.
     """
     # row 0 first holds, at tile t, one more than the last segment whose cum entry is t (its

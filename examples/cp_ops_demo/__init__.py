@@ -18,7 +18,7 @@ only be compared where they round alike (``--reference same``); ``--dtype bfloat
 --check-dtype float32`` checks a float32 copy instead. On GPUs a float32 check is only as
 good as Triton's float32 dots, TF32 unless ``TRITON_F32_DEFAULT=ieee`` is set, and it
 compiles and autotunes a second set of kernels (FLA's included), which makes a cold-cache
-start much slower (docs/benchmarks.md, section "The demo on GPUs").
+start much slower (docs/benchmarks.md, section "The whole model").
 
 It uses only the public API of ``cp_ops`` and ``custom_ops``. The modules, by job:
 

@@ -27,7 +27,7 @@ __all__ = ["DEVICE_DEFAULTS", "build_parser", "parse_args", "run", "main"]
 DEVICE_DEFAULTS = {
     "seqlens": ("300,0,1,260,129", "8192,0,1,4093,300,12000,2047,5000"),
     "steps": (6, 20),
-    # the GPU width in bfloat16 trains steadily at the lower rate (docs/benchmarks.md, "The demo on GPUs")
+    # the GPU width in bfloat16 trains steadily at the lower rate (docs/benchmarks.md, "The whole model")
     "lr": (3e-3, 1e-3),
     "blocks": (2, 4),
     "hidden": (64, 1024),

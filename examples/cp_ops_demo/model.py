@@ -15,7 +15,7 @@ of dt log-uniform in [1e-3, 0.1]) instead of Qwen3-Next's ``dt_bias = 1``: with 
 up to 16 the latter decays the state to almost nothing at every token, so each head's
 delta-rule output is a multiple of its own token's value, the gated RMSNorm divides that
 multiple out, and the gradients of q, k and beta are zero in exact arithmetic; computed,
-they are rounding noise, and no two runs' step-1 gradients agree (docs/benchmarks.md,
+they are rounding noise, and no two runs' step-1 gradients agree (docs/benchmarks.md's history,
 section "Why the check compares with the same mode, and the decay init").
 """
 

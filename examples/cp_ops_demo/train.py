@@ -59,7 +59,7 @@ REGIONS = 2
 # run the same code but for CP: the weight gradients are summed in another order (per rank,
 # then all-reduced), the GEMMs run on fewer rows, and the gradients reach the first block
 # through the delta-rule recurrence, which amplifies rounding; the tolerances sit above the
-# errors of correct runs (docs/benchmarks.md, section "The demo on GPUs"). A sharding or
+# errors of correct runs (docs/benchmarks.md, section "The whole model"). A sharding or
 # reduction bug gives errors of order 1.
 TOLERANCE = {"float32": 5e-4, "bfloat16": 5e-2}
 
