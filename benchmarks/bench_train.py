@@ -25,6 +25,7 @@ with its status and no numbers.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -124,10 +125,10 @@ def torchrun(world: int, recipe_args: list[str], timeout: int) -> tuple[str, flo
 def curves(args: argparse.Namespace) -> Result:
     """The ``--curves`` runs (module docstring) as one result."""
     tmp = Path(tempfile.mkdtemp())
-    sys.path.insert(0, str(SCRIPT.parent))
-    from train_qwen3_next import model_config
-
-    data = markov_tokens(tmp / "tokens.npy", model_config(args.preset, 4).vocab_size)
+    spec = importlib.util.spec_from_file_location("train_qwen3_next", SCRIPT)  # a script, not a package module
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    data = markov_tokens(tmp / "tokens.npy", recipe.model_config(args.preset, 4).vocab_size)
     tokens = args.tokens.split(",")[0]
     common = ["--preset", args.preset, "--tokens-per-step", tokens, "--max-seqs", str(args.max_seqs), "--data",
               str(data), *(["--compile"] if args.compile else []), *args.extra]  # fmt: skip

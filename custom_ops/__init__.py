@@ -21,6 +21,7 @@ from custom_ops.ag_attention.segments import ag_thd_segments
 from custom_ops.all_to_all.op import check_cp2hp, check_hp2cp, thd_cp2hp, thd_hp2cp
 from custom_ops.all_to_all.reference import thd_cp2hp_reference, thd_hp2cp_reference
 from custom_ops.collectives import all_gather_rows, all_to_all_rows, overlapped_exchange, reduce_scatter_rows
+from custom_ops.gdn.fla import fla_module
 from custom_ops.gdn.op import causal_conv1d, causal_conv1d_gather, chunk_gated_delta_rule
 from custom_ops.gdn.reference import (
     causal_conv1d_gather_reference,
@@ -44,6 +45,7 @@ from custom_ops.varlen_attention.op import check_gqa_heads, validate_varlen_segm
 from custom_ops.varlen_attention.reference import varlen_attention_reference
 
 __all__ = [
+    "fla_module",
     # layout ops
     "thd_seq_to_rank_order",
     "thd_rank_to_seq_order",

@@ -60,21 +60,19 @@ import torch
 import torch.nn as nn
 
 from cp_ops.attention import Attention
-from custom_ops import resolve_group
+from custom_ops import fla_module, resolve_group
 from cp_ops.gdn import GatedDeltaNet, from_qwen3_next_state_dict
 from cp_ops.layout import pack, shard_thd, static_seqlens
 
-try:
-    from transformers.models.qwen3_next.modeling_qwen3_next import (
-        Qwen3NextAttention,
-        Qwen3NextGatedDeltaNet,
-        Qwen3NextModel,
-    )
+try:  # transformers' module imports FLA when it is installed: loaded here first, without its CPU notice
+    _qwen3_next = fla_module("transformers.models.qwen3_next.modeling_qwen3_next")
 except ImportError as err:  # pragma: no cover - exercised only without the extra installed
     raise ImportError(
         "cp_ops.integrations.transformers needs transformers with Qwen3-Next (5.17 or later): "
-        "pip install 'cp-ops[hf]'"
+        "pip install -e '.[hf]' in a clone of this repository"
     ) from err
+Qwen3NextAttention, Qwen3NextGatedDeltaNet = _qwen3_next.Qwen3NextAttention, _qwen3_next.Qwen3NextGatedDeltaNet
+Qwen3NextModel = _qwen3_next.Qwen3NextModel
 
 __all__ = [
     "apply_context_parallel",
