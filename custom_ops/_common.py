@@ -128,9 +128,36 @@ def from_words(words: torch.Tensor, dtype: torch.dtype, shape) -> torch.Tensor:
     return (words if words.dtype == dtype else words.view(dtype)).view(shape)
 
 
+# Unsigned integers whose index_select has no CPU kernel in some layouts, and the signed type of
+# the same width that moves the same bits.
+_SIGNED_TWIN = {
+    getattr(torch, u): getattr(torch, i)
+    for u, i in (("uint16", "int16"), ("uint32", "int32"), ("uint64", "int64"))
+    if hasattr(torch, u)
+}
+
+
+def index_select_any(x: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
+    """``x.index_select(dim, index)`` for every dtype: unsigned integers move as the signed type
+    of their width (the same bits), which torch's CPU kernel always has."""
+    twin = _SIGNED_TWIN.get(x.dtype)
+    if twin is None:
+        return x.index_select(dim, index)
+    return x.view(twin).index_select(dim, index).view(x.dtype)
+
+
+def dense(x: torch.Tensor) -> torch.Tensor:
+    """``x`` contiguous with a last stride of 1, which a view in another dtype needs: torch calls
+    a tensor of at most one element contiguous whatever its strides, and such a one is copied."""
+    x = x.contiguous()
+    if x.dim() and x.stride(-1) != 1:
+        x = x.new_empty(x.shape).copy_(x)
+    return x
+
+
 def as_words(x: torch.Tensor) -> torch.Tensor:
     """``x`` as a contiguous ``[T, D']`` matrix a row-moving kernel can load and store."""
-    x = x.contiguous()
+    x = dense(x)
     return to_words(x.reshape(x.shape[0], math.prod(x.shape[1:])))[0]
 
 

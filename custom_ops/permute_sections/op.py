@@ -15,7 +15,7 @@ import math
 import torch
 
 from custom_ops._common import (
-    cdiv, check_cp_size, from_row_matrix, NAMESPACE, next_power_of_2, to_words, use_triton, word_dtype,
+    cdiv, check_cp_size, dense, from_row_matrix, NAMESPACE, next_power_of_2, to_words, use_triton, word_dtype,
 )
 from custom_ops.launch import launch
 from custom_ops.registration import kernel_op
@@ -91,9 +91,9 @@ def _words(x: torch.Tensor, num_cols: int) -> tuple[torch.Tensor, int]:
     (words per element, see :func:`custom_ops._common.word_dtype`): a 2-D ``x`` of a dtype
     Triton moves as itself is that matrix already, made contiguous (no view, which costs host
     time at every call)."""
-    x = x.contiguous()
     if x.dim() == 2 and word_dtype(x.dtype)[0] == x.dtype:
-        return x, 1
+        return x.contiguous(), 1
+    x = dense(x)
     return to_words(x.reshape(math.prod(x.shape[:-1]), num_cols))
 
 

@@ -16,6 +16,8 @@ from collections.abc import Sequence
 
 import torch
 
+from custom_ops._common import index_select_any
+
 
 def section_index(sections: Sequence[int], cp_size: int, device: torch.device | str | None = None) -> torch.Tensor:
     """``idx [F]`` (int64) with ``permute_sections(x)[..., p] = x[..., idx[p]]``.
@@ -41,14 +43,14 @@ def permute_sections_reference(x: torch.Tensor, sections: Sequence[int], cp_size
     x: ``[..., F]`` any dtype, ``sections`` widths each divisible by ``cp_size`` and summing to
     F; returns ``[..., F]``. Differentiable through ``index_select``.
     """
-    return x.index_select(-1, section_index(sections, cp_size, x.device))
+    return index_select_any(x, -1, section_index(sections, cp_size, x.device))
 
 
 def unpermute_sections_reference(x: torch.Tensor, sections: Sequence[int], cp_size: int) -> torch.Tensor:
     """:func:`custom_ops.unpermute_sections` in torch ops, the inverse of
     :func:`permute_sections_reference`: ``[..., F]`` -> ``[..., F]``, differentiable."""
     # the inverse permutation of a permutation index is its argsort
-    return x.index_select(-1, torch.argsort(section_index(sections, cp_size, x.device)))
+    return index_select_any(x, -1, torch.argsort(section_index(sections, cp_size, x.device)))
 
 
 def permute_sections_loop(x: torch.Tensor, sections: Sequence[int], cp_size: int) -> torch.Tensor:

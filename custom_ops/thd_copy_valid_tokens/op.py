@@ -95,7 +95,9 @@ def thd_copy_valid_tokens_(dst: torch.Tensor, src: torch.Tensor, offsets: torch.
         return
     if not dst.is_contiguous():
         raise ValueError("thd_copy_valid_tokens_ needs a contiguous dst on the GPU path")
-    _launch(dst, src, offsets, cu_seqlens, in_place=True)
+    out = _launch(dst, src, offsets, cu_seqlens, in_place=True)
+    if out.data_ptr() != dst.data_ptr():  # a one-element dst whose word view had to be a copy
+        dst.copy_(from_row_matrix(out, dst.dtype, dst.shape))
 
 
 @thd_copy_valid_tokens_.register_fake

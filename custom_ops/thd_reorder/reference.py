@@ -12,6 +12,7 @@ sequence): an independent oracle for tests and the baseline in the benchmark.
 
 import torch
 
+from custom_ops._common import index_select_any
 from custom_ops.thd_index import chunk_spans, rank_to_seq_index, seq_to_rank_index
 
 
@@ -21,7 +22,7 @@ def thd_seq_to_rank_order_reference(x: torch.Tensor, cu_seqlens_padded: torch.Te
     x: ``[T, ...]`` any dtype, ``T = cu_seqlens_padded[-1]``; returns ``[T, ...]`` in CP rank
     order. Differentiable through ``index_select``; no argument checks, no host sync.
     """
-    return x.index_select(0, seq_to_rank_index(cu_seqlens_padded, cp_size, x.shape[0]))
+    return index_select_any(x, 0, seq_to_rank_index(cu_seqlens_padded, cp_size, x.shape[0]))
 
 
 def thd_rank_to_seq_order_reference(x: torch.Tensor, cu_seqlens_padded: torch.Tensor, cp_size: int) -> torch.Tensor:
@@ -30,7 +31,7 @@ def thd_rank_to_seq_order_reference(x: torch.Tensor, cu_seqlens_padded: torch.Te
     x: ``[T, ...]`` in CP rank order; returns ``[T, ...]`` in sequence order. Differentiable
     through ``index_select``; no argument checks, no host sync.
     """
-    return x.index_select(0, rank_to_seq_index(cu_seqlens_padded, cp_size, x.shape[0]))
+    return index_select_any(x, 0, rank_to_seq_index(cu_seqlens_padded, cp_size, x.shape[0]))
 
 
 def thd_seq_to_rank_order_loop(x: torch.Tensor, cu_seqlens_padded: torch.Tensor, cp_size: int) -> torch.Tensor:

@@ -5,7 +5,7 @@ import inspect
 
 import pytest
 import torch
-from hypothesis import assume, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import custom_ops
@@ -25,7 +25,6 @@ from custom_ops.testing import (
     section_layouts,
     strided_views,
 )
-from tests.custom_ops.test_thd_reorder import two_word_bug
 
 # (cp_size, sections, leading shape): W = 1-8, zero-width and unequal sections
 section_cases = section_layouts
@@ -56,8 +55,6 @@ def _check(case, dtype, data, kernel=False):
     cp_size, sections, lead = case
     x = _case(cp_size, sections, lead, dtype)
     x_view = data.draw(strided_views(x), label="x memory layout")
-    if kernel:
-        assume(not two_word_bug(x_view))
     cols = _definition(x, sections, cp_size)
     want = x[..., cols]
     want_inverse = x[..., torch.argsort(cols)]
@@ -81,11 +78,6 @@ def test_matches_the_definition_wide(case, dtype, data):
     _check(case, dtype, data)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=NotImplementedError,
-    reason="the CPU path's index_select has no kernel for 1-D uint16/uint32/uint64 tensors (2-D ones work)",
-)
 @pytest.mark.parametrize("dtype", UNSIGNED_DTYPES)
 def test_unsigned_dtypes_of_one_dim_on_cpu(dtype):
     x = _case(2, [4, 2], (), dtype)

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from hypothesis import assume, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import custom_ops
@@ -92,11 +92,6 @@ def test_round_trips_are_identity(layout, trailing):
     assert torch.equal(custom_ops.thd_seq_to_rank_order(seq_order, cup, cp_size), x)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=NotImplementedError,
-    reason="the CPU path's index_select has no kernel for 1-D uint16/uint32/uint64 tensors (2-D ones work)",
-)
 @pytest.mark.parametrize("dtype", UNSIGNED_DTYPES)
 def test_unsigned_dtypes_of_one_dim_on_cpu(dtype):
     x, cup = _case(2, [5, 3], (), dtype)
@@ -189,7 +184,6 @@ def test_compiled_fullgraph_dynamic_no_recompile():
 def _check_kernel(packing, trailing, dtype, data):
     x = random_tensor((packing.num_rows,) + trailing, dtype)
     x_view = data.draw(strided_views(x), label="x memory layout")
-    assume(not two_word_bug(x_view))  # test_kernel_two_word_dtypes_of_contiguous_strided_views
     cup, w = packing.cu_seqlens_padded, packing.cp_size
     with poisoned_allocations():
         to_rank = custom_ops.thd_seq_to_rank_order(x_view, cup, w)
@@ -214,21 +208,10 @@ def test_kernel_matches_reference_bit_exact_wide(packing, trailing, dtype, data)
     _check_kernel(packing, trailing, dtype, data)
 
 
-def two_word_bug(x):
-    """Whether x is a tensor the kernel paths refuse: a dtype moved as two words (complex128)
-    that is contiguous with a last-dim stride other than 1, as empty tensors and tensors of one
-    row and one column may be."""
-    return x.element_size() == 16 and x.is_contiguous() and x.dim() > 0 and x.stride(-1) != 1
-
-
 @pytest.mark.interpret
-@pytest.mark.xfail(
-    strict=True,
-    raises=RuntimeError,
-    reason="as_words views a contiguous tensor in int64 words without making its last stride 1: "
-    "an empty complex128 x with last-dim stride 2 (a batch with no rows) raises",
-)
 def test_kernel_two_word_dtypes_of_contiguous_strided_views():
+    """complex128 moves as two int64 words; a tensor contiguous by torch's rule (no element, or
+    one) may still have a last stride other than 1, which a view in words cannot take."""
     x = random_tensor((0, 6), torch.complex128)[:, ::2]  # contiguous (no elements), stride (6, 2)
     cup = torch.zeros(1, dtype=torch.int32)
     assert same_bits(custom_ops.thd_seq_to_rank_order(x, cup, 2), x)
