@@ -130,8 +130,9 @@ def curves(args: argparse.Namespace) -> Result:
     spec.loader.exec_module(recipe)
     data = markov_tokens(tmp / "tokens.npy", recipe.model_config(args.preset, 4).vocab_size)
     tokens = args.tokens.split(",")[0]
-    common = ["--preset", args.preset, "--tokens-per-step", tokens, "--max-seqs", str(args.max_seqs), "--data",
-              str(data), *(["--compile"] if args.compile else []), *args.extra]  # fmt: skip
+    # two batch shards: the one-GPU run trains on what the two replicas of (dp 2, cp 2) split
+    common = ["--preset", args.preset, "--tokens-per-step", tokens, "--max-seqs", str(args.max_seqs), "--batch-shards",
+              "2", "--data", str(data), *(["--compile"] if args.compile else []), *args.extra]  # fmt: skip
     half = args.steps // 2
     runs = {"1 GPU": (1, 1, 1), "dp 1, cp 4": (4, 1, 4), "dp 2, cp 2": (4, 2, 2)}
     logs, rows = {}, []

@@ -34,7 +34,8 @@ PRESETS = ("tiny", "slice4", "qwen3-next-80b")
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0}  # dense bf16, per GPU
 ADAMW = dict(betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 # what a checkpoint must agree on to be resumed: the model, the data stream and the optimiser
-RESUME_KEYS = ("preset", "num_layers", "dp", "cp", "tokens_per_step", "max_seqs", "seed", "dtype", "lr", "data")
+RESUME_KEYS = ("preset", "num_layers", "dp", "cp", "tokens_per_step", "max_seqs", "batch_shards", "seed", "dtype", "lr",
+               "data")
 
 
 # --- the command line -------------------------------------------------------------------------
@@ -49,7 +50,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--tokens-per-step", type=int, default=None, help="global real tokens per step")
-    p.add_argument("--max-seqs", type=int, default=8, help="static maximum number of sequences per replica batch")
+    p.add_argument("--max-seqs", type=int, default=8, help="static maximum number of sequences per batch shard")
+    p.add_argument("--batch-shards", type=int, default=None,
+                   help="shards of each step's global batch, split over the dp replicas (default: dp); the same "
+                        "value gives every dp x cp layout the same data")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--clip-grad-norm", type=float, default=1.0, help="0: no clipping (the norm is still logged)")
     p.add_argument("--seed", type=int, default=0)
@@ -81,9 +85,14 @@ def check_args(args: argparse.Namespace, world: int) -> None:
         raise ValueError(f"--num-layers must be >= 1, got {args.num_layers}")
     if args.tokens_per_step is None:
         args.tokens_per_step = 256 * args.dp if args.preset == "tiny" else 32768
-    if args.tokens_per_step % args.dp or args.tokens_per_step // args.dp < args.max_seqs or args.max_seqs < 1:
+    if args.batch_shards is None:
+        args.batch_shards = args.dp
+    if args.batch_shards < 1 or args.batch_shards % args.dp:
+        raise ValueError(f"--batch-shards {args.batch_shards} must be a positive multiple of --dp {args.dp}")
+    shards = args.batch_shards
+    if args.tokens_per_step % shards or args.tokens_per_step // shards < args.max_seqs or args.max_seqs < 1:
         raise ValueError(
-            f"--tokens-per-step {args.tokens_per_step} must split evenly over --dp {args.dp} replicas with at "
+            f"--tokens-per-step {args.tokens_per_step} must split evenly into --batch-shards {shards} shards with at "
             f"least --max-seqs {args.max_seqs} (>= 1) tokens each"
         )
     config = model_config(args.preset, args.num_layers)
@@ -220,28 +229,29 @@ def check_token_file(path: str):
 
 
 class Batches:
-    """The sequences of step ``s`` for dp replica ``d``: a pure function of (seed, s, d), so a
-    resumed run continues the same stream. Between 1 and ``max_seqs`` sequences of random lengths
-    adding up to ``tokens`` real tokens; their ids uniform over the vocabulary, or windows at
-    random offsets of the ``--data`` file."""
+    """The sequences of shard ``k`` of step ``s``'s global batch: a pure function of (seed, s, k),
+    so a resumed run continues the same stream, and every dp x cp layout with the same number of
+    shards (``--batch-shards``) trains on the same data. Between 1 and ``max_seqs`` sequences of
+    random lengths adding up to ``tokens`` real tokens; their ids uniform over the vocabulary, or
+    windows at random offsets of the ``--data`` file."""
 
     def __init__(self, tokens: int, max_seqs: int, vocab_size: int, seed: int, data: str | None = None):
         self.tokens, self.max_seqs, self.vocab_size, self.seed = tokens, max_seqs, vocab_size, seed
         self.data = check_token_file(data) if data else None
         if self.data is not None and len(self.data) < tokens:
-            raise ValueError(f"--data {data}: {len(self.data)} tokens, fewer than one replica's batch ({tokens})")
+            raise ValueError(f"--data {data}: {len(self.data)} tokens, fewer than one batch shard ({tokens})")
 
-    def _lengths(self, step: int, dp_rank: int) -> tuple[torch.Generator, list[int]]:
-        gen = torch.Generator().manual_seed((self.seed * 1_000_003 + step) * 1_009 + dp_rank)
+    def _lengths(self, step: int, shard: int) -> tuple[torch.Generator, list[int]]:
+        gen = torch.Generator().manual_seed((self.seed * 1_000_003 + step) * 1_009 + shard)
         n = int(torch.randint(1, self.max_seqs + 1, (), generator=gen))
         cuts = (torch.randperm(self.tokens - 1, generator=gen)[: n - 1] + 1).sort().values.tolist()
         return gen, [b - a for a, b in zip([0] + cuts, cuts + [self.tokens])]
 
-    def lengths(self, step: int, dp_rank: int) -> list[int]:
-        return self._lengths(step, dp_rank)[1]
+    def lengths(self, step: int, shard: int) -> list[int]:
+        return self._lengths(step, shard)[1]
 
-    def __call__(self, step: int, dp_rank: int) -> list[torch.Tensor]:
-        gen, lens = self._lengths(step, dp_rank)
+    def __call__(self, step: int, shard: int) -> list[torch.Tensor]:
+        gen, lens = self._lengths(step, shard)
         if self.data is None:
             return [torch.randint(0, self.vocab_size, (n,), generator=gen) for n in lens]
         seqs = []
@@ -319,10 +329,21 @@ def setup(args: argparse.Namespace, rank: int, world: int, device: torch.device)
         init_meta_model(model, config, device, args.seed)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, **ADAMW)
-    tokens = args.tokens_per_step // args.dp
-    batches = Batches(tokens, args.max_seqs, config.vocab_size, args.seed, args.data)
-    return Run(args, config, device, mesh, model, optimizer, batches, static_num_tokens(tokens, args.max_seqs, args.cp),
-               rank, mesh["dp"].get_local_rank(), mesh["cp"].get_local_rank())  # fmt: skip
+    batches = Batches(args.tokens_per_step // args.batch_shards, args.max_seqs, config.vocab_size, args.seed, args.data)
+    num_tokens = static_num_tokens(args.tokens_per_step // args.dp, replica_max_seqs(args), args.cp)
+    return Run(args, config, device, mesh, model, optimizer, batches, num_tokens, rank, mesh["dp"].get_local_rank(),
+               mesh["cp"].get_local_rank())  # fmt: skip
+
+
+def replica_max_seqs(args: argparse.Namespace) -> int:
+    """The static maximum number of sequences of a replica's batch: its shards' together."""
+    return args.max_seqs * (args.batch_shards // args.dp)
+
+
+def replica_shards(args: argparse.Namespace, dp_rank: int) -> range:
+    """The shards of each step's global batch that replica ``dp_rank`` trains on."""
+    per = args.batch_shards // args.dp
+    return range(dp_rank * per, (dp_rank + 1) * per)
 
 
 def wrap_layer(layer: torch.nn.Module, args: argparse.Namespace) -> None:
@@ -358,8 +379,10 @@ def replica_batch(run: Run, step: int, dp_rank: int | None = None):
     """The sequences and this rank's static-shape shard of dp replica ``dp_rank``'s batch of ``step``."""
     from cp_ops.integrations.transformers import shard_batch
 
-    seqs = run.batches(step, run.dp_rank if dp_rank is None else dp_rank)
-    shard = shard_batch(seqs, run.args.cp, run.cp_rank, num_tokens=run.num_tokens, max_sequences=run.args.max_seqs)
+    replica = run.dp_rank if dp_rank is None else dp_rank
+    seqs = [seq for k in replica_shards(run.args, replica) for seq in run.batches(step, k)]
+    shard = shard_batch(seqs, run.args.cp, run.cp_rank, num_tokens=run.num_tokens,
+                        max_sequences=replica_max_seqs(run.args))  # fmt: skip
     return seqs, shard.to(run.device)
 
 
@@ -508,7 +531,8 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
     for step in range(start + 1, args.steps + 1):
         rec = train_step(run, step)
         rec["tokens_per_s"] = rec["tokens"] / (rec["step_ms"] / 1e3)
-        flops = count_flops_per_step(run.config, [run.batches.lengths(step, d) for d in range(args.dp)])
+        flops = count_flops_per_step(run.config, [[n for k in replica_shards(args, d) for n in run.batches.lengths(step, k)]
+                                                  for d in range(args.dp)])  # fmt: skip
         rec["mfu"] = flops / (rec["step_ms"] / 1e3) / (world * peak * 1e12) if peak else None
         if device.type == "cuda":
             mem = torch.tensor([torch.cuda.max_memory_allocated(device) / 2**30], device=device)

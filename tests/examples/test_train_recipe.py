@@ -135,6 +135,20 @@ def test_static_batches_and_their_stream():
     assert shapes == {(num_tokens // 2,)}
 
 
+def test_batch_shards_give_every_layout_the_same_data():
+    """With --batch-shards K, dp = 1 trains on the K shards that dp = K's replicas split, in order,
+    with a static maximum of the shards' sequences together; K must be a multiple of dp."""
+    tokens = ("--tokens-per-step", "512")
+    one = _args("--dp", "1", "--cp", "2", "--batch-shards", "2", *tokens)
+    two = _args("--dp", "2", "--cp", "1", *tokens)
+    assert one.tokens_per_step == two.tokens_per_step == 512 and two.batch_shards == 2
+    assert list(recipe.replica_shards(one, 0)) == [0, 1]
+    assert [list(recipe.replica_shards(two, d)) for d in (0, 1)] == [[0], [1]]
+    assert recipe.replica_max_seqs(one) == 2 * one.max_seqs and recipe.replica_max_seqs(two) == two.max_seqs
+    with pytest.raises(ValueError, match="--batch-shards 3 must be a positive multiple of --dp 2"):
+        _args("--dp", "2", "--cp", "1", "--batch-shards", "3")
+
+
 def test_data_file(tmp_path):
     good = tmp_path / "tokens.npy"
     np.save(good, np.arange(1000, dtype=np.uint16) % 64)
@@ -152,7 +166,7 @@ def test_data_file(tmp_path):
     with pytest.raises(ValueError, match="not a readable .npy array"):
         _args("--data", str(tmp_path / "broken.npy"))
     np.save(tmp_path / "short.npy", np.zeros(100, np.int64))
-    with pytest.raises(ValueError, match="100 tokens, fewer than one replica's batch"):
+    with pytest.raises(ValueError, match="100 tokens, fewer than one batch shard"):
         recipe.Batches(256, 8, 64, seed=0, data=str(tmp_path / "short.npy"))
     np.save(tmp_path / "big_ids.npy", np.full(1000, 64, np.int64))
     with pytest.raises(ValueError, match=r"token ids outside \[0, 64\)"):
