@@ -1,13 +1,18 @@
 # make test         the fast tier, what CI runs (.ci/run): install the pinned versions (constraints.txt) into the
 #                   active Python, then the CPU suite, the Triton kernels in Triton's interpreter and the compile
 #                   tests with the kernels as opaque ops, each on two pytest workers; tests marked slow left out
-# make test-all     everything: the same passes with the slow tests, hypothesis's thorough profile and, on a
-#                   machine with a GPU, the gpu tests; on demand and on the GPU machine
+# make test-all     everything: the same passes with the slow tests, hypothesis's thorough profile (8x the
+#                   examples) and, on a machine with a GPU, the gpu tests; on demand and on the GPU machine
 # make demo         the same install, then train a small hybrid GDN / attention model with CP (python -m cp_ops demo,
 #                   the example application in examples/cp_ops_demo)
 # make test-latest  the fast tier in .venv-latest against the newest versions pyproject.toml allows
 # make pins         regenerate constraints.txt from a fresh environment
 # GPU tests and benchmarks (on a GPU machine): python benchmarks/gpu_suite.py
+#
+# Hypothesis draws new examples every run, from one seed that each pass prints (pytest's header
+# and summary). A failure reproduces with HYPOTHESIS_SEED=<seed> make test, or one test with
+# python -m pytest --hypothesis-seed=<seed> tests/<file>.py::<test>; then pin the failing input
+# with @example on the test (tests/_profiles.py).
 PYTHON ?= python3
 EXTRAS = test,hf
 # pytest workers (pytest-xdist): most tests keep one core busy (tracing, Triton's interpreter)
@@ -15,6 +20,12 @@ JOBS ?= 2
 PYTEST = $(PYTHON) -m pytest -n $(JOBS) --dist worksteal
 # the tier: make test-all sets it empty
 NOT_SLOW = and not slow
+
+# one seed for every pass of a run (tests/conftest.py reads it; a seed given is kept)
+ifeq ($(origin HYPOTHESIS_SEED),undefined)
+HYPOTHESIS_SEED := $(shell $(PYTHON) -c "import secrets; print(secrets.randbelow(2**32))")
+endif
+export HYPOTHESIS_SEED
 
 .PHONY: test test-all deps test-cpu test-interpret test-opaque test-latest pins demo
 
