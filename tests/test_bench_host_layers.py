@@ -1,8 +1,10 @@
 """The CPU parts of benchmarks/bench_layer_host.py and benchmarks/bench_cold_start.py: the
 layer-host smoke run writes its table, the profiler events are counted as the docstring
 defines, and the cold-start benchmark reads a child's output as it comes and parses the
-demo's real output. The cold-start smoke run (fresh processes that compile from empty caches)
-and the interleaved layer-host runs take minutes on the CPU: they are slow tests (make test-all)."""
+demo's real output. The smoke runs (the layer-host one compiles and profiles both layers; the
+cold-start one starts fresh processes that compile from empty caches) take minutes on the CPU:
+they are slow tests (make test-all); the tables' arithmetic and the parsing are tested here in
+the fast tier, the layers themselves in tests/cp_ops."""
 
 import os
 import subprocess
@@ -35,6 +37,7 @@ def _run(module: str, *args: str, timeout: int = 600) -> subprocess.CompletedPro
 # --- bench_layer_host -------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # both layers compiled and profiled; the layers' compile tests are in the fast tier
 def test_layer_host_smoke_writes_its_table(tmp_path):
     _run("benchmarks.bench_layer_host", "--smoke", "--out", str(tmp_path))
     result = load(tmp_path / "layer-host-smoke.json")

@@ -388,6 +388,7 @@ def test_patched_model_equals_transformers_w2_compiled():
 # --- the benchmark ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # the model it times is checked against transformers above
 def test_benchmark_smoke_run(tmp_path):
     """benchmarks/bench_qwen3_next.py --smoke on the CPU: its checks pass, it writes its table
     and results."""
