@@ -68,8 +68,8 @@ def _compare_rank(rank, world, seqlens, heads, compiled, fused_layouts=None, dim
 @pytest.mark.dist
 @pytest.mark.parametrize(
     "world,heads",
-    [(1, (2, 4)), (2, (2, 4)), (3, (3, 6)), (4, (4, 8))],
-)
+    [(1, (2, 4)), (2, (2, 4)), (3, (3, 6)), pytest.param(4, (4, 8), marks=pytest.mark.slow)],
+)  # W = 8: test_eight_ranks.py
 def test_cp_layer_matches_one_rank(world, heads):
     run_ranks(world, _compare_rank, [9, 0, 1, 23, 6], heads, False)
 

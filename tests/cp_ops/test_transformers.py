@@ -336,6 +336,7 @@ def _check_compiled_layers(group, rank, world):
     assert counter.frame_count == first, f"W={world} rank {rank}: recompiled ({first} -> {counter.frame_count})"
 
 
+@pytest.mark.slow  # the same check with a group of two ranks below, in the fast tier
 def test_compiled_decoder_layers_one_rank():
     _check_compiled_layers(None, 0, 1)
 
