@@ -1,15 +1,38 @@
-# make test         install the pinned versions (constraints.txt) into the active Python, run the CPU suite
+# make test         the fast tier, what CI runs (.ci/run): install the pinned versions (constraints.txt) into the
+#                   active Python, then the CPU suite, the Triton kernels in Triton's interpreter and the compile
+#                   tests with the kernels as opaque ops, each on two pytest workers; tests marked slow left out
+# make test-all     everything: the same passes with the slow tests, hypothesis's thorough profile (8x the
+#                   examples) and, on a machine with a GPU, the gpu tests; on demand and on the GPU machine
 # make demo         the same install, then train a small hybrid GDN / attention model with CP (python -m cp_ops demo,
 #                   the example application in examples/cp_ops_demo)
-# make test-latest  the suite in .venv-latest against the newest versions pyproject.toml allows
+# make test-latest  the fast tier in .venv-latest against the newest versions pyproject.toml allows
 # make pins         regenerate constraints.txt from a fresh environment
 # GPU tests and benchmarks (on a GPU machine): python benchmarks/gpu_suite.py
+#
+# Hypothesis draws new examples every run, from one seed that each pass prints (pytest's header
+# and summary). A failure reproduces with HYPOTHESIS_SEED=<seed> make test, or one test with
+# python -m pytest --hypothesis-seed=<seed> tests/<file>.py::<test>; then pin the failing input
+# with @example on the test (tests/_profiles.py).
 PYTHON ?= python3
 EXTRAS = test,hf
+# pytest workers (pytest-xdist): most tests keep one core busy (tracing, Triton's interpreter)
+JOBS ?= 2
+PYTEST = $(PYTHON) -m pytest -n $(JOBS) --dist worksteal
+# the tier: make test-all sets it empty
+NOT_SLOW = and not slow
 
-.PHONY: test deps test-cpu test-interpret test-opaque test-latest pins demo
+# one seed for every pass of a run (tests/conftest.py reads it; a seed given is kept)
+ifeq ($(origin HYPOTHESIS_SEED),undefined)
+HYPOTHESIS_SEED := $(shell $(PYTHON) -c "import secrets; print(secrets.randbelow(2**32))")
+endif
+export HYPOTHESIS_SEED
+
+.PHONY: test test-all deps test-cpu test-interpret test-opaque test-latest pins demo
 
 test: deps test-cpu test-interpret test-opaque
+
+test-all: deps
+	$(MAKE) test-cpu test-interpret test-opaque NOT_SLOW= HYPOTHESIS_PROFILE=thorough
 
 # Always applied: an installed package of another version is replaced by the pinned one. The
 # pinned torch is the CPU build (a bare `torch` requirement pulls a multi-GB CUDA build).
@@ -18,21 +41,23 @@ deps:
 	@$(PYTHON) tools/pins.py check constraints.txt
 
 test-cpu:
-	$(PYTHON) -m pytest -m "not interpret"
+	$(PYTEST) -m "not interpret $(NOT_SLOW)"
 
 # Triton kernels on CPU tensors: TRITON_INTERPRET must be set before triton is imported.
 test-interpret:
-	TRITON_INTERPRET=1 $(PYTHON) -m pytest -m interpret
+	TRITON_INTERPRET=1 $(PYTEST) -m "interpret $(NOT_SLOW)"
 
 # The compile tests again with the kernels registered as opaque ops, the form the ops take when the
 # installed triton is newer than the one torch pins (custom_ops._common.kernels_visible_to_compiler):
-# layout, all-to-all and attention kernels in Triton's interpreter, the GDN layers on references.
+# layout, all-to-all and attention kernels in Triton's interpreter, the GDN layers on references
+# (the fast tier compiles them in one process; the two-rank compile with visible kernels is in test-cpu).
 test-opaque:
-	CP_OPS_OPAQUE_KERNELS=1 TRITON_INTERPRET=1 $(PYTHON) -m pytest -q -k compiled \
+	CP_OPS_OPAQUE_KERNELS=1 TRITON_INTERPRET=1 $(PYTEST) -q $(if $(NOT_SLOW),-m "not slow") -k compiled \
 		tests/custom_ops tests/cp_ops/test_comm.py tests/cp_ops/test_attention.py \
 		--deselect tests/custom_ops/test_gdn_ops.py::test_compiled_fullgraph_forward_backward
-	CP_OPS_OPAQUE_KERNELS=1 $(PYTHON) -m pytest -q -k compiled \
-		tests/cp_ops/test_gdn_cp.py tests/cp_ops/test_gdn_layer.py tests/examples/test_demo.py
+	CP_OPS_OPAQUE_KERNELS=1 $(PYTEST) -q $(if $(NOT_SLOW),-m "not slow") -k compiled \
+		tests/cp_ops/test_gdn_cp.py tests/cp_ops/test_gdn_layer.py tests/examples/test_demo.py \
+		$(if $(NOT_SLOW),--deselect tests/cp_ops/test_gdn_cp.py::test_cp_layer_compiled_matches_one_rank)
 
 demo: deps
 	$(PYTHON) -m cp_ops demo

@@ -1,17 +1,40 @@
 import os
+import secrets
 
 import pytest
 import torch
-from hypothesis import HealthCheck, settings
 
 from custom_ops.testing import poisoned_allocations
+from tests import _profiles  # noqa: F401 (registers and loads the hypothesis profiles)
 
-# "default" keeps CPU CI fast; HYPOTHESIS_PROFILE=thorough for a long local run.
-settings.register_profile(
-    "default", max_examples=25, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
-)
-settings.register_profile("thorough", max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+SEED_OPTION = "--hypothesis-seed"  # hypothesis's pytest plugin's option: the seed of every property
+
+
+@pytest.hookimpl(tryfirst=True)  # before hypothesis's plugin reads the option
+def pytest_configure(config):
+    """Seed hypothesis for the run: ``--hypothesis-seed``, else ``HYPOTHESIS_SEED``, else a new
+    seed. Exported as ``HYPOTHESIS_SEED`` so that worker processes draw with the same one."""
+    seed = config.getoption(SEED_OPTION) or os.environ.get("HYPOTHESIS_SEED") or str(secrets.randbelow(2**32))
+    config.option.hypothesis_seed = seed
+    os.environ["HYPOTHESIS_SEED"] = str(seed)
+
+
+def _seed_line(config) -> str:
+    from hypothesis import settings
+
+    seed = config.getoption(SEED_OPTION)
+    return (f"hypothesis seed {seed}, profile {settings.get_current_profile_name()!r} "
+            f"({settings.default.max_examples} examples); reproduce: HYPOTHESIS_SEED={seed} make test, "
+            f"or python -m pytest {SEED_OPTION}={seed} TEST")  # fmt: skip
+
+
+def pytest_report_header(config):
+    return _seed_line(config)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """The seed again at the end of the log (``-q`` prints no header), under any failure."""
+    terminalreporter.write_line(_seed_line(config) + ("" if exitstatus == 0 else "; then pin it with @example"))
 
 
 def pytest_collection_modifyitems(config, items):

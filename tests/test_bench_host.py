@@ -1,11 +1,13 @@
 """benchmarks/bench_host.py runs end to end in its ``--smoke`` mode (tiny shapes on the CPU, both
 registration forms in subprocesses) and reports every op, so the GPU benchmark does not rot
-between GPU runs."""
+between GPU runs. The smoke run is a slow test (make test-all)."""
 
 import json
 import os
 import subprocess
 import sys
+
+import pytest
 
 from benchmarks.runner import load
 
@@ -32,6 +34,7 @@ def test_ops_selects_groups_and_names():
     assert DIFFERENTIABLE <= names(None)
 
 
+@pytest.mark.slow  # every op timed in both registration forms, in subprocesses; the ops' own tests are fast
 def test_bench_host_smoke(tmp_path):
     raw = tmp_path / "raw.json"
     env = dict(os.environ)

@@ -1,8 +1,10 @@
 """The CPU parts of benchmarks/bench_layer_host.py and benchmarks/bench_cold_start.py: the
 layer-host smoke run writes its table, the profiler events are counted as the docstring
 defines, and the cold-start benchmark reads a child's output as it comes and parses the
-demo's real output. The cold-start smoke run (fresh processes that compile from empty caches)
-and the interleaved layer-host runs take minutes on the CPU: they run with CP_OPS_SLOW_TESTS=1."""
+demo's real output. The smoke runs (the layer-host one compiles and profiles both layers; the
+cold-start one starts fresh processes that compile from empty caches) take minutes on the CPU:
+they are slow tests (make test-all); the tables' arithmetic and the parsing are tested here in
+the fast tier, the layers themselves in tests/cp_ops."""
 
 import os
 import subprocess
@@ -16,7 +18,6 @@ from benchmarks import bench_layer_host as host
 from benchmarks.runner import load
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SLOW = pytest.mark.skipif(os.environ.get("CP_OPS_SLOW_TESTS") != "1", reason="slow: set CP_OPS_SLOW_TESTS=1")
 
 
 def _env() -> dict:
@@ -36,6 +37,7 @@ def _run(module: str, *args: str, timeout: int = 600) -> subprocess.CompletedPro
 # --- bench_layer_host -------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # both layers compiled and profiled; the layers' compile tests are in the fast tier
 def test_layer_host_smoke_writes_its_table(tmp_path):
     _run("benchmarks.bench_layer_host", "--smoke", "--out", str(tmp_path))
     result = load(tmp_path / "layer-host-smoke.json")
@@ -52,7 +54,7 @@ def test_layer_host_smoke_writes_its_table(tmp_path):
     assert "|---" in result.markdown() and result.env["device"]
 
 
-@SLOW  # two fresh processes that each compile a layer
+@pytest.mark.slow  # two fresh processes that each compile a layer
 def test_layer_host_rounds_write_one_table_of_the_runs(tmp_path):
     _run("benchmarks.bench_layer_host", "--smoke", "--layers", "attention", "--seqs", "2", "--rounds", "2",
          "--out", str(tmp_path))  # fmt: skip
@@ -224,7 +226,7 @@ def test_cold_start_rows_and_target():
     assert result.name == "cold-start-smoke" and "rc=1" in result.notes and "| 51.29 | 9.00 |" in result.markdown()
 
 
-@SLOW
+@pytest.mark.slow
 def test_cold_start_smoke_runs_the_demo_and_the_layer(tmp_path):
     _run("benchmarks.bench_cold_start", "--smoke", "--parts", "demo", "layer", "--out", str(tmp_path), timeout=900)
     result = load(tmp_path / "cold-start-smoke.json")

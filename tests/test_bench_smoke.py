@@ -2,7 +2,12 @@
 the CPU, tiny shapes): their built-in checks against references pass and they write their
 result as JSON (benchmarks/runner.py). So do the single-process GEMM benchmark (tiny
 shapes on the CPU) and the dispatch benchmark (it builds a C++ op with g++). Keeps the GPU
-benchmarks from rotting between GPU runs."""
+benchmarks from rotting between GPU runs.
+
+The layer benchmarks (gdn, ag-attention) compile their layers on two ranks for minutes, and
+the dispatch benchmark builds its C++ op: slow tests (make test-all). The layers they time are
+checked compiled on two ranks by tests/cp_ops/test_gdn_cp.py and test_attention.py, and the
+result files and tables by the cp2hp and gdn-gemms runs here."""
 
 import os
 import subprocess
@@ -24,7 +29,10 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", list(CASES))
+SLOW = {"gdn", "ag-attention", "dispatch"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in CASES])
 def test_benchmark_smoke_run(name, tmp_path):
     module, args, result_name, expected = CASES[name]
     env = dict(os.environ)

@@ -474,7 +474,7 @@ def _layer_rank(rank, world, group, compiled):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("world", [1, 3, 4])
+@pytest.mark.parametrize("world", [1, 3, pytest.param(4, marks=pytest.mark.slow)])  # W = 8: test_eight_ranks.py
 def test_ag_attention_matches_global(world):
     """Every case on W gloo ranks, launches 1 and 2 (and the layer at W = 3)."""
     run_ranks(world, _op_rank, False)

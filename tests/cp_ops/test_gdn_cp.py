@@ -127,8 +127,8 @@ def test_one_rank_matches_the_layer_by_hand(seqlens, heads, taps, cp_size):
 @pytest.mark.dist
 @pytest.mark.parametrize(
     "world,heads",
-    [(2, (2, 4)), (3, (3, 6)), (4, (4, 8))],
-)
+    [(2, (2, 4)), (3, (3, 6)), pytest.param(4, (4, 8), marks=pytest.mark.slow)],
+)  # W = 8: test_eight_ranks.py
 def test_cp_layer_matches_one_rank(world, heads):
     run_ranks(world, _compare_rank, [9, 0, 1, 23, 6], heads, False)
 
@@ -179,11 +179,13 @@ def _two_layers_rank(rank, world):
     assert rel_error(x_cp.grad, shard_thd(x_ref.grad, cup, world, rank)) < 1e-7
 
 
+@pytest.mark.slow  # a second compile of the layer on two ranks; one layer's is the fast tier's
 @pytest.mark.dist
 def test_two_compiled_layers_overlap_every_exchange():
     """Two layers in one compiled graph, W = 2: each of the four exchanges a pass has a GEMM
     beside it (the scheduling pass's windows across layers, its one-window deferral bound
-    included), and the result is the one-rank result."""
+    included), and the result is the one-rank result. The pass's windows across exchanges and
+    its deferral bound are also tested on hand-built graphs (tests/cp_ops/test_comm.py)."""
     run_ranks(2, _two_layers_rank)
 
 

@@ -336,6 +336,7 @@ def _check_compiled_layers(group, rank, world):
     assert counter.frame_count == first, f"W={world} rank {rank}: recompiled ({first} -> {counter.frame_count})"
 
 
+@pytest.mark.slow  # the same check with a group of two ranks below, in the fast tier
 def test_compiled_decoder_layers_one_rank():
     _check_compiled_layers(None, 0, 1)
 
@@ -375,7 +376,7 @@ def _rank(rank, world, compiled):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("world", [3, 4])
+@pytest.mark.parametrize("world", [3, pytest.param(4, marks=pytest.mark.slow)])  # W = 2 below, W = 3 fast
 def test_patched_model_equals_transformers(world):
     run_ranks(world, _rank, False)
 
@@ -473,6 +474,7 @@ def test_fsdp2_over_a_2d_mesh_in_either_order():
 # --- the benchmark ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # the model it times is checked against transformers above
 def test_benchmark_smoke_run(tmp_path):
     """benchmarks/bench_qwen3_next.py --smoke on the CPU: its checks pass, it writes its table
     and results."""

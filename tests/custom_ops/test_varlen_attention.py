@@ -22,6 +22,7 @@ from custom_ops.varlen_attention import kernels as kernels_mod
 from custom_ops.varlen_attention import validate_varlen_segments, varlen_attention_loop, varlen_attention_reference
 from custom_ops.varlen_attention.configs import DEFAULT_SETTINGS
 from custom_ops.varlen_attention.reference import resolve_scale
+from tests._profiles import examples
 
 WINDOWS = [(-1, -1), (3, -1), (2, 1), (0, 0), (-1, 2), (5, 5)]
 HEADS = [(1, 1), (2, 1), (4, 2), (3, 3), (6, 2)]
@@ -333,7 +334,7 @@ def _kernel_vs_reference(q, k, v, seg, causal, window, seed=0, scale=None, setti
 
 
 @pytest.mark.interpret
-@settings(max_examples=15)
+@settings(max_examples=examples(15))
 @given(
     segment_layouts(max_segs=3, max_q=20, max_k=24),
     st.sampled_from([(2, 1), (2, 2), (3, 1)]),
@@ -530,7 +531,7 @@ def crossing_key_ranges(draw, max_segs=5, max_rows=40):
 
 
 @pytest.mark.interpret
-@settings(max_examples=12)
+@settings(max_examples=examples(12))
 @given(crossing_key_ranges(), st.sampled_from([(2, 1), (1, 1)]), st.booleans(), st.sampled_from(WINDOWS))
 def test_kernel_crossing_key_ranges(layout, heads, causal, window):
     """dk/dv runs one program per key tile over every segment that reaches it: key ranges
@@ -655,7 +656,7 @@ def raw_segment_tables(draw):
 
 
 @pytest.mark.interpret
-@settings(max_examples=30)
+@settings(max_examples=examples(30))
 @given(raw_segment_tables())
 def test_segment_table_kernel_matches_torch(case):
     """One launch builds the clamped tables and the tile table in launch order (heaviest
@@ -702,7 +703,7 @@ def key_tile_cases(draw):
 
 
 @pytest.mark.interpret
-@settings(max_examples=30)
+@settings(max_examples=examples(30))
 @given(key_tile_cases())
 def test_key_tile_kernel_matches_torch(case):
     """The dk/dv kernel's tables from one launch equal the torch definition's: the stable order
