@@ -143,6 +143,8 @@ def stamp_output(cmd: list[str], env: dict, timeout: float, cwd: str = ROOT) -> 
     proc.wait()
     reader.join(timeout=10)
     proc.stdout.close()
+    # output read after the exit was written before it: its stamp is at most the exit's
+    pieces = [(min(t, total), text) for t, text in pieces]
     return {"pieces": pieces, "rc": rc, "total_s": total}
 
 
