@@ -378,9 +378,14 @@ def _check_layer(case: LayerCase, group, rank):
     what = f"{case} rank {rank}"
     assert rel_error(out_cp.detach(), shard_thd(out_ref.detach(), cup, w, rank)) < LAYER_TOL, what
     assert rel_error(x_cp.grad, shard_thd(x_ref.grad, cup, w, rank)) < LAYER_TOL, what
+    # a gradient that is zero in exact arithmetic (one-token sequences: q_proj's, the softmax over
+    # one key having no slope) is rounding noise on both sides: measured against the largest one
+    floor = 1e-3 * max(float(g.norm()) for g in ref_grads.values())
     for name, p in layer.named_parameters():
         dist.all_reduce(p.grad, group=group)
-        assert rel_error(p.grad, ref_grads[name]) < LAYER_TOL, f"{what}: {name}"
+        ref = ref_grads[name]
+        err = float((p.grad - ref).norm()) / max(float(ref.norm()), floor, 1e-300)
+        assert err < LAYER_TOL, f"{what}: {name} error {err:.3g}"
 
 
 def _check_all_to_all(case: AllToAllCase, group, rank):
@@ -435,10 +440,19 @@ def _cases(cp_sizes, attention: int, collectives: int, layers: int, exchanges: i
     return cases
 
 
+# cases a wide run once failed on, kept in the default tier
+FOUND = [
+    # one-token sequences: q_proj's gradient is zero in exact arithmetic, rounding noise here
+    LayerCase("attention", 4, [1, 1, 1], {"num_heads": 2, "num_kv_heads": 1, "gated": False, "qk_norm": True,
+                                           "causal": True, "window": (-1, -1), "partial_rotary_factor": 1.0,
+                                           "head_groups": 1}, seed=467),
+]  # fmt: skip
+
+
 @pytest.mark.dist
 def test_cp_pieces_match_their_oracles():
     """W = 1-7 (W = 1 through a group of one rank: the collectives and the reorder run)."""
-    cases = _cases(tuple(range(1, 8)), attention=10, collectives=7, layers=7, exchanges=1)
+    cases = _cases(tuple(range(1, 8)), attention=10, collectives=7, layers=7, exchanges=1) + FOUND
     assert {c.cp_size for c in cases} == set(range(1, 8))
     run_ranks(7, _check_cases, cases)
 
