@@ -473,10 +473,11 @@ def test_cp_pieces_match_their_oracles_wide():
 # reorder, valid-token copy, section and conv kernels run, in the op and in both layers, with
 # fresh memory poisoned. The oracle is float64 (the dense attention; the layer on one process in
 # float64, from the same parameters); float32 rounding bounds the error: 1e-5 relative
-# (TOLERANCE[float32]) for the op and the layers' outputs and input gradients (their errors
-# stay near 1e-6 on one process).
+# (TOLERANCE[float32]) for the op, 1e-4 for the layers' outputs and input gradients, whose
+# backward runs the gated delta rule's recurrence over whole sequences (a wide run drew an
+# input gradient at 1.2e-5; a wrong row or head is an error of order one).
 
-F32_LAYER_TOL = 1e-5
+F32_LAYER_TOL = 1e-4
 
 
 def _check_attention_float32(case: AttentionCase, group, rank):
@@ -545,7 +546,14 @@ def _float32_cases(cp_sizes, attention, layers, max_len=12):
 @pytest.mark.interpret
 def test_float32_kernels_inside_cp_match_float64_oracles():
     """W = 2: the op and both layers (each at least once) in float32 with the kernels interpreted."""
-    run_ranks(2, _check_cases_float32, _float32_cases((2,), attention=3, layers=2))
+    run_ranks(2, _check_cases_float32, _float32_cases((2,), attention=3, layers=2) + FOUND_FLOAT32)
+
+
+# a case a wide run once failed on (its input gradient at 1.2e-5), kept in the default tier
+FOUND_FLOAT32 = [
+    LayerCase("gdn", 2, [1, 15, 15], {"num_k_heads": 4, "num_v_heads": 4, "conv_kernel_size": 2,
+                                      "fused_layouts": False}, seed=0),
+]  # fmt: skip
 
 
 @pytest.mark.dist
