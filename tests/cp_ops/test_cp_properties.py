@@ -513,13 +513,16 @@ def _check_layer_float32(case: LayerCase, group, rank):
     what = f"float32 {case} rank {rank}"
     assert rel_error(out_cp.detach(), shard_thd(out_ref.detach(), cup, w, rank)) < F32_LAYER_TOL, what
     assert rel_error(x_cp.grad, shard_thd(x_ref.grad, cup, w, rank)) < F32_LAYER_TOL, what
-    # parameter gradients are sums over all T rows of terms that may cancel (dt_bias, A_log: one
-    # number per head), so float32 error grows with T; a missing or doubled term is of order one
-    ref_grads = dict(layer.named_parameters())
+    # parameter gradients are sums over all T rows whose terms may cancel (dt_bias, A_log: one
+    # number per head), so each is measured against the largest gradient's scale where its own is
+    # small, as in float64 (_check_layer); a missing or doubled term is an error of order one
+    ref_grads = {name: p.grad for name, p in layer.named_parameters()}
+    floor = 1e-3 * max(float(g.norm()) for g in ref_grads.values())
     for name, p in layer32.named_parameters():
         dist.all_reduce(p.grad, group=group)
-        torch.testing.assert_close(p.grad.double(), ref_grads[name].grad, rtol=F32_LAYER_TOL,
-                                   atol=1e-6 * max(packing.num_rows, 1), msg=f"{what}: {name}")  # fmt: skip
+        ref = ref_grads[name]
+        err = float((p.grad.double() - ref).norm()) / max(float(ref.norm()), floor, 1e-300)
+        assert err < F32_LAYER_TOL, f"{what}: {name} error {err:.3g}"
 
 
 _FLOAT32_CHECKS = {AttentionCase: _check_attention_float32, LayerCase: _check_layer_float32}
