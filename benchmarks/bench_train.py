@@ -61,29 +61,40 @@ def summarise(log: dict, warmup: int) -> dict:
     }  # fmt: skip
 
 
-def run_one(world: int, tokens: int, graphs: bool, args: argparse.Namespace, tmp: Path) -> dict:
-    """One torchrun of the recipe; its row (``status`` "ok", "failed (rc N)" or "timeout")."""
-    log = tmp / f"w{world}-t{tokens}-g{int(graphs)}.json"
+def torchrun(world: int, recipe_args: list[str], timeout: int) -> str:
+    """One torchrun of the recipe: its status ("ok", "failed (rc N)" or "timeout"), its output's
+    tail printed on failure."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world), str(SCRIPT),
-           "--preset", args.preset, "--dp", "1", "--cp", str(world), "--tokens-per-step", str(tokens),
-           "--steps", str(args.steps), "--max-seqs", str(args.max_seqs), "--log-json", str(log), "--no-progress",
-           *(["--compile"] if args.compile else []), *(["--cuda-graphs"] if graphs else []), *args.extra]  # fmt: skip
-    row = {"tokens": tokens, "graphs": "on" if graphs else "off", "W": world, "dp": 1, "cp": world}
-    print(f"[bench_train] W={world} tokens={tokens} graphs={row['graphs']}: {' '.join(cmd[2:])}", flush=True)
+           *recipe_args, "--no-progress"]  # fmt: skip
+    print(f"[bench_train] {' '.join(cmd[2:])}", flush=True)
     start = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, timeout=args.timeout, capture_output=True, text=True)
-        status = "ok" if proc.returncode == 0 and log.exists() else f"failed (rc {proc.returncode})"
+        proc = subprocess.run(cmd, cwd=ROOT, timeout=timeout, capture_output=True, text=True)
+        status = "ok" if proc.returncode == 0 else f"failed (rc {proc.returncode})"
         if status != "ok":
             print(proc.stdout[-2000:] + proc.stderr[-4000:], flush=True)
     except subprocess.TimeoutExpired:
         status = "timeout"
+    print(f"[bench_train]   {status} in {time.perf_counter() - start:.0f} s", flush=True)
+    return status
+
+
+def run_one(world: int, tokens: int, graphs: bool, args: argparse.Namespace, tmp: Path) -> dict:
+    """One torchrun of the recipe; its row (``status`` "ok", "failed (...)" or "timeout")."""
+    log = tmp / f"w{world}-t{tokens}-g{int(graphs)}.json"
+    recipe_args = ["--preset", args.preset, "--dp", "1", "--cp", str(world), "--tokens-per-step", str(tokens),
+                   "--steps", str(args.steps), "--max-seqs", str(args.max_seqs), "--log-json", str(log),
+                   *(["--compile"] if args.compile else []), *(["--cuda-graphs"] if graphs else []), *args.extra]
+    row = {"tokens": tokens, "graphs": "on" if graphs else "off", "W": world, "dp": 1, "cp": world}
+    print(f"[bench_train] W={world} tokens={tokens} graphs={row['graphs']}", flush=True)
+    status = torchrun(world, recipe_args, args.timeout)
+    if status == "ok" and not log.exists():
+        status = "failed (no log)"
     if status == "ok":
         row.update(summarise(json.loads(log.read_text()), args.warmup))
+        print(f"[bench_train]   step {row['step ms']:.1f} ms, {row['tokens/s']:.0f} tokens/s, "
+              f"peak {row['peak GiB']:.1f} GiB", flush=True)  # fmt: skip
     row["status"] = status
-    numbers = (f": step {row['step ms']:.1f} ms, {row['tokens/s']:.0f} tokens/s, peak {row['peak GiB']:.1f} GiB"
-               if status == "ok" else "")  # fmt: skip
-    print(f"[bench_train]   {status} in {time.perf_counter() - start:.0f} s{numbers}", flush=True)
     return row
 
 
@@ -104,24 +115,6 @@ def markov_tokens(path: Path, vocab_size: int, count: int = 1 << 21, seed: int =
     return path
 
 
-def torchrun(world: int, recipe_args: list[str], timeout: int) -> tuple[str, float]:
-    """One torchrun of the recipe: ``(status, seconds)``, its output's tail printed on failure."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world), str(SCRIPT),
-           *recipe_args, "--no-progress"]  # fmt: skip
-    print(f"[bench_train] {' '.join(cmd[2:])}", flush=True)
-    start = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, timeout=timeout, capture_output=True, text=True)
-        status = "ok" if proc.returncode == 0 else f"failed (rc {proc.returncode})"
-        if status != "ok":
-            print(proc.stdout[-2000:] + proc.stderr[-4000:], flush=True)
-    except subprocess.TimeoutExpired:
-        status = "timeout"
-    seconds = time.perf_counter() - start
-    print(f"[bench_train]   {status} in {seconds:.0f} s", flush=True)
-    return status, seconds
-
-
 def curves(args: argparse.Namespace) -> Result:
     """The ``--curves`` runs (module docstring) as one result."""
     tmp = Path(tempfile.mkdtemp())
@@ -139,14 +132,14 @@ def curves(args: argparse.Namespace) -> Result:
     for label, (world, dp, cp) in runs.items():
         log = tmp / f"{dp}x{cp}.json"
         extra = ["--checkpoint-dir", str(tmp / "ck"), "--save-every", str(half)] if label == "dp 1, cp 4" else []
-        status, _ = torchrun(world, [*common, "--steps", str(args.steps), "--dp", str(dp), "--cp", str(cp),
-                                     "--log-json", str(log), *extra], args.timeout)  # fmt: skip
+        status = torchrun(world, [*common, "--steps", str(args.steps), "--dp", str(dp), "--cp", str(cp),
+                                  "--log-json", str(log), *extra], args.timeout)  # fmt: skip
         logs[label] = json.loads(log.read_text()) if status == "ok" else None
         rows.append([label, world, status])
     resumed = tmp / "resumed.json"
-    status, _ = torchrun(4, [*common, "--steps", str(half + 1), "--dp", "1", "--cp", "4", "--checkpoint-dir",
-                             str(tmp / "ck"), "--resume", str(tmp / "ck" / f"step-{half:08d}"), "--log-json",
-                             str(resumed)], args.timeout)  # fmt: skip
+    status = torchrun(4, [*common, "--steps", str(half + 1), "--dp", "1", "--cp", "4", "--checkpoint-dir",
+                          str(tmp / "ck"), "--resume", str(tmp / "ck" / f"step-{half:08d}"), "--log-json",
+                          str(resumed)], args.timeout)  # fmt: skip
     base = [s["loss"] for s in logs["1 GPU"]["steps"]] if logs["1 GPU"] else None
     table, curves_ = [], {}
     for (label, world, status_), log in zip(rows, logs.values()):
