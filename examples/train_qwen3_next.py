@@ -60,7 +60,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     p.add_argument("--compile", action="store_true", help="torch.compile(fullgraph=True) every decoder layer")
     p.add_argument("--ac", action="store_true", help="activation checkpointing per decoder layer")
-    p.add_argument("--cuda-graphs", action="store_true", help="CUDA graphs in the compiled layers (needs --compile; slower for now, docs/training.md)")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="CUDA graphs in the compiled layers (needs --compile; slower for now, docs/training.md)")
     p.add_argument("--data", help="a .npy file of one 1-D integer array of token ids (default: synthetic)")
     p.add_argument("--checkpoint-dir")
     p.add_argument("--save-every", type=int, default=0, help="save a checkpoint every N steps (0: never)")
@@ -191,8 +192,8 @@ def active_params(config) -> int:
     return layers + h + h * config.vocab_size  # final norm, lm_head
 
 
-def count_flops_per_step(config, seqlens_per_replica: list[list[int]]) -> float:
-    """Model FLOPs of one training step (forward + backward) over every replica's sequences:
+def count_flops_per_step(config, seqlens_per_shard: list[list[int]]) -> float:
+    """Model FLOPs of one training step (forward + backward) over every batch shard's sequences:
     6 x :func:`active_params` per real token, plus causal softmax attention, 6 x Hq x D x L^2
     per sequence and full-attention layer (QK^T and PV, half of the square), plus the Gated
     DeltaNet's chunked recurrence, about 6 x Hv x (2 dk dv + C (dk + dv)) per token and linear
@@ -201,8 +202,8 @@ def count_flops_per_step(config, seqlens_per_replica: list[list[int]]) -> float:
     n_full = sum(t == "full_attention" for t in config.layer_types)
     n_linear = len(config.layer_types) - n_full
     hv, dk, dv = config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim
-    tokens = sum(sum(lens) for lens in seqlens_per_replica)
-    square = sum(n * n for lens in seqlens_per_replica for n in lens)
+    tokens = sum(sum(lens) for lens in seqlens_per_shard)
+    square = sum(n * n for lens in seqlens_per_shard for n in lens)
     flops = 6 * active_params(config) * tokens + 6 * n_full * config.num_attention_heads * config.head_dim * square
     return flops + 6 * n_linear * hv * (2 * dk * dv + 64 * (dk + dv)) * tokens
 
@@ -531,8 +532,7 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
     for step in range(start + 1, args.steps + 1):
         rec = train_step(run, step)
         rec["tokens_per_s"] = rec["tokens"] / (rec["step_ms"] / 1e3)
-        flops = count_flops_per_step(run.config, [[n for k in replica_shards(args, d) for n in run.batches.lengths(step, k)]
-                                                  for d in range(args.dp)])  # fmt: skip
+        flops = count_flops_per_step(run.config, [run.batches.lengths(step, k) for k in range(args.batch_shards)])
         rec["mfu"] = flops / (rec["step_ms"] / 1e3) / (world * peak * 1e12) if peak else None
         if device.type == "cuda":
             mem = torch.tensor([torch.cuda.max_memory_allocated(device) / 2**30], device=device)
