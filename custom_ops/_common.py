@@ -128,22 +128,12 @@ def from_words(words: torch.Tensor, dtype: torch.dtype, shape) -> torch.Tensor:
     return (words if words.dtype == dtype else words.view(dtype)).view(shape)
 
 
-# Unsigned integers whose index_select has no CPU kernel in some layouts, and the signed type of
-# the same width that moves the same bits.
-_SIGNED_TWIN = {
-    getattr(torch, u): getattr(torch, i)
-    for u, i in (("uint16", "int16"), ("uint32", "int32"), ("uint64", "int64"))
-    if hasattr(torch, u)
-}
-
-
 def index_select_any(x: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
-    """``x.index_select(dim, index)`` for every dtype: unsigned integers move as the signed type
-    of their width (the same bits), which torch's CPU kernel always has."""
-    twin = _SIGNED_TWIN.get(x.dtype)
-    if twin is None:
+    """``x.index_select(dim, index)`` for every dtype: the unsigned integers past uint8, whose CPU
+    ``index_select`` lacks kernels in some layouts, move as their :func:`word_dtype` (same bits)."""
+    if x.dtype in _NATIVE_DTYPES or x.dtype == torch.bool or x.dtype.is_floating_point or x.dtype.is_complex:
         return x.index_select(dim, index)
-    return x.view(twin).index_select(dim, index).view(x.dtype)
+    return x.view(word_dtype(x.dtype)[0]).index_select(dim, index).view(x.dtype)
 
 
 def dense(x: torch.Tensor) -> torch.Tensor:
