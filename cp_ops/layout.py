@@ -212,7 +212,7 @@ def static_seqlens(
     block = padding_multiple(cp_size)
     if num_tokens < 0 or num_tokens % block:
         raise ValueError(f"num_tokens = {num_tokens} must be a multiple of 2 * cp_size = {block}")
-    rows = sum(-(-n // block) * block for n in lens)
+    rows = int(pad_cu_seqlens(lens, cp_size)[1][-1])
     if rows > num_tokens:
         raise ValueError(
             f"the batch needs {rows} rows ({sum(lens)} tokens, each sequence padded to a multiple of {block}), "
