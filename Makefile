@@ -48,7 +48,7 @@ test-interpret:
 	TRITON_INTERPRET=1 $(PYTEST) -m "interpret $(NOT_SLOW)"
 
 # The compile tests again with the kernels registered as opaque ops, the form the ops take when the
-# installed triton is newer than the one torch pins (custom_ops._common.kernels_visible_to_compiler):
+# installed triton is newer than the one torch pins (custom_ops.runtime.registration.kernels_visible_to_compiler):
 # layout, all-to-all and attention kernels in Triton's interpreter, the GDN layers on references
 # (the fast tier compiles them in one process; the two-rank compile with visible kernels is in test-cpu).
 test-opaque:

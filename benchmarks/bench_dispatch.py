@@ -75,7 +75,7 @@ def build_cpp_op(directory: str):
 
 def python_ops():
     """``(custom_op, custom_op with its body as its kernel)``, both with ``empty_like`` as the body."""
-    from custom_ops.registration import kernel_op
+    from custom_ops.runtime.registration import kernel_op
 
     @torch.library.custom_op("cp_ops_bench::empty_like", mutates_args=())
     def _plain(x: torch.Tensor) -> torch.Tensor:

@@ -363,7 +363,7 @@ def run_child(args) -> dict:
     # checkouts from before custom_ops exported it kept it in custom_ops._common
     visible = getattr(custom_ops, "kernels_visible_to_compiler", None)
     if visible is None:
-        from custom_ops._common import kernels_visible_to_compiler as visible
+        from custom_ops.runtime.registration import kernels_visible_to_compiler as visible
     result = {
         "form": "triton_op" if visible() else "opaque",
         "package": os.path.dirname(os.path.dirname(os.path.abspath(custom_ops.__file__))),
@@ -435,7 +435,7 @@ def breakdown(cuda: bool) -> dict:
     from torch._library.triton import set_wrap_triton_enabled
 
     import custom_ops
-    from custom_ops import _common
+    from custom_ops.runtime import tiles as _common
     from custom_ops.thd_reorder import op as reorder
     from custom_ops.thd_reorder.kernels import thd_reorder_kernel
 
@@ -498,7 +498,7 @@ def breakdown(cuda: bool) -> dict:
         pieces["_launch (words, empty_like, tiles, launch)"] = launch_without_wrap
         pieces["kernel[grid](...) (JITFunction.run)"] = lambda: thd_reorder_kernel[grid](*kernel_args, **kernel_kwargs)
         try:
-            from custom_ops.launch import launch_direct
+            from custom_ops.runtime.launch import launch_direct
         except ImportError:  # a checkout from before custom_ops.launch
             launch_direct = getattr(_common, "launch_direct", None)
         if launch_direct is not None:

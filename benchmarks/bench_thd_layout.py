@@ -119,8 +119,9 @@ def seq_to_rank_with_tile(x: torch.Tensor, cu_seqlens_padded: torch.Tensor, cp_s
     """``thd_seq_to_rank_order(x, ...)`` by its kernel launched with the tile shape ``tile`` (a
     ``custom_ops._common.RowTile``) in place of the default ``ROW_TILE``: what the op's launcher
     does, with the tile as an argument."""
-    from custom_ops._common import as_words, cdiv, from_words, row_tile
-    from custom_ops.launch import launch_direct
+    from custom_ops.runtime.tiles import cdiv, row_tile
+    from custom_ops.runtime.words import as_words, from_words
+    from custom_ops.runtime.launch import launch_direct
     from custom_ops.thd_reorder.kernels import thd_reorder_kernel
 
     words = as_words(x)
@@ -143,7 +144,7 @@ def tile_sweep(env: dict) -> Result:
         {"tile_bytes": 32768, "max_row_bytes": 16384, "num_warps": 8},
         {"tile_bytes": 65536, "max_row_bytes": 16384, "num_warps": 16},
     ]
-    from custom_ops._common import RowTile
+    from custom_ops.runtime.tiles import RowTile
 
     rows = []
     for name, seqlens, trailing in shapes()[:2]:

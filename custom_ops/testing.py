@@ -29,7 +29,7 @@ from unittest import mock
 
 import torch
 
-from custom_ops._common import dense
+from custom_ops.runtime.words import dense
 
 # rel_error bounds against a float64 reference, by the dtype the op computes in.
 TOLERANCE = {
@@ -43,7 +43,7 @@ TOLERANCE = {
 LAYOUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64)
 
 # The other dtypes the layout ops promise to move ("any dtype"): the row kernels move these as
-# integer words of their element size (custom_ops._common.word_dtype), 16-byte ones as two words.
+# integer words of their element size (custom_ops.runtime.words.word_dtype), 16-byte ones as two words.
 WORD_DTYPES = (
     torch.bool, torch.int8, torch.uint8, torch.int16, torch.int32,
     torch.float8_e4m3fn, torch.float8_e5m2, torch.complex64, torch.complex128,

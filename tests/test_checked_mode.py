@@ -14,7 +14,7 @@ import torch
 
 import cp_ops
 import custom_ops
-from custom_ops import validation
+from custom_ops.runtime import validation
 from custom_ops.validation import checks_enabled, set_checks
 from tests._dist import run_ranks
 

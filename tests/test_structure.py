@@ -124,7 +124,7 @@ def test_no_module_attribute_is_assigned_from_outside():
 
 def test_the_assignment_check_sees_each_form(tmp_path):
     src = (
-        "import custom_ops._common as c\n"
+        "import custom_ops.runtime.tiles as c\n"
         "from custom_ops.varlen_attention import op as vop\n"
         "import cp_ops\n"
         "c.ROW_TILE = {}\n"
@@ -133,7 +133,7 @@ def test_the_assignment_check_sees_each_form(tmp_path):
         "setattr(c, 'Z', 1)\n"
         "def t(monkeypatch):\n"
         "    monkeypatch.setattr(vop, 'W', 1)\n"
-        "    monkeypatch.setattr('custom_ops._common.V', 1)\n"
+        "    monkeypatch.setattr('custom_ops.runtime.tiles.V', 1)\n"
         "    mock.patch.object(c, 'U', 1)\n"
         "m = sys.modules['custom_ops.varlen_attention.op']\n"
         "monkeypatch.setattr(m, '_has_window', 1)\n"
@@ -240,14 +240,75 @@ def test_layers_use_the_op_layer_through_its_public_api():
 
 
 def test_ops_are_registered_through_one_helper():
-    """Only custom_ops/registration.py calls torch.library's registration functions; every op
+    """Only custom_ops/runtime/registration.py calls torch.library's registration functions; every op
     registers through its kernel_op, opaque_op or composite_op."""
     registering = re.compile(
         r"torch\.library\.(custom_op|triton_op|define|impl|Library)\b|@(custom_op|triton_op)\(|^\s*(custom_op|triton_op)\(",
         re.M,
     )
-    helper = ROOT / "custom_ops" / "registration.py"
+    helper = ROOT / "custom_ops" / "runtime" / "registration.py"
     assert registering.search(helper.read_text()), "the registration helper no longer registers: update this test"
     files = _python_files(*LIBRARY, "examples")
     bad = [_rel(p) for p in files if p != helper and registering.search(p.read_text())]
-    assert not bad, f"torch.library registrations outside custom_ops/registration.py: {bad}"
+    assert not bad, f"torch.library registrations outside custom_ops/runtime/registration.py: {bad}"
+
+
+# --- imports without circles ------------------------------------------------------------------------
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """The library modules ``path`` imports anywhere in it (function-local imports included: a
+    local import hides a circle from the interpreter, not from the reader)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for a in node.names:
+                dotted = f"{node.module}.{a.name}"
+                found.add(dotted if _library_module(dotted) else node.module)
+    return {m for m in found if _library_module(m)}
+
+
+def _import_graph() -> dict[str, set[str]]:
+    return {_module_name(p): _imports(p) - {_module_name(p)} for p in _python_files(*LIBRARY)}
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle of ``graph`` (module -> the modules it imports), or None."""
+    state: dict[str, int] = {}  # 1 on the current path, 2 done
+    path: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        state[m] = 1
+        path.append(m)
+        for n in sorted(graph.get(m, ())):
+            if state.get(n) == 1:
+                return path[path.index(n) :] + [n]
+            if n not in state and (found := visit(n)):
+                return found
+        path.pop()
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if m not in state and (found := visit(m)):
+            return found
+    return None
+
+
+def test_library_imports_have_no_circle():
+    """The modules of custom_ops and cp_ops import each other along a DAG: the runtime below the
+    op families, the families below the package, the layers above it."""
+    cycle = _cycle(_import_graph())
+    assert cycle is None, "import circle: " + " -> ".join(cycle)
+
+
+def test_the_circle_check_finds_a_circle():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None

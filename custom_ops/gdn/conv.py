@@ -3,7 +3,7 @@ section 2, "Gated DeltaNet core"): ``causal_conv1d``, ``causal_conv1d_gather`` (
 rows held in another order, read and written through a row map by the same kernels) and
 their backward ops.
 
-Opaque custom ops (:func:`custom_ops.registration.opaque_op`): Inductor calls each as one
+Opaque custom ops (:func:`custom_ops.runtime.registration.opaque_op`): Inductor calls each as one
 extern node and never traces into FLA. On CUDA the conv runs this package's Triton kernels
 for kernel widths up to 4 (:mod:`custom_ops.gdn.kernels`, which read every row once) and
 FLA's for wider ones; on CPU the torch references of :mod:`custom_ops.gdn.reference`, and
@@ -18,10 +18,14 @@ from typing import Optional
 
 import torch
 
-from custom_ops import precompile
-from custom_ops._common import cdiv, check_index_tensor, NAMESPACE, unit_last_stride, use_triton
-from custom_ops.launch import launch_direct
-from custom_ops.precompile import cuda_index
+from custom_ops.runtime import precompile
+from custom_ops.runtime.checks import check_index_tensor
+from custom_ops.runtime.launch import use_triton
+from custom_ops.runtime.registration import NAMESPACE
+from custom_ops.runtime.tiles import cdiv
+from custom_ops.runtime.words import unit_last_stride
+from custom_ops.runtime.launch import launch_direct
+from custom_ops.runtime.precompile import cuda_index
 from custom_ops.gdn.fla import FLA_CHUNK, fla_call, fla_module, fla_varlen_indices
 from custom_ops.gdn.kernels import (
     CONV_SETTINGS,
@@ -37,8 +41,8 @@ from custom_ops.gdn.reference import (
     causal_conv1d_reference_backward,
     check_activation,
 )
-from custom_ops.registration import opaque_op
-from custom_ops.validation import checked
+from custom_ops.runtime.registration import opaque_op
+from custom_ops.runtime.validation import checked
 
 __all__ = ["causal_conv1d", "causal_conv1d_gather"]
 
@@ -91,7 +95,7 @@ def causal_conv1d(
 def _precompile(x, weight, bias, cu_seqlens, activation, rows=None) -> None:
     """Start compiling the forward's and the backward's kernels of :func:`causal_conv1d` (with
     ``rows``, of :func:`causal_conv1d_gather`) for these arguments, the fake tensors of a graph
-    being traced, in the background (:mod:`custom_ops.precompile`); the backward for a
+    being traced, in the background (:mod:`custom_ops.runtime.precompile`); the backward for a
     contiguous upstream gradient."""
     if weight.shape[1] > MAX_TAPS:
         return

@@ -2,10 +2,10 @@
 section 2, "Gated DeltaNet core").
 
 ``chunk_gated_delta_rule_forward`` and ``_backward`` are opaque custom ops
-(:func:`custom_ops.registration.opaque_op`) around FLA's internal forward and backward
+(:func:`custom_ops.runtime.registration.opaque_op`) around FLA's internal forward and backward
 functions, whose own autograd entry points are ``@torch.compiler.disable``: Inductor calls
 each as one extern node and never traces into FLA. The public ``chunk_gated_delta_rule`` is
-a composite (:func:`custom_ops.registration.composite_op`) over the forward op. CPU tensors
+a composite (:func:`custom_ops.runtime.registration.composite_op`) over the forward op. CPU tensors
 run the torch reference of :mod:`custom_ops.gdn.reference` (FLA's kernels do not run in
 Triton's interpreter).
 """
@@ -16,11 +16,12 @@ from typing import Optional
 
 import torch
 
-from custom_ops._common import NAMESPACE, check_index_tensor
+from custom_ops.runtime.checks import check_index_tensor
+from custom_ops.runtime.registration import NAMESPACE
 from custom_ops.gdn.fla import FLA_CHUNK, fla_call, fla_module, fla_varlen_indices, precompile_varlen_indices
 from custom_ops.gdn.reference import chunk_gated_delta_rule_reference, chunk_gated_delta_rule_reference_backward
-from custom_ops.registration import composite_op, opaque_op
-from custom_ops.validation import checked
+from custom_ops.runtime.registration import composite_op, opaque_op
+from custom_ops.runtime.validation import checked
 
 __all__ = ["chunk_gated_delta_rule"]
 

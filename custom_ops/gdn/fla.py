@@ -25,10 +25,11 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from custom_ops import precompile
-from custom_ops._common import cdiv, use_triton
+from custom_ops.runtime import precompile
+from custom_ops.runtime.launch import use_triton
+from custom_ops.runtime.tiles import cdiv
 from custom_ops.gdn.fla_configs import use_recorded_configs
-from custom_ops.launch import launch_direct
+from custom_ops.runtime.launch import launch_direct
 
 __all__ = [
     "FLA_CHUNK",
@@ -106,7 +107,7 @@ def _launch_chunk_indices(cu_seqlens: torch.Tensor, num_rows: int, chunk_size: i
 def precompile_varlen_indices(cu_seqlens: torch.Tensor, num_rows) -> None:
     """Start compiling :func:`fla_chunk_indices_kernel` for these arguments (an op's fake
     ``cu_seqlens`` and its row count, while a graph is traced) in the background
-    (:mod:`custom_ops.precompile`); nothing for a symbolic row count."""
+    (:mod:`custom_ops.runtime.precompile`); nothing for a symbolic row count."""
     if type(num_rows) is int:
         precompile.schedule(
             "fla_varlen_indices", lambda cu: _launch_chunk_indices(cu, num_rows, FLA_CHUNK), cu_seqlens

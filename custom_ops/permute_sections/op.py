@@ -14,11 +14,13 @@ import math
 
 import torch
 
-from custom_ops._common import (
-    cdiv, check_cp_size, dense, from_row_matrix, NAMESPACE, next_power_of_2, to_words, use_triton, word_dtype,
-)
-from custom_ops.launch import launch
-from custom_ops.registration import kernel_op
+from custom_ops.runtime.checks import check_cp_size
+from custom_ops.runtime.launch import use_triton
+from custom_ops.runtime.registration import NAMESPACE
+from custom_ops.runtime.tiles import cdiv, next_power_of_2
+from custom_ops.runtime.words import dense, from_row_matrix, to_words, word_dtype
+from custom_ops.runtime.launch import launch
+from custom_ops.runtime.registration import kernel_op
 from custom_ops.permute_sections.kernels import permute_sections_kernel
 from custom_ops.permute_sections.reference import permute_sections_reference, unpermute_sections_reference
 
@@ -88,7 +90,7 @@ def _check_rank_blocks(blocks: torch.Tensor, sections, cp_size: int) -> None:
 
 def _words(x: torch.Tensor, num_cols: int) -> tuple[torch.Tensor, int]:
     """``x`` as a contiguous ``[R, num_cols * k]`` matrix of the same bytes, and k
-    (words per element, see :func:`custom_ops._common.word_dtype`): a 2-D ``x`` of a dtype
+    (words per element, see :func:`custom_ops.runtime.words.word_dtype`): a 2-D ``x`` of a dtype
     Triton moves as itself is that matrix already, made contiguous (no view, which costs host
     time at every call)."""
     if x.dim() == 2 and word_dtype(x.dtype)[0] == x.dtype:

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from custom_ops._common import index_select_any
+from custom_ops.runtime.words import index_select_any
 
 
 def section_index(sections: Sequence[int], cp_size: int, device: torch.device | str | None = None) -> torch.Tensor:

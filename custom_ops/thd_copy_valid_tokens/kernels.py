@@ -3,7 +3,7 @@
 import triton
 import triton.language as tl
 
-from custom_ops._triton_utils import search_sorted_right
+from custom_ops.runtime.triton_utils import search_sorted_right
 
 
 @triton.jit

@@ -1,13 +1,13 @@
 """Triton kernel for the THD reorders: a row gather whose index map is computed on the device.
 
-The kernel evaluates :mod:`custom_ops.thd_index`'s maps (``seq_to_rank_index``,
+The kernel evaluates :mod:`custom_ops.runtime.thd_index`'s maps (``seq_to_rank_index``,
 ``rank_to_seq_index``) per row, in closed form; everything on the host takes them from there.
 """
 
 import triton
 import triton.language as tl
 
-from custom_ops._triton_utils import search_sorted_right
+from custom_ops.runtime.triton_utils import search_sorted_right
 
 
 @triton.jit

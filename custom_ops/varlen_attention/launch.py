@@ -16,9 +16,11 @@ import math
 
 import torch
 
-from custom_ops._common import cdiv, triton_interpreting, unit_last_stride
-from custom_ops.launch import launch_direct
-from custom_ops.precompile import cuda_index
+from custom_ops.runtime.launch import triton_interpreting
+from custom_ops.runtime.tiles import cdiv
+from custom_ops.runtime.words import unit_last_stride
+from custom_ops.runtime.launch import launch_direct
+from custom_ops.runtime.precompile import cuda_index
 from custom_ops.varlen_attention.backward import varlen_attn_bwd_dkdv_kernel, varlen_attn_bwd_dq_kernel
 from custom_ops.varlen_attention.configs import (
     DEFAULT_SETTINGS,

@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import torch
 
-from custom_ops import precompile
-from custom_ops._common import check_index_tensor, NAMESPACE, use_triton
-from custom_ops.registration import kernel_op
+from custom_ops.runtime import precompile
+from custom_ops.runtime.checks import check_index_tensor
+from custom_ops.runtime.launch import use_triton
+from custom_ops.runtime.registration import NAMESPACE
+from custom_ops.runtime.registration import kernel_op
 from custom_ops.varlen_attention.launch import backward, forward
 from custom_ops.varlen_attention.reference import (
     _attention,
@@ -30,9 +32,8 @@ from custom_ops.varlen_attention.reference import (
     resolve_scale,
     varlen_attention_backward_reference,
 )
-from custom_ops.validation import checked
+from custom_ops.runtime.validation import SEGMENT_TABLES, checked
 
-_INDEX_NAMES = ("q_start", "q_len", "q_pos", "k_start", "k_len")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _MAX_KERNEL_HEAD_DIM = 256
 
@@ -64,10 +65,10 @@ def _check(q, k, v, index_tensors, causal, window_left, window_right) -> None:
     check_gqa_heads(q, k)
     if q.shape[2] == 0:
         raise ValueError("head_dim must be at least 1")
-    for name, t in zip(_INDEX_NAMES, index_tensors):
+    for name, t in zip(SEGMENT_TABLES, index_tensors):
         check_index_tensor(name, t, q.device, min_numel=0)
     n_seg = index_tensors[0].shape[0]
-    for name, t in zip(_INDEX_NAMES[1:], index_tensors[1:]):
+    for name, t in zip(SEGMENT_TABLES[1:], index_tensors[1:]):
         if t.shape[0] != n_seg:
             raise ValueError(f"{name} has {t.shape[0]} entries but q_start has {n_seg}; give one entry per segment")
     if not isinstance(causal, bool):
@@ -116,7 +117,7 @@ def _varlen_attention(
 
 def _precompile(q, k, v, seg, causal, left, right, scale) -> None:
     """Start compiling the forward's and the backward's kernels for these arguments (the fake
-    tensors of a graph being traced) in the background (:mod:`custom_ops.precompile`); the
+    tensors of a graph being traced) in the background (:mod:`custom_ops.runtime.precompile`); the
     backward for a contiguous ``dout`` and no ``dlse``, as the layers produce them."""
     if q.dtype == torch.float64 or type(left) is not int or type(right) is not int:
         return
@@ -233,7 +234,7 @@ def varlen_attention(
     with no visible key, and rows in no segment, get ``out = 0``, ``lse = -inf``
     and zero gradient. Query segments must be disjoint (sorting not required);
     key ranges may overlap (dk, dv sum over every segment). Values are not
-    checked here (no host sync): see :func:`validate_varlen_segments`.
+    checked here (no host sync): see :func:`custom_ops.validation.validate_varlen_segments`.
 
     ``q_pos = 0`` is plain varlen attention, ``q_pos = k_len - q_len`` bottom-right
     alignment. Differentiable in q, k, v, including through lse. On CUDA (and on
@@ -243,40 +244,3 @@ def varlen_attention(
     """
     left, right = _window(window)
     return _varlen_attention(q, k, v, q_start, q_len, q_pos, k_start, k_len, causal, left, right, scale)
-
-
-def validate_varlen_segments(
-    q_start: torch.Tensor,
-    q_len: torch.Tensor,
-    q_pos: torch.Tensor,
-    k_start: torch.Tensor,
-    k_len: torch.Tensor,
-    num_q_rows: int,
-    num_k_rows: int,
-) -> None:
-    """Check segment tables on the host (syncs; call it where batches are built).
-
-    Raises ValueError unless lengths are >= 0, every query range lies in
-    ``[0, num_q_rows)`` and every key range in ``[0, num_k_rows)``, and the
-    non-empty query ranges are pairwise disjoint.
-    """
-    tables = {name: t.tolist() for name, t in zip(_INDEX_NAMES, (q_start, q_len, q_pos, k_start, k_len))}
-    n = len(tables["q_start"])
-    if any(len(t) != n for t in tables.values()):
-        raise ValueError("the five segment tensors must have one length")
-    spans = []
-    for s in range(n):
-        qs, ql, ks, kl = tables["q_start"][s], tables["q_len"][s], tables["k_start"][s], tables["k_len"][s]
-        if ql < 0 or kl < 0:
-            raise ValueError(f"segment {s}: q_len = {ql} and k_len = {kl} must be >= 0")
-        if qs < 0 or qs + ql > num_q_rows:
-            raise ValueError(f"segment {s}: query rows [{qs}, {qs + ql}) are not inside [0, {num_q_rows})")
-        if ks < 0 or ks + kl > num_k_rows:
-            raise ValueError(f"segment {s}: key rows [{ks}, {ks + kl}) are not inside [0, {num_k_rows})")
-        if ql > 0:
-            spans.append((qs, qs + ql, s))
-    spans.sort()
-    for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
-        if start < end:
-            raise ValueError(f"the query rows of segments {a} and {b} overlap")
-

@@ -1,7 +1,7 @@
 """Which way the ops register their Triton kernels: visible to Inductor, or opaque; and,
 for the visible form, that torch's analysis of each kernel finds what it writes.
 
-The rule lives in ``custom_ops.registration`` (``visible_to_compiler``, which
+The rule lives in ``custom_ops.runtime.registration`` (``visible_to_compiler``, which
 ``kernels_visible_to_compiler`` applies to the installed versions); ``make test`` also reruns
 the compile tests with ``CP_OPS_OPAQUE_KERNELS=1`` (``make test-opaque``).
 """
@@ -10,7 +10,7 @@ import pytest
 import torch
 import triton
 
-from custom_ops import registration
+from custom_ops.runtime import registration
 from custom_ops.permute_sections.kernels import permute_sections_kernel
 from custom_ops.testing import kernel_constexprs
 from custom_ops.thd_copy_valid_tokens.kernels import thd_copy_valid_tokens_kernel

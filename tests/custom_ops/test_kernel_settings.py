@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import custom_ops
-from custom_ops._common import cdiv, ROW_TILE, row_tile, RowTile
-from custom_ops.launch import launch
+from custom_ops.runtime.tiles import cdiv, ROW_TILE, row_tile, RowTile
+from custom_ops.runtime.launch import launch
 from custom_ops.gdn import conv
 from custom_ops.gdn.kernels import CONV_SETTINGS, ConvConfig, ConvSettings
 from custom_ops.testing import random_tensor

@@ -1,4 +1,4 @@
-"""The direct kernel launches of ``custom_ops.launch`` (``launch_direct``): the key that picks a
+"""The direct kernel launches of ``custom_ops.runtime.launch`` (``launch_direct``): the key that picks a
 cached compiled kernel must tell apart every pair of arguments Triton compiles apart, and a
 cached launch must pass the arguments Triton's own launch would.
 
@@ -13,7 +13,7 @@ import torch
 
 from triton import knobs
 
-from custom_ops import launch
+from custom_ops.runtime import launch
 
 
 def _triton_specialization():

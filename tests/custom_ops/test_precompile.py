@@ -1,4 +1,4 @@
-"""Compiling the attention, conv and chunk-index kernels while a graph is traced (custom_ops.precompile).
+"""Compiling the attention, conv and chunk-index kernels while a graph is traced (custom_ops.runtime.precompile).
 
 On the CPU: the ops' fake implementations, on fake CUDA tensors, hand each kernel of the
 forward and the backward to a worker to compile, once, with the arguments the launch would
@@ -15,8 +15,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import custom_ops
-from custom_ops import launch as launch_mod
-from custom_ops import precompile
+from custom_ops.runtime import launch as launch_mod
+from custom_ops.runtime import precompile
 from custom_ops.gdn import conv as conv_mod
 
 triton = pytest.importorskip("triton")

@@ -19,7 +19,8 @@ import custom_ops
 from custom_ops.testing import TOLERANCE, kernel_constexprs, poisoned_allocations, random_tensor, rel_error
 from custom_ops.varlen_attention import configs, launch
 from custom_ops.varlen_attention import kernels as kernels_mod
-from custom_ops.varlen_attention import validate_varlen_segments, varlen_attention_loop, varlen_attention_reference
+from custom_ops.validation import validate_varlen_segments
+from custom_ops.varlen_attention.reference import varlen_attention_loop, varlen_attention_reference
 from custom_ops.varlen_attention.configs import DEFAULT_SETTINGS
 from custom_ops.varlen_attention.reference import resolve_scale
 from tests._profiles import examples

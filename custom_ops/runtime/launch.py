@@ -19,10 +19,27 @@ from torch._library.triton import is_wrap_triton_enabled
 from torch.library import wrap_triton
 from triton import knobs
 
-from custom_ops import precompile
-from custom_ops._common import cdiv, row_tile
+from custom_ops import env
+from custom_ops.runtime import precompile
+from custom_ops.runtime.tiles import cdiv, row_tile
 
-__all__ = ["direct_launcher", "launch", "launch_direct", "launch_rows"]
+__all__ = ["direct_launcher", "launch", "launch_direct", "launch_rows", "triton_interpreting", "use_triton"]
+
+def triton_interpreting() -> bool:
+    """True when Triton runs kernels on CPU tensors (TRITON_INTERPRET=1)."""
+    return env.triton_interpret()
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """Whether an op body launches its Triton kernel for tensors on ``t``'s device.
+
+    CUDA tensors always do. CPU tensors run the torch reference, except under
+    ``TRITON_INTERPRET=1``, where the kernels run in Triton's interpreter (how
+    the kernels are tested on machines without a GPU). The answer depends on the
+    device only, so it is a trace-time constant under ``torch.compile``.
+    """
+    return t.is_cuda or (t.device.type == "cpu" and triton_interpreting())
+
 
 NO_KEY = object()
 MAX_KEYS = 1024
@@ -110,7 +127,7 @@ def direct_launcher(
         (:func:`spec_key` of every positional argument, the keyword arguments, the current
         device) goes through Triton, which compiles and launches; later ones launch the compiled
         kernel that call returned. Interpreted kernels (``TRITON_INTERPRET=1``) always go
-        through Triton. In a thread that precompiles (:mod:`custom_ops.precompile`), on meta
+        through Triton. In a thread that precompiles (:mod:`custom_ops.runtime.precompile`), on meta
         tensors, nothing launches: a kernel not launched yet with its key is compiled in a
         worker, and the first launch with that key waits for that compile.
         """
@@ -212,7 +229,7 @@ def launch(kernel, grid, *args, **kwargs) -> None:
 
 def launch_rows(kernel, rows: int, cols: int, word_bytes: int, *args, **kwargs) -> None:
     """:func:`launch` of a row-moving kernel over a ``[rows, cols]`` matrix of ``word_bytes``-byte
-    elements: one program per tile of :func:`custom_ops._common.row_tile`, whose BLOCK_R, BLOCK_D
+    elements: one program per tile of :func:`custom_ops.runtime.tiles.row_tile`, whose BLOCK_R, BLOCK_D
     and num_warps it passes with ``kwargs``."""
     block_r, block_d, num_warps = row_tile(cols, word_bytes)
     grid = (cdiv(rows, block_r), cdiv(cols, block_d))

@@ -26,9 +26,11 @@ from torch._library.triton import set_wrap_triton_enabled
 from torch.library import custom_op, triton_op
 
 from custom_ops import env
-from custom_ops._common import NAMESPACE
 
-__all__ = ["composite_op", "kernel_op", "kernels_visible_to_compiler", "opaque_op"]
+__all__ = ["NAMESPACE", "composite_op", "kernel_op", "kernels_visible_to_compiler", "opaque_op"]
+
+# the torch.library namespace of every op: torch.ops.cp_ops.<name>
+NAMESPACE = "cp_ops"
 
 
 def _major_minor(version: str) -> tuple[int, int] | None:
@@ -101,7 +103,7 @@ def kernels_visible_to_compiler() -> bool:
 
 
 def kernel_op(qualname: str, *, mutates_args, opaque: bool = False):
-    """Register an op whose body launches Triton kernels (through :func:`custom_ops.launch.launch`,
+    """Register an op whose body launches Triton kernels (through :func:`custom_ops.runtime.launch.launch`,
     which a ``triton_op`` needs; an op that is always opaque may use ``launch_direct``).
 
     ``torch.library.triton_op`` where the compiler can analyse the kernels,

@@ -5,7 +5,7 @@ Triton compiles a kernel when it is first launched with a new specialization, se
 each of this package's kernels, one after the other on the thread that calls the op. Under
 ``torch.compile`` an op's fake implementation runs while the graph is traced, well before the
 compiled graph first calls the op. There the ops that launch through
-:func:`custom_ops.launch.launch_direct` call :func:`schedule` with their launchers and the
+:func:`custom_ops.runtime.launch.launch_direct` call :func:`schedule` with their launchers and the
 fake arguments: a worker thread runs the launchers on meta tensors of the same shapes,
 strides and dtypes, under which ``launch_direct`` does not launch but hands each kernel to
 another worker to compile (Triton's ``JITFunction.warmup``, whose specialization is the
