@@ -41,7 +41,7 @@ import custom_ops
 from benchmarks.cases import random_lengths as _lengths
 from benchmarks.runner import Result, add_out_argument, emit, environment
 from benchmarks.timing import kernel_ms, median_ms
-from custom_ops.gdn.op import fla_varlen_indices
+from custom_ops.gated_delta_rule.fla import fla_varlen_indices
 from custom_ops.testing import rel_error
 
 CHANNELS = (8192, 4096)  # 2*Hk*dk + Hv*dv on one GPU, and on one rank of W = 2
@@ -159,7 +159,7 @@ def bench_gather(
 def ours_conv_with(x, w, cu, settings):
     """Our forward and backward launchers under the conv settings ``settings`` (a
     ``custom_ops.gdn.kernels.ConvSettings``), as :func:`ours_conv`'s pair."""
-    from custom_ops.gdn.conv import _conv_backward_kernel, _conv_forward
+    from custom_ops.causal_conv1d.op import _conv_backward_kernel, _conv_forward
 
     def fwd():
         return _conv_forward(x, w, None, cu, "silu", settings=settings)
@@ -172,7 +172,7 @@ def ours_conv_with(x, w, cu, settings):
 
 def sweep() -> Result:
     """The --sweep table: ms of our forward and backward per kernel config."""
-    from custom_ops.gdn.kernels import CONV_SETTINGS, ConvConfig, ConvSettings
+    from custom_ops.causal_conv1d.kernels import CONV_SETTINGS, ConvConfig, ConvSettings
 
     shapes = [(65536, 8192), (32768, 4096)]
     rows = []

@@ -1,35 +1,30 @@
 """torch.library ops (namespace ``cp_ops``) for context parallelism on packed THD sequences.
 
-Importing this package registers every op, reachable as ``custom_ops.<name>``
-and ``torch.ops.cp_ops.<name>``. Each op folder holds ``kernels.py`` (Triton),
-``reference.py`` (pure torch, the CPU path and the test oracle) and ``op.py``
-(registration, fake, autograd).
+Importing this package registers every op, reachable as ``custom_ops.<name>`` and
+``torch.ops.cp_ops.<name>``. Each op family is a folder
+``custom_ops/<family>/`` with ``kernels.py`` (Triton), ``op.py`` (registration, fake, autograd)
+and ``reference.py`` (pure torch, the CPU path and the test oracle); what every family uses is
+in ``custom_ops/runtime/`` (docs/design.md section 6).
 
 This module is the package's public API: the op wrappers, their references, and the helpers
 the layers in ``cp_ops`` build on (group resolution, collectives, argument checks). The public
-modules beside it: :mod:`custom_ops.runtime.thd_index` (the layout's index maps),
-:mod:`custom_ops.runtime.validation` (value checks, the checked mode), :mod:`custom_ops.env` (every
+modules beside it: :mod:`custom_ops.thd_index` (the layout's index maps),
+:mod:`custom_ops.validation` (value checks, the checked mode), :mod:`custom_ops.env` (every
 environment variable the package reads, docs/environment.md) and :mod:`custom_ops.testing`.
 ``NAMESPACE`` is the ops' namespace, ``"cp_ops"``.
 """
 
 from custom_ops import env, thd_index
-from custom_ops.runtime.checks import check_cp_size, check_index_tensor
-from custom_ops.runtime.registration import NAMESPACE
 from custom_ops.ag_attention.op import ag_thd_attention
 from custom_ops.ag_attention.reference import ag_thd_attention_reference
 from custom_ops.ag_attention.segments import ag_thd_segments
 from custom_ops.all_to_all.op import check_cp2hp, check_hp2cp, thd_cp2hp, thd_hp2cp
 from custom_ops.all_to_all.reference import thd_cp2hp_reference, thd_hp2cp_reference
-from custom_ops.runtime.collectives import all_gather_rows, all_to_all_rows, overlapped_exchange, reduce_scatter_rows
-from custom_ops.gdn.fla import fla_module
-from custom_ops.gdn.op import causal_conv1d, causal_conv1d_gather, chunk_gated_delta_rule
-from custom_ops.gdn.reference import (
-    causal_conv1d_gather_reference,
-    causal_conv1d_reference,
-    chunk_gated_delta_rule_reference,
-)
-from custom_ops.runtime.groups import group_rank, group_size, resolve_group
+from custom_ops.causal_conv1d.op import causal_conv1d, causal_conv1d_gather
+from custom_ops.causal_conv1d.reference import causal_conv1d_gather_reference, causal_conv1d_reference
+from custom_ops.gated_delta_rule.fla import fla_module
+from custom_ops.gated_delta_rule.op import chunk_gated_delta_rule
+from custom_ops.gated_delta_rule.reference import chunk_gated_delta_rule_reference
 from custom_ops.permute_sections.op import (
     permute_sections,
     rank_blocks_to_sections,
@@ -37,7 +32,10 @@ from custom_ops.permute_sections.op import (
     unpermute_sections,
 )
 from custom_ops.permute_sections.reference import permute_sections_reference, unpermute_sections_reference
-from custom_ops.runtime.registration import kernels_visible_to_compiler
+from custom_ops.runtime.checks import check_cp_size, check_index_tensor
+from custom_ops.runtime.collectives import all_gather_rows, all_to_all_rows, overlapped_exchange, reduce_scatter_rows
+from custom_ops.runtime.groups import group_rank, group_size, resolve_group
+from custom_ops.runtime.registration import NAMESPACE, kernels_visible_to_compiler
 from custom_ops.runtime.validation import validate_varlen_segments
 from custom_ops.thd_copy_valid_tokens.op import thd_copy_valid_tokens, thd_copy_valid_tokens_
 from custom_ops.thd_copy_valid_tokens.reference import thd_copy_valid_tokens_reference

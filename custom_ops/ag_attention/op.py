@@ -46,15 +46,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from custom_ops.runtime.checks import check_index_tensor
-from custom_ops.runtime.registration import NAMESPACE
 from custom_ops.ag_attention.segments import ag_thd_segments
+from custom_ops.runtime.checks import check_index_tensor
 from custom_ops.runtime.collectives import all_gather_rows
 from custom_ops.runtime.groups import check_group_size, resolve_group
-from custom_ops.runtime.registration import composite_op, opaque_op
+from custom_ops.runtime.registration import NAMESPACE, composite_op, opaque_op
+from custom_ops.runtime.validation import checked
 from custom_ops.thd_copy_valid_tokens.op import thd_copy_valid_tokens
 from custom_ops.thd_reorder.op import thd_rank_to_seq_order
-from custom_ops.runtime.validation import checked
 from custom_ops.varlen_attention.op import check_gqa_heads, varlen_attention
 
 __all__ = ["ag_thd_attention", "group_rank_tensor"]

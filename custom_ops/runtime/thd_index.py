@@ -28,6 +28,7 @@ __all__ = [
     "seq_to_rank_index",
     "rank_to_seq_index",
     "chunk_spans",
+    "row_positions",
 ]
 
 
@@ -133,3 +134,16 @@ def chunk_spans(cu_seqlens_padded: torch.Tensor, cp_size: int) -> Iterator[tuple
             c = (cup[i + 1] - cup[i]) // padding_multiple(cp_size)
             for j in local_chunks(r, cp_size):
                 yield r, cup[i] + j * c, c
+
+
+def row_positions(cu_seqlens: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """Position of every packed row inside its sequence (int64 ``[num_rows]``), on the device.
+
+    Row t belongs to the sequence i with ``cu[i] <= t < cu[i+1]`` (zero-length
+    sequences are skipped by the right-sided search); its position is
+    ``t - cu[i]``. Rows past ``cu[-1]`` count as continuing the last sequence.
+    """
+    cu = cu_seqlens.to(torch.int64)
+    t = torch.arange(num_rows, device=cu.device, dtype=torch.int64)
+    seq = (torch.searchsorted(cu, t, right=True) - 1).clamp(min=0, max=max(cu.numel() - 1, 0))
+    return t - cu[seq]

@@ -12,8 +12,8 @@ sequence): an independent oracle for tests and the baseline in the benchmark.
 
 import torch
 
-from custom_ops.runtime.words import index_select_any
 from custom_ops.runtime.thd_index import chunk_spans, rank_to_seq_index, seq_to_rank_index
+from custom_ops.runtime.words import index_select_any
 
 
 def thd_seq_to_rank_order_reference(x: torch.Tensor, cu_seqlens_padded: torch.Tensor, cp_size: int) -> torch.Tensor:

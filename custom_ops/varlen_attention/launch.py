@@ -16,12 +16,11 @@ import math
 
 import torch
 
-from custom_ops.runtime.launch import triton_interpreting
+from custom_ops.runtime.launch import launch_direct, triton_interpreting
+from custom_ops.runtime.precompile import cuda_index
 from custom_ops.runtime.tiles import cdiv
 from custom_ops.runtime.words import unit_last_stride
-from custom_ops.runtime.launch import launch_direct
-from custom_ops.runtime.precompile import cuda_index
-from custom_ops.varlen_attention.backward import varlen_attn_bwd_dkdv_kernel, varlen_attn_bwd_dq_kernel
+from custom_ops.varlen_attention.kernels.backward import varlen_attn_bwd_dkdv_kernel, varlen_attn_bwd_dq_kernel
 from custom_ops.varlen_attention.configs import (
     DEFAULT_SETTINGS,
     KEY_TILE_BLOCK,
@@ -32,8 +31,8 @@ from custom_ops.varlen_attention.configs import (
     has_tma_config,
     kernel_config,
 )
-from custom_ops.varlen_attention.forward import varlen_attn_fwd_kernel
-from custom_ops.varlen_attention.schedule import key_tile_segments_kernel, segment_tables_kernel
+from custom_ops.varlen_attention.kernels.forward import varlen_attn_fwd_kernel
+from custom_ops.varlen_attention.kernels.schedule import key_tile_segments_kernel, segment_tables_kernel
 
 _LOG2E = 1.4426950408889634
 

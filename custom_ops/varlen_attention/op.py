@@ -23,8 +23,8 @@ import torch
 from custom_ops.runtime import precompile
 from custom_ops.runtime.checks import check_index_tensor
 from custom_ops.runtime.launch import use_triton
-from custom_ops.runtime.registration import NAMESPACE
-from custom_ops.runtime.registration import kernel_op
+from custom_ops.runtime.registration import NAMESPACE, kernel_op
+from custom_ops.runtime.validation import SEGMENT_TABLES, checked
 from custom_ops.varlen_attention.launch import backward, forward
 from custom_ops.varlen_attention.reference import (
     _attention,
@@ -32,7 +32,6 @@ from custom_ops.varlen_attention.reference import (
     resolve_scale,
     varlen_attention_backward_reference,
 )
-from custom_ops.runtime.validation import SEGMENT_TABLES, checked
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _MAX_KERNEL_HEAD_DIM = 256

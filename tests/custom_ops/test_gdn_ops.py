@@ -11,11 +11,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import custom_ops
-from custom_ops.gdn.fla import fla_varlen_indices
-from custom_ops.gdn.reference import (
+from custom_ops.gated_delta_rule.fla import fla_varlen_indices
+from custom_ops.causal_conv1d.reference import (
     causal_conv1d_loop,
     causal_conv1d_reference,
     causal_conv1d_reference_backward,
+)
+from custom_ops.gated_delta_rule.reference import (
     chunk_gated_delta_rule_loop,
     chunk_gated_delta_rule_reference,
     chunk_gated_delta_rule_reference_backward,
@@ -174,7 +176,7 @@ def test_fla_calls_keep_nothing_alive():
     import fla.utils
     from fla.ops.utils.index import prepare_chunk_offsets
 
-    from custom_ops.gdn.fla import fla_call
+    from custom_ops.gated_delta_rule.fla import fla_call
 
     before = fla.utils.FLA_DISABLE_TENSOR_CACHE
     for uncached in (False, True):
@@ -455,7 +457,7 @@ def test_conv_kernels_compile_for_hopper(kind, row_map):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from custom_ops.gdn import kernels
+    from custom_ops.causal_conv1d import kernels
 
     kernel = kernels.cp_causal_conv1d_fwd_kernel if kind == "fwd" else kernels.cp_causal_conv1d_bwd_kernel
     rows, block_c, warps, stages = kernels.CONV_SETTINGS.config(kind, on_gpu=True)
@@ -483,9 +485,9 @@ def test_conv_kernels_compile_for_hopper(kind, row_map):
 def test_conv_positions_kernel_matches_reference(seqlens, extra_rows, index_dtype):
     """The positions kernel against the reference's row positions capped at MAX_TAPS: zero-length
     sequences, rows past ``cu[-1]``, layouts spanning several of the kernel's blocks."""
-    from custom_ops.gdn import conv
-    from custom_ops.gdn.kernels import MAX_TAPS
-    from custom_ops.gdn.reference import row_positions
+    from custom_ops.causal_conv1d import op as conv
+    from custom_ops.causal_conv1d.kernels import MAX_TAPS
+    from custom_ops.runtime.thd_index import row_positions
 
     cu = _cu([s * 150 for s in seqlens], dtype=index_dtype)  # up to 16200 rows: up to 16 blocks
     num_rows = int(cu[-1]) + extra_rows
@@ -500,7 +502,7 @@ def test_conv_positions_kernel_compiles_for_hopper():
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from custom_ops.gdn.kernels import MAX_TAPS, POSITIONS_BLOCK, conv_positions_kernel
+    from custom_ops.causal_conv1d.kernels import MAX_TAPS, POSITIONS_BLOCK, conv_positions_kernel
 
     constants = dict(CAP=MAX_TAPS, BLOCK=POSITIONS_BLOCK)
     names = conv_positions_kernel.arg_names
@@ -527,7 +529,7 @@ def test_fla_chunk_indices_kernel_matches_reference(seqlens, extra_rows, index_d
     """The chunk-index kernel against the torch reference: empty sequences, several of the
     kernel's sequence blocks and row blocks, rows past ``cu[-1]`` and ``cu[-1]`` past the rows,
     and an invalid layout with a step down (an empty sequence to both)."""
-    from custom_ops.gdn.fla import fla_varlen_indices_reference
+    from custom_ops.gated_delta_rule.fla import fla_varlen_indices_reference
 
     cu = _cu(seqlens, dtype=index_dtype)
     if len(seqlens) > 1 and data.draw(st.booleans()):
@@ -546,7 +548,7 @@ def test_fla_chunk_indices_kernel_compiles_for_hopper():
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from custom_ops.gdn.fla import INDICES_BLOCK, INDICES_SEQ_BLOCK, fla_chunk_indices_kernel
+    from custom_ops.gated_delta_rule.fla import INDICES_BLOCK, INDICES_SEQ_BLOCK, fla_chunk_indices_kernel
 
     constants = dict(CHUNK=64, BLOCK=INDICES_BLOCK, SEQ_BLOCK=INDICES_SEQ_BLOCK)
     names = fla_chunk_indices_kernel.arg_names

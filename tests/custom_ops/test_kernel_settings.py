@@ -10,8 +10,8 @@ import torch
 import custom_ops
 from custom_ops.runtime.tiles import cdiv, ROW_TILE, row_tile, RowTile
 from custom_ops.runtime.launch import launch
-from custom_ops.gdn import conv
-from custom_ops.gdn.kernels import CONV_SETTINGS, ConvConfig, ConvSettings
+from custom_ops.causal_conv1d import op as conv
+from custom_ops.causal_conv1d.kernels import CONV_SETTINGS, ConvConfig, ConvSettings
 from custom_ops.testing import random_tensor
 
 

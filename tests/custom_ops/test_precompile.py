@@ -17,7 +17,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import custom_ops
 from custom_ops.runtime import launch as launch_mod
 from custom_ops.runtime import precompile
-from custom_ops.gdn import conv as conv_mod
+from custom_ops.causal_conv1d import op as conv_mod
 
 triton = pytest.importorskip("triton")
 from triton.runtime.jit import JITFunction  # noqa: E402
@@ -170,12 +170,12 @@ def test_compiled_attention_compiles_its_kernels_in_the_workers(monkeypatch):
     workers while the graph is traced, none at launch, and the results are eager's."""
     from collections import defaultdict
 
-    from custom_ops.varlen_attention import kernels as kernels_mod
+    from custom_ops.varlen_attention.kernels.backward import varlen_attn_bwd_dkdv_kernel, varlen_attn_bwd_dq_kernel
+    from custom_ops.varlen_attention.kernels.forward import varlen_attn_fwd_kernel
+    from custom_ops.varlen_attention.kernels.schedule import key_tile_segments_kernel, segment_tables_kernel
 
-    kernels = [getattr(kernels_mod, name) for name in (
-        "segment_tables_kernel", "varlen_attn_fwd_kernel", "varlen_attn_bwd_dq_kernel", "key_tile_segments_kernel",
-        "varlen_attn_bwd_dkdv_kernel",
-    )]  # fmt: skip
+    kernels = [segment_tables_kernel, varlen_attn_fwd_kernel, varlen_attn_bwd_dq_kernel, key_tile_segments_kernel,
+               varlen_attn_bwd_dkdv_kernel]  # fmt: skip
     if not hasattr(JITFunction, "_do_compile") or not all(isinstance(k.device_caches, defaultdict) for k in kernels):
         pytest.skip(f"triton {triton.__version__} keeps its compiled kernels in another form")
     compiles = []

@@ -18,7 +18,9 @@ from hypothesis import strategies as st
 import custom_ops
 from custom_ops.testing import TOLERANCE, kernel_constexprs, poisoned_allocations, random_tensor, rel_error
 from custom_ops.varlen_attention import configs, launch
-from custom_ops.varlen_attention import kernels as kernels_mod
+from custom_ops.varlen_attention.kernels.backward import varlen_attn_bwd_dkdv_kernel, varlen_attn_bwd_dq_kernel
+from custom_ops.varlen_attention.kernels.forward import varlen_attn_fwd_kernel
+from custom_ops.varlen_attention.kernels.schedule import key_tile_segments_kernel, segment_tables_kernel
 from custom_ops.validation import validate_varlen_segments
 from custom_ops.varlen_attention.reference import varlen_attention_loop, varlen_attention_reference
 from custom_ops.varlen_attention.configs import DEFAULT_SETTINGS
@@ -906,9 +908,9 @@ def _compile_for_sm90(kernel, config: dict, head_dim: int = 128, float_type: str
 
 
 _KERNELS = {
-    "fwd": kernels_mod.varlen_attn_fwd_kernel,
-    "bwd_dq": kernels_mod.varlen_attn_bwd_dq_kernel,
-    "bwd_dkdv": kernels_mod.varlen_attn_bwd_dkdv_kernel,
+    "fwd": varlen_attn_fwd_kernel,
+    "bwd_dq": varlen_attn_bwd_dq_kernel,
+    "bwd_dkdv": varlen_attn_bwd_dkdv_kernel,
 }
 
 
@@ -947,7 +949,7 @@ def test_segment_table_kernel_compiles_for_hopper(by_work):
         num_warps=configs.TABLE_WARPS, num_stages=1,
     )  # fmt: skip
     try:
-        compiled = _compile_for_sm90(kernels_mod.segment_tables_kernel, config)
+        compiled = _compile_for_sm90(segment_tables_kernel, config)
     except (ImportError, TypeError, AttributeError) as e:  # compile API of another triton release
         pytest.skip(f"cannot compile for sm_90 with triton {triton.__version__}: {e}")
     assert "tt.scan" in compiled.asm["ttir"]  # the running tile count is a scan, not a serial loop
@@ -957,7 +959,7 @@ def test_key_tile_kernel_compiles_for_hopper():
     pytest.importorskip("triton.backends.nvidia")
     config = dict(BLOCK=configs.KEY_TILE_BLOCK, num_warps=4, num_stages=1)
     try:
-        compiled = _compile_for_sm90(kernels_mod.key_tile_segments_kernel, config)
+        compiled = _compile_for_sm90(key_tile_segments_kernel, config)
     except (ImportError, TypeError, AttributeError) as e:  # compile API of another triton release
         pytest.skip(f"cannot compile for sm_90 with triton {triton.__version__}: {e}")
     assert "st.global" in compiled.asm["ptx"]

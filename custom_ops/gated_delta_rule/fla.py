@@ -10,7 +10,7 @@ whose programs load nothing and store nothing. FLA then never calls
 :func:`fla_chunk_indices_kernel` builds both tensors; :func:`fla_varlen_indices_reference`
 builds the same from torch ops (the CPU path, and the tests' reference). :func:`fla_call`
 wraps each call into FLA: the recorded autotuning choices for the device
-(:mod:`custom_ops.gdn.fla_configs`), and FLA's tensor cache switched off.
+(:mod:`custom_ops.gated_delta_rule.fla_configs`), and FLA's tensor cache switched off.
 """
 
 from __future__ import annotations
@@ -25,11 +25,10 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from custom_ops.gated_delta_rule.fla_configs import use_recorded_configs
 from custom_ops.runtime import precompile
-from custom_ops.runtime.launch import use_triton
+from custom_ops.runtime.launch import launch_direct, use_triton
 from custom_ops.runtime.tiles import cdiv
-from custom_ops.gdn.fla_configs import use_recorded_configs
-from custom_ops.runtime.launch import launch_direct
 
 __all__ = [
     "FLA_CHUNK",
@@ -179,7 +178,7 @@ def fla_chunk_indices_kernel(
 @contextlib.contextmanager
 def fla_call(device: torch.device):
     """Around one call into FLA on ``device``: FLA's autotuners seeded with the choices recorded
-    for the device (:func:`custom_ops.gdn.fla_configs.use_recorded_configs`, once per device),
+    for the device (:func:`custom_ops.gated_delta_rule.fla_configs.use_recorded_configs`, once per device),
     and FLA's ``tensor_cache`` off.
 
     These ops pass FLA its ``chunk_indices``, so what FLA still caches is derived from the

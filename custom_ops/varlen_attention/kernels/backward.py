@@ -8,8 +8,8 @@ device). Deterministic: no atomics, every tile summed in one program.
 import triton
 import triton.language as tl
 
-from custom_ops.varlen_attention.schedule import _program_tile, _query_tile
-from custom_ops.varlen_attention.tiles import _key_range, _load_rows, _query_range, _visible
+from custom_ops.varlen_attention.kernels.schedule import _program_tile, _query_tile
+from custom_ops.varlen_attention.kernels.tiles import _key_range, _load_rows, _query_range, _visible
 
 
 @triton.jit

@@ -6,7 +6,7 @@ section 2, "Gated DeltaNet core").
 functions, whose own autograd entry points are ``@torch.compiler.disable``: Inductor calls
 each as one extern node and never traces into FLA. The public ``chunk_gated_delta_rule`` is
 a composite (:func:`custom_ops.runtime.registration.composite_op`) over the forward op. CPU tensors
-run the torch reference of :mod:`custom_ops.gdn.reference` (FLA's kernels do not run in
+run the torch reference of :mod:`custom_ops.gated_delta_rule.reference` (FLA's kernels do not run in
 Triton's interpreter).
 """
 
@@ -16,11 +16,19 @@ from typing import Optional
 
 import torch
 
+from custom_ops.gated_delta_rule.fla import (
+    FLA_CHUNK,
+    fla_call,
+    fla_module,
+    fla_varlen_indices,
+    precompile_varlen_indices,
+)
+from custom_ops.gated_delta_rule.reference import (
+    chunk_gated_delta_rule_reference,
+    chunk_gated_delta_rule_reference_backward,
+)
 from custom_ops.runtime.checks import check_index_tensor
-from custom_ops.runtime.registration import NAMESPACE
-from custom_ops.gdn.fla import FLA_CHUNK, fla_call, fla_module, fla_varlen_indices, precompile_varlen_indices
-from custom_ops.gdn.reference import chunk_gated_delta_rule_reference, chunk_gated_delta_rule_reference_backward
-from custom_ops.runtime.registration import composite_op, opaque_op
+from custom_ops.runtime.registration import NAMESPACE, composite_op, opaque_op
 from custom_ops.runtime.validation import checked
 
 __all__ = ["chunk_gated_delta_rule"]
@@ -56,7 +64,7 @@ def _check_gdn(q, k, v, g, beta, cu_seqlens) -> None:
 
 
 def _check_fla_indices(cu_seqlens, fla_cu_seqlens, chunk_indices, num_rows: int) -> None:
-    """The shapes :func:`custom_ops.gdn.fla.fla_varlen_indices` gives for ``cu_seqlens`` and T rows."""
+    """The shapes :func:`custom_ops.gated_delta_rule.fla.fla_varlen_indices` gives for ``cu_seqlens`` and T rows."""
     num_seqs = cu_seqlens.shape[0] - 1
     check_index_tensor("fla_cu_seqlens", fla_cu_seqlens, cu_seqlens.device)
     if fla_cu_seqlens.shape[0] != num_seqs + 2 or tuple(chunk_indices.shape) != (num_rows // FLA_CHUNK + num_seqs, 2):
@@ -97,7 +105,7 @@ def chunk_gated_delta_rule_forward(
     """``(o [T, Hv, dv], g_cum, A, fla_cu_seqlens, chunk_indices)``: the output of
     :func:`chunk_gated_delta_rule` and what its backward needs.
 
-    ``fla_cu_seqlens`` and ``chunk_indices`` are :func:`custom_ops.gdn.fla.fla_varlen_indices`
+    ``fla_cu_seqlens`` and ``chunk_indices`` are :func:`custom_ops.gated_delta_rule.fla.fla_varlen_indices`
     of ``cu_seqlens``, returned so that the backward reuses them instead of building them again;
     ``chunk_indices`` flattened to ``[2 * rows]``, a length that is never 1, so that compiling
     for shapes that vary does not guard on its row count being 1.

@@ -36,7 +36,7 @@ class ConvConfig(NamedTuple):
 
 @dataclass(frozen=True)
 class ConvSettings:
-    """The launch configs of the conv kernels, which the launchers (custom_ops/gdn/conv.py) take
+    """The launch configs of the conv kernels, which the launchers (custom_ops/causal_conv1d/op.py) take
     as ``settings=``. ``fwd`` and ``bwd`` serve CUDA tensors: the fastest of
     ``benchmarks/bench_conv.py --sweep`` (docs/benchmarks.md's history, section "The causal conv1d
     kernels"). ``interpreter`` serves CPU tensors in Triton's interpreter: small blocks, so that

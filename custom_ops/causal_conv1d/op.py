@@ -5,8 +5,8 @@ their backward ops.
 
 Opaque custom ops (:func:`custom_ops.runtime.registration.opaque_op`): Inductor calls each as one
 extern node and never traces into FLA. On CUDA the conv runs this package's Triton kernels
-for kernel widths up to 4 (:mod:`custom_ops.gdn.kernels`, which read every row once) and
-FLA's for wider ones; on CPU the torch references of :mod:`custom_ops.gdn.reference`, and
+for kernel widths up to 4 (:mod:`custom_ops.causal_conv1d.kernels`, which read every row once) and
+FLA's for wider ones; on CPU the torch references of :mod:`custom_ops.causal_conv1d.reference`, and
 under ``TRITON_INTERPRET=1`` the kernels in Triton's interpreter (how they are tested
 without a GPU). No host syncs: the kernels' grids are sized from shapes, and the rows'
 positions in their sequences are computed on the device.
@@ -18,16 +18,7 @@ from typing import Optional
 
 import torch
 
-from custom_ops.runtime import precompile
-from custom_ops.runtime.checks import check_index_tensor
-from custom_ops.runtime.launch import use_triton
-from custom_ops.runtime.registration import NAMESPACE
-from custom_ops.runtime.tiles import cdiv
-from custom_ops.runtime.words import unit_last_stride
-from custom_ops.runtime.launch import launch_direct
-from custom_ops.runtime.precompile import cuda_index
-from custom_ops.gdn.fla import FLA_CHUNK, fla_call, fla_module, fla_varlen_indices
-from custom_ops.gdn.kernels import (
+from custom_ops.causal_conv1d.kernels import (
     CONV_SETTINGS,
     MAX_TAPS,
     POSITIONS_BLOCK,
@@ -35,14 +26,21 @@ from custom_ops.gdn.kernels import (
     cp_causal_conv1d_bwd_kernel,
     cp_causal_conv1d_fwd_kernel,
 )
-from custom_ops.gdn.reference import (
+from custom_ops.causal_conv1d.reference import (
     causal_conv1d_gather_reference,
     causal_conv1d_reference,
     causal_conv1d_reference_backward,
     check_activation,
 )
-from custom_ops.runtime.registration import opaque_op
+from custom_ops.gated_delta_rule.fla import FLA_CHUNK, fla_call, fla_module, fla_varlen_indices
+from custom_ops.runtime import precompile
+from custom_ops.runtime.checks import check_index_tensor
+from custom_ops.runtime.launch import launch_direct, use_triton
+from custom_ops.runtime.precompile import cuda_index
+from custom_ops.runtime.registration import NAMESPACE, opaque_op
+from custom_ops.runtime.tiles import cdiv
 from custom_ops.runtime.validation import checked
+from custom_ops.runtime.words import unit_last_stride
 
 __all__ = ["causal_conv1d", "causal_conv1d_gather"]
 
@@ -79,7 +77,7 @@ def causal_conv1d(
     bias ``[C]`` or None, cu_seqlens ``[B+1]`` (int32/int64, ``cu[-1] = T``),
     activation ``"silu"``/``"swish"`` or ``None``/``"identity"``. Returns ``[T, C]``
     in x's dtype. Differentiable in x, weight and bias. CUDA: for K <= 4 the Triton
-    kernels of :mod:`custom_ops.gdn.kernels` (the backward recomputes the
+    kernels of :mod:`custom_ops.causal_conv1d.kernels` (the backward recomputes the
     pre-activation in registers), for wider kernels FLA's ``causal_conv1d_fwd`` /
     ``causal_conv1d_bwd``; either way only the inputs are saved.
     """
@@ -136,7 +134,7 @@ def causal_conv1d_backward(
 def _conv_positions(cu_seqlens: torch.Tensor, num_rows: int) -> torch.Tensor:
     """Each row's position in its sequence capped at MAX_TAPS, int32 ``[T]`` (what the kernels'
     taps test): one launch of :func:`conv_positions_kernel`, where the same from torch ops
-    (:func:`custom_ops.gdn.reference.row_positions`) would take nine."""
+    (:func:`custom_ops.runtime.thd_index.row_positions`) would take nine."""
     pos = torch.empty(num_rows, dtype=torch.int32, device=cu_seqlens.device)
     if num_rows > 0:
         bounds = cu_seqlens.shape[0]
