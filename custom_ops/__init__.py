@@ -1,7 +1,7 @@
 """torch.library ops (namespace ``cp_ops``) for context parallelism on packed THD sequences.
 
 Importing this package registers every op, reachable as ``custom_ops.<name>`` and
-``torch.ops.cp_ops.<name>``. Each op family is a folder
+``torch.ops.cp_ops.<name>``; :data:`custom_ops.ops.OPS` lists them. Each op family is a folder
 ``custom_ops/<family>/`` with ``kernels.py`` (Triton), ``op.py`` (registration, fake, autograd)
 and ``reference.py`` (pure torch, the CPU path and the test oracle); what every family uses is
 in ``custom_ops/runtime/`` (docs/design.md section 6).
