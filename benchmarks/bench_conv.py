@@ -172,7 +172,7 @@ def ours_conv_with(x, w, cu, settings):
 
 def sweep() -> Result:
     """The --sweep table: ms of our forward and backward per kernel config."""
-    from custom_ops.causal_conv1d.kernels import CONV_SETTINGS, ConvConfig, ConvSettings
+    from custom_ops.causal_conv1d.op import CONV_SETTINGS, ConvConfig, ConvSettings
 
     shapes = [(65536, 8192), (32768, 4096)]
     rows = []

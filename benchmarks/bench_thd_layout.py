@@ -144,7 +144,7 @@ def tile_sweep(env: dict) -> Result:
         {"tile_bytes": 32768, "max_row_bytes": 16384, "num_warps": 8},
         {"tile_bytes": 65536, "max_row_bytes": 16384, "num_warps": 16},
     ]
-    from custom_ops.runtime.tiles import RowTile
+    from custom_ops.runtime.tiles import RowSettings as RowTile
 
     rows = []
     for name, seqlens, trailing in shapes()[:2]:

@@ -48,7 +48,7 @@ from benchmarks.runner import Result, add_out_argument, emit, environment
 from benchmarks.timing import kernel_breakdown
 from custom_ops.testing import TOLERANCE, rel_error
 from custom_ops.varlen_attention import launch
-from custom_ops.varlen_attention.configs import CONFIGS, DEFAULT_SETTINGS, KERNELS, AttentionSettings
+from custom_ops.varlen_attention.configs import ATTENTION_SETTINGS as DEFAULT_SETTINGS, CONFIGS, KERNELS, AttentionSettings
 from custom_ops.varlen_attention.reference import resolve_scale
 
 

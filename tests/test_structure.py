@@ -127,7 +127,7 @@ def test_the_assignment_check_sees_each_form(tmp_path):
         "import custom_ops.runtime.tiles as c\n"
         "from custom_ops.varlen_attention import op as vop\n"
         "import cp_ops\n"
-        "c.ROW_TILE = {}\n"
+        "c.ROW_SETTINGS = {}\n"
         "vop.X, y = 1, 2\n"
         "cp_ops.layout.Y += 1\n"
         "setattr(c, 'Z', 1)\n"
@@ -138,7 +138,7 @@ def test_the_assignment_check_sees_each_form(tmp_path):
         "m = sys.modules['custom_ops.varlen_attention.op']\n"
         "monkeypatch.setattr(m, '_has_window', 1)\n"
         "c.f(1)\n"
-        "x = c.ROW_TILE\n"
+        "x = c.ROW_SETTINGS\n"
     )
     f = tmp_path / "probe.py"
     f.write_text(src)

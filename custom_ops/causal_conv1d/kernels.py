@@ -15,50 +15,10 @@ the carried ``dpre`` of rows t .. t+K-1, and ``dweight`` and ``dbias`` are summe
 program (float32 partial sums the caller adds: deterministic, no atomics).
 """
 
-from dataclasses import dataclass
-from typing import NamedTuple
-
 import triton
 import triton.language as tl
 
 MAX_TAPS = 4
-
-
-class ConvConfig(NamedTuple):
-    """The launch of one conv kernel: ``rows`` rows per program (ROWS), ``block_c`` channels
-    (BLOCK_C), ``num_warps``, ``num_stages``."""
-
-    rows: int
-    block_c: int
-    num_warps: int
-    num_stages: int
-
-
-@dataclass(frozen=True)
-class ConvSettings:
-    """The launch configs of the conv kernels, which the launchers (custom_ops/causal_conv1d/op.py) take
-    as ``settings=``. ``fwd`` and ``bwd`` serve CUDA tensors: the fastest of
-    ``benchmarks/bench_conv.py --sweep`` (docs/benchmarks.md's history, section "The causal conv1d
-    kernels"). ``interpreter`` serves CPU tensors in Triton's interpreter: small blocks, so that
-    a test's few rows span many programs (the rows carried over block boundaries) and the
-    interpreter's loops stay short."""
-
-    fwd: ConvConfig = ConvConfig(rows=64, block_c=1024, num_warps=4, num_stages=4)
-    bwd: ConvConfig = ConvConfig(rows=256, block_c=512, num_warps=4, num_stages=4)
-    interpreter: ConvConfig = ConvConfig(rows=8, block_c=16, num_warps=1, num_stages=1)
-
-    def config(self, kernel: str, on_gpu: bool) -> ConvConfig:
-        """The config of ``kernel`` ("fwd" or "bwd") for CUDA tensors (``on_gpu``) or the interpreter."""
-        if kernel not in ("fwd", "bwd"):
-            raise ValueError(f"kernel must be 'fwd' or 'bwd', got {kernel!r}")
-        if not on_gpu:
-            return self.interpreter
-        return self.fwd if kernel == "fwd" else self.bwd
-
-
-# The settings the ops launch with. Nothing assigns it: a benchmark passes other settings to
-# the launchers.
-CONV_SETTINGS = ConvSettings()
 
 
 # Rows per program of conv_positions_kernel.

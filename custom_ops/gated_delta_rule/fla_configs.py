@@ -28,7 +28,7 @@ from custom_ops import env
 __all__ = ["autotuner_of", "recorded_configs_path", "seed_autotuners", "use_recorded_configs"]
 
 _DIR = Path(__file__).resolve().parent
-_SEEDED: dict[int, int] = {}  # device index -> entries put into the autotuners' caches
+_SEEDED: dict[int, int] = {}  # cache: device index -> entries put into the autotuners' caches
 
 
 def recorded_configs_path(capability: tuple[int, int]) -> Path:

@@ -42,7 +42,7 @@ def check_sections(name: str, width: int, sections, cp_size: int, world: str = "
     return _check_sections(name, width, sections, cp_size, world)
 
 
-# (name, width, cp_size, *sections) of every plain-int layout already checked -> local widths
+# cache: (name, width, cp_size, *sections) of every plain-int layout already checked -> local widths
 _CHECKED: dict = {}
 
 
@@ -98,7 +98,7 @@ def _words(x: torch.Tensor, num_cols: int) -> tuple[torch.Tensor, int]:
 
 
 @dataclasses.dataclass(frozen=True)
-class SectionTile:
+class SectionSettings:
     """Tiles of the section-permutation kernel: a column tile covers up to ``max_run_bytes`` of
     one section's run per row; a program takes as many rows as make its widest tile about
     ``tile_bytes``, with ``num_warps``."""
@@ -108,40 +108,40 @@ class SectionTile:
     num_warps: int = 4
 
 
-# The tile the ops launch with; a sweep passes others to :func:`section_tiles`.
-SECTION_TILE = SectionTile()
+# the settings the ops launch with; a sweep passes others to :func:`section_tiles`
+SECTION_SETTINGS = SectionSettings()
 
 
 def section_tiles(
-    local_widths: list[int], word_bytes: int, interpreting: bool = False, tile: SectionTile = SECTION_TILE
+    local_widths: list[int], word_bytes: int, interpreting: bool = False, settings: SectionSettings = SECTION_SETTINGS
 ) -> tuple[tuple[int, ...], int, int]:
     """(column tile of each section, rows per program, column tiles of the widest section) for
     :func:`permute_sections_kernel` over local section widths in words. Under Triton's
     interpreter the tiles are tiny, so CPU tests run several column tiles per section."""
-    cap = 4 if interpreting else max(1, tile.max_run_bytes // word_bytes)
+    cap = 4 if interpreting else max(1, settings.max_run_bytes // word_bytes)
     blocks = tuple(min(next_power_of_2(max(w, 1)), cap) for w in local_widths)
-    block_r = 2 if interpreting else max(1, min(64, tile.tile_bytes // (max(blocks) * word_bytes)))
+    block_r = 2 if interpreting else max(1, min(64, settings.tile_bytes // (max(blocks) * word_bytes)))
     tiles = max(cdiv(w, bc) for w, bc in zip(local_widths, blocks))
     return blocks, block_r, tiles
 
 
 @functools.lru_cache(maxsize=256)
-def _tiles(local_widths: tuple, k: int, word_bytes: int, interpreting: bool):
-    """``(LOFF, BLOCKS, BLOCK_R, column tiles)`` of a launch with :data:`SECTION_TILE`."""
+def _tiles(local_widths: tuple, k: int, word_bytes: int, interpreting: bool, settings: SectionSettings):
+    """``(LOFF, BLOCKS, BLOCK_R, column tiles)`` of a launch under ``settings``."""
     words = [w * k for w in local_widths]
     loff = [0]
     for w in words:
         loff.append(loff[-1] + w)
-    blocks, block_r, tiles = section_tiles(words, word_bytes, interpreting=interpreting)
+    blocks, block_r, tiles = section_tiles(words, word_bytes, interpreting, settings)
     return tuple(loff), blocks, block_r, tiles
 
 
-def _launch(plain: torch.Tensor, blocked: torch.Tensor, local_widths, cp_size: int, k: int, blocked_strides, to_blocks):
+def _launch(plain, blocked, local_widths, cp_size: int, k: int, blocked_strides, to_blocks, settings: SectionSettings):
     rows, cols = plain.shape
     if rows == 0 or cols == 0:
         return
     # CPU tensors reach the kernel only under Triton's interpreter
-    loff, blocks, block_r, tiles = _tiles(tuple(local_widths), k, plain.element_size(), plain.device.type == "cpu")
+    loff, blocks, block_r, tiles = _tiles(tuple(local_widths), k, plain.element_size(), plain.device.type == "cpu", settings)
     grid = (cdiv(rows, block_r), cp_size, tiles)
     launch(
         permute_sections_kernel,
@@ -156,7 +156,7 @@ def _launch(plain: torch.Tensor, blocked: torch.Tensor, local_widths, cp_size: i
         BLOCKS=blocks,
         TO_BLOCKS=to_blocks,
         BLOCK_R=block_r,
-        num_warps=SECTION_TILE.num_warps,
+        num_warps=settings.num_warps,
     )
 
 
@@ -183,7 +183,7 @@ def _permute(x: torch.Tensor, sections, cp_size: int, rank_blocks: bool) -> torc
         out = torch.empty_like(plain)
         strides = (local_cols * k, num_cols * k)
         shape = x.shape
-    _launch(plain, out, local, cp_size, k, strides, to_blocks=True)
+    _launch(plain, out, local, cp_size, k, strides, True, SECTION_SETTINGS)
     return from_row_matrix(out, x.dtype, shape)
 
 
@@ -215,7 +215,7 @@ def _unpermute(x: torch.Tensor, sections, cp_size: int, rank_blocks: bool) -> to
         strides = (rows * local_cols * k, local_cols * k)
     else:
         strides = (local_cols * k, num_cols * k)
-    _launch(out, blocked, local, cp_size, k, strides, to_blocks=False)
+    _launch(out, blocked, local, cp_size, k, strides, False, SECTION_SETTINGS)
     return from_row_matrix(out, x.dtype, lead + (num_cols,))
 
 

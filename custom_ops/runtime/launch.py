@@ -21,7 +21,7 @@ from triton import knobs
 
 from custom_ops import env
 from custom_ops.runtime import precompile
-from custom_ops.runtime.tiles import cdiv, row_tile
+from custom_ops.runtime.tiles import RowSettings, cdiv, row_tile
 
 __all__ = ["direct_launcher", "launch", "launch_direct", "launch_rows", "triton_interpreting", "use_triton"]
 
@@ -227,10 +227,10 @@ def launch(kernel, grid, *args, **kwargs) -> None:
         launch_direct(kernel, grid, *args, **kwargs)
 
 
-def launch_rows(kernel, rows: int, cols: int, word_bytes: int, *args, **kwargs) -> None:
+def launch_rows(kernel, settings: RowSettings, rows: int, cols: int, word_bytes: int, *args, **kwargs) -> None:
     """:func:`launch` of a row-moving kernel over a ``[rows, cols]`` matrix of ``word_bytes``-byte
-    elements: one program per tile of :func:`custom_ops.runtime.tiles.row_tile`, whose BLOCK_R, BLOCK_D
-    and num_warps it passes with ``kwargs``."""
-    block_r, block_d, num_warps = row_tile(cols, word_bytes)
+    elements: one program per tile of :func:`custom_ops.runtime.tiles.row_tile` under ``settings``,
+    whose BLOCK_R, BLOCK_D and num_warps it passes with ``kwargs``."""
+    block_r, block_d, num_warps = row_tile(cols, word_bytes, settings)
     grid = (cdiv(rows, block_r), cdiv(cols, block_d))
     launch(kernel, grid, *args, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=num_warps, **kwargs)

@@ -41,6 +41,8 @@ class _State(threading.local):
     device: int | None = None  # the CUDA device whose kernels this thread compiles instead of launching
 
 
+# Module state, all of it caches or per-thread context: the thread's precompiling device (set
+# and reset by a context manager), the worker pool made on first use, the keys already scheduled.
 state = _State()
 _lock = threading.Lock()
 _pool: concurrent.futures.ThreadPoolExecutor | None = None

@@ -19,7 +19,7 @@ def next_power_of_2(n: int) -> int:
 
 
 @dataclass(frozen=True)
-class RowTile:
+class RowSettings:
     """Tile shape of the row-moving kernels (reorder, valid-token copy): a program moves whole
     rows of up to ``max_row_bytes`` bytes, about ``tile_bytes`` in all, with ``num_warps``."""
 
@@ -28,28 +28,27 @@ class RowTile:
     num_warps: int = 4
 
 
-# The tile the ops launch with; a benchmark sweeps others by passing them to :func:`row_tile`.
-# The defaults were picked on an H100 (docs/benchmarks.md, section "THD layout ops").
-ROW_TILE = RowTile()
+# the settings the ops launch with (docs/benchmarks.md, "THD layout ops"); a benchmark passes others
+ROW_SETTINGS = RowSettings()
 
 
-def row_tile(cols: int, word_bytes: int, tile: RowTile = ROW_TILE) -> tuple[int, int, int]:
+def row_tile(cols: int, word_bytes: int, settings: RowSettings = ROW_SETTINGS) -> tuple[int, int, int]:
     """(BLOCK_R, BLOCK_D, num_warps) for a row-moving kernel over ``[T, cols]`` words.
 
-    A program moves BLOCK_R whole rows of up to ``tile.max_row_bytes`` bytes, about
-    ``tile.tile_bytes`` in all; wider rows are split over a second grid axis.
+    A program moves BLOCK_R whole rows of up to ``settings.max_row_bytes`` bytes, about
+    ``settings.tile_bytes`` in all; wider rows are split over a second grid axis.
     """
     if type(cols) is int:  # not a SymInt of a traced graph: the answer is cached
-        return _cached_row_tile(cols, word_bytes, tile)
-    return _row_tile(cols, word_bytes, tile)
+        return _cached_row_tile(cols, word_bytes, settings)
+    return _row_tile(cols, word_bytes, settings)
 
 
 @functools.lru_cache(maxsize=1024)
-def _cached_row_tile(cols: int, word_bytes: int, tile: RowTile) -> tuple[int, int, int]:
-    return _row_tile(cols, word_bytes, tile)
+def _cached_row_tile(cols: int, word_bytes: int, settings: RowSettings) -> tuple[int, int, int]:
+    return _row_tile(cols, word_bytes, settings)
 
 
-def _row_tile(cols, word_bytes: int, tile: RowTile) -> tuple[int, int, int]:
-    block_d = max(1, min(next_power_of_2(max(cols, 1)), tile.max_row_bytes // word_bytes))
-    block_r = max(1, min(64, tile.tile_bytes // (block_d * word_bytes)))
-    return block_r, block_d, tile.num_warps
+def _row_tile(cols, word_bytes: int, settings: RowSettings) -> tuple[int, int, int]:
+    block_d = max(1, min(next_power_of_2(max(cols, 1)), settings.max_row_bytes // word_bytes))
+    block_r = max(1, min(64, settings.tile_bytes // (block_d * word_bytes)))
+    return block_r, block_d, settings.num_warps

@@ -38,6 +38,7 @@ __all__ = [
 SEGMENT_TABLES = ("q_start", "q_len", "q_pos", "k_start", "k_len")
 
 
+# the process's checked mode: read from the environment once, changed only by set_checks
 _CHECKS = env.checks()
 
 

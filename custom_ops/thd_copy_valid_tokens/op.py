@@ -6,6 +6,7 @@ from custom_ops.runtime.checks import check_index_tensor, check_rows
 from custom_ops.runtime.launch import launch_rows, use_triton
 from custom_ops.runtime.registration import NAMESPACE, kernel_op
 from custom_ops.runtime.validation import checked
+from custom_ops.runtime.tiles import ROW_SETTINGS
 from custom_ops.runtime.words import from_row_matrix, row_matrix
 from custom_ops.thd_copy_valid_tokens.kernels import thd_copy_valid_tokens_kernel
 from custom_ops.thd_copy_valid_tokens.reference import thd_copy_valid_tokens_reference, valid_token_mask
@@ -36,7 +37,7 @@ def _launch(dst: torch.Tensor, src: torch.Tensor, offsets: torch.Tensor, cu_seql
     out = dst_m if in_place else torch.empty_like(dst_m)
     if rows > 0 and cols > 0:
         launch_rows(
-            thd_copy_valid_tokens_kernel, rows, cols, dst_m.element_size(),
+            thd_copy_valid_tokens_kernel, ROW_SETTINGS, rows, cols, dst_m.element_size(),
             dst_m, src_m, out, offsets, cu_seqlens, cu_seqlens.shape[0] - 1, rows, cols, IN_PLACE=in_place,
         )  # fmt: skip
     return out

@@ -7,6 +7,7 @@ from custom_ops.runtime.launch import launch_rows, use_triton
 from custom_ops.runtime.registration import NAMESPACE, kernel_op
 from custom_ops.runtime.thd_index import padding_multiple
 from custom_ops.runtime.validation import checked
+from custom_ops.runtime.tiles import ROW_SETTINGS
 from custom_ops.runtime.words import from_row_matrix, row_matrix
 from custom_ops.thd_reorder.kernels import thd_reorder_kernel
 from custom_ops.thd_reorder.reference import thd_rank_to_seq_order_reference, thd_seq_to_rank_order_reference
@@ -28,7 +29,7 @@ def _launch(x: torch.Tensor, cu_seqlens_padded: torch.Tensor, cp_size: int, to_r
     out = torch.empty_like(src)
     if rows > 0 and cols > 0:
         launch_rows(
-            thd_reorder_kernel, rows, cols, src.element_size(),
+            thd_reorder_kernel, ROW_SETTINGS, rows, cols, src.element_size(),
             src, out, cu_seqlens_padded, cu_seqlens_padded.shape[0] - 1, rows, cols, cp_size, TO_RANK=to_rank,
         )  # fmt: skip
     return from_row_matrix(out, x.dtype, x.shape)

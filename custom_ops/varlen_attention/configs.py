@@ -5,7 +5,7 @@ read-only tables here, and :func:`kernel_config` is the one lookup that picks a 
 configuration. The launch choices (TMA loads or not, the launch order, the window's mask
 terms, a configuration in place of the tables') are an :class:`AttentionSettings`, which the
 launchers of :mod:`custom_ops.varlen_attention.launch` take as an argument; the ops launch
-with :data:`DEFAULT_SETTINGS`. Benchmarks and tests build other settings with
+with :data:`ATTENTION_SETTINGS`. Benchmarks and tests build other settings with
 :meth:`AttentionSettings.with_kernel` / :meth:`AttentionSettings.with_every_kernel` or
 ``dataclasses.replace`` and pass them to the launchers.
 """
@@ -218,4 +218,4 @@ class AttentionSettings:
 
 # The settings the ops launch with. Nothing assigns it: other settings are new instances,
 # passed to the launchers.
-DEFAULT_SETTINGS = AttentionSettings()
+ATTENTION_SETTINGS = AttentionSettings()

@@ -3,7 +3,7 @@ needs, its configuration and descriptors, and the kernel launches of the forward
 (:func:`forward`) and the backward (:func:`backward`).
 
 Both launchers take an :class:`~custom_ops.varlen_attention.configs.AttentionSettings`
-(``settings=``, default :data:`~custom_ops.varlen_attention.configs.DEFAULT_SETTINGS`, what the
+(``settings=``, default :data:`~custom_ops.varlen_attention.configs.ATTENTION_SETTINGS`, what the
 ops use), so a benchmark or a test times or checks the kernels under other launch choices by
 calling them directly. Their inputs are what the ops' bodies pass: checked, the scale resolved,
 fp16/bf16/fp32 tensors on CUDA or on the CPU under ``TRITON_INTERPRET=1``.
@@ -22,7 +22,7 @@ from custom_ops.runtime.tiles import cdiv
 from custom_ops.runtime.words import unit_last_stride
 from custom_ops.varlen_attention.kernels.backward import varlen_attn_bwd_dkdv_kernel, varlen_attn_bwd_dq_kernel
 from custom_ops.varlen_attention.configs import (
-    DEFAULT_SETTINGS,
+    ATTENTION_SETTINGS,
     KEY_TILE_BLOCK,
     TABLE_BLOCK,
     TABLE_WARPS,
@@ -112,7 +112,7 @@ def _tma_layout_ok(t: torch.Tensor, head_dim: int) -> bool:
 
 
 def tma_usable(
-    kernel: str, head_dim: int, block_d: int, *tensors: torch.Tensor, settings: AttentionSettings = DEFAULT_SETTINGS
+    kernel: str, head_dim: int, block_d: int, *tensors: torch.Tensor, settings: AttentionSettings = ATTENTION_SETTINGS
 ) -> bool:
     """Whether ``kernel`` loads its streamed tiles (``tensors``) through TMA descriptors:
     enabled (``settings.tma``), a TMA config for the head dim, 2-byte elements, D a
@@ -166,7 +166,7 @@ def _has_window(left: int, right: int, settings: AttentionSettings) -> bool:
     return settings.window_terms_always or left >= 0 or right >= 0
 
 
-def forward(q, k, v, seg, causal, left, right, scale, settings: AttentionSettings = DEFAULT_SETTINGS):
+def forward(q, k, v, seg, causal, left, right, scale, settings: AttentionSettings = ATTENTION_SETTINGS):
     """``(out, lse)`` of segment attention by the forward kernel under ``settings``: q
     ``[Tq, Hq, D]``, k and v ``[Tk, Hkv, D]``, ``seg`` the five segment tensors, ``causal``, the
     window ``(left, right)``, ``scale`` a float (see ``custom_ops.varlen_attention``)."""
@@ -199,7 +199,7 @@ def forward(q, k, v, seg, causal, left, right, scale, settings: AttentionSetting
 
 
 def backward(
-    dout, dlse, q, k, v, out, lse, seg, causal, left, right, scale, settings: AttentionSettings = DEFAULT_SETTINGS
+    dout, dlse, q, k, v, out, lse, seg, causal, left, right, scale, settings: AttentionSettings = ATTENTION_SETTINGS
 ):
     """``(dq, dk, dv)`` by the dq and dk/dv kernels under ``settings``, given ``dout [Tq, Hq, D]``
     and ``dlse [Hq, Tq]`` and the forward's ``out`` and ``lse``; the other arguments as

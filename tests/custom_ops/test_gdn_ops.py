@@ -458,9 +458,10 @@ def test_conv_kernels_compile_for_hopper(kind, row_map):
     from triton.compiler import ASTSource
 
     from custom_ops.causal_conv1d import kernels
+    from custom_ops.causal_conv1d.op import CONV_SETTINGS
 
     kernel = kernels.cp_causal_conv1d_fwd_kernel if kind == "fwd" else kernels.cp_causal_conv1d_bwd_kernel
-    rows, block_c, warps, stages = kernels.CONV_SETTINGS.config(kind, on_gpu=True)
+    rows, block_c, warps, stages = CONV_SETTINGS.config(kind, on_gpu=True)
     constants = dict(K=4, HAS_BIAS=False, SILU=True, ROWS=rows, BLOCK_C=block_c, GATHER=row_map is not None)
     pointers = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "dy_ptr": "*bf16",
                 "dx_ptr": "*bf16", "dw_ptr": "*fp32", "db_ptr": "*fp32", "pos_ptr": "*i32",

@@ -1,4 +1,4 @@
-"""The launch settings of the row-moving kernels (RowTile) and the conv kernels (ConvSettings):
+"""The launch settings of the row-moving kernels (RowSettings) and the conv kernels (ConvSettings):
 frozen values with the tuned defaults, passed to the launchers; other settings change the
 launch, never the result. (Segment attention's settings: tests/custom_ops/test_varlen_attention.py.)"""
 
@@ -8,24 +8,24 @@ import pytest
 import torch
 
 import custom_ops
-from custom_ops.runtime.tiles import cdiv, ROW_TILE, row_tile, RowTile
+from custom_ops.runtime.tiles import cdiv, ROW_SETTINGS, row_tile, RowSettings
 from custom_ops.runtime.launch import launch
 from custom_ops.causal_conv1d import op as conv
-from custom_ops.causal_conv1d.kernels import CONV_SETTINGS, ConvConfig, ConvSettings
+from custom_ops.causal_conv1d.op import CONV_SETTINGS, ConvConfig, ConvSettings
 from custom_ops.testing import random_tensor
 
 
 def test_row_tile_defaults_and_other_tiles():
     """The ops' tile: 16 KiB tiles, rows up to 8 KiB, 4 warps; a program takes at most 64 rows
-    and wider rows split over a second grid axis. Another RowTile changes only the shape."""
-    assert (ROW_TILE.tile_bytes, ROW_TILE.max_row_bytes, ROW_TILE.num_warps) == (16384, 8192, 4)
+    and wider rows split over a second grid axis. Another RowSettings changes only the shape."""
+    assert (ROW_SETTINGS.tile_bytes, ROW_SETTINGS.max_row_bytes, ROW_SETTINGS.num_warps) == (16384, 8192, 4)
     assert row_tile(64, 2) == (64, 64, 4)
     assert row_tile(1024, 2) == (8, 1024, 4)
     assert row_tile(100000, 4) == (2, 2048, 4)
-    assert row_tile(1024, 2, ROW_TILE) == row_tile(1024, 2)
-    assert row_tile(1024, 2, RowTile(tile_bytes=65536, max_row_bytes=16384, num_warps=16)) == (32, 1024, 16)
+    assert row_tile(1024, 2, ROW_SETTINGS) == row_tile(1024, 2)
+    assert row_tile(1024, 2, RowSettings(tile_bytes=65536, max_row_bytes=16384, num_warps=16)) == (32, 1024, 16)
     with pytest.raises(dataclasses.FrozenInstanceError):
-        ROW_TILE.num_warps = 8
+        ROW_SETTINGS.num_warps = 8
 
 
 @pytest.mark.interpret
@@ -38,7 +38,7 @@ def test_reorder_kernel_under_another_row_tile():
     x = random_tensor((28, 3, 5), torch.float32)
     words = x.reshape(28, -1)
     out = torch.empty_like(words)
-    block_r, block_d, num_warps = row_tile(words.shape[1], words.element_size(), RowTile(tile_bytes=16, max_row_bytes=16))
+    block_r, block_d, num_warps = row_tile(words.shape[1], words.element_size(), RowSettings(tile_bytes=16, max_row_bytes=16))
     assert (block_r, block_d) == (1, 4)
     grid = (cdiv(words.shape[0], block_r), cdiv(words.shape[1], block_d))
     launch(thd_reorder_kernel, grid, words, out, cup, cup.shape[0] - 1, words.shape[0], words.shape[1], 2,

@@ -274,7 +274,7 @@ def test_kernel_moves_whole_vectors_on_hopper(to_blocks):
     from triton.compiler import ASTSource
 
     from custom_ops.permute_sections.kernels import permute_sections_kernel as kernel
-    from custom_ops.permute_sections.op import SECTION_TILE, section_tiles
+    from custom_ops.permute_sections.op import SECTION_SETTINGS, section_tiles
 
     local = [s // 2 for s in (2048, 2048, 4096, 4096, 32, 32)]
     loff = [0]
@@ -291,7 +291,7 @@ def test_kernel_moves_whole_vectors_on_hopper(to_blocks):
     )
     try:
         ptx = triton.compile(
-            source, target=GPUTarget("cuda", 90, 32), options={"num_warps": SECTION_TILE.num_warps}
+            source, target=GPUTarget("cuda", 90, 32), options={"num_warps": SECTION_SETTINGS.num_warps}
         ).asm["ptx"]
     except (ImportError, TypeError, AttributeError) as e:  # compile API of another triton release
         pytest.skip(f"cannot compile for sm_90 with triton {triton.__version__}: {e}")

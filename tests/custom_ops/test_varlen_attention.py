@@ -23,7 +23,7 @@ from custom_ops.varlen_attention.kernels.forward import varlen_attn_fwd_kernel
 from custom_ops.varlen_attention.kernels.schedule import key_tile_segments_kernel, segment_tables_kernel
 from custom_ops.validation import validate_varlen_segments
 from custom_ops.varlen_attention.reference import varlen_attention_loop, varlen_attention_reference
-from custom_ops.varlen_attention.configs import DEFAULT_SETTINGS
+from custom_ops.varlen_attention.configs import ATTENTION_SETTINGS
 from custom_ops.varlen_attention.reference import resolve_scale
 from tests._profiles import examples
 
@@ -446,14 +446,14 @@ def test_kernel_tile_boundaries_at_every_offset(causal, window, k_rows):
     modulo the 16-row tiles, and windows wider than two tiles. An off-by-one in any loop-phase
     bound (a boundary tile run without its mask, or a visible tile skipped) changes a result."""
     q, k, v, seg = _tensors(_tile_boundary_layout(), (1, 1), 16, torch.float32)
-    settings = DEFAULT_SETTINGS.with_kernel("fwd", config=dict(configs.INTERPRET_CONFIGS["fwd"], K_ROWS=k_rows))
+    settings = ATTENTION_SETTINGS.with_kernel("fwd", config=dict(configs.INTERPRET_CONFIGS["fwd"], K_ROWS=k_rows))
     _kernel_vs_reference(q, k, v, seg, causal, window, settings=settings)
 
 
 @pytest.mark.interpret
 def test_kernel_padded_head_dim_and_other_tiles():
     """head_dim 24 (a padded 32-wide tile), GQA group 3, and asymmetric tile sizes."""
-    settings = DEFAULT_SETTINGS
+    settings = ATTENTION_SETTINGS
     for name in ("fwd", "bwd_dq"):
         settings = settings.with_kernel(name, config=dict(BLOCK_M=32, BLOCK_N=16, num_warps=1, num_stages=1))
     settings = settings.with_kernel("bwd_dkdv", config=dict(BLOCK_M=16, BLOCK_N=32, num_warps=1, num_stages=1))
@@ -477,7 +477,7 @@ def test_kernel_launch_order_changes_no_bit(causal, window):
     dout, dlse = _cotangents(q, 0)
     orders = [("by_work", False)] + [("head_group", g) for g in (1, 2, 3)]
     for key, value in orders:
-        settings = DEFAULT_SETTINGS.with_every_kernel(**{key: value})
+        settings = ATTENTION_SETTINGS.with_every_kernel(**{key: value})
         out, lse, grads = _run_launchers(q, k, v, seg, causal, window, dout, dlse, settings)
         for a, b in zip([*got[:2], *got[2]], [out, lse, *grads]):
             assert torch.equal(a, b), (key, value)
@@ -493,7 +493,7 @@ def test_kernel_window_terms_change_no_bit(causal):
     q, k, v, seg = _tensors(layout, (2, 1), 16, torch.float32)
     got = _kernel_vs_reference(q, k, v, seg, causal, (-1, -1))
     dout, dlse = _cotangents(q, 0)
-    settings = dataclasses.replace(DEFAULT_SETTINGS, window_terms_always=True)
+    settings = dataclasses.replace(ATTENTION_SETTINGS, window_terms_always=True)
     out, lse, grads = _run_launchers(q, k, v, seg, causal, (-1, -1), dout, dlse, settings)
     for a, b in zip([*got[:2], *got[2]], [out, lse, *grads]):
         assert torch.equal(a, b)
@@ -510,7 +510,7 @@ def test_kernel_dkdv_in_two_programs(head_dim, causal, window):
     layout = ([0, 50, 50, 51], [50, 0, 1, 33], [0, 3, 0, 10], [0, 50, 50, 60], [50, 10, 1, 40], 84, 100)
     q, k, v, seg = _tensors(layout, (2, 1), head_dim, torch.float32)
     whole = _kernel_vs_reference(q, k, v, seg, causal, window)
-    split = DEFAULT_SETTINGS.with_kernel("bwd_dkdv", config=dict(configs.INTERPRET_CONFIGS["bwd_dkdv"], PARTS=2))
+    split = ATTENTION_SETTINGS.with_kernel("bwd_dkdv", config=dict(configs.INTERPRET_CONFIGS["bwd_dkdv"], PARTS=2))
     got = _kernel_vs_reference(q, k, v, seg, causal, window, settings=split)
     for a, b in zip(whole[2][1:], got[2][1:]):  # dk, dv
         assert torch.equal(a, b)
@@ -560,12 +560,12 @@ def test_kernel_tma_loads_match_pointer_loads(heads, causal, window):
     q[84:90], q[96:] = float("nan"), float("nan")  # query rows in no segment
     k[100:104], v[100:104], k[107:], v[107:] = (float("nan"),) * 4  # key rows no segment reads
     assert launch.tma_usable("fwd", 16, 16, k, v) and launch.tma_usable("bwd_dkdv", 16, 16, q, q)
-    pointer_loads = dataclasses.replace(DEFAULT_SETTINGS, tma=False)
+    pointer_loads = dataclasses.replace(ATTENTION_SETTINGS, tma=False)
     assert not launch.tma_usable("fwd", 16, 16, k, v, settings=pointer_loads)
     dout, dlse = _cotangents(q, 0)
     dout[84:90], dout[96:] = float("nan"), float("nan")
     runs = []
-    for settings in (DEFAULT_SETTINGS, pointer_loads):
+    for settings in (ATTENTION_SETTINGS, pointer_loads):
         with poisoned_allocations():
             runs.append(_run_launchers(q, k, v, seg, causal, window, dout, dlse, settings))
     (out, lse, grads), (out_p, lse_p, grads_p) = runs
@@ -729,21 +729,21 @@ def test_launch_settings_are_immutable():
     with pytest.raises(TypeError):
         configs.TMA_CONFIGS["fwd"][64]["BLOCK_M"] = 16
     with pytest.raises(dataclasses.FrozenInstanceError):
-        DEFAULT_SETTINGS.tma = False
+        ATTENTION_SETTINGS.tma = False
     with pytest.raises(dataclasses.FrozenInstanceError):
-        DEFAULT_SETTINGS.fwd.head_group = 4
+        ATTENTION_SETTINGS.fwd.head_group = 4
     tiles = dict(BLOCK_M=32, BLOCK_N=16, num_warps=1, num_stages=1)
-    changed = DEFAULT_SETTINGS.with_kernel("bwd_dq", config=tiles, head_group=4)
+    changed = ATTENTION_SETTINGS.with_kernel("bwd_dq", config=tiles, head_group=4)
     tiles["BLOCK_M"] = 64  # the settings keep their own copy
     assert changed.bwd_dq.config["BLOCK_M"] == 32 and changed.bwd_dq.head_group == 4
-    assert changed.fwd == DEFAULT_SETTINGS.fwd and DEFAULT_SETTINGS.bwd_dq.config is None
+    assert changed.fwd == ATTENTION_SETTINGS.fwd and ATTENTION_SETTINGS.bwd_dq.config is None
     assert configs.kernel_config("bwd_dq", 64, False, override=changed.bwd_dq.config) == dict(changed.bwd_dq.config)
-    every = DEFAULT_SETTINGS.with_every_kernel(head_group=1)
+    every = ATTENTION_SETTINGS.with_every_kernel(head_group=1)
     assert all(every.kernel(name).head_group == 1 for name in configs.KERNELS)
     for fn in (launch.forward, launch.backward, launch.tma_usable):
-        assert inspect.signature(fn).parameters["settings"].default is DEFAULT_SETTINGS
+        assert inspect.signature(fn).parameters["settings"].default is ATTENTION_SETTINGS
     with pytest.raises(ValueError, match="unknown kernel"):
-        DEFAULT_SETTINGS.kernel("bwd")
+        ATTENTION_SETTINGS.kernel("bwd")
 
 
 def test_work_bucket_oracle():
