@@ -15,6 +15,7 @@ before compiling (``torch._dynamo.reset()`` after changing it).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -34,8 +35,16 @@ __all__ = [
     "validate_varlen_segments",
 ]
 
-# the five index tensors that describe attention segments, in the ops' argument order
-SEGMENT_TABLES = ("q_start", "q_len", "q_pos", "k_start", "k_len")
+class Segments(NamedTuple):
+    """The five 1-D int32/int64 tables of segment attention, one entry per segment, in the ops'
+    argument order: query rows ``[q_start, q_start + q_len)`` at positions from ``q_pos`` attend
+    to key rows ``[k_start, k_start + k_len)`` (docs/design.md section 5)."""
+
+    q_start: torch.Tensor
+    q_len: torch.Tensor
+    q_pos: torch.Tensor
+    k_start: torch.Tensor
+    k_len: torch.Tensor
 
 
 # the process's checked mode: read from the environment once, changed only by set_checks
@@ -185,7 +194,7 @@ def validate_varlen_segments(
     ``[0, num_q_rows)`` and every key range in ``[0, num_k_rows)``, and the
     non-empty query ranges are pairwise disjoint.
     """
-    tables = {name: t.tolist() for name, t in zip(SEGMENT_TABLES, (q_start, q_len, q_pos, k_start, k_len))}
+    tables = {name: t.tolist() for name, t in zip(Segments._fields, (q_start, q_len, q_pos, k_start, k_len))}
     n = len(tables["q_start"])
     if any(len(t) != n for t in tables.values()):
         raise ValueError("the five segment tensors must have one length")

@@ -19,8 +19,8 @@ import torch
 from custom_ops.runtime.launch import launch_direct, triton_interpreting
 from custom_ops.runtime.precompile import cuda_index
 from custom_ops.runtime.tiles import cdiv
+from custom_ops.runtime.validation import Segments
 from custom_ops.runtime.words import unit_last_stride
-from custom_ops.varlen_attention.kernels.backward import varlen_attn_bwd_dkdv_kernel, varlen_attn_bwd_dq_kernel
 from custom_ops.varlen_attention.configs import (
     ATTENTION_SETTINGS,
     KEY_TILE_BLOCK,
@@ -31,6 +31,10 @@ from custom_ops.varlen_attention.configs import (
     has_tma_config,
     kernel_config,
 )
+from custom_ops.varlen_attention.kernels.backward import (
+    varlen_attn_bwd_dkdv_kernel,
+    varlen_attn_bwd_dq_kernel,
+)
 from custom_ops.varlen_attention.kernels.forward import varlen_attn_fwd_kernel
 from custom_ops.varlen_attention.kernels.schedule import key_tile_segments_kernel, segment_tables_kernel
 
@@ -38,7 +42,7 @@ _LOG2E = 1.4426950408889634
 
 
 def segment_tables(
-    seg, num_q_rows: int, num_k_rows: int, tile: int, key_tile: int, num_tiles: int, causal: bool, left: int,
+    seg: Segments, num_q_rows: int, num_k_rows: int, tile: int, key_tile: int, num_tiles: int, causal: bool, left: int,
     right: int, by_work: bool, chunk: int = TABLE_BLOCK,
 ):
     """``((q_start, q_len, q_pos, k_start, k_len), tile_seg, tile_row)``, int32 on the device,
@@ -166,7 +170,7 @@ def _has_window(left: int, right: int, settings: AttentionSettings) -> bool:
     return settings.window_terms_always or left >= 0 or right >= 0
 
 
-def forward(q, k, v, seg, causal, left, right, scale, settings: AttentionSettings = ATTENTION_SETTINGS):
+def forward(q, k, v, seg: Segments, causal, left, right, scale, settings: AttentionSettings = ATTENTION_SETTINGS):
     """``(out, lse)`` of segment attention by the forward kernel under ``settings``: q
     ``[Tq, Hq, D]``, k and v ``[Tk, Hkv, D]``, ``seg`` the five segment tensors, ``causal``, the
     window ``(left, right)``, ``scale`` a float (see ``custom_ops.varlen_attention``)."""
@@ -199,7 +203,7 @@ def forward(q, k, v, seg, causal, left, right, scale, settings: AttentionSetting
 
 
 def backward(
-    dout, dlse, q, k, v, out, lse, seg, causal, left, right, scale, settings: AttentionSettings = ATTENTION_SETTINGS
+    dout, dlse, q, k, v, out, lse, seg: Segments, causal, left, right, scale, settings: AttentionSettings = ATTENTION_SETTINGS
 ):
     """``(dq, dk, dv)`` by the dq and dk/dv kernels under ``settings``, given ``dout [Tq, Hq, D]``
     and ``dlse [Hq, Tq]`` and the forward's ``out`` and ``lse``; the other arguments as

@@ -1,19 +1,10 @@
 """Segment ("varlen") attention as torch.library ops: forward, backward, fake, autograd.
 
-``torch.ops.cp_ops.varlen_attention(Tensor q, Tensor k, Tensor v, Tensor q_start,
-Tensor q_len, Tensor q_pos, Tensor k_start, Tensor k_len, bool causal=True,
-SymInt window_left=-1, SymInt window_right=-1, float? scale=None) -> (Tensor, Tensor)``
-returns ``(out, lse)``.
-
-``custom_ops.varlen_attention`` is the same op with ``window=(left, right)``.
-The backward is its own op, ``torch.ops.cp_ops.varlen_attention_backward``.
-
-Both register as opaque custom ops (``kernel_op(opaque=True)``): on Hopper their kernels
-read K/V (q/dout in dk/dv) through host TMA descriptors, which torch cannot capture when it
-traces a ``triton_op``'s body. Their bodies therefore only ever see real tensors and launch
-the kernels directly, without ``wrap_triton`` (whose tracing machinery, run in eager mode
-too, cost more host time per launch than some of these kernels take on the GPU), through the
-launchers of launch.py with the default settings (configs.py).
+``torch.ops.cp_ops.varlen_attention`` returns ``(out, lse)`` and takes the window as two ints;
+``custom_ops.varlen_attention`` is the same op with ``window=(left, right)``. The backward is
+its own op, ``torch.ops.cp_ops.varlen_attention_backward``. Both are opaque custom ops
+(``kernel_op(opaque=True)``, docs/design.md section 2) launching through launch.py with
+:data:`~custom_ops.varlen_attention.configs.ATTENTION_SETTINGS`.
 """
 
 from __future__ import annotations
@@ -24,7 +15,7 @@ from custom_ops.runtime import precompile
 from custom_ops.runtime.checks import check_index_tensor
 from custom_ops.runtime.launch import use_triton
 from custom_ops.runtime.registration import NAMESPACE, kernel_op
-from custom_ops.runtime.validation import SEGMENT_TABLES, checked
+from custom_ops.runtime.validation import Segments, checked
 from custom_ops.varlen_attention.launch import backward, forward
 from custom_ops.varlen_attention.reference import (
     _attention,
@@ -64,10 +55,10 @@ def _check(q, k, v, index_tensors, causal, window_left, window_right) -> None:
     check_gqa_heads(q, k)
     if q.shape[2] == 0:
         raise ValueError("head_dim must be at least 1")
-    for name, t in zip(SEGMENT_TABLES, index_tensors):
+    for name, t in zip(Segments._fields, index_tensors):
         check_index_tensor(name, t, q.device, min_numel=0)
     n_seg = index_tensors[0].shape[0]
-    for name, t in zip(SEGMENT_TABLES[1:], index_tensors[1:]):
+    for name, t in zip(Segments._fields[1:], index_tensors[1:]):
         if t.shape[0] != n_seg:
             raise ValueError(f"{name} has {t.shape[0]} entries but q_start has {n_seg}; give one entry per segment")
     if not isinstance(causal, bool):
@@ -104,12 +95,12 @@ def _varlen_attention(
     scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.ops.cp_ops.varlen_attention``: :func:`varlen_attention` with the window as two ints."""
-    _check(q, k, v, (q_start, q_len, q_pos, k_start, k_len), causal, window_left, window_right)
-    q_start = checked("segments", q_start, (q_len, q_pos, k_start, k_len), q.shape[0], k.shape[0])
-    seg = (q_start, q_len, q_pos, k_start, k_len)
+    seg = Segments(q_start, q_len, q_pos, k_start, k_len)
+    _check(q, k, v, seg, causal, window_left, window_right)
+    seg = seg._replace(q_start=checked("segments", q_start, seg[1:], q.shape[0], k.shape[0]))
     scale = resolve_scale(scale, q.shape[2])
     if not _use_kernel(q):
-        out, lse = _attention(q, k, v, *seg, causal, window_left, window_right, scale)
+        out, lse = _attention(q, k, v, seg, causal, window_left, window_right, scale)
         return out.contiguous(), lse.contiguous()  # the fake's layout
     return forward(q, k, v, seg, causal, window_left, window_right, scale)
 
@@ -123,6 +114,7 @@ def _precompile(q, k, v, seg, causal, left, right, scale) -> None:
 
     def launchers(mq, mk, mv, *mseg):
         s = resolve_scale(scale, mq.shape[2])
+        mseg = Segments(*mseg)
         out, lse = forward(mq, mk, mv, mseg, causal, left, right, s)
         backward(torch.empty_like(out), torch.empty_like(lse), mq, mk, mv, out, lse, mseg, causal, left, right, s)
 
@@ -131,9 +123,10 @@ def _precompile(q, k, v, seg, causal, left, right, scale) -> None:
 
 @_varlen_attention.register_fake
 def _(q, k, v, q_start, q_len, q_pos, k_start, k_len, causal=True, window_left=-1, window_right=-1, scale=None):
-    _check(q, k, v, (q_start, q_len, q_pos, k_start, k_len), causal, window_left, window_right)
+    seg = Segments(q_start, q_len, q_pos, k_start, k_len)
+    _check(q, k, v, seg, causal, window_left, window_right)
     _use_kernel(q)  # same head_dim error as the real op
-    _precompile(q, k, v, (q_start, q_len, q_pos, k_start, k_len), causal, window_left, window_right, scale)
+    _precompile(q, k, v, seg, causal, window_left, window_right, scale)
     return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=lse_dtype(q.dtype))
 
 
@@ -158,13 +151,11 @@ def _varlen_attention_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` of :func:`varlen_attention` given ``dout [Tq, Hq, D]`` and
     ``dlse [Hq, Tq]`` and the saved ``out`` and ``lse``. Not differentiable itself."""
-    seg = (q_start, q_len, q_pos, k_start, k_len)
+    seg = Segments(q_start, q_len, q_pos, k_start, k_len)
     _check(q, k, v, seg, causal, window_left, window_right)
     scale = resolve_scale(scale, q.shape[2])
     if not _use_kernel(q):
-        grads = varlen_attention_backward_reference(
-            dout, dlse, q, k, v, out, lse, *seg, causal, window_left, window_right, scale
-        )
+        grads = varlen_attention_backward_reference(dout, dlse, q, k, v, out, lse, seg, causal, window_left, window_right, scale)
         return tuple(g.contiguous() for g in grads)
     return backward(dout, dlse, q, k, v, out, lse, seg, causal, window_left, window_right, scale)
 
@@ -172,14 +163,14 @@ def _varlen_attention_backward(
 @_varlen_attention_backward.register_fake
 def _(dout, dlse, q, k, v, out, lse, q_start, q_len, q_pos, k_start, k_len, causal=True, window_left=-1,
       window_right=-1, scale=None):  # fmt: skip
-    _check(q, k, v, (q_start, q_len, q_pos, k_start, k_len), causal, window_left, window_right)
+    _check(q, k, v, Segments(q_start, q_len, q_pos, k_start, k_len), causal, window_left, window_right)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, q_start, q_len, q_pos, k_start, k_len, causal, window_left, window_right, scale = inputs
+    q, k, v, *seg, causal, window_left, window_right, scale = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, q_start, q_len, q_pos, k_start, k_len)
+    ctx.save_for_backward(q, k, v, out, lse, *seg)
     ctx.args = (causal, window_left, window_right, scale)
 
 
@@ -190,7 +181,7 @@ def _backward(ctx, dout, dlse):
     if dout is None:
         dout = torch.zeros_like(out)
     dq, dk, dv = _varlen_attention_backward(dout, dlse, q, k, v, out, lse, *seg, *ctx.args)
-    return (dq, dk, dv) + (None,) * 9
+    return (dq, dk, dv) + (None,) * (len(Segments._fields) + len(ctx.args))
 
 
 _varlen_attention.register_autograd(_backward, setup_context=_setup_context)

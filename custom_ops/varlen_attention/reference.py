@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import torch
 
+from custom_ops.runtime.validation import Segments
+
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
@@ -45,11 +47,7 @@ def resolve_scale(scale: float | None, head_dim: int) -> float:
 
 
 def visibility_mask(
-    q_start: torch.Tensor,
-    q_len: torch.Tensor,
-    q_pos: torch.Tensor,
-    k_start: torch.Tensor,
-    k_len: torch.Tensor,
+    seg: Segments,
     num_q_rows: int,
     num_k_rows: int,
     causal: bool,
@@ -61,6 +59,7 @@ def visibility_mask(
     Each query row's segment comes from a dense ``[Tq, S]`` membership test (no
     sorting assumed, empty segments anywhere); rows in no segment see nothing.
     """
+    q_start, q_len, q_pos, k_start, k_len = seg
     device = q_start.device
     rows = torch.arange(num_q_rows, device=device, dtype=torch.int64)
     cols = torch.arange(num_k_rows, device=device, dtype=torch.int64)
@@ -106,11 +105,9 @@ def _expand_kv(x: torch.Tensor, hq: int) -> torch.Tensor:
     return x.permute(1, 0, 2)[:, None].expand(hkv, hq // hkv, t, d).reshape(hq, t, d)
 
 
-def _attention(q, k, v, q_start, q_len, q_pos, k_start, k_len, causal, window_left, window_right, scale):
+def _attention(q, k, v, seg: Segments, causal, window_left, window_right, scale):
     scale = resolve_scale(scale, q.shape[-1])
-    visible = visibility_mask(
-        q_start, q_len, q_pos, k_start, k_len, q.shape[0], k.shape[0], causal, window_left, window_right
-    )
+    visible = visibility_mask(seg, q.shape[0], k.shape[0], causal, window_left, window_right)
     s = _scores(q, k, scale)
     any_visible = visible.any(dim=1)  # [Tq]
     # Rows with no visible key get finite dummy scores so neither the softmax nor
@@ -144,7 +141,7 @@ def varlen_attention_reference(
     oracle. Differentiable by torch autograd in q, k, v (rows with no visible
     key get zero gradient, never NaN).
     """
-    return _attention(q, k, v, q_start, q_len, q_pos, k_start, k_len, causal, window[0], window[1], scale)
+    return _attention(q, k, v, Segments(q_start, q_len, q_pos, k_start, k_len), causal, window[0], window[1], scale)
 
 
 def varlen_attention_backward_reference(
@@ -155,11 +152,7 @@ def varlen_attention_backward_reference(
     v: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
-    q_start: torch.Tensor,
-    q_len: torch.Tensor,
-    q_pos: torch.Tensor,
-    k_start: torch.Tensor,
-    k_len: torch.Tensor,
+    seg: Segments,
     causal: bool,
     window_left: int,
     window_right: int,
@@ -179,9 +172,7 @@ def varlen_attention_backward_reference(
     """
     scale = resolve_scale(scale, q.shape[-1])
     hq, hkv = q.shape[1], k.shape[1]
-    visible = visibility_mask(
-        q_start, q_len, q_pos, k_start, k_len, q.shape[0], k.shape[0], causal, window_left, window_right
-    )
+    visible = visibility_mask(seg, q.shape[0], k.shape[0], causal, window_left, window_right)
     s = _scores(q, k, scale)
     dt = s.dtype
     lse_c = lse.to(dt)
