@@ -1,44 +1,12 @@
-"""All-gather context-parallel attention on packed THD shards, as a torch.library op.
+"""All-gather context-parallel attention on packed THD shards (docs/design.md section 4.2).
 
-On rank r of a CP group of W ranks, the local shard holds, for every sequence i,
-chunks ``r`` and ``2W-1-r`` (``c_i = P_i / 2W`` rows each) of its padded length
-``P_i`` (docs/design.md section 1). :func:`ag_thd_attention` computes, for those local
-query rows, exactly what attention over the whole sequence computes:
-
-1. all-gather K and V in one collective (``[T/W, 2*Hkv, D]`` -> ``[T, 2*Hkv, D]``,
-   rank order; its gradient is one reduce-scatter),
-2. ``thd_rank_to_seq_order``: rank order -> sequence order (gradient: the inverse),
-3. one ``varlen_attention`` launch with two segments per sequence
-   (:func:`custom_ops.ag_thd_segments`), so query a of chunk j (position ``j*c_i + a``)
-   sees key b of its sequence under the usual causal / window rules, and padding rows
-   (in no segment) come back as zeros.
-
-The segment tables are built on the device from ``cu_seqlens`` and
-``cu_seqlens_padded`` with vectorised torch ops: no host sync, so the whole forward
-and backward compile with ``fullgraph=True`` and one graph serves every packing. The
-backward is autograd through the pieces: ``varlen_attention``'s backward (dq on the
-local rows; dk, dv on the gathered sequence-order keys), ``thd_seq_to_rank_order``,
-then the reduce-scatter.
-
-The op is a composite: it decomposes into those pieces when traced, which happens
-after torch.compile's caches have keyed the graph on the op's arguments. So nothing
-the decomposition reads may differ between processes that share a cache: the rank
-is read at run time (``group_rank_tensor``, a 0-d device tensor), never folded into
-the graph. The CP size W sets shapes and must be known when tracing. The group name
-does not encode it (the default group is called "0" whatever its size), so W is an
-argument of the op (``cp_size``, checked against the group) and so part of the key.
-
-``launches=2`` runs TransformerEngine's form instead: one ``varlen_attention``
-launch per local chunk (segments of chunk r, then of chunk 2W-1-r), the second
-chunk's rows copied into the first output with ``thd_copy_valid_tokens``. Same
-result; kept so the two can be timed against each other.
-
-``head_groups=G`` pipelines the exchange: steps 1-3 run per group of Hkv/G KV heads
-(and their Hq/G query heads), G all-gathers in all, so the attention of group g needs
-only the g-th gather and runs while the later ones travel; in the backward (groups in
-reverse order) a group's reduce-scatter runs while the next group's gradients are
-computed. Only the first gather and the last reduce-scatter have no attention beside
-them, 1/G of the bytes each. Under torch.compile this needs ``cp_ops.COMPILE_OPTIONS``.
+:func:`ag_thd_attention` gives rank r's local query rows (chunks r and 2W-1-r of every
+sequence) exactly what attention over the whole sequence gives: K and V all-gathered in one
+collective, reordered to sequence order, then one ``varlen_attention`` launch with two
+segments per sequence (:func:`custom_ops.ag_thd_segments`). The backward is autograd through
+those pieces (a reduce-scatter for dk, dv). A composite op, so the rank is read at run time
+(``group_rank_tensor``) and the CP size is an argument (docs/design.md section 3).
+``launches=2`` and ``head_groups=G`` are the variants of section 4.2.
 """
 
 from __future__ import annotations
@@ -180,30 +148,15 @@ def ag_thd_attention(
 ) -> torch.Tensor:
     """All-gather CP attention on this rank's THD shard: ``out [T/W, Hq, D]``.
 
-    q ``[T/W, Hq, D]``, k, v ``[T/W, Hkv, D]`` (``Hq % Hkv == 0``, GQA): rank r's
-    local rows (chunks r and 2W-1-r of every sequence). cu_seqlens, cu_seqlens_padded
-    ``[B+1]``: the *global* layout (``T = cu_seqlens_padded[-1]``, padded lengths
-    multiples of 2W). For local row t at position ``p`` of sequence i (one of its
-    ``L_i`` real tokens), with ``s_b = scale * <q_t, k_b>`` over the keys b of
-    sequence i (sequence positions ``0 .. L_i - 1``) that are visible::
-
-        out_t = sum_b softmax_b(s_b) v_b
-        visible: b <= p (causal), p - b <= left (left >= 0), b - p <= right (right >= 0)
-
-    ``window = (left, right)``, -1 = unbounded; scale defaults to ``D ** -0.5``.
-    Padding rows, and rows that see no key, come back as zeros. group: a
-    ``ProcessGroup``, a 1-D ``DeviceMesh``, or None (W = 1: plain varlen attention
-    over the packed batch, no collective). Differentiable in q, k, v: the
-    gradients of k and v are this rank's shard of the global ones (reduce-scattered).
-    ``launches=2``: one launch per local chunk (TransformerEngine's form), same result.
-    ``head_groups=G`` (a divisor of Hkv): the KV heads in G groups, each gathered by its
-    own all-gather and attended by its own launch(es), so each group's attention runs
-    while later groups' K/V travel (and, backward, each group's reduce-scatter while
-    the next group's gradients are computed); same result. Ignored when group is None.
-
-    Also ``torch.ops.cp_ops.ag_thd_attention(q, k, v, cu_seqlens, cu_seqlens_padded,
-    causal, window_left, window_right, scale, group_name, cp_size, head_groups)`` (the
-    one-launch form).
+    q ``[T/W, Hq, D]``, k, v ``[T/W, Hkv, D]`` (``Hq % Hkv == 0``): rank r's local rows
+    (chunks r and 2W-1-r of every sequence). cu_seqlens, cu_seqlens_padded ``[B+1]``: the
+    global layout (padded lengths multiples of 2W). Each local row gets the attention over
+    the visible keys of its whole sequence: causal, ``window = (left, right)`` (-1 =
+    unbounded), scale defaults to ``D ** -0.5``; padding rows and rows that see no key give
+    zeros. group: a ``ProcessGroup``, a 1-D ``DeviceMesh``, or None (W = 1). Differentiable
+    in q, k, v (dk, dv: this rank's shard, reduce-scattered). ``launches=2`` and
+    ``head_groups=G`` (a divisor of Hkv) change the schedule, not the result (docs/design.md
+    section 4.2). Also ``torch.ops.cp_ops.ag_thd_attention`` (section 2, "Contracts").
     """
     group_name, world = resolve_group(group)
     if not isinstance(window, (tuple, list)) or len(window) != 2:

@@ -1,20 +1,10 @@
 """The fused CP <-> head-parallel all-to-all, as torch.library ops (docs/design.md section 2).
 
-CP -> head parallel (``thd_cp2hp``), on rank r of a CP group of size W:
-the local shard ``x_cp [T/W, ..., F]`` (rows of every sequence's chunks r and
-2W-1-r) becomes ``x_hp [T, ..., F/W]``: every row of the batch, in sequence
-order, with rank r's slice of every feature section. In three passes:
-
-1. send ``[W, T/W, ..., F/W]``: block d holds rank d's slice of every section of
-   the local rows (the section permutation, written straight into the rank-major
-   send layout by one kernel; no separate transpose).
-2. one all-to-all of equal splits: block d goes to rank d; what arrives is
-   ``[T, ..., F/W]`` in rank order (rank 0's rows first).
-3. rank order -> sequence order (``thd_rank_to_seq_order``), index map on the device.
-
-``thd_hp2cp`` runs the same passes backwards, and each is the other's gradient.
-All sequences and sections travel in the one all-to-all; nothing reads tensor
-values on the host, so one compiled graph serves every packing.
+``thd_cp2hp`` turns rank r's shard ``x_cp [T/W, ..., F]`` into ``x_hp [T, ..., F/W]`` (every
+row of the batch in sequence order, rank r's slice of every feature section) in three passes:
+the section permutation written straight into the rank-major send layout, one all-to-all of
+equal splits, and the rank -> sequence reorder (docs/design.md section 4.1). ``thd_hp2cp``
+runs them backwards; each is the other's gradient. No host reads of tensor values.
 """
 
 from __future__ import annotations

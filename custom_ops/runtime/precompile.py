@@ -1,22 +1,11 @@
-"""Compiling an op's kernels before its first call (docs/design.md section 3, "The first
-step").
+"""Compiling an op's kernels while a graph is traced, before their first launch
+(docs/design.md section 3, "The first step").
 
-Triton compiles a kernel when it is first launched with a new specialization, seconds for
-each of this package's kernels, one after the other on the thread that calls the op. Under
-``torch.compile`` an op's fake implementation runs while the graph is traced, well before the
-compiled graph first calls the op. There the ops that launch through
-:func:`custom_ops.runtime.launch.launch_direct` call :func:`schedule` with their launchers and the
-fake arguments: a worker thread runs the launchers on meta tensors of the same shapes,
-strides and dtypes, under which ``launch_direct`` does not launch but hands each kernel to
-another worker to compile (Triton's ``JITFunction.warmup``, whose specialization is the
-launch's: dtypes, 16-byte alignment, the ints' divisibility). The compiles then run in
-parallel with each other and with the rest of the compilation (Triton releases the GIL while
-it compiles). A launch whose kernel is still compiling waits for it (:func:`wait_for`), then
-finds it in Triton's cache. Launches the fake arguments do not predict (other strides, a
-misaligned view) compile as before.
-
-``CP_OPS_PRECOMPILE=0`` turns it off. It never runs under ``TRITON_INTERPRET=1`` or without
-CUDA, nor for symbolic shapes (``dynamic=True``).
+An op's fake calls :func:`schedule` with its launchers; a worker runs them on meta tensors,
+under which :func:`custom_ops.runtime.launch.launch_direct` hands each kernel to another worker
+to compile instead of launching it. A launch whose kernel is still compiling waits for it
+(:func:`wait_for`). ``CP_OPS_PRECOMPILE=0`` turns it off; it never runs under
+``TRITON_INTERPRET=1``, without CUDA, or for symbolic shapes.
 """
 
 from __future__ import annotations

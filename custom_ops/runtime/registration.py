@@ -72,18 +72,9 @@ def visible_to_compiler(pin: str | None, installed: str, forced: str | None) -> 
 def kernels_visible_to_compiler() -> bool:
     """Whether ops register as ``triton_op`` (Inductor sees their Triton kernels).
 
-    ``torch.compile`` analyses the Triton IR of every kernel launched inside a
-    ``triton_op`` to learn which arguments it writes. That analysis is written
-    against the triton release a torch build pins; with a newer triton (torch
-    2.11 pins 3.6; FLA's GDN backward on Hopper needs 3.7.1) it fails for every
-    kernel, torch then assumes every input is written and clones all of them at
-    each launch, and Inductor's lowering of those clones fails (seen on torch
-    2.11 + triton 3.7.1 compiling the GDN CP layer's backward; pytorch issue
-    181735). So when the installed triton is newer than the pinned one, the ops
-    register as opaque ``custom_op``s instead: the same kernels, launched by the
-    op at run time; Inductor calls each op as one extern node, and graphs still
-    have no breaks.
-
+    False when the installed triton is newer than the one torch pins, whose IR analysis
+    of ``triton_op`` kernels then fails (docs/design.md section 2, "Registration forms"):
+    the ops register as opaque ``custom_op``s launching the same kernels.
     ``CP_OPS_OPAQUE_KERNELS=1`` (or ``0``) forces the choice. Read once, when
     ``custom_ops`` is imported.
     """
