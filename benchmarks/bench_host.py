@@ -363,7 +363,7 @@ def run_child(args) -> dict:
     # checkouts from before custom_ops exported it kept it in custom_ops._common
     visible = getattr(custom_ops, "kernels_visible_to_compiler", None)
     if visible is None:
-        from custom_ops.runtime.registration import kernels_visible_to_compiler as visible
+        from custom_ops._common import kernels_visible_to_compiler as visible
     result = {
         "form": "triton_op" if visible() else "opaque",
         "package": os.path.dirname(os.path.dirname(os.path.abspath(custom_ops.__file__))),
