@@ -33,7 +33,9 @@ __all__ = [
     "validate_offsets",
     "validate_permutation",
     "validate_varlen_segments",
+    "Segments",
 ]
+
 
 class Segments(NamedTuple):
     """The five 1-D int32/int64 tables of segment attention, one entry per segment, in the ops'

@@ -11,12 +11,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import custom_ops
-from custom_ops.gated_delta_rule.fla import fla_varlen_indices
 from custom_ops.causal_conv1d.reference import (
     causal_conv1d_loop,
     causal_conv1d_reference,
     causal_conv1d_reference_backward,
 )
+from custom_ops.gated_delta_rule.fla import fla_varlen_indices
 from custom_ops.gated_delta_rule.reference import (
     chunk_gated_delta_rule_loop,
     chunk_gated_delta_rule_reference,

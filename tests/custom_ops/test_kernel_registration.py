@@ -10,8 +10,8 @@ import pytest
 import torch
 import triton
 
-from custom_ops.runtime import registration
 from custom_ops.permute_sections.kernels import permute_sections_kernel
+from custom_ops.runtime import registration
 from custom_ops.testing import kernel_constexprs
 from custom_ops.thd_copy_valid_tokens.kernels import thd_copy_valid_tokens_kernel
 from custom_ops.thd_reorder.kernels import thd_reorder_kernel

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import custom_ops
-from custom_ops.runtime.tiles import cdiv, ROW_SETTINGS, row_tile, RowSettings
-from custom_ops.runtime.launch import launch
 from custom_ops.causal_conv1d import op as conv
 from custom_ops.causal_conv1d.op import CONV_SETTINGS, ConvConfig, ConvSettings
+from custom_ops.runtime.launch import launch
+from custom_ops.runtime.tiles import ROW_SETTINGS, RowSettings, cdiv, row_tile
 from custom_ops.testing import random_tensor
 
 

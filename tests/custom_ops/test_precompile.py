@@ -15,9 +15,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import custom_ops
-from custom_ops.runtime import launch as launch_mod
-from custom_ops.runtime import precompile
 from custom_ops.causal_conv1d import op as conv_mod
+from custom_ops.runtime import launch as launch_mod, precompile
 
 triton = pytest.importorskip("triton")
 from triton.runtime.jit import JITFunction  # noqa: E402

@@ -17,14 +17,20 @@ from hypothesis import strategies as st
 
 import custom_ops
 from custom_ops.testing import TOLERANCE, kernel_constexprs, poisoned_allocations, random_tensor, rel_error
+from custom_ops.validation import validate_varlen_segments
 from custom_ops.varlen_attention import configs, launch
-from custom_ops.varlen_attention.kernels.backward import varlen_attn_bwd_dkdv_kernel, varlen_attn_bwd_dq_kernel
+from custom_ops.varlen_attention.configs import ATTENTION_SETTINGS
+from custom_ops.varlen_attention.kernels.backward import (
+    varlen_attn_bwd_dkdv_kernel,
+    varlen_attn_bwd_dq_kernel,
+)
 from custom_ops.varlen_attention.kernels.forward import varlen_attn_fwd_kernel
 from custom_ops.varlen_attention.kernels.schedule import key_tile_segments_kernel, segment_tables_kernel
-from custom_ops.validation import validate_varlen_segments
-from custom_ops.varlen_attention.reference import varlen_attention_loop, varlen_attention_reference
-from custom_ops.varlen_attention.configs import ATTENTION_SETTINGS
-from custom_ops.varlen_attention.reference import resolve_scale
+from custom_ops.varlen_attention.reference import (
+    resolve_scale,
+    varlen_attention_loop,
+    varlen_attention_reference,
+)
 from tests._profiles import examples
 
 WINDOWS = [(-1, -1), (3, -1), (2, 1), (0, 0), (-1, 2), (5, 5)]
