@@ -14,6 +14,7 @@ the mesh, the gradient scaling, the checkpoint and data formats, static shapes a
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import resource
@@ -639,6 +640,11 @@ def main(argv: list[str] | None = None) -> None:
         train(args, rank, world, device)
         dist.barrier()
     finally:
+        if args.cuda_graphs:
+            # recorded graphs keep the NCCL communicators they captured alive, which
+            # destroy_process_group would then wait on
+            torch.compiler.reset()
+            gc.collect()
         dist.destroy_process_group()
 
 
