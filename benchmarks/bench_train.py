@@ -128,6 +128,7 @@ def curves(args: argparse.Namespace) -> Result:
     tmp = Path(tempfile.mkdtemp())
     spec = importlib.util.spec_from_file_location("train_qwen3_next", SCRIPT)  # a script, not a package module
     recipe = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = recipe  # its dataclasses look their module up
     spec.loader.exec_module(recipe)
     data = markov_tokens(tmp / "tokens.npy", recipe.model_config(args.preset, 4).vocab_size)
     tokens = args.tokens.split(",")[0]
@@ -207,7 +208,8 @@ def fit(args: argparse.Namespace) -> Result:
         benchmark="train", name="train-qwen3-next-80b",
         title="Qwen3-Next-80B-A3B's config (512 experts, vocabulary 151936), CP over 4 GPUs (dp 1), eager, "
               "activation checkpointing: layer counts tried, largest first",
-        columns=columns, rows=[[r.get(c) for c in columns] for r in rows], formats=FORMATS,
+        columns=columns, rows=[[r.get(c) for c in columns] for r in rows],
+        formats={c: f for c, f in FORMATS.items() if c in columns},
         env=environment(world=4, fla=fla.__version__),
         notes="4 steps each, medians of steps 2-4; the first run that fits ends the search",
     )  # fmt: skip
