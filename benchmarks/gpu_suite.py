@@ -4,7 +4,7 @@
 
 PARTS (default: every part that fits the visible GPUs):
   tests-1gpu      pytest -m "gpu and not dist" (kernels against their references on CUDA)
-  layout          python -m benchmarks.bench_thd_layout --sweep
+  layout          python -m benchmarks.bench_thd_layout
   attention       python -m benchmarks.bench_varlen_attention       (if present)
   attention-tune  the same with --tune: kernel configs
   attention-profile  the same with --profile: CUDA time per kernel
@@ -61,7 +61,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 PARTS = {
     "tests-1gpu": (1, [sys.executable, "-m", "pytest", "-m", "gpu and not dist", "-q", "-p", "no:cacheprovider"]),
-    "layout": (1, [sys.executable, "-m", "benchmarks.bench_thd_layout", "--sweep", "--out", "{out}"]),
+    "layout": (1, [sys.executable, "-m", "benchmarks.bench_thd_layout", "--out", "{out}"]),
     "attention": (1, [sys.executable, "-m", "benchmarks.bench_varlen_attention", "--out", "{out}"]),
     "attention-tune": (1, [sys.executable, "-m", "benchmarks.bench_varlen_attention", "--tune"]),
     "attention-profile": (1, [sys.executable, "-m", "benchmarks.bench_varlen_attention", "--profile", "--out", "{out}"]),
