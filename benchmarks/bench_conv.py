@@ -34,9 +34,9 @@ import torch
 
 import custom_ops
 from benchmarks.cases import random_lengths as _lengths
+from benchmarks.internals import fla_varlen_indices
 from benchmarks.runner import Result, add_out_argument, emit, environment
 from benchmarks.timing import kernel_ms, median_ms
-from custom_ops.gdn.op import fla_varlen_indices
 from custom_ops.testing import rel_error
 
 CHANNELS = (8192, 4096)  # 2*Hk*dk + Hv*dv on one GPU, and on one rank of W = 2
@@ -106,7 +106,7 @@ def bench_gather(
     """ms of the two forms of the conv on permuted rows (see the module docstring), compiled; on
     a CPU device only their agreement (the ms entries left out)."""
     from cp_ops.layout import pad_cu_seqlens
-    from custom_ops.thd_reorder.reference import rank_to_seq_index
+    from custom_ops.thd_index import rank_to_seq_index
 
     lens = _lengths(total, num_seqs, torch.Generator().manual_seed(total + num_seqs))
     _, cup = pad_cu_seqlens(lens, world)

@@ -22,10 +22,10 @@ import torch
 
 import custom_ops
 from benchmarks.cases import layout_shapes as shapes
+from benchmarks.internals import thd_seq_to_rank_order_loop
 from benchmarks.runner import Result, add_out_argument, emit, environment
 from benchmarks.timing import median_ms
 from cp_ops import pad_cu_seqlens, seq_to_rank_index
-from custom_ops.thd_reorder.reference import thd_seq_to_rank_order_loop
 
 
 def run() -> Result:

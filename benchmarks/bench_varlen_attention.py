@@ -41,12 +41,11 @@ from benchmarks.cases import ATTENTION_HEADS as HEADS
 from benchmarks.cases import attention_cases, segments_for, tflops, visible_pairs
 from benchmarks.cases import attention_inputs as make_inputs
 from benchmarks.cases import attention_op_inputs
+from benchmarks.internals import CONFIGS, DEFAULT_SETTINGS, KERNELS, AttentionSettings, resolve_scale
+from benchmarks.internals import attention_launch as launch
 from benchmarks.runner import Result, add_out_argument, emit, environment
 from benchmarks.timing import kernel_breakdown
 from custom_ops.testing import TOLERANCE, rel_error
-from custom_ops.varlen_attention import launch
-from custom_ops.varlen_attention.configs import CONFIGS, DEFAULT_SETTINGS, KERNELS, AttentionSettings
-from custom_ops.varlen_attention.reference import resolve_scale
 
 
 # --- launch settings ------------------------------------------------------------------------------
