@@ -34,9 +34,9 @@ from custom_ops import env
 PRESETS = ("tiny", "slice4", "qwen3-next-80b")
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0}  # dense bf16, per GPU
 ADAMW = dict(betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-# what a checkpoint must agree on to be resumed: the model, the data stream and the optimiser
 # the steps --profile records, counted from the first step of the run (compiled, warm)
 PROFILE_STEPS = range(4, 6)
+# what a checkpoint must agree on to be resumed: the model, the data stream and the optimiser
 RESUME_KEYS = ("preset", "num_layers", "dp", "cp", "tokens_per_step", "max_seqs", "batch_shards", "seed", "dtype", "lr",
                "data")
 
@@ -109,6 +109,9 @@ def check_args(args: argparse.Namespace, world: int) -> None:
         )
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is available (use --device cpu)")
+    if args.profile and args.steps < PROFILE_STEPS.stop - 1:
+        last = PROFILE_STEPS.stop - 1
+        raise ValueError(f"--profile records steps {PROFILE_STEPS.start}-{last}: --steps must be at least {last}")
     if args.cuda_graphs and (not args.compile or args.device != "cuda"):
         raise ValueError("--cuda-graphs needs --compile and --device cuda")
     needs_dir = args.save_every or args.resume == "latest"

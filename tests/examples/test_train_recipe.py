@@ -212,6 +212,8 @@ def test_bad_settings(capsys):
         _args("--cp", "3", world=3)
     with pytest.raises(ValueError, match="--dp 2 x --cp 2 must equal the world size 2"):
         _args("--dp", "2", "--cp", "2")
+    with pytest.raises(ValueError, match="--steps must be at least 5"):
+        _args("--profile", "prof", "--steps", "3")
     with pytest.raises(ValueError, match="--cuda-graphs needs --compile and --device cuda"):
         _args("--cuda-graphs")
     with pytest.raises(ValueError, match="--save-every and --resume need --checkpoint-dir"):
