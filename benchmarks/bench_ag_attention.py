@@ -328,7 +328,7 @@ def tile_pairs(q_len, q_pos, k_len, block_m: int, block_n: int) -> int:
 def work_model() -> Result:
     """The --work-model table (CPU only, no kernels run)."""
     from cp_ops import ag_thd_segments
-    from custom_ops.varlen_attention.configs import kernel_config
+    from benchmarks.internals import kernel_config
 
     cfg = kernel_config("fwd", HEAD_DIM, interpreting=False)
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]

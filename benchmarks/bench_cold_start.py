@@ -58,7 +58,6 @@ import argparse
 import json
 import os
 import re
-import shutil
 import signal
 import statistics
 import subprocess

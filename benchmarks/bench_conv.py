@@ -1,6 +1,6 @@
 """The depthwise causal conv1d of the GDN layer: our Triton kernels against FLA's, one GPU.
 
-    python -m benchmarks.bench_conv [--out DIR] [--gather | --sweep]
+    python -m benchmarks.bench_conv [--out DIR] [--gather]
 
 At the layer's shapes (Qwen3-Next-80B: the q, k, v channels, 8192 on one GPU and 4096 on one
 rank of W = 2; kernel 4; silu; bf16; x a column slice of the projection output, as the layer
@@ -23,12 +23,7 @@ which reads the rows where they are and writes their gradient back the same way.
 wall time (at these sizes partly the host's: two compiled graphs and autograd) and as the
 device time of their kernels (torch.profiler, summed).
 
-``--sweep`` times our kernels under each of :data:`SWEEP` (ROWS, BLOCK_C, num_warps,
-num_stages) at T = 65536, C = 8192 and T = 32768, C = 4096 (8 sequences), forward and
-backward apart, each passed to the launchers as a ``custom_ops.gdn.kernels.ConvSettings``: how
-the default ``CONV_SETTINGS`` were chosen.
-
-Results (benchmarks/runner.py): ``conv``, ``conv-gather`` or ``conv-sweep``.
+Results (benchmarks/runner.py): ``conv`` or ``conv-gather``.
 """
 
 from __future__ import annotations
@@ -39,9 +34,9 @@ import torch
 
 import custom_ops
 from benchmarks.cases import random_lengths as _lengths
+from benchmarks.internals import fla_varlen_indices
 from benchmarks.runner import Result, add_out_argument, emit, environment
 from benchmarks.timing import kernel_ms, median_ms
-from custom_ops.gated_delta_rule.fla import fla_varlen_indices
 from custom_ops.testing import rel_error
 
 CHANNELS = (8192, 4096)  # 2*Hk*dk + Hv*dv on one GPU, and on one rank of W = 2
@@ -49,8 +44,6 @@ EXTRA = 64  # the b, a columns beside the conv channels in the projection output
 KERNEL = 4
 TOKENS, SEQS = (32768, 65536), (8, 64)
 TOLERANCE = 1e-2  # bf16, two kernels summing in different orders
-SWEEP = [(256, 1024, 4, 4), (128, 1024, 4, 4), (64, 1024, 4, 4), (256, 512, 4, 4), (256, 512, 2, 4),
-         (128, 512, 4, 3), (256, 2048, 8, 4), (512, 1024, 4, 4), (256, 1024, 4, 2), (256, 1024, 8, 3)]  # fmt: skip
 
 
 def fla_conv(x, w, cu):
@@ -113,7 +106,7 @@ def bench_gather(
     """ms of the two forms of the conv on permuted rows (see the module docstring), compiled; on
     a CPU device only their agreement (the ms entries left out)."""
     from cp_ops.layout import pad_cu_seqlens
-    from custom_ops.thd_reorder.reference import rank_to_seq_index
+    from custom_ops.thd_index import rank_to_seq_index
 
     lens = _lengths(total, num_seqs, torch.Generator().manual_seed(total + num_seqs))
     _, cup = pad_cu_seqlens(lens, world)
@@ -156,50 +149,9 @@ def bench_gather(
     return out
 
 
-def ours_conv_with(x, w, cu, settings):
-    """Our forward and backward launchers under the conv settings ``settings`` (a
-    ``custom_ops.gdn.kernels.ConvSettings``), as :func:`ours_conv`'s pair."""
-    from custom_ops.causal_conv1d.op import _conv_backward_kernel, _conv_forward
-
-    def fwd():
-        return _conv_forward(x, w, None, cu, "silu", settings=settings)
-
-    def bwd(dy):
-        return _conv_backward_kernel(dy, x, w, None, cu, "silu", settings=settings)[:2]
-
-    return fwd, bwd
-
-
-def sweep() -> Result:
-    """The --sweep table: ms of our forward and backward per kernel config."""
-    from custom_ops.causal_conv1d.op import CONV_SETTINGS, ConvConfig, ConvSettings
-
-    shapes = [(65536, 8192), (32768, 4096)]
-    rows = []
-    for cfg in SWEEP:
-        settings = ConvSettings(fwd=ConvConfig(*cfg), bwd=ConvConfig(*cfg))
-        row = [str(cfg)]
-        for total, channels in shapes:
-            cu = torch.arange(0, total + 1, total // 8, dtype=torch.int32, device="cuda")
-            x = torch.randn(total, channels + EXTRA, device="cuda", dtype=torch.bfloat16)[:, :channels]
-            w = torch.randn(channels, KERNEL, device="cuda", dtype=torch.bfloat16) / 2
-            dy = torch.randn(total, channels, device="cuda", dtype=torch.bfloat16)
-            want_fwd, want_bwd = ours_conv(x, w, cu)
-            fwd, bwd = ours_conv_with(x, w, cu, settings)
-            if rel_error(fwd(), want_fwd()) > 1e-6 or rel_error(bwd(dy)[0], want_bwd(dy)[0]) > 1e-6:
-                raise AssertionError(f"config {cfg} changes the result")
-            row += [median_ms(fwd), median_ms(lambda: bwd(dy))]
-        rows.append(row)
-    header = [""] + [f"{p} T={t} C={c}" for t, c in shapes for p in ("fwd", "bwd")]
-    chosen = f"chosen: forward {tuple(CONV_SETTINGS.fwd)}, backward {tuple(CONV_SETTINGS.bwd)}"
-    return Result("conv", "conv kernel configs (ROWS, BLOCK_C, num_warps, num_stages), ms, 8 sequences", header,
-                  rows, chosen, environment(), name="conv-sweep")  # fmt: skip
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_out_argument(parser)
-    parser.add_argument("--sweep", action="store_true", help="time our kernels under each config of SWEEP")
     parser.add_argument(
         "--gather", action="store_true", help="time the conv on permuted rows: reorder + conv against the gathered conv"
     )
@@ -207,9 +159,6 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_conv needs a CUDA device")
     torch.manual_seed(0)
-    if args.sweep:
-        emit([sweep()], args.out)
-        return
     if args.gather:
         cases = [(t, b, 4096) for t in TOKENS for b in SEQS]
         results = [bench_gather(t, b, c) for t, b, c in cases]

@@ -98,6 +98,7 @@ from benchmarks.common import (
     recompile_limit,
     spawn_ranks,
 )
+from benchmarks.internals import valid_token_mask
 from benchmarks.runner import Result, add_out_argument, emit, environment
 from cp_ops import (
     COMPILE_OPTIONS,
@@ -111,7 +112,6 @@ from cp_ops import (
 )
 from cp_ops.local_ranks import init_local_rank
 from custom_ops.testing import rel_error
-from custom_ops.thd_copy_valid_tokens.reference import valid_token_mask
 
 HIDDEN, HK, HV, DK, DV = 2048, 16, 32, 128, 128
 TOKENS, SEQS = (32768, 65536), (8, 64)

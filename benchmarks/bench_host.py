@@ -1,7 +1,7 @@
 """Host time per eager call of every cp_ops op, in both registration forms.
 
     python -m benchmarks.bench_host [--out DIR] [--raw FILE.json] [--baseline DIR] [--ops NAME ...]
-                                    [--rounds N] [--breakdown] [--layout-sweep] [--smoke]
+                                    [--rounds N] [--layout-sweep] [--smoke]
 
 For each op (forward, and backward through autograd where it is differentiable):
 
@@ -20,11 +20,9 @@ is imported, so each form runs in a subprocess of its own (``CP_OPS_OPAQUE_KERNE
 ``=1``). ``--baseline DIR`` also times the ``custom_ops`` package found in DIR (a copy of an
 older checkout) in two more subprocesses, so before and after come from one run on one
 machine. ``--rounds N`` runs every subprocess N times, the packages interleaved, and reports
-the least of each host figure (:func:`merge_rounds`). ``--breakdown`` times the pieces of one
-``thd_seq_to_rank_order`` call (dispatch, body, launch) and prints a cProfile of it;
-``--layout-sweep`` times the four THD layout ops against a clone at both row widths of
-bench_thd_layout.py and W = 2, 4, 8. ``--smoke`` runs
-tiny shapes on the CPU (the torch references, wall-clock timing, no sleep).
+the least of each host figure (:func:`merge_rounds`). ``--layout-sweep`` times the four THD
+layout ops against a clone at both row widths of bench_thd_layout.py and W = 2, 4, 8.
+``--smoke`` runs tiny shapes on the CPU (the torch references, wall-clock timing, no sleep).
 
 Results (benchmarks/runner.py): ``host`` (``host-smoke`` with --smoke) and, with
 --layout-sweep, ``host-layout-sweep``; ``--raw`` also writes every subprocess's figures.
@@ -392,8 +390,6 @@ def run_child(args) -> dict:
         print(json.dumps(row), flush=True)
     if args.layout_sweep and cuda and not args.host_only:
         result["layout_sweep"] = layout_sweep()
-    if args.breakdown and not args.host_only:
-        result["breakdown"] = breakdown(cuda)
     return result
 
 
@@ -424,161 +420,6 @@ def layout_sweep() -> list[dict]:
     return out
 
 
-def breakdown(cuda: bool) -> dict:
-    """Host us of the pieces of one thd_seq_to_rank_order call, outermost first, and a cProfile."""
-    import cProfile
-    import io
-    import pstats
-
-    import torch
-    import triton
-    from torch._library.triton import set_wrap_triton_enabled
-
-    import custom_ops
-    from custom_ops.runtime import tiles as _common
-    from custom_ops.thd_reorder import op as reorder
-    from custom_ops.thd_reorder.kernels import thd_reorder_kernel
-
-    device = "cuda" if cuda else "cpu"
-    seqs, seq_len, w = (16, 4096, 4) if cuda else (4, 16, 2)
-    cup = torch.arange(seqs + 1, dtype=torch.int32, device=device) * seq_len
-    x = torch.randn(seqs * seq_len, 16, 64, device=device, dtype=torch.bfloat16)
-    words = x.reshape(x.shape[0], -1)
-    out = torch.empty_like(words)
-    block_r, block_d, num_warps = _common.row_tile(words.shape[1], words.element_size())
-    grid = (triton.cdiv(words.shape[0], block_r), triton.cdiv(words.shape[1], block_d))
-    kernel_args = (words, out, cup, seqs, words.shape[0], words.shape[1], w)
-    kernel_kwargs = dict(TO_RANK=True, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=num_warps)
-
-    def body_without_wrap():  # the function each registration form wraps, wrap_triton off
-        with set_wrap_triton_enabled(False):
-            return custom_ops.thd_seq_to_rank_order._init_fn(x, cup, w)
-
-    def launch_without_wrap():
-        with set_wrap_triton_enabled(False):
-            return reorder._launch(x, cup, w, True)
-
-    def empty(a, b, n):
-        return torch.empty_like(a)
-
-    schema = "(Tensor a, Tensor b, int n) -> Tensor"
-    for name in ("trivial", "trivial_raw", "trivial_raw_autograd"):
-        op = torch.library.custom_op(f"cp_ops_bench::{name}", empty, mutates_args=(), schema=schema)
-        op.register_fake(empty)
-        op.register_autograd(lambda ctx, g: (g, None, None))
-    lib = torch.library.Library("cp_ops_bench", "IMPL")
-    lib.impl("trivial_raw", empty, "CUDA" if cuda else "CPU")  # beside custom_op's own, which it shadows
-    lib.impl("trivial_raw_autograd", empty, "CUDA" if cuda else "CPU")
-    raw_op = torch.ops.cp_ops_bench.trivial_raw_autograd.default
-
-    def autograd_kernel(keyset, a, b, n):  # the no-grad half of custom_op's autograd kernel
-        if torch.is_grad_enabled() and torch._C._any_requires_grad(a, b, n):
-            raise NotImplementedError
-        with torch._C._AutoDispatchBelowAutograd():
-            return raw_op.redispatch(keyset & torch._C._after_autograd_keyset, a, b, n)
-
-    try:
-        lib.impl("trivial_raw_autograd", autograd_kernel, "Autograd", with_keyset=True)
-        overridden = True
-    except RuntimeError:  # torch 2.11 refuses to replace an Autograd kernel registered from Python
-        overridden = False
-
-    pieces = {
-        "torch.ops.cp_ops.thd_seq_to_rank_order": lambda: torch.ops.cp_ops.thd_seq_to_rank_order(x, cup, w),
-        "custom_ops.thd_seq_to_rank_order": lambda: custom_ops.thd_seq_to_rank_order(x, cup, w),
-        "op body, wrap_triton off": body_without_wrap,
-        "trivial custom_op (empty_like body)": lambda: torch.ops.cp_ops_bench.trivial(x, cup, w),
-        "trivial custom_op, raw backend kernel": lambda: torch.ops.cp_ops_bench.trivial_raw(x, cup, w),
-        "torch.empty_like": lambda: torch.empty_like(words),
-        "x.clone()": lambda: x.clone(),
-    }
-    if overridden:
-        pieces["trivial custom_op, raw backend and autograd kernels"] = lambda: raw_op(x, cup, w)
-    if cuda:
-        pieces["_launch (words, empty_like, tiles, launch)"] = launch_without_wrap
-        pieces["kernel[grid](...) (JITFunction.run)"] = lambda: thd_reorder_kernel[grid](*kernel_args, **kernel_kwargs)
-        try:
-            from custom_ops.runtime.launch import launch_direct
-        except ImportError:  # a checkout from before custom_ops.launch
-            launch_direct = getattr(_common, "launch_direct", None)
-        if launch_direct is not None:
-            pieces["launch_direct (cached compiled kernel)"] = lambda: launch_direct(
-                thd_reorder_kernel, grid, *kernel_args, **kernel_kwargs
-            )
-        pieces["wrap_triton(kernel)[grid](...), eager"] = lambda: torch.library.wrap_triton(thd_reorder_kernel)[grid](
-            *kernel_args, **kernel_kwargs
-        )
-        pieces.update(_launcher_pieces(thd_reorder_kernel, grid, kernel_args, kernel_kwargs))
-    result = {}
-    for name, fn in pieces.items():
-        result[name] = host_us(fn, 100, cuda)["us"]
-        print(f"breakdown: {name}: {result[name]:.1f} us", flush=True)
-    prof = cProfile.Profile()
-    for _ in range(20):
-        custom_ops.thd_seq_to_rank_order(x, cup, w)
-    prof.enable()
-    for _ in range(200):
-        custom_ops.thd_seq_to_rank_order(x, cup, w)
-    prof.disable()
-    if cuda:
-        torch.cuda.synchronize()
-    text = io.StringIO()
-    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(18)
-    print(text.getvalue(), flush=True)
-    return {"pieces us": result, "cprofile": text.getvalue()}
-
-
-def _launcher_pieces(kernel, grid, args, kwargs) -> dict:
-    """Launches of one compiled kernel by what sits under ``launch_direct``: the compiled
-    kernel's ``run`` (Triton's generated launcher), the C function that launcher calls, with
-    the arguments it passed once, and torch's own compiled launcher (Inductor's static CUDA
-    launcher), each where this triton and torch have it in the form used here."""
-    import torch
-    from triton import knobs
-
-    compiled = kernel[grid](*args, **kwargs)
-    stream = torch._C._cuda_getCurrentRawStream(torch.cuda.current_device())
-    positional = len(args)
-    # the parameters after the positional ones, as launch_direct passes them: given, or their defaults
-    tail = tuple(kwargs.get(p.name, kernel.signature.parameters[p.name].default) for p in kernel.params[positional:])
-    grid = tuple(grid) + (1,) * (3 - len(grid))
-    hooks = knobs.runtime
-
-    def run():
-        compiled.run(*grid, stream, compiled.function, compiled.packed_metadata, None, hooks.launch_enter_hook,
-                     hooks.launch_exit_hook, *args, *tail)  # fmt: skip
-
-    pieces = {"compiled kernel's run (Triton's launcher)": run}
-    launcher = compiled.run
-    c_launch = getattr(launcher, "launch", None)
-    if c_launch is not None:
-        captured = []
-        launcher.launch = lambda *a: (captured.append(a), c_launch(*a))[1]
-        try:
-            run()
-        finally:
-            launcher.launch = c_launch
-        pieces["Triton's C launch function, its arguments prepared"] = lambda: c_launch(*captured[0])
-    try:
-        from torch._inductor.runtime.static_triton_launcher import StaticallyLaunchedCudaKernel
-    except ImportError:
-        return pieces
-    import tempfile
-
-    try:
-        if not hasattr(compiled, "_cubin_path"):
-            compiled._cubin_path = None
-        static = StaticallyLaunchedCudaKernel(compiled)
-        static.reload_cubin_from_raw(os.path.join(tempfile.mkdtemp(), "kernel.cubin"))
-        static.load_kernel(torch.cuda.current_device())
-    except (NotImplementedError, AttributeError, RuntimeError, TypeError):
-        return pieces
-    constants = set(getattr(static, "full_constexprs", ()))
-    static_args = tuple(a for i, a in enumerate(args) if i not in constants)
-    pieces["torch's static CUDA launcher (Inductor's)"] = lambda: static.run(*grid, stream, *static_args)
-    return pieces
-
-
 # --- the parent: one subprocess per form (and package) ------------------------------------------
 
 
@@ -588,7 +429,7 @@ def spawn(form: str, package: str, args, tmp: str, host_only: bool) -> dict:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package, ROOT, env.get("PYTHONPATH")) if p)
     env.pop("TRITON_INTERPRET", None)
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--child-out", out]
-    cmd += ["--smoke"] * args.smoke + ["--breakdown"] * args.breakdown + ["--layout-sweep"] * args.layout_sweep
+    cmd += ["--smoke"] * args.smoke + ["--layout-sweep"] * args.layout_sweep
     cmd += ["--host-only"] * host_only
     if args.ops:
         cmd += ["--ops", *args.ops]
@@ -678,7 +519,6 @@ def main() -> None:
     parser.add_argument("--raw", help="also write every subprocess's figures to this JSON file")
     parser.add_argument("--baseline", help="a folder holding an older custom_ops package to time as well")
     parser.add_argument("--ops", nargs="+", help="only these ops (names or groups: layout, attention, conv, gdn)")
-    parser.add_argument("--breakdown", action="store_true", help="time the pieces of one call and cProfile it")
     parser.add_argument("--layout-sweep", action="store_true", help="the THD layout ops against a clone, W = 2, 4, 8")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
     parser.add_argument("--host-only", action="store_true", help="host times only (as the baseline's runs)")

@@ -4,6 +4,7 @@ layers), CP over W = 1, 2, 4 GPUs of one host at fixed global tokens (strong sca
     python -m benchmarks.bench_train                          # W = 1, 2, 4; 32768 and 131072 tokens; graphs off / on
     python -m benchmarks.bench_train --smoke                  # tiny preset, CPU, W = 1, 2, 3 steps
     python -m benchmarks.bench_train --curves                 # loss curves: 1 GPU, (dp 1, cp 4), (dp 2, cp 2)
+    python -m benchmarks.bench_train --fit 20,18,16,12,8      # the 80B config's largest layer count at cp 4
 
 ``--curves`` trains the same model from the same seed for ``--steps`` (default 50) steps on one
 GPU, at (dp 1, cp 4) and at (dp 2, cp 2), on a token file with learnable structure that it
@@ -11,6 +12,11 @@ writes first (:func:`markov_tokens`), saves a checkpoint at step ``--steps // 2`
 (dp 1, cp 4) run and resumes from it for one step; the result ``train-curves-<preset>`` has
 every run's loss per step, its largest difference from the one-GPU curve, the resumed step's
 loss against the uninterrupted one, and each run's peak memory.
+
+``--fit`` runs the real Qwen3-Next-80B-A3B config (``--preset qwen3-next-80b``) at (dp 1, cp 4)
+with activation checkpointing, eager, for a few steps at each of the given layer counts in
+turn, and stops at the first that runs; the result ``train-qwen3-next-80b`` has a row per
+attempt (out of memory or the run's numbers).
 
 Every run is the recipe itself, started with torchrun (``--dp 1 --cp W --compile``, one run
 with ``--cuda-graphs`` and one without), under a timeout, and read back from its ``--log-json``:
@@ -62,7 +68,7 @@ def summarise(log: dict, warmup: int) -> dict:
 
 
 def torchrun(world: int, recipe_args: list[str], timeout: int) -> str:
-    """One torchrun of the recipe: its status ("ok", "failed (rc N)" or "timeout"), its output's
+    """One torchrun of the recipe: its status ("ok", "out of memory", "failed (rc N)" or "timeout"), its output's
     tail printed on failure."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world), str(SCRIPT),
            *recipe_args, "--no-progress"]  # fmt: skip
@@ -71,6 +77,8 @@ def torchrun(world: int, recipe_args: list[str], timeout: int) -> str:
     try:
         proc = subprocess.run(cmd, cwd=ROOT, timeout=timeout, capture_output=True, text=True)
         status = "ok" if proc.returncode == 0 else f"failed (rc {proc.returncode})"
+        if status != "ok" and "out of memory" in (proc.stdout + proc.stderr).lower():
+            status = "out of memory"
         if status != "ok":
             print(proc.stdout[-2000:] + proc.stderr[-4000:], flush=True)
     except subprocess.TimeoutExpired:
@@ -120,6 +128,7 @@ def curves(args: argparse.Namespace) -> Result:
     tmp = Path(tempfile.mkdtemp())
     spec = importlib.util.spec_from_file_location("train_qwen3_next", SCRIPT)  # a script, not a package module
     recipe = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = recipe  # its dataclasses look their module up
     spec.loader.exec_module(recipe)
     data = markov_tokens(tmp / "tokens.npy", recipe.model_config(args.preset, 4).vocab_size)
     tokens = args.tokens.split(",")[0]
@@ -175,6 +184,37 @@ def curves(args: argparse.Namespace) -> Result:
     return summary, per_step
 
 
+def fit(args: argparse.Namespace) -> Result:
+    """The ``--fit`` attempts (module docstring) as one result."""
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for layers in sorted({int(n) for n in args.fit.split(",")}, reverse=True):
+            log = Path(tmp) / f"fit-{layers}.json"
+            recipe_args = ["--preset", "qwen3-next-80b", "--num-layers", str(layers), "--dp", "1", "--cp", "4",
+                           "--ac", "--steps", "4", "--tokens-per-step", args.tokens.split(",")[0], "--log-json",
+                           str(log), *args.extra]  # fmt: skip
+            status = torchrun(4, recipe_args, args.timeout)
+            row = {"layers": layers, "status": status}
+            if status == "ok":
+                run = json.loads(log.read_text())
+                row.update(summarise(run, warmup=1), tokens=run["settings"]["tokens_per_step"])
+            rows.append(row)
+            if status == "ok":
+                break
+    import fla
+
+    columns = ["layers", "tokens", "step ms", "tokens/s", "MFU", "peak GiB", "first step s", "status"]
+    return Result(
+        benchmark="train", name="train-qwen3-next-80b",
+        title="Qwen3-Next-80B-A3B's config (512 experts, vocabulary 151936), CP over 4 GPUs (dp 1), eager, "
+              "activation checkpointing: layer counts tried, largest first",
+        columns=columns, rows=[[r.get(c) for c in columns] for r in rows],
+        formats={c: f for c, f in FORMATS.items() if c in columns},
+        env=environment(world=4, fla=fla.__version__),
+        notes="4 steps each, medians of steps 2-4; the first run that fits ends the search",
+    )  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> Result:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--worlds", default="1,2,4", help="CP sizes W (one GPU per rank)")
@@ -188,6 +228,8 @@ def main(argv: list[str] | None = None) -> Result:
     p.add_argument("--out", default=str(RESULTS_DIR))
     p.add_argument("--smoke", action="store_true", help="tiny preset on the CPU, W = 1, 2, eager, 3 steps")
     p.add_argument("--curves", action="store_true", help="loss curves on 1 GPU, (dp 1, cp 4), (dp 2, cp 2); resume")
+    p.add_argument("--fit", metavar="N,N,...", help="the 80B config at cp 4: the largest of these layer counts that "
+                                                    "runs")
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="further recipe arguments, last")
     args = p.parse_args(argv)
     args.compile = not args.smoke
@@ -203,6 +245,11 @@ def main(argv: list[str] | None = None) -> Result:
         for result in (summary, per_step):
             print(f"[bench_train] wrote {result.write(args.out)}")
         return summary
+    if args.fit:
+        result = fit(args)
+        print(result.markdown())
+        print(f"[bench_train] wrote {result.write(args.out)}")
+        return result
     modes = {"off": [False], "on": [True], "both": [False, True]}[args.graphs]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

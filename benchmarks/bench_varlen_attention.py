@@ -8,8 +8,6 @@
     python -m benchmarks.bench_varlen_attention --configs tuned.json   # the table with the tuned entries
     python -m benchmarks.bench_varlen_attention --pointer-loads   # everything without TMA loads
     python -m benchmarks.bench_varlen_attention --tune --kinds bwd_dkdv --rounds 5   # 5 rounds, candidates in turn
-    python -m benchmarks.bench_varlen_attention --head-groups      # the launch order's HEAD_GROUP, 1 to 16 kv heads
-    python -m benchmarks.bench_varlen_attention --head-groups 1 2  # only these groups (both segment orders)
 
 Cases: (i) packed documents of mixed lengths totalling 32768 tokens, (ii) dense
 B = 8 x S = 4096 (eight segments); H = 16 query heads, D = 128 and 64 (``--head-dims``).
@@ -19,8 +17,7 @@ medians of triton.testing.do_bench. Before timing, every implementation is
 checked against SDPA in bf16 (rel_error below the bf16 tolerance).
 
 Results (benchmarks/runner.py): the table is ``attention`` (``attention-gqaG-dD..`` at
-other heads), ``--profile`` writes ``attention-profile...``, ``--head-groups``
-``attention-head-groups...``. An earlier version of the kernels is timed against this one
+other heads), ``--profile`` writes ``attention-profile...``. An earlier version of the kernels is timed against this one
 with benchmarks/compare_checkouts.py, not here.
 """
 
@@ -44,12 +41,11 @@ from benchmarks.cases import ATTENTION_HEADS as HEADS
 from benchmarks.cases import attention_cases, segments_for, tflops, visible_pairs
 from benchmarks.cases import attention_inputs as make_inputs
 from benchmarks.cases import attention_op_inputs
+from benchmarks.internals import CONFIGS, DEFAULT_SETTINGS, KERNELS, AttentionSettings, resolve_scale
+from benchmarks.internals import attention_launch as launch
 from benchmarks.runner import Result, add_out_argument, emit, environment
 from benchmarks.timing import kernel_breakdown
 from custom_ops.testing import TOLERANCE, rel_error
-from custom_ops.varlen_attention import launch
-from custom_ops.varlen_attention.configs import ATTENTION_SETTINGS as DEFAULT_SETTINGS, CONFIGS, KERNELS, AttentionSettings
-from custom_ops.varlen_attention.reference import resolve_scale
 
 
 # --- launch settings ------------------------------------------------------------------------------
@@ -401,52 +397,6 @@ def tune(
             )  # fmt: skip
 
 
-HEAD_GROUP_SWEEP = (1, 2, 4, 8, 16)
-
-
-def sweep_head_groups(
-    gqa: int = 1, head_dims=HEAD_DIMS, groups=HEAD_GROUP_SWEEP, rounds: int = 3,
-    base: AttentionSettings = DEFAULT_SETTINGS, tuned: dict | None = None,
-) -> list[Result]:  # fmt: skip
-    """Time the three kernels with every kernel's head group (the settings' ``head_group``, in kv
-    heads) set to each of ``groups``, and the forward's and dq's segments last to first and
-    heaviest first (``by_work``), in turn for ``rounds`` rounds: the forward launch with
-    ``do_bench``, dq and dk/dv from the profiler over 20 backward launches (their kernels
-    alone). The result holds the medians and the speedup against the first group with the
-    segments last to first."""
-    device = torch.device("cuda")
-    rows = []
-    for d in head_dims:
-        for case, lens in attention_cases():
-            q, k, v, seg, out, lse, dout, dlse = op_inputs(lens, d, gqa, device)
-            times = {}
-            settings = [(order, g) for order in ("last to first", "by work") for g in groups]
-            for _ in range(rounds):
-                for order, g in settings:
-                    chosen = settings_for(base, tuned, d).with_every_kernel(head_group=g, by_work=order == "by work")
-                    fwd, bwd = launchers(chosen, q, k, v, seg, out, lse, dout, dlse)
-                    fwd(), bwd()  # compile outside the timing
-                    times.setdefault((order, g, "fwd"), []).append(
-                        triton.testing.do_bench(fwd, warmup=10, rep=100, return_mode="median")
-                    )
-                    for name, ms in kernel_breakdown(bwd, runs=20):
-                        for kind in ("dq", "dkdv"):
-                            if f"bwd_{kind}_kernel" in name:
-                                times.setdefault((order, g, kind), []).append(ms)
-            med = {key: statistics.median(ts) for key, ts in times.items()}
-            for order, g in settings:
-                cells = [
-                    f"{med[(order, g, kind)]:.3f} ({med[settings[0] + (kind,)] / med[(order, g, kind)]:.3f})"
-                    for kind in ("fwd", "dq", "dkdv")
-                ]
-                rows.append([case, d, HEADS // gqa, order, g, *cells])
-    notes = (f"bf16, causal, H = {HEADS}; medians of {rounds} rounds; in brackets the speedup against group "
-             f"{groups[0]}, segments last to first")  # fmt: skip
-    columns = ["case", "D", "Hkv", "segments", "HEAD_GROUP (kv heads)", "fwd ms", "dq ms", "dk/dv ms"]
-    return [Result("varlen_attention", "Segment attention kernels by HEAD_GROUP and segment order", columns, rows,
-                   notes, environment(), name="attention-head-groups" + _suffix(gqa, head_dims))]  # fmt: skip
-
-
 def load_configs(path: str) -> dict[str, dict[int, dict]]:
     """``{kernel: {head dim: config}}`` of a ``--tune --save`` file (:func:`settings_for` passes
     them to the launchers)."""
@@ -491,11 +441,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tune", action="store_true", help="time kernel configs instead of the comparison table")
     parser.add_argument("--profile", action="store_true", help="CUDA time per kernel instead of the table")
-    parser.add_argument("--head-groups", type=int, nargs="*", default=None,
-                        help="time the kernels at these HEAD_GROUP values (none given: 1, 2, 4, 8, 16) "
-                             "instead of the table")  # fmt: skip
-    parser.add_argument("--rounds", type=int, default=None,
-                        help="rounds of timing every candidate in turn (--tune: default 1; --head-groups: 3)")  # fmt: skip
+    parser.add_argument("--rounds", type=int, default=1, help="with --tune: rounds of timing every candidate in turn")
     parser.add_argument("--kinds", nargs="+", default=["fwd", "bwd_dkdv", "bwd_dq"], help="kernels to tune")
     parser.add_argument("--gqa", type=int, default=1, help="query heads per kv head (default 1)")
     parser.add_argument("--head-dims", type=int, nargs="+", default=list(HEAD_DIMS),
@@ -516,12 +462,9 @@ def main(argv: list[str] | None = None) -> None:
     # other settings than the ops': their own row label and result names
     label = ", pointer loads" * args.pointer_loads + ", tuned configs" * bool(tuned)
     if args.tune:
-        tune(args.gqa, args.kinds, args.save, args.head_dims, args.rounds or 1, base)
+        tune(args.gqa, args.kinds, args.save, args.head_dims, args.rounds, base)
         return
-    if args.head_groups is not None:
-        groups = tuple(args.head_groups or HEAD_GROUP_SWEEP)
-        results = sweep_head_groups(args.gqa, args.head_dims, groups, args.rounds or 3, base, tuned)
-    elif args.profile:
+    if args.profile:
         results = profile(args.gqa, args.head_dims, base, tuned)
     else:
         results = bench(args.gqa, args.head_dims, base, tuned, label)

@@ -4,7 +4,7 @@
 
 PARTS (default: every part that fits the visible GPUs):
   tests-1gpu      pytest -m "gpu and not dist" (kernels against their references on CUDA)
-  layout          python -m benchmarks.bench_thd_layout --sweep
+  layout          python -m benchmarks.bench_thd_layout
   attention       python -m benchmarks.bench_varlen_attention       (if present)
   attention-tune  the same with --tune: kernel configs
   attention-profile  the same with --profile: CUDA time per kernel
@@ -13,14 +13,9 @@ PARTS (default: every part that fits the visible GPUs):
                   times and the pieces one rank runs at W = 2 and 4
   conv            benchmarks/bench_conv.py: the conv kernels against FLA's
   conv-gather     the same with --gather: the conv on rows in rank order against reorder + conv
-  gdn-gemms       benchmarks/bench_gdn_gemms.py: the layer's GEMMs alone, one GPU against a W = 2 rank
   demo            python -m cp_ops demo --cp-size 1 (the hybrid stack on one GPU)
-  layer-host      benchmarks/bench_layer_host.py: host time to issue a compiled fwd+bwd step of
-                  each layer against its GPU time, kernel launches and ops per step
   cold-start      benchmarks/bench_cold_start.py: the demo and a GDN layer in fresh processes on
                   empty caches, then warm (time to the end of step 1, compile, steady step)
-  dispatch        benchmarks/bench_dispatch.py: host time per call of an op registered in C++
-                  against one registered from Python
   a2a             benchmarks/bench_cp2hp.py --world W --profile        multi-rank, >= 2 GPUs
   ag-attention    benchmarks/bench_ag_attention.py --world W           multi-rank, >= 2 GPUs
   gdn-cp          benchmarks/bench_gdn.py --cp W --profile              multi-rank, >= 2 GPUs
@@ -66,7 +61,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 PARTS = {
     "tests-1gpu": (1, [sys.executable, "-m", "pytest", "-m", "gpu and not dist", "-q", "-p", "no:cacheprovider"]),
-    "layout": (1, [sys.executable, "-m", "benchmarks.bench_thd_layout", "--sweep", "--out", "{out}"]),
+    "layout": (1, [sys.executable, "-m", "benchmarks.bench_thd_layout", "--out", "{out}"]),
     "attention": (1, [sys.executable, "-m", "benchmarks.bench_varlen_attention", "--out", "{out}"]),
     "attention-tune": (1, [sys.executable, "-m", "benchmarks.bench_varlen_attention", "--tune"]),
     "attention-profile": (1, [sys.executable, "-m", "benchmarks.bench_varlen_attention", "--profile", "--out", "{out}"]),
@@ -80,11 +75,8 @@ PARTS = {
     ),
     "conv": (1, [sys.executable, "-m", "benchmarks.bench_conv", "--out", "{out}"]),
     "conv-gather": (1, [sys.executable, "-m", "benchmarks.bench_conv", "--gather", "--out", "{out}"]),
-    "gdn-gemms": (1, [sys.executable, "-m", "benchmarks.bench_gdn_gemms", "--out", "{out}"]),
     "demo": (1, [sys.executable, "-m", "cp_ops", "demo", "--cp-size", "1"]),
-    "layer-host": (1, [sys.executable, "-m", "benchmarks.bench_layer_host", "--out", "{out}"]),
     "cold-start": (1, [sys.executable, "-m", "benchmarks.bench_cold_start", "--out", "{out}"]),
-    "dispatch": (1, [sys.executable, "-m", "benchmarks.bench_dispatch", "--out", "{out}"]),
     # multi-rank: {world} is the CP size, {name} the part's name with it (a2a-w8)
     "a2a": (
         2,
@@ -124,7 +116,7 @@ PARTS = {
 }
 ALIASES = {"tests-2gpu": "tests-dist"}
 # parts that need longer than the default --timeout: seconds, used where --timeout is shorter
-PART_TIMEOUTS = {"layer-host": 900, "cold-start": 1800, "train": 1800, "train-curves": 900}
+PART_TIMEOUTS = {"cold-start": 1800, "train": 1800, "train-curves": 900}
 TEST_WORLDS = (2, 4, 8)
 
 

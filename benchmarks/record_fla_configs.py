@@ -54,7 +54,7 @@ def run_layer(hk: int, hv: int, head_dim: int, tokens: int, seqs: int) -> float:
 def fla_autotuners() -> dict[str, object]:
     """``{"module.attribute": Autotuner}`` for every autotuned kernel of the FLA modules loaded
     (where it is defined, not where it is imported)."""
-    from custom_ops.gated_delta_rule.fla_configs import autotuner_of
+    from benchmarks.internals import autotuner_of
 
     found = {}
     for name, module in list(sys.modules.items()):
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("needs a CUDA device: the configurations are recorded on the GPU they are for")
     import fla
 
-    from custom_ops.gated_delta_rule.fla_configs import recorded_configs_path
+    from benchmarks.internals import recorded_configs_path
 
     major, minor = torch.cuda.get_device_capability()
     path = args.write or str(recorded_configs_path((major, minor)))

@@ -10,9 +10,9 @@ import torch
 import torch.nn as nn
 
 from cp_ops.inputs import check_hidden_states, check_layout_tensors
+from cp_ops.layout import local_positions
 from cp_ops.modules import RMSNorm, apply_rotary
 from custom_ops import ag_thd_attention, group_rank, resolve_group
-from custom_ops.thd_index import local_positions
 from custom_ops.validation import checked
 
 __all__ = [
@@ -26,39 +26,16 @@ __all__ = [
 
 
 class Attention(nn.Module):
-    """Gated softmax attention (Qwen3-Next's attention block) over packed THD sequences, with CP.
+    """Gated softmax attention (Qwen3-Next's attention block) over packed THD sequences, with
+    all-gather CP (docs/design.md section 4.2). ``Hq = num_heads``, ``Hkv = num_kv_heads``,
+    ``D = head_dim``; per token::
 
-    Per token ``x [hidden]``, ``Hq = num_heads``, ``Hkv = num_kv_heads``, ``D = head_dim``::
+        q, gate = q_proj(x);  k, v = k_proj(x), v_proj(x)     q_proj rows per head: D query, D gate
+        q, k = rope(q_norm(q)), rope(k_norm(k))                rotary on int(D * partial_rotary_factor)
+        out = o_proj(ag_thd_attention(q, k, v) * sigmoid(gate))   the gate only if gated
 
-        q, gate = q_proj(x)              gated: per head, D query features then D gate features
-        k, v = k_proj(x), v_proj(x)      [Hkv, D] each
-        q, k = q_norm(q), k_norm(k)      qk_norm: per-head zero-centred RMSNorm (cp_ops.modules)
-        q, k = rope(q), rope(k)          rotate-half on the first R = int(D * partial_rotary_factor)
-                                         features (frequencies over R), at each token's sequence
-                                         position; the other D - R features passed through
-        o = ag_thd_attention(q, k, v)    causal / window as configured, scale D ** -0.5
-        out = o_proj(o * sigmoid(gate))  gated; o_proj(o) otherwise
-
-    Parameters (no biases): ``q_proj.weight [Hq*D*(2 if gated else 1), hidden]``
-    (rows grouped per head: head h's D query rows, then its D gate rows, as
-    Qwen3-Next lays them out), ``k_proj.weight``, ``v_proj.weight [Hkv*D, hidden]``,
-    ``o_proj.weight [hidden, Hq*D]``, and with qk_norm ``q_norm.weight``,
-    ``k_norm.weight [D]`` (zeros at init: the scale is ``1 + weight``).
-
-    Qwen3-Next's attention is this layer with ``partial_rotary_factor=0.25`` (64 of
-    its 256 features rotated, inverse frequencies ``rope_theta ** (-2m / 64)``) and
-    ``rope_theta`` from the checkpoint's config (``config.rope_parameters["rope_theta"]``):
-    the rotary embedding of transformers' ``Qwen3NextRotaryEmbedding`` and
-    ``apply_rotary_pos_emb`` (see :func:`apply_rotary`).
-
-    ``forward(x, cu_seqlens, cu_seqlens_padded, group=None)``: x ``[T/W, hidden]``,
-    this rank's THD shard (the whole batch when group is None), with the *global*
-    layout. Positions come from ``local_positions(cu_seqlens_padded, W, rank, T/W)``
-    on the device. Returns ``[T/W, hidden]``; padding rows are zero. Attention is
-    sequence-parallel, so any W works (no head divisibility). Parameter gradients
-    are this rank's contribution: sum them over the CP group to get the
-    single-device gradients. ``head_groups``: passed to :func:`ag_thd_attention`
-    (the K/V exchange in that many pipelined pieces; a divisor of Hkv).
+    Qwen3-Next's attention: ``partial_rotary_factor=0.25`` and the checkpoint's ``rope_theta``.
+    ``head_groups``: the K/V exchange in that many pipelined pieces (a divisor of Hkv).
     """
 
     def __init__(
@@ -106,6 +83,12 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor, group=None
     ) -> torch.Tensor:
+        """x ``[T/W, hidden]``, this rank's THD shard (the whole batch when ``group`` is None),
+        -> ``[T/W, hidden]``, padding rows zero; ``cu_seqlens`` and ``cu_seqlens_padded [B+1]`` are
+        the global layout. Any W works. Differentiable in x and the parameters; parameter
+        gradients are this rank's share (sum them over the group). Raises ``ValueError`` or
+        ``TypeError`` when x or the layout tensors do not fit the layer.
+        """
         _, world = resolve_group(group)
         check_hidden_states(self, x, self.hidden_size)
         check_layout_tensors(x, cu_seqlens, cu_seqlens_padded)

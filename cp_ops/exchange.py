@@ -56,20 +56,16 @@ def thd_cp2hp_blocks(
     *,
     seq_order: bool = True,
 ) -> tuple[torch.Tensor, T | None]:
-    """:func:`custom_ops.thd_cp2hp` from a send buffer the caller has already laid out.
+    """:func:`custom_ops.thd_cp2hp` from a send buffer the caller has laid out, with ``overlap()``
+    run while the all-to-all is in flight (as in :func:`thd_cp2hp_overlap`).
 
-    send: ``[W, T/W, ..., F/W]``; block d holds rank d's slice of every section of this
-    rank's local rows, what ``sections_to_rank_blocks(x_cp, sections, W)`` returns (a
-    producer can write this layout itself: :class:`cp_ops.GatedDeltaNet` computes it as
-    W GEMMs on row blocks of its projection weight, so no pass over the activations
-    builds it). Returns ``(x_hp, overlap())`` (``None`` for no ``overlap``): ``x_hp
-    [T, ..., F/W]`` in sequence order, as :func:`thd_cp2hp` returns it, with ``overlap()``
-    run while the all-to-all is in flight (see :func:`thd_cp2hp_overlap`). Differentiable;
-    the gradient of ``send`` comes back in the same block layout. ``group=None``: W = 1,
-    ``x_hp = send[0]``. ``seq_order=False`` skips the last pass: ``x_hp`` is then in rank
-    order, as received (sequence row g at row ``rank_to_seq_index(cu_seqlens_padded, W, T)[g]``
-    of it), for a consumer that reads its rows through that map
-    (:func:`custom_ops.causal_conv1d_gather`).
+    send ``[W, T/W, ..., F/W]``: block d holds rank d's slice of every section of this rank's
+    rows (``sections_to_rank_blocks(x_cp, sections, W)``). Returns ``(x_hp [T, ..., F/W],
+    overlap())`` (``None`` for no ``overlap``), x_hp in sequence order, or with
+    ``seq_order=False`` in rank order as received (sequence row g at row
+    ``rank_to_seq_index(cu_seqlens_padded, W, T)[g]``). Differentiable; send's gradient comes
+    back in the block layout. ``group=None``: ``x_hp = send[0]``. Raises ``ValueError`` or
+    ``TypeError`` for a send buffer of the wrong shape or type.
     """
     group_name, world = resolve_group(group)
     _check_send_blocks(send, cu_seqlens_padded, world)
@@ -84,20 +80,14 @@ def thd_cp2hp_blocks(
 def thd_cp2hp_overlap(
     x_cp: torch.Tensor, cu_seqlens_padded: torch.Tensor, sections: Sequence[int], group, overlap: Callable[[], T]
 ) -> tuple[torch.Tensor, T]:
-    """:func:`custom_ops.thd_cp2hp`, running ``overlap()`` while the all-to-all is in flight.
+    """:func:`custom_ops.thd_cp2hp`, running ``overlap()`` (work that does not need x_hp) while
+    the all-to-all is in flight: ``(x_hp, overlap())``.
 
-    Returns ``(x_hp, overlap())``. ``overlap`` is work that does not need ``x_hp``.
-    The conversion runs as three graph nodes instead of one op:
-    ``sections_to_rank_blocks`` (the send buffer), one all-to-all issued before
-    ``overlap()`` and waited for after it, and ``thd_rank_to_seq_order``
-    (:func:`thd_cp2hp_blocks`). Same values and gradients as :func:`thd_cp2hp`,
-    still one all-to-all per direction. In the backward pass the gradient's
-    exchange is issued where the wait was and waited for where the exchange was
-    issued, so the backward of ``overlap``'s work runs during it too.
-
-    Eager on CUDA, the overlap happens as written (NCCL runs on its own stream).
-    Under ``torch.compile``, Inductor's peak-memory reordering moves the wait up to
-    the exchange; compile with :data:`cp_ops.COMPILE_OPTIONS` to keep the overlap.
+    Same arguments, values and gradients as :func:`custom_ops.thd_cp2hp`, as three graph nodes
+    (the send buffer, the exchange's two halves, the reorder) with ``overlap()`` between the
+    halves; in the backward pass the backward of ``overlap``'s work runs during the gradient's
+    exchange (docs/design.md section 2). Under ``torch.compile`` the overlap needs
+    :data:`cp_ops.COMPILE_OPTIONS`.
     """
     group_name, world = resolve_group(group)
     sections = [int(s) for s in sections]
@@ -114,20 +104,15 @@ def thd_hp2cp_blocks(
     group,
     overlap: Callable[[torch.Tensor], T] | None = None,
 ) -> tuple[torch.Tensor, T | None]:
-    """:func:`custom_ops.thd_hp2cp` without its last pass: the received blocks as they arrive.
+    """:func:`custom_ops.thd_hp2cp` without its last pass, with ``overlap(own)`` run while the
+    all-to-all is in flight.
 
-    y_hp: ``[T, ..., F/W]`` in sequence order, as for :func:`custom_ops.thd_hp2cp`. Returns
-    ``(blocks, overlap(own))``: ``blocks [W, T/W, ..., F/W]``, block s holding rank s's
-    features (its slice of every section) of this rank's local rows, so that
-    ``rank_blocks_to_sections(blocks, sections, W)`` is :func:`custom_ops.thd_hp2cp`'s result. A
-    consumer that reads the blocks where they are saves that pass:
-    :class:`cp_ops.GatedDeltaNet` runs its gated norm on them and writes the norm's
-    output in the section layout. The exchange runs as two graph nodes with
-    ``overlap(own)`` between them, as in :func:`thd_cp2hp_blocks`; ``own`` is this
-    rank's block (``blocks[rank]``, the part of the result that never leaves the rank)
-    taken from the send buffer, so work on it can run while the other blocks are in
-    flight. Differentiable (through ``own`` too). ``group=None``: W = 1,
-    ``blocks = y_hp[None]`` and ``own = y_hp``.
+    y_hp ``[T, ..., F/W]`` in sequence order. Returns ``(blocks [W, T/W, ..., F/W],
+    overlap(own))``: block s holds rank s's features of this rank's rows
+    (``rank_blocks_to_sections(blocks, sections, W)`` is :func:`custom_ops.thd_hp2cp`'s
+    result); ``own`` is ``blocks[rank]``, taken from the send buffer since it never leaves the
+    rank. Differentiable, through ``own`` too. ``group=None``: ``blocks = y_hp[None]``,
+    ``own = y_hp``.
     """
     group_name, world = resolve_group(group)
     check_hp2cp(y_hp, cu_seqlens_padded, None, world)

@@ -1,20 +1,12 @@
-"""The THD layout with load-balanced CP sharding: construction, validation, (un)sharding.
+"""The THD layout with load-balanced CP sharding (docs/design.md section 1): construction,
+validation, (un)sharding.
 
-A batch is B sequences packed along dim 0 of a ``[T, ...]`` tensor.
-
-- ``cu_seqlens`` (int32, ``[B+1]``): cumulative real lengths ``L_i``.
-- ``cu_seqlens_padded`` (int32, ``[B+1]``): cumulative padded lengths
-  ``P_i = ceil(L_i / 2W) * 2W``. Sequence i occupies rows
-  ``[cup[i], cup[i+1])``, real tokens first, padding at its tail; ``T = cup[B]``.
-- Each padded sequence is cut into 2W chunks of ``c_i = P_i / 2W`` rows. Rank r
-  holds, for every sequence in order, chunk ``r`` then chunk ``2W-1-r``, so each
-  rank gets the same causal work. Its local tensor has ``T/W`` rows and local
-  offsets ``cup / W``.
-
-The helpers here are for data preparation: they read values on the host and refuse a layout
-they would turn into wrong rows (``ValueError`` naming the argument and the sequence). The ops
-in ``custom_ops`` never read values, unless the checked mode is on
-(:func:`custom_ops.validation.set_checks`).
+A batch is B sequences packed along dim 0 of ``[T, ...]``; ``cu_seqlens`` and
+``cu_seqlens_padded`` (int32, ``[B+1]``) are the cumulative real and padded lengths
+(``P_i = ceil(L_i / 2W) * 2W``, padding at each sequence's tail). Rank r holds chunks ``r`` and
+``2W-1-r`` of the 2W chunks of every sequence: ``T/W`` rows. These helpers prepare data: they
+read values on the host and raise ``ValueError``, naming the argument and the sequence, for a
+layout they would turn into wrong rows.
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@ the examples and the multi-rank benchmarks share (each spawns its ranks itself).
 
 Rank r of a CUDA group computes on GPU r (NCCL); a CPU group uses gloo. The ranks meet through
 a file store in a fresh temporary directory (:func:`local_rendezvous`), so no TCP port is
-needed and two groups started at once on one machine can never take each other's. NVLink multicast stays off (NCCL_NVLS_ENABLE=0,
-TORCH_SYMM_MEM_DISABLE_MULTICAST=1 unless set): a program that uses it can put a shared
-host's GPUs out of service.
+needed and two groups started at once on one machine can never take each other's. NVLink
+multicast stays off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1 unless set): a
+program that uses it can put a shared host's GPUs out of service.
 """
 
 from __future__ import annotations
@@ -68,11 +68,8 @@ def leave_local_rank() -> None:
     """End a spawned rank's process now, with exit status 0 and without the interpreter's
     teardown. Call it last, after ``destroy_process_group``, on the success path only.
 
-    Gloo's worker threads can still hold work objects when a process exits; destroying them
-    during finalisation has, now and then, aborted a rank whose work had all succeeded
-    ("terminate called without an active exception", SIGABRT): once in the demo's two-rank
-    test and once in the GDN benchmark's smoke run, neither reproducible on demand (the
-    mechanism is described in pytorch/pytorch#179291). Skipping the teardown skips that.
+    Gloo's worker threads can still hold work objects at exit, and destroying them during
+    finalisation can abort a rank whose work all succeeded (pytorch/pytorch#179291).
 
     The one part of the teardown kept is multiprocessing's: its finalizers release the named
     semaphores the rank created (tqdm's write lock, for one: the demo's progress bar), which

@@ -16,10 +16,8 @@ import torch
 __all__ = ["COMPILE_OPTIONS", "issue_early_wait_late"]
 
 
-# Work is weighed as FLOPs plus this many FLOPs per byte a node reads and writes: about the ratio
-# of bf16 tensor-core throughput to memory bandwidth on H100 / H200 (docs/benchmarks.md's history, section
-# "Work spread over every exchange window; out_proj per received block").
-# Only the ratio between the work items matters (which ones share a window), never a clock.
+# Work is weighed as FLOPs plus this many FLOPs per byte a node moves, about the ratio of bf16
+# tensor-core throughput to memory bandwidth on H100 / H200: only ratios between work items matter.
 _FLOPS_PER_BYTE = 250
 
 
@@ -49,12 +47,8 @@ def _exchange_bytes(snode) -> float:
 
 def _serial_on_cpu(snode) -> bool:
     """Whether ``snode`` is a functional all-gather on the CPU, which :func:`issue_early_wait_late`
-    never has in flight beside another collective. With gloo, two or more
-    ``_c10d_functional.all_gather_into_tensor`` in flight at once corrupted the heap (torch
-    2.13: ``malloc(): unaligned tcache chunk``, or a segfault, within a few hundred steps of
-    four in flight on two ranks); ``all_to_all_single`` and ``reduce_scatter_tensor`` in
-    flight four at a time, and ``dist.all_gather_into_tensor(async_op=True)``, did not in
-    thousands. CUDA graphs keep their overlap: this only holds back CPU (gloo) graphs."""
+    never has in flight beside another collective: several at once corrupt gloo's heap
+    (docs/design.md section 4.2). CUDA graphs keep their overlap."""
     node = getattr(snode, "node", None)
     kernel = getattr(node, "op_overload", None)
     if kernel is not torch.ops._c10d_functional.all_gather_into_tensor.default:
@@ -72,38 +66,16 @@ def issue_early_wait_late(
     is_wait: Callable[[Any], bool] | None = None,
 ) -> list:
     """An Inductor scheduling pass: collectives as early as their inputs allow, waits as late as
-    their work allows, and work no collective needs spread over the exchange windows.
+    their work allows, and work no collective needs ("fillers") spread over the exchange windows.
 
-    A list scheduler over the nodes' data dependencies. Of the nodes whose inputs are ready:
-
-    1. first a collective or a node some collective needs (the earliest collective first;
-       collectives in their graph order, one may be issued while others are in flight);
-    2. then, while an exchange is in flight, *filler* work (nodes no collective needs, such as
-       weight-gradient GEMMs) up to that exchange's share, then its wait;
-    3. with no exchange in flight, fillers in their original order.
-
-    A filler runs in the window of the exchange in flight (or next) when it became ready, or
-    in the window after: never later, so that work is not deferred across a model's layers,
-    holding its inputs. An exchange's share of the ready fillers is each filler's work in
-    proportion to the exchange's bytes among those of the windows the filler may still use.
-    Fillers that will become ready during the window (their waits are done) count too. A
-    window takes fillers (earliest last window first, then in graph order) while each brings
-    the work placed in it nearer to its share; a filler in its last window runs there
-    whatever the share. Placing every filler in the first window, as a greedy scheduler
-    does, left later ones empty: the GDN layer's backward pass ran its independent GEMMs
-    (out_proj's weight gradient, the z projection's gradients) during the small exchange of
-    the output gradient, and the larger exchange of the q, k, v, b, a gradients after it ran
-    alone. Work is weighed by ``node_work`` (:func:`_node_work`), exchanges by
-    ``exchange_bytes`` (:func:`_exchange_bytes`, their bytes); neither needs a clock, only a
-    ratio. ``is_collective`` and ``is_wait`` tell collectives and waits (Inductor's
-    ``contains_collective`` and ``contains_wait`` by default). Inductor calls the pass with the
-    nodes alone; the other parameters let the pass run on other node lists.
-
-    Inductor's ``raise_comms`` and ``sink_waits`` passes together rank criterion 1 the other
-    way round: a wait that a later collective needs goes ahead of work no collective needs,
-    so with two exchanges in a graph (the layer's ``thd_cp2hp_blocks`` and
-    ``thd_hp2cp_blocks``) the first wait went ahead of the z projection recorded between
-    that exchange and its wait.
+    A list scheduler over the nodes' data dependencies: of the ready nodes, first a collective
+    or a node some collective needs (collectives in graph order, several may be in flight),
+    then, while an exchange is in flight, fillers up to its share of the work (in proportion to
+    its bytes; a filler at the latest in the window after the one it became ready in), then its
+    wait. ``node_work`` and ``exchange_bytes`` weigh nodes and exchanges; ``is_collective`` and
+    ``is_wait`` tell them apart (Inductor's ``contains_collective`` / ``contains_wait`` by
+    default). Returns the nodes in their new order; raises ``RuntimeError`` if a dependency is
+    unmet. The reasoning: docs/design.md sections 3 and 4.1.
     """
     import heapq
     import sys
@@ -231,15 +203,9 @@ def issue_early_wait_late(
     return order
 
 
-# Inductor options that keep the exchanges of thd_cp2hp_blocks / thd_hp2cp_blocks overlapped under
-# torch.compile: without them, the peak-memory reordering moves each wait up to its exchange,
-# before the work recorded in between. Horizontal fusion (two kernels with no data between them
-# made one because they read some of the same data) needs a shared read of 64 KiB here instead
-# of 10 bytes: the gated norm of the GDN layer's own block, computed before the exchange back
-# completes, shares only the norm's weight with the norm of the received blocks, and fused with
-# it, it waited for the exchange. Checked on the code Inductor generates (tests/cp_ops/
-# test_comm.py, test_gdn_cp.py). Pass as torch.compile(model, options=COMPILE_OPTIONS); they
-# apply to that compile only.
+# Inductor options that keep work recorded between an exchange and its wait overlapped under
+# torch.compile; the fusion threshold stops kernels that share only a small read (a norm weight)
+# from being fused across a wait (docs/design.md sections 3 and 4.1).
 COMPILE_OPTIONS = {
     "reorder_for_compute_comm_overlap": True,
     "reorder_for_compute_comm_overlap_passes": [issue_early_wait_late],

@@ -14,6 +14,7 @@ the mesh, the gradient scaling, the checkpoint and data formats, static shapes a
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import resource
@@ -33,6 +34,8 @@ from custom_ops import env
 PRESETS = ("tiny", "slice4", "qwen3-next-80b")
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0}  # dense bf16, per GPU
 ADAMW = dict(betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+# the steps --profile records, counted from the first step of the run (compiled, warm)
+PROFILE_STEPS = range(4, 6)
 # what a checkpoint must agree on to be resumed: the model, the data stream and the optimiser
 RESUME_KEYS = ("preset", "num_layers", "dp", "cp", "tokens_per_step", "max_seqs", "batch_shards", "seed", "dtype", "lr",
                "data")
@@ -60,8 +63,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     p.add_argument("--compile", action="store_true", help="torch.compile(fullgraph=True) every decoder layer")
     p.add_argument("--ac", action="store_true", help="activation checkpointing per decoder layer")
-    p.add_argument("--cuda-graphs", action="store_true",
-                   help="CUDA graphs in the compiled layers (needs --compile; slower for now, docs/training.md)")
+    p.add_argument("--cuda-graphs", action="store_true", help="CUDA graphs in the compiled layers (needs --compile)")
     p.add_argument("--data", help="a .npy file of one 1-D integer array of token ids (default: synthetic)")
     p.add_argument("--checkpoint-dir")
     p.add_argument("--save-every", type=int, default=0, help="save a checkpoint every N steps (0: never)")
@@ -69,6 +71,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--log-json", help="rank 0 writes the per-step log here")
     p.add_argument("--peak-tflops", type=float, help="the device's peak for MFU (default: 989 on H100 / H200)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--profile", metavar="DIR",
+                   help=f"profile the run's steps {PROFILE_STEPS.start}-{PROFILE_STEPS.stop - 1} (compiled, warm) and "
+                        "write each rank's op tables, by host and by GPU time, to DIR")
     return p
 
 
@@ -104,6 +109,9 @@ def check_args(args: argparse.Namespace, world: int) -> None:
         )
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is available (use --device cpu)")
+    if args.profile and args.steps < PROFILE_STEPS.stop - 1:
+        last = PROFILE_STEPS.stop - 1
+        raise ValueError(f"--profile records steps {PROFILE_STEPS.start}-{last}: --steps must be at least {last}")
     if args.cuda_graphs and (not args.compile or args.device != "cuda"):
         raise ValueError("--cuda-graphs needs --compile and --device cuda")
     needs_dir = args.save_every or args.resume == "latest"
@@ -329,7 +337,7 @@ def setup(args: argparse.Namespace, rank: int, world: int, device: torch.device)
     if on_meta:
         init_meta_model(model, config, device, args.seed)
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, **ADAMW)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=device.type == "cuda", **ADAMW)
     batches = Batches(args.tokens_per_step // args.batch_shards, args.max_seqs, config.vocab_size, args.seed, args.data)
     num_tokens = static_num_tokens(args.tokens_per_step // args.dp, replica_max_seqs(args), args.cp)
     return Run(args, config, device, mesh, model, optimizer, batches, num_tokens, rank, mesh["dp"].get_local_rank(),
@@ -363,14 +371,31 @@ def wrap_layer(layer: torch.nn.Module, args: argparse.Namespace) -> None:
     if args.compile:
         options = dict(cp_ops.COMPILE_OPTIONS)
         if args.cuda_graphs:
-            # mode="reduce-overhead" is triton.cudagraphs=True; it cannot be combined with options.
-            # Graphs per layer, not of the whole step: FSDP2's all-gathers, reduce-scatters and the
-            # optimizer stay eager; the CP all-to-alls / all-gathers inside the layer are captured
-            # (NCCL allows it). Inputs are copied into the graph's buffers; parameters are static
-            # inputs, re-recorded if FSDP2 hands a layer its unsharded parameters at new addresses.
+            # mode="reduce-overhead" is triton.cudagraphs=True; it cannot be combined with options
             options["triton.cudagraphs"] = True
-        forward = torch.compile(forward, fullgraph=True, options=options)
+            forward = with_parameters_as_inputs(layer, forward, options)
+        else:
+            forward = torch.compile(forward, fullgraph=True, options=options)
     layer.forward = forward
+
+
+def with_parameters_as_inputs(layer: torch.nn.Module, forward, options: dict):
+    """``forward`` compiled with the layer's parameters passed as graph inputs (views, not
+    ``nn.Parameter``). Inductor's CUDA graphs take parameters for static inputs and record the
+    graph again whenever one moves, which FSDP2's unsharded parameters do every step; inputs
+    are copied into the graph's buffers instead, a few hundred MB a step at most."""
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    def run(params: dict, *args, **kwargs):
+        with _reparametrize_module(layer, params):
+            return forward(*args, **kwargs)
+
+    compiled = torch.compile(run, fullgraph=True, options=options)
+
+    def call(*args, **kwargs):
+        return compiled({name: p.view_as(p) for name, p in layer.named_parameters()}, *args, **kwargs)
+
+    return call
 
 
 # --- the step -----------------------------------------------------------------------------------
@@ -529,8 +554,14 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
 
         bar = tqdm(total=args.steps, initial=start, desc=f"train dp={args.dp} cp={args.cp}", file=sys.stdout)
     graphs_after_first = None
+    profiler = None
     for step in range(start + 1, args.steps + 1):
+        if args.profile and step - start == PROFILE_STEPS.start:
+            profiler = start_profiler()
         rec = train_step(run, step)
+        if profiler and step - start == PROFILE_STEPS.stop - 1:
+            write_profile(profiler, args.profile, rank)
+            profiler = None
         rec["tokens_per_s"] = rec["tokens"] / (rec["step_ms"] / 1e3)
         flops = count_flops_per_step(run.config, [run.batches.lengths(step, k) for k in range(args.batch_shards)])
         rec["mfu"] = flops / (rec["step_ms"] / 1e3) / (world * peak * 1e12) if peak else None
@@ -573,6 +604,26 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
     return log
 
 
+def start_profiler():
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    profiler = profile(activities=activities)
+    profiler.start()
+    return profiler
+
+
+def write_profile(profiler, folder: str, rank: int) -> None:
+    """Stop ``profiler`` and write its op tables, by host and by GPU time, to ``folder/rank<R>.txt``."""
+    profiler.stop()
+    events = profiler.key_averages()
+    tables = [f"{sort}\n{events.table(sort_by=sort, row_limit=40)}"
+              for sort in ("self_cpu_time_total", "cpu_time_total", "self_device_time_total")]  # fmt: skip
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, f"rank{rank}.txt"), "w") as f:
+        f.write("\n\n".join(tables))
+
+
 def write_log(log: dict, path: str) -> None:
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
@@ -592,6 +643,11 @@ def main(argv: list[str] | None = None) -> None:
         train(args, rank, world, device)
         dist.barrier()
     finally:
+        if args.cuda_graphs:
+            # recorded graphs keep the NCCL communicators they captured alive, which
+            # destroy_process_group would then wait on
+            torch.compiler.reset()
+            gc.collect()
         dist.destroy_process_group()
 
 

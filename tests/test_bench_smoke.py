@@ -1,13 +1,11 @@
 """The multi-rank benchmark scripts run end to end in their ``--smoke`` mode (2 gloo ranks on
 the CPU, tiny shapes): their built-in checks against references pass and they write their
-result as JSON (benchmarks/runner.py). So do the single-process GEMM benchmark (tiny
-shapes on the CPU) and the dispatch benchmark (it builds a C++ op with g++). Keeps the GPU
-benchmarks from rotting between GPU runs.
+result as JSON (benchmarks/runner.py). Keeps the GPU benchmarks from rotting between GPU runs.
 
-The layer benchmarks (gdn, ag-attention) compile their layers on two ranks for minutes, and
-the dispatch benchmark builds its C++ op: slow tests (make test-all). The layers they time are
-checked compiled on two ranks by tests/cp_ops/test_gdn_cp.py and test_attention.py, and the
-result files and tables by the cp2hp and gdn-gemms runs here."""
+The layer benchmarks (gdn, ag-attention) compile their layers on two ranks for minutes: slow
+tests (make test-all). The layers they time are checked compiled on two ranks by
+tests/cp_ops/test_gdn_cp.py and test_attention.py, and the result files and tables by the
+cp2hp run here."""
 
 import os
 import subprocess
@@ -24,12 +22,10 @@ CASES = {
     "cp2hp": ("benchmarks.bench_cp2hp", [], "cp2hp-smoke-w2", "bare a2a, no self block"),
     "gdn": ("benchmarks.bench_gdn", ["--cp", "2"], "gdn-cp-smoke-w2", "scaling efficiency, compiled"),
     "ag-attention": ("benchmarks.bench_ag_attention", [], "ag-attention-smoke-w2", "eff 1L compiled vs 1 GPU compiled"),
-    "gdn-gemms": ("benchmarks.bench_gdn_gemms", [], "gdn-gemms-smoke-w2", "rank / (1 GPU / W)"),
-    "dispatch": ("benchmarks.bench_dispatch", [], "dispatch-smoke", "C++ op (TORCH_LIBRARY)"),
 }
 
 
-SLOW = {"gdn", "ag-attention", "dispatch"}
+SLOW = {"gdn", "ag-attention"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in CASES])

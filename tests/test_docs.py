@@ -115,6 +115,19 @@ def test_docs_index_names_every_document():
     assert "../CHANGELOG.md" in index and (ROOT / "CHANGELOG.md").is_file()
 
 
+def test_testing_page_example_runs():
+    """docs/testing.md's example property test runs as written and passes."""
+    import subprocess
+    import sys
+
+    text = (ROOT / "docs" / "testing.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    assert len(blocks) == 1, "docs/testing.md has one example"
+    proc = subprocess.run([sys.executable, "-c", blocks[0]], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "my_shard matches thd_seq_to_rank_order" in proc.stdout
+
+
 def test_code_cites_sections_the_benchmarks_page_has():
     """A comment or docstring that cites docs/benchmarks.md by section names a heading the page
     has today; a measurement the page no longer shows is cited as its history (git)."""

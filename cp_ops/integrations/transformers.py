@@ -2,52 +2,11 @@
 
 On each of the W ranks of a CP group::
 
-    from cp_ops.integrations.transformers import apply_context_parallel, shard_batch
+    apply_context_parallel(model, group)       # in place: the GDN and attention layers run cp_ops' layers
+    batch = shard_batch(sequences, W, rank)    # this rank's tokens and labels, the global layout
+    loss = model(**batch.model_inputs()).loss  # this rank's share; sum the gradients over the group
 
-    model = Qwen3NextForCausalLM.from_pretrained(...)        # or Qwen3NextForCausalLM(config)
-    apply_context_parallel(model, group)                     # in place; group: ProcessGroup, 1-D DeviceMesh, None
-    batch = shard_batch(sequences, W, rank)                  # this rank's tokens, labels, the global layout
-    loss = model(**batch.model_inputs()).loss                # this rank's share of the batch loss
-    loss.backward()
-    for p in model.parameters():                             # every gradient is the rank's share
-        dist.all_reduce(p.grad, group=group)
-
-``group`` may be a larger mesh's CP dimension (``mesh["cp"]``). FSDP2 may reduce the gradients
-instead (over the data-parallel and CP ranks together, examples/train_qwen3_next.py); its
-``fully_shard`` may come before or after the patch, which changes no parameter.
-
-The batch is packed the way transformers hands packed sequences to flash-attention:
-``input_ids [1, T/W]`` (this rank's THD shard: chunks r and 2W-1-r of every sequence, padded
-to a multiple of 2W at its tail) with ``cu_seq_lens_q`` (= ``cu_seq_lens_k``) the *global*
-cumulative real lengths, int32 or int64 on the device; each patched layer derives
-``cu_seqlens_padded`` from them on the device (:func:`cu_seqlens_padded`), no host sync.
-
-What :func:`apply_context_parallel` changes:
-
-- Every ``Qwen3NextGatedDeltaNet`` runs :class:`cp_ops.GatedDeltaNet`'s forward (one all-to-all
-  to head parallelism and one back, per-sequence conv and delta rule) and every
-  ``Qwen3NextAttention`` :class:`cp_ops.Attention`'s (all-gather CP attention, rotary embedding
-  at each token's position in its own sequence, ``partial_rotary_factor`` and ``rope_theta``
-  from the config), on the module's own parameters; its class becomes a subclass of its
-  transformers class (:class:`ContextParallelQwen3NextGatedDeltaNet`,
-  :class:`ContextParallelQwen3NextAttention`). No parameter is added, removed, moved or
-  renamed: ``state_dict``, ``save_pretrained`` / ``from_pretrained`` and optimizers work
-  unchanged. The GDN's ``in_proj_qkvz`` / ``in_proj_ba`` weights are regrouped into
-  :class:`cp_ops.GatedDeltaNet`'s section layout on every call (:func:`cp_ops.from_qwen3_next_state_dict`'s
-  mapping; gradients flow back in transformers' layout); ``q_proj`` already has
-  :class:`cp_ops.Attention`'s layout (per head D query rows, then D gate rows).
-- Every ``Qwen3NextModel`` gets a forward pre-hook that skips its mask creation (the layers read
-  ``cu_seq_lens_q``) and sets ``use_cache=False``; a key/value cache and an ``attention_mask``
-  are refused with a ``ValueError``. ``position_ids`` and the model's rotary cos / sin are
-  not used (under ``torch.compile`` they are dropped from the graph).
-- The model gets a forward pre-hook that checks the packed inputs: ``input_ids [1, T/W]``,
-  ``cu_seq_lens_q``, labels as ``shift_labels`` of the same shape (shifted within each sequence
-  before sharding), and with W > 1 ``num_items_in_batch`` (the global label count, so that the
-  W ranks' losses add up to the one-device loss).
-
-Every other module (embeddings, norms, MLP / MoE, lm_head) is per token and runs unchanged on
-the shard. GDN layers need ``linear_num_key_heads % W == 0``. Compile each decoder layer with
-``torch.compile(layer, fullgraph=True, options=cp_ops.COMPILE_OPTIONS)`` (or the whole model).
+What the patch changes, the packed inputs it expects and what it refuses: docs/transformers.md.
 """
 
 from __future__ import annotations
@@ -365,8 +324,8 @@ def apply_context_parallel(model: nn.Module, group=None) -> nn.Module:
     still through this package's layers). ``model``: any module built from those
     transformers classes (``Qwen3NextForCausalLM``, ``Qwen3NextModel``, ...). Parameters stay
     the same objects under the same names and shapes (checkpoints interchangeable, layouts
-    converted inside the forward); see the module docstring for what else changes. Calling
-    it again re-targets the model to another group.
+    converted inside the forward); docs/transformers.md says what else changes. Calling it
+    again re-targets the model to another group.
 
     Raises ``ValueError`` for a model without those layers, GDN heads not divisible by W, or
     settings the CP layers do not implement (a non-default rotary type, attention dropout,

@@ -12,8 +12,7 @@ tokens/s, step and compile time, graph breaks, recompiles, the error against one
 and peak memory.
 
 The check runs in ``--check-dtype`` (default: ``--dtype``). bfloat16 rounding moves this
-model's step-1 gradients far more than context parallelism does
-(``benchmarks/demo_precision.py`` measures it against float64), so two bfloat16 runs can
+model's step-1 gradients far more than context parallelism does, so two bfloat16 runs can
 only be compared where they round alike (``--reference same``); ``--dtype bfloat16
 --check-dtype float32`` checks a float32 copy instead. On GPUs a float32 check is only as
 good as Triton's float32 dots, TF32 unless ``TRITON_F32_DEFAULT=ieee`` is set, and it

@@ -106,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dtype of the step-1 check (default: --dtype); when it differs from --dtype, a copy of "
                         "the model in this dtype runs step 1 on the CP ranks (compiled unless --eager) before "
                         "training. bfloat16 rounding moves this model's step-1 gradients far beyond the float32 "
-                        "tolerance (benchmarks/demo_precision.py measures how far). On GPUs, float32 dots in "
+                        "tolerance. On GPUs, float32 dots in "
                         "Triton kernels are TF32 unless TRITON_F32_DEFAULT=ieee is set")
     p.add_argument("--reference", choices=["same", "eager"], default="same",
                    help="how the one-device reference runs step 1: same: like training (compiled unless "

@@ -36,6 +36,7 @@ from hypothesis import strategies as st
 
 import cp_ops
 from cp_ops import Attention, GatedDeltaNet, ag_thd_attention, shard_thd
+from cp_ops.gdn import FusedExchange, SectionExchange
 from custom_ops.testing import (
     MEMORY_LAYOUTS,
     TOLERANCE,
@@ -233,7 +234,7 @@ def layer_cases(draw, cp_sizes):
         return LayerCase("attention", cp_size, seqlens, config, seed)
     hk = cp_size * draw(st.integers(1, 2))  # the heads split over the ranks
     config = dict(num_k_heads=hk, num_v_heads=hk * draw(st.integers(1, 2)),
-                  conv_kernel_size=draw(st.sampled_from([2, 4])), fused_layouts=draw(st.booleans()))  # fmt: skip
+                  conv_kernel_size=draw(st.sampled_from([2, 4])), fused=draw(st.booleans()))  # fmt: skip
     return LayerCase("gdn", cp_size, seqlens, config, seed)
 
 
@@ -343,12 +344,12 @@ def _layer(case: LayerCase, hidden=12):
     config = dict(case.config)
     if case.kind == "attention":
         return _random_parameters(Attention(hidden, head_dim=4, **config).double())
-    fused = config.pop("fused_layouts")
+    fused = config.pop("fused")
     layer = GatedDeltaNet(hidden, head_k_dim=4, head_v_dim=3, **config).double()
     with torch.no_grad():  # A_log as initialised (decays in (0, 1)); the others random
         a_log = layer.A_log.clone()
         _random_parameters(layer).A_log.copy_(a_log)
-    layer.fused_layouts = fused
+    layer.context_parallel = FusedExchange() if fused else SectionExchange()
     return layer
 
 
@@ -555,7 +556,7 @@ def test_float32_kernels_inside_cp_match_float64_oracles():
 # a case a wide run once failed on (its input gradient at 1.2e-5), kept in the default tier
 FOUND_FLOAT32 = [
     LayerCase("gdn", 2, [1, 15, 15], {"num_k_heads": 4, "num_v_heads": 4, "conv_kernel_size": 2,
-                                      "fused_layouts": False}, seed=0),
+                                      "fused": False}, seed=0),
 ]  # fmt: skip
 
 

@@ -17,6 +17,7 @@ from torch._inductor.utils import run_and_get_code
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from cp_ops import COMPILE_OPTIONS, GatedDeltaNet, pad_cu_seqlens, shard_thd
+from cp_ops.gdn import FusedExchange
 from custom_ops.testing import gdn_layouts, rel_error, thd_packing
 from custom_ops.thd_copy_valid_tokens.reference import valid_token_mask
 from tests._dist import check_gdn_overlap, gemms_write_the_first_send_buffer, run_ranks
@@ -24,12 +25,11 @@ from tests._dist import check_gdn_overlap, gemms_write_the_first_send_buffer, ru
 HIDDEN, DK, DV = 12, 8, 4
 
 
-def _compare_rank(rank, world, seqlens, heads, compiled, fused_layouts=None, dims=(HIDDEN, DK, DV)):
+def _compare_rank(rank, world, seqlens, heads, compiled, context_parallel=None, dims=(HIDDEN, DK, DV)):
     torch.manual_seed(0)  # every rank builds the same weights and global batch
     hk, hv = heads
     hidden, dk, dv = dims
-    layer = GatedDeltaNet(hidden, hk, hv, dk, dv).double()
-    layer.fused_layouts = fused_layouts
+    layer = GatedDeltaNet(hidden, hk, hv, dk, dv, context_parallel=context_parallel).double()
     cu, cup = pad_cu_seqlens(seqlens, world)
     num_rows = int(cup[-1])
     x = torch.randn(num_rows, hidden, dtype=torch.float64)
@@ -134,9 +134,9 @@ def test_cp_layer_matches_one_rank(world, heads):
 
 
 @pytest.mark.dist
-def test_cp_layer_fused_layouts_eager_matches_one_rank():
-    """The fused-layout form (the compiled default) run eagerly, W = 3: values and gradients."""
-    run_ranks(3, _compare_rank, [9, 0, 1, 23, 6], (3, 6), False, True)
+def test_cp_layer_fused_exchange_eager_matches_one_rank():
+    """The fused exchange (the compiled default) run eagerly, W = 3: values and gradients."""
+    run_ranks(3, _compare_rank, [9, 0, 1, 23, 6], (3, 6), False, FusedExchange())
 
 
 @pytest.mark.dist
@@ -215,10 +215,10 @@ def _record_exchanges(rank, world):
     layer = GatedDeltaNet(HIDDEN, 2, 4, DK, DV).double()
     _, cup = pad_cu_seqlens([9, 0, 1, 23, 6], world)
     x_cp = shard_thd(torch.randn(int(cup[-1]), HIDDEN, dtype=torch.float64), cup, world, rank)
-    layer.fused_layouts = True  # eager runs the section-layout form by default
+    layer.context_parallel = FusedExchange()  # eager runs the section exchange by default
     with _RecordOps() as seen:
         out = layer(x_cp, cup, group=dist.group.WORLD)
-    layer.fused_layouts = None
+    layer.context_parallel = None
     q, k, v, z, b, a = layer.sections()
     rows = x_cp.shape[0]
     exchanged = [tuple(args[0].shape) for func, args in seen.calls if func.name() == "_c10d_functional::all_to_all_single"]

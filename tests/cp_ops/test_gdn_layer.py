@@ -7,6 +7,7 @@ import torch
 
 import cp_ops
 from cp_ops import GatedDeltaNet, from_qwen3_next_state_dict, pad_cu_seqlens
+from cp_ops.gdn import FusedExchange, SectionExchange, SingleDevice, default_context_parallel
 from custom_ops.testing import TOLERANCE, random_tensor, rel_error
 
 # Small, pairwise different dims; no packed row count below equals one of them (duck sizing).
@@ -23,6 +24,19 @@ def _layer(dtype=torch.float64, device="cpu", **dims):
 def _packed(seqlens, cp_size=2, dtype=torch.float64, hidden=HIDDEN, device="cpu"):
     cu, cup = pad_cu_seqlens(seqlens, cp_size, device=device)
     return random_tensor((int(cup[-1]), hidden), dtype, device), cu, cup
+
+
+def test_the_context_parallel_strategy_is_chosen_explicitly():
+    """One device always runs SingleDevice, whatever strategy the layer holds; with W > 1 the
+    eager default is the section exchange (the compiled one is tests/cp_ops/test_gdn_cp.py's)."""
+    assert isinstance(default_context_parallel(1), SingleDevice)
+    assert isinstance(default_context_parallel(2), SectionExchange)
+    x, _, cup = _packed([9, 0, 1, 14, 5])
+    want = _layer()(x, cup)
+    for strategy in (FusedExchange(), SectionExchange(), SingleDevice()):
+        assert torch.equal(_layer(context_parallel=strategy)(x, cup), want), strategy
+    with pytest.raises(ValueError, match="SingleDevice runs without CP"):
+        SingleDevice().check(_layer(), 2)
 
 
 def test_packed_batch_equals_each_sequence_alone():

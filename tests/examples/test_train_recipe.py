@@ -122,6 +122,40 @@ def test_recipe_equals_one_process_and_resumes_exactly(tmp_path):
         recipe.find_checkpoint(_args("--checkpoint-dir", str(tmp_path / "empty"), "--resume"))
 
 
+def test_parameters_as_graph_inputs():
+    """The --cuda-graphs form of a compiled layer (its parameters passed in as non-static graph
+    inputs) computes what the eager layers do, and Inductor marks none of them static."""
+    import copy
+    import logging
+
+    import cp_ops
+
+    config = recipe.model_config("tiny", 4)
+    eager = apply_context_parallel(recipe.build_model(config, 0), None)
+    model = copy.deepcopy(eager)
+    for layer in model.model.layers:
+        layer.forward = recipe.with_parameters_as_inputs(layer, layer.forward, dict(cp_ops.COMPILE_OPTIONS))
+    batch = shard_batch([torch.arange(n) % config.vocab_size for n in (13, 20, 0, 7)], 1, 0).model_inputs()
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    torch._logging.set_logs(cudagraph_static_inputs=True)
+    logging.getLogger("torch._inductor.compile_fx").addHandler(handler)
+    try:
+        got = model(**batch).loss
+    finally:
+        torch._logging.set_logs()
+        logging.getLogger("torch._inductor.compile_fx").removeHandler(handler)
+    want = eager(**batch).loss
+    got.backward()
+    want.backward()
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    for a, b in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7)
+    forward_static = [r.getMessage() for r in records if "static input idxs" in r.getMessage()]
+    assert forward_static and forward_static[0].endswith(": []"), forward_static
+
+
 def test_static_batches_and_their_stream():
     """Every step's shard has one shape; a step's batch depends on (seed, step, dp rank) only."""
     args = _args("--cp", "2")
@@ -178,6 +212,8 @@ def test_bad_settings(capsys):
         _args("--cp", "3", world=3)
     with pytest.raises(ValueError, match="--dp 2 x --cp 2 must equal the world size 2"):
         _args("--dp", "2", "--cp", "2")
+    with pytest.raises(ValueError, match="--steps must be at least 5"):
+        _args("--profile", "prof", "--steps", "3")
     with pytest.raises(ValueError, match="--cuda-graphs needs --compile and --device cuda"):
         _args("--cuda-graphs")
     with pytest.raises(ValueError, match="--save-every and --resume need --checkpoint-dir"):

@@ -1,10 +1,7 @@
-"""The CPU parts of benchmarks/bench_layer_host.py and benchmarks/bench_cold_start.py: the
-layer-host smoke run writes its table, the profiler events are counted as the docstring
-defines, and the cold-start benchmark reads a child's output as it comes and parses the
-demo's real output. The smoke runs (the layer-host one compiles and profiles both layers; the
-cold-start one starts fresh processes that compile from empty caches) take minutes on the CPU:
-they are slow tests (make test-all); the tables' arithmetic and the parsing are tested here in
-the fast tier, the layers themselves in tests/cp_ops."""
+"""The CPU parts of benchmarks/bench_cold_start.py: it reads a child's output as it comes and
+parses the demo's real output. The smoke run starts fresh processes that compile from empty
+caches and takes minutes on the CPU: a slow test (make test-all); the table's arithmetic and
+the parsing are tested here in the fast tier, the layers themselves in tests/cp_ops."""
 
 import os
 import subprocess
@@ -14,7 +11,6 @@ from types import SimpleNamespace
 import pytest
 
 from benchmarks import bench_cold_start as cold
-from benchmarks import bench_layer_host as host
 from benchmarks.runner import load
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -32,99 +28,6 @@ def _run(module: str, *args: str, timeout: int = 600) -> subprocess.CompletedPro
                          timeout=timeout)  # fmt: skip
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
     return run
-
-
-# --- bench_layer_host -------------------------------------------------------------------------------
-
-
-@pytest.mark.slow  # both layers compiled and profiled; the layers' compile tests are in the fast tier
-def test_layer_host_smoke_writes_its_table(tmp_path):
-    _run("benchmarks.bench_layer_host", "--smoke", "--out", str(tmp_path))
-    result = load(tmp_path / "layer-host-smoke.json")
-    assert result.columns == list(host.COLUMNS)
-    rows = result.records()
-    assert [(r["layer"], r["B"]) for r in rows] == [(n, b) for n in host.LAYERS for b in host.SMOKE_SEQS]
-    for r in rows:
-        assert r["rows"] >= host.SMOKE_TOKENS and r["lengths"].startswith("random ")
-        assert r["step ms"] > 0 and r["host ms"] > 0
-        assert r["host / step"] == pytest.approx(r["host ms"] / r["step ms"])
-        assert r["host <= step / 4"] == ("yes" if r["host / step"] <= host.TARGET else "no")
-        assert r["ops"] > 0 and r["GPU waited"] == 0
-        assert r["kernels ms"] is None and r["launches"] is None and r["GPU kernels"] is None and r["copies"] is None
-    assert "|---" in result.markdown() and result.env["device"]
-
-
-@pytest.mark.slow  # two fresh processes that each compile a layer
-def test_layer_host_rounds_write_one_table_of_the_runs(tmp_path):
-    _run("benchmarks.bench_layer_host", "--smoke", "--layers", "attention", "--seqs", "2", "--rounds", "2",
-         "--out", str(tmp_path))  # fmt: skip
-    result = load(tmp_path / "layer-host-smoke-runs.json")
-    assert result.columns == ["code", *host.COLUMNS, "host ms, each run"]
-    (row,) = result.records()
-    runs = [float(h) for h in row["host ms, each run"].split(", ")]
-    assert len(runs) == 2 and row["host ms"] == pytest.approx(min(runs), abs=0.005)
-    assert (row["layer"], row["B"]) == ("attention", 2) and "--rounds 2" in result.notes
-
-
-def _table(rows, columns=tuple(host.COLUMNS)):
-    return {"columns": list(columns), "rows": [[dict(r).get(c) for c in columns] for r in rows]}
-
-
-def test_merge_runs_keeps_each_codes_least_host_time():
-    def case(layer, b, host_ms, waited=0):
-        return {"layer": layer, "B": b, "step ms": 20.0, "host ms": host_ms, "GPU waited": waited, "launches": 83.0}
-
-    old_columns = [c for c in host.COLUMNS if c != "ops"]  # an older script's table
-    runs = [
-        ("old", [_table([case("gdn", 8, 9.0), case("gdn", 64, 6.0, 1)], old_columns),
-                 _table([case("gdn", 64, 7.0), case("gdn", 8, 4.0)], old_columns)]),
-        ("new", [_table([case("gdn", 8, 8.0)]), _table([case("gdn", 8, 5.5)])]),
-    ]  # fmt: skip
-    columns, rows = host.merge_runs(runs)
-    records = [dict(zip(columns, r)) for r in rows]
-    assert [(r["code"], r["B"], r["host ms"], r["host ms, each run"]) for r in records] == [
-        ("old", 8, 4.0, "9.00, 4.00"), ("old", 64, 6.0, "6.00, 7.00"), ("new", 8, 5.5, "8.00, 5.50")
-    ]  # fmt: skip
-    assert records[0]["host / step"] == pytest.approx(0.2) and records[0]["host <= step / 4"] == "yes"
-    assert records[2]["host <= step / 4"] == "no" and records[1]["GPU waited"] == 1
-    assert records[0]["ops"] is None and records[2]["launches"] == 83.0
-
-
-def _event(name, parent=None, device_type="DeviceType.CPU"):
-    return SimpleNamespace(name=name, cpu_parent=parent, device_type=device_type)
-
-
-def test_event_names_are_classified():
-    for name in ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
-                 "cudaLaunchCooperativeKernel"):  # fmt: skip
-        assert host.is_launch(name), name
-    for name in ("cudaMemcpyAsync", "cudaMemsetAsync", "cuMemsetD32Async", "triton_poi_fused_0", "aten::mm"):
-        assert not host.is_launch(name), name
-    assert host.is_copy("cudaMemcpyAsync") and host.is_copy("cudaMemsetAsync") and not host.is_copy("cudaLaunchKernel")
-    assert host.is_op("aten::mm") and host.is_op("cp_ops::causal_conv1d") and host.is_op("_c10d_functional::wait")
-    for name in ("autograd::engine::evaluate_function: CompiledFunctionBackward", "torch::autograd::AccumulateGrad",
-                 "Torch-Compiled Region: 0/0", "## Call CompiledFxGraph f1 ##", "triton_poi_fused_mul_0",
-                 "void at::native::vectorized_elementwise_kernel<4>", "cudaLaunchKernel"):  # fmt: skip
-        assert not host.is_op(name), name
-
-
-def test_top_level_ops_skip_ops_inside_ops():
-    region = _event("Torch-Compiled Region: 0/0")
-    graph = _event("## Call CompiledFxGraph f1 ##", region)
-    mm = _event("aten::mm", graph)
-    conv = _event("cp_ops::causal_conv1d", graph)
-    inner = [_event("aten::empty", conv), _event("aten::copy_", _event("aten::_to_copy", conv))]
-    node = _event("autograd::engine::evaluate_function: torch::autograd::AccumulateGrad")
-    add = _event("aten::add_", _event("torch::autograd::AccumulateGrad", node))
-    kernel = _event("aten::kernel_on_the_device", None, "DeviceType.CUDA")
-    copy = _event("Memcpy HtoD (Pageable -> Device)", None, "DeviceType.CUDA")
-    launches = [_event("cudaLaunchKernel", conv), _event("cuLaunchKernelEx", graph), _event("cudaMemcpyAsync", conv)]
-    events = [region, graph, mm, conv, *inner, node, add, kernel, copy, *launches]
-    assert host.top_level_ops(events) == ["aten::mm", "cp_ops::causal_conv1d", "aten::add_"]
-    counts = host.event_counts(events, steps=2, cuda=True)
-    assert counts == {"launches": 1.0, "GPU kernels": 0.5, "copies": 0.5, "ops": 1.5}
-    assert host.event_counts(events, steps=1, cuda=False) == dict.fromkeys(["launches", "GPU kernels", "copies"]) | {
-        "ops": 3}
 
 
 # --- bench_cold_start ---------------------------------------------------------------------------------
