@@ -142,7 +142,11 @@ def test_parameters_as_graph_inputs():
     torch._logging.set_logs(cudagraph_static_inputs=True)
     logging.getLogger("torch._inductor.compile_fx").addHandler(handler)
     try:
-        got = model(**batch).loss
+        # compiled afresh, not loaded from a cache, so that Inductor logs its static inputs
+        with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(
+            enable_autograd_cache=False
+        ):
+            got = model(**batch).loss
     finally:
         torch._logging.set_logs()
         logging.getLogger("torch._inductor.compile_fx").removeHandler(handler)
