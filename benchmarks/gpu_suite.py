@@ -11,7 +11,7 @@ PARTS (default: every part that fits the visible GPUs):
   attention-qwen  the same at Qwen3-Next's attention heads: H = 16, Hkv = 2, D = 256
   gdn             benchmarks/bench_gdn.py: the layer on one GPU, T = 32768 and 65536, with kernel
                   times and the pieces one rank runs at W = 2 and 4
-  conv            benchmarks/bench_conv.py: the conv kernels against FLA's
+  conv            benchmarks/bench_gdn.py --conv: the conv kernels against FLA's
   conv-gather     the same with --gather: the conv on rows in rank order against reorder + conv
   demo            python -m cp_ops demo --cp-size 1 (the hybrid stack on one GPU)
   cold-start      benchmarks/bench_cold_start.py: the demo and a GDN layer in fresh processes on
@@ -73,8 +73,8 @@ PARTS = {
         1,
         [sys.executable, "-m", "benchmarks.bench_gdn", "--kernel-time", "--rank-share", "2", "4", "--out", "{out}"],
     ),
-    "conv": (1, [sys.executable, "-m", "benchmarks.bench_conv", "--out", "{out}"]),
-    "conv-gather": (1, [sys.executable, "-m", "benchmarks.bench_conv", "--gather", "--out", "{out}"]),
+    "conv": (1, [sys.executable, "-m", "benchmarks.bench_gdn", "--conv", "--out", "{out}"]),
+    "conv-gather": (1, [sys.executable, "-m", "benchmarks.bench_gdn", "--conv", "--gather", "--out", "{out}"]),
     "demo": (1, [sys.executable, "-m", "cp_ops", "demo", "--cp-size", "1"]),
     "cold-start": (1, [sys.executable, "-m", "benchmarks.bench_cold_start", "--out", "{out}"]),
     # multi-rank: {world} is the CP size, {name} the part's name with it (a2a-w8)
