@@ -1,31 +1,11 @@
-"""Host time per eager call of every cp_ops op, in both registration forms.
+"""Host time per eager call of every cp_ops op, in both registration forms (a subprocess each).
 
-    python -m benchmarks.bench_host [--out DIR] [--raw FILE.json] [--baseline DIR] [--ops NAME ...]
-                                    [--rounds N] [--layout-sweep] [--smoke]
+    python -m benchmarks.bench_host [--ops NAME ...] [--forms 0 1] [--layout-sweep] [--raw FILE.json] [--out DIR]
+    python -m benchmarks.bench_host --smoke     # tiny shapes on the CPU (the torch references)
 
-For each op (forward, and backward through autograd where it is differentiable):
-
-  host us    wall time to issue N calls / N, with the calls queued behind a long GPU sleep
-             (``torch.cuda._sleep``) so that the GPU never waits and no launch waits for it;
-             the median of 7 batches (5 for a backward), as a garbage collection or a new
-             allocator segment inside one batch adds tens of us per call to it;
-             a CUDA event recorded after the sleep must still be pending when issuing ends
-             (else the GPU ran dry, or the call synchronised, and the row says so)
-  call ms    ``triton.testing.do_bench`` of one call (GPU time, or host time where that is longer)
-  kernels ms the device time of everything one call launches (torch.profiler)
-  clone ms   ``do_bench`` of a clone of the op's main input (the same bytes moved)
-
-The registration form (``triton_op`` or opaque ``custom_op``) is decided when ``custom_ops``
-is imported, so each form runs in a subprocess of its own (``CP_OPS_OPAQUE_KERNELS=0`` and
-``=1``). ``--baseline DIR`` also times the ``custom_ops`` package found in DIR (a copy of an
-older checkout) in two more subprocesses, so before and after come from one run on one
-machine. ``--rounds N`` runs every subprocess N times, the packages interleaved, and reports
-the least of each host figure (:func:`merge_rounds`). ``--layout-sweep`` times the four THD
-layout ops against a clone at both row widths of bench_thd_layout.py and W = 2, 4, 8.
-``--smoke`` runs tiny shapes on the CPU (the torch references, wall-clock timing, no sleep).
-
-Results (benchmarks/runner.py): ``host`` (``host-smoke`` with --smoke) and, with
---layout-sweep, ``host-layout-sweep``; ``--raw`` also writes every subprocess's figures.
+Results (benchmarks/runner.py): ``host`` (``host-smoke``), with --layout-sweep also
+``host-layout-sweep``. Two checkouts are compared with ``python -m benchmarks.compare_checkouts
+BASE NEW --suites host``. docs/benchmarks.md says what each column measures.
 """
 
 from __future__ import annotations
@@ -358,15 +338,7 @@ def run_child(args) -> dict:
     torch.manual_seed(0)
     import custom_ops
 
-    # checkouts from before custom_ops exported it kept it in custom_ops._common
-    visible = getattr(custom_ops, "kernels_visible_to_compiler", None)
-    if visible is None:
-        from custom_ops._common import kernels_visible_to_compiler as visible
-    result = {
-        "form": "triton_op" if visible() else "opaque",
-        "package": os.path.dirname(os.path.dirname(os.path.abspath(custom_ops.__file__))),
-        "rows": [],
-    }
+    result = {"form": "triton_op" if custom_ops.kernels_visible_to_compiler() else "opaque", "rows": []}
     for case in build_cases(device, args.smoke, args.ops):
         calls = min(case.calls, 5) if args.smoke else case.calls
         row = {"op": case.name, "group": case.group}
@@ -423,63 +395,31 @@ def layout_sweep() -> list[dict]:
 # --- the parent: one subprocess per form (and package) ------------------------------------------
 
 
-def spawn(form: str, package: str, args, tmp: str, host_only: bool) -> dict:
-    out = os.path.join(tmp, f"{os.path.basename(package) or 'tree'}-{form}.json")
+def spawn(form: str, args, tmp: str) -> dict:
+    out = os.path.join(tmp, f"{form}.json")
     env = dict(os.environ, CP_OPS_OPAQUE_KERNELS=form, PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (package, ROOT, env.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
     env.pop("TRITON_INTERPRET", None)
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--child-out", out]
-    cmd += ["--smoke"] * args.smoke + ["--layout-sweep"] * args.layout_sweep
-    cmd += ["--host-only"] * host_only
+    cmd += ["--smoke"] * args.smoke + ["--layout-sweep"] * args.layout_sweep + ["--host-only"] * args.host_only
     if args.ops:
         cmd += ["--ops", *args.ops]
-    print(f"===== {FORMS[form]} form, package {package}", flush=True)
+    print(f"===== {FORMS[form]} form", flush=True)
     proc = subprocess.run(cmd, cwd=ROOT, env=env)
     if proc.returncode != 0:
-        raise SystemExit(f"the {FORMS[form]} run of {package} failed (rc {proc.returncode})")
+        raise SystemExit(f"the {FORMS[form]} run failed (rc {proc.returncode})")
     with open(out) as f:
         return json.load(f)
 
 
-def merge_rounds(results: list[dict]) -> dict:
-    """One subprocess's result from the rounds of one (package, form): the first round's, with
-    each host figure the least over the rounds (each round's own figures kept as ``... rounds``).
-    A process's host speed varies from one to the next on one machine (a clone's call: 7 us in
-    one, 17 in the next), more than the changes measured; the rounds interleave the packages, so
-    each gets the fast and the slow processes alike, and the least is what the code costs."""
-    merged = json.loads(json.dumps(results[0]))
-    for row in merged["rows"]:
-        for which in ("fwd", "bwd"):
-            key = f"{which} host us"
-            figures = [r[key] for res in results for r in res["rows"] if r["op"] == row["op"] and r.get(key) is not None]
-            if figures:
-                row[key] = min(figures)
-                row[f"{key} rounds"] = figures
-                waited = [r.get(f"{which} gpu waited") for res in results for r in res["rows"] if r["op"] == row["op"]]
-                row[f"{which} gpu waited"] = any(waited)
-    return merged
-
-
 def table(runs: dict, smoke: bool) -> tuple[list[str], list[list]]:
-    """``(columns, rows)``: one row per op and form, host us (baseline -> this tree where there
-    is a baseline)."""
-    names = list(runs)
-    tree = names[-1]
+    """``(columns, rows)``: one row per op and form (``runs``: ``{form: a child's result}``)."""
+    header = ["op", "form", "fwd host us (this tree)", "bwd host us (this tree)"]
+    header += [] if smoke else ["call ms", "kernels ms", "clone ms", "call / clone"]
     rows = []
-    header = ["op", "form"]
-    for label in names:
-        header += [f"fwd host us ({label})", f"bwd host us ({label})"]
-    if not smoke:
-        header += ["call ms", "kernels ms", "clone ms", "call / clone"]
     for form in ("triton_op", "opaque"):
-        if any(form not in runs[label] for label in names):
-            continue
-        rows_by_label = {label: {r["op"]: r for r in runs[label][form]["rows"]} for label in names}
-        for op, row in rows_by_label[tree].items():
-            cells = [op, form]
-            for label in names:
-                r = rows_by_label[label].get(op, {})
-                cells += [_fmt_us(r, "fwd"), _fmt_us(r, "bwd")]
+        for row in runs.get(form, {}).get("rows", []):
+            cells = [row["op"], form, _fmt_us(row, "fwd"), _fmt_us(row, "bwd")]
             if not smoke:
                 call, kernels, clone = row.get("call ms"), row.get("kernels ms"), row.get("clone ms")
                 cells += [_fmt_ms(call), _fmt_ms(kernels), _fmt_ms(clone), f"{call / clone:.2f}x" if call and clone else ""]
@@ -499,11 +439,10 @@ def _fmt_us(row: dict, which: str) -> str:
 
 
 def sweep_table(runs: dict) -> tuple[list[str], list[list]]:
-    tree = list(runs)[-1]
     header = ["form", "shape", "W", "clone ms", "seq_to_rank", "rank_to_seq", "copy_valid", "copy_valid_"]
     rows = []
     for form in ("triton_op", "opaque"):
-        for r in runs[tree].get(form, {}).get("layout_sweep", []):
+        for r in runs.get(form, {}).get("layout_sweep", []):
             cells = [form, r["shape"], str(r["W"]), f"{r['clone ms']:.3f}"]
             cells += [f"{r[f'{n} / clone']:.2f}x" for n in ("seq_to_rank", "rank_to_seq", "copy_valid", "copy_valid_")]
             rows.append(cells)
@@ -511,23 +450,18 @@ def sweep_table(runs: dict) -> tuple[list[str], list[list]]:
 
 
 def main() -> None:
-    # the parent's only: a child runs with an older checkout's packages first on its path
+    # the parent's only: the checkout comparison loads this file in a child with another checkout's packages
     from benchmarks.runner import Result, add_out_argument, emit, env_line, environment
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_out_argument(parser)
     parser.add_argument("--raw", help="also write every subprocess's figures to this JSON file")
-    parser.add_argument("--baseline", help="a folder holding an older custom_ops package to time as well")
     parser.add_argument("--ops", nargs="+", help="only these ops (names or groups: layout, attention, conv, gdn)")
     parser.add_argument("--layout-sweep", action="store_true", help="the THD layout ops against a clone, W = 2, 4, 8")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
-    parser.add_argument("--host-only", action="store_true", help="host times only (as the baseline's runs)")
-    parser.add_argument("--package", help="time the custom_ops package in this folder instead of this tree's")
+    parser.add_argument("--host-only", action="store_true", help="host times only")
     parser.add_argument("--forms", nargs="+", choices=list(FORMS), default=list(FORMS),
                         help="CP_OPS_OPAQUE_KERNELS values to run (default: 0 1)")
-    parser.add_argument("--rounds", type=int, default=1,
-                        help="run every (package, form) subprocess this many times, interleaved; each cell is the "
-                             "least of their figures (default 1)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--child-out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -538,19 +472,8 @@ def main() -> None:
         return
     env = environment()
     print(env_line(env), flush=True)
-    tree = ("this tree", ROOT) if args.package is None else (os.path.basename(args.package), os.path.abspath(args.package))
-    packages = ([("baseline", os.path.abspath(args.baseline))] if args.baseline else []) + [tree]
-    rounds = {(label, form): [] for label, _ in packages for form in args.forms}
     with tempfile.TemporaryDirectory() as tmp:
-        for i in range(args.rounds):
-            for label, package in packages:
-                for form in args.forms:
-                    host_only = args.host_only or label == "baseline" or i > 0
-                    rounds[label, form].append(spawn(form, package, args, tmp, host_only=host_only))
-    runs = {}
-    for (label, _), results in rounds.items():
-        merged = merge_rounds(results)
-        runs.setdefault(label, {})[merged["form"]] = merged
+        runs = {FORMS[form]: spawn(form, args, tmp) for form in args.forms}
     command = "python -m benchmarks.bench_host " + " ".join(sys.argv[1:])
     name = "host" + "-smoke" * args.smoke
     results = [Result("host", "Host time per op call, both registration forms", *table(runs, args.smoke),
@@ -560,7 +483,7 @@ def main() -> None:
                               notes=f"`{command}`", env=env, name=f"{name}-layout-sweep"))  # fmt: skip
     if args.raw:
         with open(args.raw, "w") as f:
-            json.dump({"environment": env, "command": command, "runs": runs}, f, indent=1)
+            json.dump({"environment": env, "command": command, "runs": {"this tree": runs}}, f, indent=1)
     emit(results, args.out)
 
 
