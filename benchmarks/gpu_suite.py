@@ -14,7 +14,7 @@ PARTS (default: every part that fits the visible GPUs):
   conv            benchmarks/bench_gdn.py --conv: the conv kernels against FLA's
   conv-gather     the same with --gather: the conv on rows in rank order against reorder + conv
   demo            python -m cp_ops demo --cp-size 1 (the hybrid stack on one GPU)
-  cold-start      benchmarks/bench_cold_start.py: the demo and a GDN layer in fresh processes on
+  cold-start      benchmarks/bench_host.py --cold-start: the demo and a GDN layer in fresh processes on
                   empty caches, then warm (time to the end of step 1, compile, steady step)
   a2a             benchmarks/bench_cp2hp.py --world W --profile        multi-rank, >= 2 GPUs
   ag-attention    benchmarks/bench_ag_attention.py --world W           multi-rank, >= 2 GPUs
@@ -76,7 +76,7 @@ PARTS = {
     "conv": (1, [sys.executable, "-m", "benchmarks.bench_gdn", "--conv", "--out", "{out}"]),
     "conv-gather": (1, [sys.executable, "-m", "benchmarks.bench_gdn", "--conv", "--gather", "--out", "{out}"]),
     "demo": (1, [sys.executable, "-m", "cp_ops", "demo", "--cp-size", "1"]),
-    "cold-start": (1, [sys.executable, "-m", "benchmarks.bench_cold_start", "--out", "{out}"]),
+    "cold-start": (1, [sys.executable, "-m", "benchmarks.bench_host", "--cold-start", "--out", "{out}"]),
     # multi-rank: {world} is the CP size, {name} the part's name with it (a2a-w8)
     "a2a": (
         2,
