@@ -299,26 +299,6 @@ def host_us_backward(make_bwd, calls: int, cuda: bool, reps: int = 5) -> dict:
     return {"us": statistics.median(times), "min": min(times), "gpu_waited": not all(p for _, p in results)}
 
 
-def device_ms(fn, runs: int = 5) -> float:
-    """Device time in ms of everything one ``fn()`` launches (torch.profiler, kernels and memsets)."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(runs):
-            fn()
-        torch.cuda.synchronize()
-    return sum(e.self_device_time_total for e in prof.key_averages()) / runs / 1e3
-
-
-def bench_ms(fn) -> float:
-    import triton
-
-    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
-
-
 def consistent(fn) -> bool | None:
     """Whether two calls give the same bits: the first goes through Triton's own launch path
     (a new launch key), the second through the cached launch. None for in-place ops."""
@@ -340,6 +320,7 @@ def run_child(args) -> dict:
     device = "cuda" if cuda else "cpu"
     torch.manual_seed(0)
     import custom_ops
+    from benchmarks.timing import kernel_ms, median_ms
 
     result = {"form": "triton_op" if custom_ops.kernels_visible_to_compiler() else "opaque", "rows": []}
     for case in build_cases(device, args.smoke, args.ops):
@@ -356,11 +337,11 @@ def run_child(args) -> dict:
             row["bwd host us"], row["bwd host us min"], row["bwd gpu waited"] = bwd["us"], bwd["min"], bwd["gpu_waited"]
         if cuda and not args.host_only:
             with torch.no_grad():
-                row["call ms"] = bench_ms(case.fwd)
-                row["kernels ms"] = device_ms(case.fwd)
+                row["call ms"] = median_ms(case.fwd, 25, 100)
+                row["kernels ms"] = kernel_ms(case.fwd, warmup=1)
                 if case.main is not None:
                     main = case.main
-                    row["clone ms"] = bench_ms(lambda: main.clone())
+                    row["clone ms"] = median_ms(lambda: main.clone(), 25, 100)
         result["rows"].append(row)
         print(json.dumps(row), flush=True)
     if args.layout_sweep and cuda and not args.host_only:
@@ -373,6 +354,7 @@ def layout_sweep() -> list[dict]:
     import torch
 
     import custom_ops
+    from benchmarks.timing import median_ms
 
     out = []
     for trailing, seqs, seq_len in (((16, 64), 16, 4096), ((32, 128), 8, 8192)):
@@ -381,7 +363,7 @@ def layout_sweep() -> list[dict]:
             cur = cup  # all rows valid
             x = torch.randn((seqs * seq_len,) + trailing, device="cuda", dtype=torch.bfloat16)
             src, dst = torch.randn_like(x), x.clone()
-            clone = bench_ms(lambda: x.clone())
+            clone = median_ms(lambda: x.clone(), 25, 100)
             row = {"shape": f"{seqs}x{seq_len} tok, {trailing[0]}x{trailing[1]}", "W": w, "clone ms": clone}
             for name, fn in (
                 ("seq_to_rank", lambda: custom_ops.thd_seq_to_rank_order(x, cup, w)),
@@ -389,7 +371,7 @@ def layout_sweep() -> list[dict]:
                 ("copy_valid", lambda: custom_ops.thd_copy_valid_tokens(x, src, cup, cur)),
                 ("copy_valid_", lambda: custom_ops.thd_copy_valid_tokens_(dst, src, cup, cur)),
             ):
-                row[f"{name} / clone"] = bench_ms(fn) / clone
+                row[f"{name} / clone"] = median_ms(fn, 25, 100) / clone
             out.append(row)
             print(json.dumps(row), flush=True)
     return out
