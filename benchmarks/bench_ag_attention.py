@@ -1,60 +1,13 @@
 """All-gather CP attention on W GPUs (NCCL) against segment attention on one GPU.
 
-For packed documents of mixed lengths (benchmarks/cases.packed_lengths)
-totalling 32768 and 65536 real tokens globally (--tokens), bf16, causal, H = 16 query heads
-(Hkv = H / --gqa), D = 128 (--head-dim; Qwen3-Next's attention layers: --gqa 8
---head-dim 256):
+    python -m benchmarks.bench_ag_attention [--world W] [--tokens T ...] [--gqa G] [--head-dim D]
+        [--head-groups G ...] [--cudagraphs] [--profile] [--nccl-max-ctas N ...] [--out DIR]
+    python -m benchmarks.bench_ag_attention --smoke        # 2 gloo ranks on the CPU, tiny shapes
+    python -m benchmarks.bench_ag_attention --work-model   # CPU only: kernel tiles per rank against one GPU
 
-  1 GPU      custom_ops.varlen_attention over the whole global batch (q_pos = 0 segments),
-             timed on rank 0 while the other ranks wait
-  W 1L       cp_ops.ag_thd_attention on each rank's shard, one launch (both local chunks)
-  W 2L       the same with launches=2 (one launch per local chunk + thd_copy_valid_tokens)
-  W 1L comp  the one-launch form under torch.compile(fullgraph=True): the segment tables,
-             the K/V concatenation and the reorder fused, fewer launches than eager
-  1 GPU comp the one-GPU step compiled the same way (the compiled forms' baseline)
-  all-gather the K,V all-gather alone (the communication part of the forward)
-  G groups   the compiled one-launch form with head_groups=G (--head-groups, default 2 and 4):
-             the KV heads in G groups, each gathered by its own all-gather and attended by
-             its own launch, compiled with cp_ops.COMPILE_OPTIONS so that a group's attention
-             runs while the next group's K/V travel (and, backward, its reduce-scatter while
-             the next group's gradients are computed)
-
-Forward (no autograd) and forward+backward times are medians over a fixed number of runs
-timed with CUDA events, after warm-up, with the same run count on every rank (the ranks
-meet in every all-gather), and the maximum of that median over the ranks. Scaling
-efficiency = T_1 / (W * T_W): 1.0 when W GPUs run W times faster than one.
-Before timing, each CP form is checked against the one-GPU result (bf16 rel_error).
-
-    python -m benchmarks.bench_ag_attention [--world W] [--gqa 1] [--head-dim 128] [--profile] [--out DIR]
-    python -m benchmarks.bench_ag_attention --smoke     # 2 gloo ranks on the CPU, tiny shapes
-    python -m benchmarks.bench_ag_attention --work-model   # CPU only: kernel tiles per rank vs one GPU
-
-``--profile`` adds a table of where one fwd+bwd step's GPU time goes (torch.profiler's
-kernel timeline): on one GPU, and for the compiled CP forms (one group, and the most head
-groups) on rank 0 (wall, busy, idle,
-time when only NCCL runs, kernel time per class and per attention kernel), with the host
-time to issue one step on an idle GPU (benchmarks.common.host_issue_ms) and, for every
-rank, its idle time, its time with only NCCL running and its host issue time: a rank whose
-host cannot issue a step as fast as its GPU runs it makes its peers wait in the all-gathers.
-``--cudagraphs`` compiles the CP forms with CUDA graphs (the launches replayed, not issued).
-The one-GPU step is timed twice: the op as called (``1 GPU``, the baseline of the eager
-forms) and compiled the way the CP forms are, graphs included (``1 GPU compiled``, the
-baseline of the compiled forms: the head-group columns and ``eff 1L compiled vs 1 GPU
-compiled``; ``eff 1L compiled`` keeps the eager baseline, as earlier tables had it).
-``--nccl-max-ctas N [N ...]`` runs every CP form on one group per cap on NCCL's CTAs (0:
-NCCL's default; ``benchmarks.common.nccl_cta_groups``), a row per cap in the same run: the
-all-gathers' CTAs hold SMs that the attention kernels beside them then lack.
-
-``--work-model`` counts, for the same batches, the (query tile, key tile) pairs the causal
-forward kernel visits at its D = 128 launch config on one GPU and on each rank at W = 2, 4,
-8: the share of the scaling loss that comes from the CP layout itself (shorter segments,
-more partial tiles) rather than from communication or launch overhead.
-
-spawns one process per GPU itself (W GPUs, default every visible GPU, at least 2), prints
-a markdown table and writes it as the result ``ag-attention-wW`` (``-gqaG-dD`` at other
-heads, ``-cudagraphs``, ``ag-attention-smoke-wW`` with --smoke; ``...-profile`` for
---profile's table; ``ag-attention-work-model``; benchmarks/runner.py) to DIR. ``--smoke``
-runs the same code path (checks included) on the CPU with wall-clock timing.
+Results (benchmarks/runner.py): ``ag-attention-wW`` (``-gqaG-dD`` at other heads, ``-cudagraphs``;
+``ag-attention-smoke-wW``), ``...-profile`` with --profile, ``ag-attention-work-model``.
+docs/benchmarks.md says what each column measures.
 """
 
 from __future__ import annotations

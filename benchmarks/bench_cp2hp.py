@@ -1,28 +1,12 @@
 """CP <-> head-parallel conversion on W GPUs (NCCL): the fused one-all-to-all ops against the
 per-sequence, per-section scheme and against a bare all-to-all of the same bytes.
 
-For each shape (Qwen3-Next GDN in_proj sections, bf16):
-  bare           dist.all_to_all_single on an already-contiguous [T, F/W] send buffer: the floor
-  bare, no self  the same without the block a rank sends to itself (split sizes 0 for it):
-                 what NCCL's exchange costs for the bytes that cross between GPUs
-  cp2hp          cp_ops.thd_cp2hp (section permutation fused into the send buffer, one
-                 all-to-all, rank -> sequence order on the receive side)
-  hp2cp          cp_ops.thd_hp2cp, the inverse
-  per-seq cp2hp  one all-to-all per sequence and per section, eager (cp2hp_per_sequence below)
-  per-seq hp2cp  its inverse, the same way (hp2cp_per_sequence below)
-Each time is the median over a fixed number of runs after warm-up, timed with CUDA events,
-and the maximum of that median over the ranks (the slower rank sets the pace).
-
-    python -m benchmarks.bench_cp2hp [--world W] [--out DIR] [--profile]
+    python -m benchmarks.bench_cp2hp [--world W] [--profile] [--out DIR]    # spawns W NCCL ranks
     python -m benchmarks.bench_cp2hp --smoke       # 2 gloo ranks on the CPU, tiny shapes
 
-spawns one process per GPU itself (W GPUs, default every visible GPU, at least 2), prints a
-markdown table and writes it as the result ``cp2hp-wW`` (``cp2hp-smoke-wW`` with --smoke;
-benchmarks/runner.py) to DIR. W must divide every section.
-``--smoke`` runs the same code path (checks included) on the CPU, with wall-clock timing.
-``--profile`` adds, per shape, the kernels of one bare all-to-all, one cp2hp and one hp2cp
-on rank 0 with their device times (torch.profiler, mean of 5 calls): where cp2hp's time
-goes beyond the exchange (the section-permutation and reorder passes, anything else).
+Results (benchmarks/runner.py): ``cp2hp-wW`` (``cp2hp-smoke-wW``); W must divide every
+section. ``--profile`` adds rank 0's kernels of one bare all-to-all, cp2hp and hp2cp.
+docs/benchmarks.md says what each column measures.
 """
 
 from __future__ import annotations

@@ -1,71 +1,15 @@
-"""GatedDeltaNet at Qwen3-Next-80B shapes: on one GPU (layer eager vs compiled, core op, breakdown)
-and, with --cp W, context-parallel on W GPUs against one GPU and against the per-sequence all-to-all.
+"""The Gated DeltaNet capability at Qwen3-Next-80B's widths: the layer on one GPU, its conv
+kernels, and the layer with CP on W GPUs.
 
-    python -m benchmarks.bench_gdn                         # one GPU
-    python -m benchmarks.bench_gdn --tokens 32768 --seqs 8
-    python -m benchmarks.bench_gdn --cp 8 --out DIR        # spawns 8 NCCL ranks
-    python -m benchmarks.bench_gdn --cp 2 --smoke          # 2 gloo ranks on the CPU
+    python -m benchmarks.bench_gdn [--tokens T ...] [--seqs B ...] [--kernel-time] [--rank-share W ...]
+    python -m benchmarks.bench_gdn --conv [--gather]    # our conv kernels against FLA's (--gather: permuted rows)
+    python -m benchmarks.bench_gdn --cp W [--profile [--kernels N]] [--compiled-only | --eager-only]
+                                   [--cudagraphs] [--nccl-max-ctas N ...]    # spawns W NCCL ranks
+    python -m benchmarks.bench_gdn --cp 2 --smoke       # 2 gloo ranks on the CPU, a tiny layer
 
-Results (benchmarks/runner.py): ``gdn`` on one GPU; ``gdn-cp-wW`` with --cp (``-compiled``,
-``-cudagraphs`` added with those flags, ``gdn-cp-smoke-wW`` with --smoke), and with --kernels
-one ``...-kernels-T..-B..`` per shape.
-
-Shapes: hidden 2048, Hk 16, Hv 32, dk = dv = 128, conv kernel 4, bf16; T = 32768 and
-65536 tokens with 8 and 64 sequences unless told. Sequence lengths are random around
-T/B (a fixed seed) and sum to T; each is padded to whole CP chunks (2W rows, 2 on one
-GPU). "fwd+bwd" runs forward and backward with a fixed upstream gradient.
-
-One GPU: times are medians of ``triton.testing.do_bench`` in ms; prints a markdown table.
-``--kernel-time`` adds, for the layer and each piece, the summed device time of the kernels
-it launches (``benchmarks.common.kernel_ms``, torch.profiler): where a row's kernels take far
-less than its time, the host (Python, launches, setup ops) is the limit, not the GPU.
-``--rank-share W [W ...]`` also times, on this one GPU, the pieces one rank of a W-rank CP
-layer runs (conv and core on all rows for 1/W of the heads; projections and norm on T/W
-rows), without collectives: how each piece shrinks with W, apart from communication.
-
-``--cp W`` (W ranks, one GPU each, NCCL; W must divide Hk), per shape:
-
-  check      the CP layer's output on each rank's shard (eager, compiled, and eager with the
-             per-sequence all-to-alls) against the layer on one device over the whole batch
-             (each rank runs it eagerly), rel_error on real tokens; printed, max over ranks
-  1 GPU      the same layer, compiled and eager, fwd+bwd on the whole global batch with
-             group=None, timed on rank 0 while the other ranks wait
-  W GPUs     the CP layer fwd+bwd on each rank's shard, compiled (options=cp_ops.COMPILE_OPTIONS)
-             and eager; "unfused": the layer's section-layout form (sections_form:
-             forward_sections with the one-op thd_cp2hp / thd_hp2cp, a layout
-             pass on each side of each exchange, the z projection after it), compiled without
-             the options: the layer before the fused layouts and the overlap
-  per-seq    the eager section-layout form with thd_cp2hp / thd_hp2cp replaced by the per-sequence,
-             per-section all-to-alls of benchmarks/baselines.py (cp2hp_per_sequence, hp2cp_per_sequence);
-             they read the layout on the host, so they cannot compile: compare with the
-             eager CP layer
-  breakdown  one rank's step in pieces, fwd+bwd each: in_proj, gated norm and out_proj on
-             the local rows; cp2hp and hp2cp (fused and per-sequence); conv and core on all
-             rows for 1/W of the heads
-  profile    with --profile: rank 0's compiled step, one GPU and W GPUs, from torch.profiler's
-             kernel timeline (benchmarks.common.profile_timeline): wall time, GPU busy and idle
-             time, time when only a collective runs, and kernel time per class (collectives,
-             GEMMs, FLA, our kernels, Inductor-fused, other); then for every rank its idle
-             time, its time with only a collective running, and the host time to issue one
-             step on an idle GPU (benchmarks.common.host_issue_ms): a rank whose host issue
-             time reaches its step time is limited by its host, and its peers wait for it in
-             the collectives; with --kernels N also, per shape, the N kernels of rank 0's
-             CP step by time beside the one-GPU step's time in each
-
-Multi-rank times are medians of a fixed number of runs (CUDA events; the same count on
-every rank, since the ranks meet in every all-to-all), max over ranks. Scaling efficiency
-= T_1 / (W * T_W). If a CP output is off by more than 5e-3 the table is still printed,
-then the run fails. ``--smoke`` runs the multi-rank path on 2 gloo ranks on the CPU with a
-tiny layer in float32 and wall-clock timing (checks and compile included).
-``--compiled-only`` keeps the compiled layer's rows (check, 1 GPU, W GPUs, profile) and
-skips the rest; ``--cudagraphs`` compiles the layer (on W GPUs and on one) with Inductor's
-CUDA graphs as well (``triton.cudagraphs``): each step's launches replayed, not issued.
-``--nccl-max-ctas N [N ...]`` (with ``--compiled-only`` when more than one) times the compiled
-CP layer on one group per cap on NCCL's CTAs (0: NCCL's default), a column per cap and shape
-in the same run (``benchmarks.common.nccl_cta_groups``): NCCL's kernels hold SMs that the
-GEMMs and FLA kernels beside them then lack (on 2 x H200 a cap did not pay: docs/benchmarks.md).
-
-The per-sequence and unfused layers are :func:`sections_form` with the conversions to compare.
+Results (benchmarks/runner.py): ``gdn``; ``conv`` or ``conv-gather``; ``gdn-cp-wW`` (``-compiled``,
+``-cudagraphs`` added with those flags; ``gdn-cp-smoke-wW``), with --kernels also one
+``...-kernels-T..-B..`` per shape. docs/benchmarks.md says what each row measures.
 """
 
 from __future__ import annotations
@@ -91,6 +35,7 @@ from benchmarks.common import (
     kernel_class,
     kernel_ms,
     max_over_ranks,
+    median_ms,
     median_ms_counted,
     nccl_cta_groups,
     profile_timeline,
@@ -98,7 +43,7 @@ from benchmarks.common import (
     recompile_limit,
     spawn_ranks,
 )
-from benchmarks.internals import valid_token_mask
+from benchmarks.internals import fla_varlen_indices, valid_token_mask
 from benchmarks.runner import Result, add_out_argument, emit, environment
 from cp_ops import (
     COMPILE_OPTIONS,
@@ -215,6 +160,118 @@ def bench_case(layer, tokens: int, num_seqs: int, kernel_time: bool = False, sha
     if kernel_time:
         res.update({f"{name}: kernels": kernel_ms(fn) for name, fn in steps.items()})
     return res
+
+
+# --- the conv kernels: ours against FLA's, and the conv on rows in rank order ------------------
+
+CONV_CHANNELS = (8192, 4096)  # 2*Hk*dk + Hv*dv on one GPU, and on one rank of W = 2
+CONV_EXTRA = 64  # the b, a columns beside the conv channels in the projection output (one GPU)
+CONV_KERNEL = 4
+CONV_TOLERANCE = 1e-2  # bf16, two kernels summing in different orders
+
+
+def fla_conv(x, w, cu):
+    """FLA's forward and backward as a pair of callables, with sync-free chunk indices."""
+    from fla.modules.causal_conv1d.ops import causal_conv1d_bwd, causal_conv1d_fwd
+
+    cu_ext, idx = fla_varlen_indices(cu, x.shape[0])
+    kw = dict(weight=w, bias=None, residual=None, initial_state=None, activation="silu", cu_seqlens=cu_ext,
+              chunk_indices=idx, chunk_size=64)  # fmt: skip
+
+    def fwd():
+        return causal_conv1d_fwd(x=x.unsqueeze(0), output_final_state=False, **kw)[0].view(x.shape)
+
+    def bwd(dy):
+        dx, dw, *_ = causal_conv1d_bwd(x=x.unsqueeze(0), dy=dy.unsqueeze(0), dht=None, **kw)
+        return dx.view(x.shape), dw
+
+    return fwd, bwd
+
+
+def ours_conv(x, w, cu):
+    def fwd():
+        return custom_ops.causal_conv1d(x, w, None, cu, "silu")
+
+    def bwd(dy):
+        dx, dw, _ = torch.ops.cp_ops.causal_conv1d_backward(dy, x, w, None, cu, "silu")
+        return dx, dw
+
+    return fwd, bwd
+
+
+def bench_conv(total: int, num_seqs: int, channels: int) -> dict[str, float]:
+    lens = _lengths(total, num_seqs, torch.Generator().manual_seed(total + num_seqs))
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    proj = torch.randn(total, channels + CONV_EXTRA, device="cuda", dtype=torch.bfloat16)
+    x = proj[:, :channels]
+    w = (torch.randn(channels, CONV_KERNEL, device="cuda") / CONV_KERNEL**0.5).to(torch.bfloat16)
+    dy = torch.randn(total, channels, device="cuda", dtype=torch.bfloat16)
+    forms = {"ours": ours_conv(x, w, cu), "FLA": fla_conv(x, w, cu)}
+    (of, ob), (ff, fb) = forms["ours"], forms["FLA"]
+    out = {"err y": rel_error(of(), ff())}
+    (odx, odw), (fdx, fdw) = ob(dy), fb(dy)
+    out["err dx"], out["err dw"] = rel_error(odx, fdx), rel_error(odw, fdw.to(odw.dtype))
+    worst = max(out.values())
+    if not worst < CONV_TOLERANCE:
+        raise AssertionError(f"T={total} B={num_seqs} C={channels}: ours against FLA rel_error {worst:.3g}")
+    tensor_gb = total * channels * 2 / 1e9
+    for name, (fwd, bwd) in forms.items():
+        out[f"{name} fwd"] = median_ms(fwd)
+        out[f"{name} fwd+bwd"] = median_ms(lambda: (fwd(), bwd(dy)))
+        out[f"{name} fwd GB/s"] = 2 * tensor_gb / out[f"{name} fwd"] * 1e3
+        out[f"{name} fwd+bwd GB/s"] = 5 * tensor_gb / out[f"{name} fwd+bwd"] * 1e3
+    out["FLA / ours, fwd+bwd"] = out["FLA fwd+bwd"] / out["ours fwd+bwd"]
+    return out
+
+
+def bench_conv_gather(
+    total: int, num_seqs: int, channels: int = 4096, extra: int = 32, world: int = 2, device: str = "cuda"
+) -> dict[str, float]:
+    """ms of the two forms of the conv on permuted rows (docs/benchmarks.md), compiled; on
+    a CPU device only their agreement (the ms entries left out)."""
+    from cp_ops.layout import pad_cu_seqlens
+    from custom_ops.thd_index import rank_to_seq_index
+
+    lens = _lengths(total, num_seqs, torch.Generator().manual_seed(total + num_seqs))
+    _, cup = pad_cu_seqlens(lens, world)
+    cup = cup.to(torch.int32).to(device)
+    rows_total = int(cup[-1])
+    recv = torch.randn(rows_total, channels + extra, device=device, dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(channels, CONV_KERNEL, device=device) / CONV_KERNEL**0.5).to(torch.bfloat16).requires_grad_()
+    rows = rank_to_seq_index(cup, world, rows_total)
+    dy = torch.randn(rows_total, channels, device=device, dtype=torch.bfloat16)
+    dtail = torch.randn(rows_total, extra, device=device, dtype=torch.bfloat16)
+
+    def reorder_then_conv(recv, w):
+        xs = custom_ops.thd_rank_to_seq_order(recv, cup, world)
+        return custom_ops.causal_conv1d(xs[:, :channels], w, None, cup, "silu"), xs[:, channels:]
+
+    def gather_conv(recv, w):
+        return custom_ops.causal_conv1d_gather(recv, rows, w, None, cup, "silu")
+
+    out, grads = {}, {}
+    for name, form in (("reorder + conv", reorder_then_conv), ("gather conv", gather_conv)):
+        fn = torch.compile(form, fullgraph=True)
+
+        def step(fn=fn):
+            y, tail = fn(recv, w)
+            return (y.detach(), *torch.autograd.grad([y, tail], [recv, w], [dy, dtail]))
+
+        grads[name] = step()
+        if device == "cuda":
+            out[f"{name} fwd+bwd"] = median_ms(step)
+            out[f"{name} fwd+bwd, kernel time"] = kernel_ms(step)
+    for label, a, b in zip(("y", "dx", "dw"), *grads.values()):
+        out[f"err {label}"] = rel_error(a, b)
+    if not max(v for k, v in out.items() if k.startswith("err")) < CONV_TOLERANCE:
+        raise AssertionError(f"T={total} B={num_seqs}: the two forms disagree: {out}")
+    if device == "cuda":
+        for suffix in ("", ", kernel time"):
+            out[f"reorder + conv / gather conv{suffix}"] = (
+                out[f"reorder + conv fwd+bwd{suffix}"] / out[f"gather conv fwd+bwd{suffix}"]
+            )
+    return out
+
 
 
 # --- context parallelism: the per-sequence all-to-all baseline and the section-layout form --------
@@ -611,6 +668,25 @@ def _fla_environment(world: int | None = None) -> dict:
     return environment(world, fla=version)
 
 
+def conv_main(tokens, seqs, gather: bool, out) -> None:
+    torch.manual_seed(0)
+    if gather:
+        cases = [(t, b, 4096) for t in tokens for b in seqs]
+        results = [bench_conv_gather(t, b, c) for t, b, c in cases]
+        title = "causal conv1d of rows in rank order (one rank of W = 2: 4096 channels + 32 columns), compiled"
+        name = "conv-gather"
+    else:
+        cases = [(t, b, c) for c in CONV_CHANNELS for t in tokens for b in seqs]
+        results = [bench_conv(*case) for case in cases]
+        title = f"causal conv1d (kernel {CONV_KERNEL}, silu, bf16), ours against FLA's"
+        name = "conv"
+    keys = list(results[0])
+    rows = [[k] + [r[k] if "err" not in k else f"{r[k]:.1e}" for r in results] for k in keys]
+    notes = "times in ms (median, do_bench); GB/s = bytes a fused kernel moves / time"
+    header = [""] + [f"T={t} B={b} C={c}" for t, b, c in cases]
+    emit([Result("conv", title, header, rows, notes, environment(), name=name)], out)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", help=f"global tokens per batch (default {TOKENS})")
@@ -635,8 +711,13 @@ def main() -> None:
     parser.add_argument("--kernels", type=int, default=0, metavar="N",
                         help="with --profile: also list the N kernels of rank 0's CP step by time, "
                         "beside the one-GPU step's time in each")
+    parser.add_argument("--conv", action="store_true", help="one GPU: the conv kernels against FLA's, not the layer")
+    parser.add_argument("--gather", action="store_true",
+                        help="with --conv: the conv on rows in rank order, reorder + conv against the gathered conv")
     add_nccl_cta_argument(parser)
     args = parser.parse_args()
+    if args.gather and not args.conv:
+        raise SystemExit("--gather needs --conv")
     opts = {k: getattr(args, k) for k in ("eager_only", "compiled_only", "cudagraphs", "profile", "nccl_max_ctas",
                                           "kernels")}  # fmt: skip
     if args.kernels and not args.profile:
@@ -663,6 +744,8 @@ def main() -> None:
         return
     if not torch.cuda.is_available():
         raise SystemExit("bench_gdn needs a CUDA device (or --cp 2 --smoke on the CPU)")
+    if args.conv:
+        return conv_main(tokens, seqs, args.gather, args.out)
 
     torch.manual_seed(0)
     layer = GatedDeltaNet(HIDDEN, HK, HV, DK, DV).to("cuda", torch.bfloat16)

@@ -1,31 +1,15 @@
-"""Host time per eager call of every cp_ops op, in both registration forms.
+"""What the host costs: the time per eager call of every cp_ops op in both registration forms
+(a subprocess each), and with --cold-start the demo's and a GatedDeltaNet layer's first steps in
+fresh processes on empty caches (cold), then on the caches they left (warm).
 
-    python -m benchmarks.bench_host [--out DIR] [--raw FILE.json] [--baseline DIR] [--ops NAME ...]
-                                    [--rounds N] [--layout-sweep] [--smoke]
+    python -m benchmarks.bench_host [--ops NAME ...] [--forms 0 1] [--layout-sweep] [--raw FILE.json] [--out DIR]
+    python -m benchmarks.bench_host --cold-start [--parts demo layer] [--keep-autotuning] [--unseeded] [--timeout S]
+    python -m benchmarks.bench_host [--cold-start] --smoke     # the CPU: tiny shapes, the torch references
 
-For each op (forward, and backward through autograd where it is differentiable):
-
-  host us    wall time to issue N calls / N, with the calls queued behind a long GPU sleep
-             (``torch.cuda._sleep``) so that the GPU never waits and no launch waits for it;
-             the median of 7 batches (5 for a backward), as a garbage collection or a new
-             allocator segment inside one batch adds tens of us per call to it;
-             a CUDA event recorded after the sleep must still be pending when issuing ends
-             (else the GPU ran dry, or the call synchronised, and the row says so)
-  call ms    ``triton.testing.do_bench`` of one call (GPU time, or host time where that is longer)
-  kernels ms the device time of everything one call launches (torch.profiler)
-  clone ms   ``do_bench`` of a clone of the op's main input (the same bytes moved)
-
-The registration form (``triton_op`` or opaque ``custom_op``) is decided when ``custom_ops``
-is imported, so each form runs in a subprocess of its own (``CP_OPS_OPAQUE_KERNELS=0`` and
-``=1``). ``--baseline DIR`` also times the ``custom_ops`` package found in DIR (a copy of an
-older checkout) in two more subprocesses, so before and after come from one run on one
-machine. ``--rounds N`` runs every subprocess N times, the packages interleaved, and reports
-the least of each host figure (:func:`merge_rounds`). ``--layout-sweep`` times the four THD
-layout ops against a clone at both row widths of bench_thd_layout.py and W = 2, 4, 8.
-``--smoke`` runs tiny shapes on the CPU (the torch references, wall-clock timing, no sleep).
-
-Results (benchmarks/runner.py): ``host`` (``host-smoke`` with --smoke) and, with
---layout-sweep, ``host-layout-sweep``; ``--raw`` also writes every subprocess's figures.
+Results (benchmarks/runner.py): ``host`` (``host-smoke``), with --layout-sweep also
+``host-layout-sweep``; ``cold-start`` (``-smoke``, ``-keep-autotuning``). Two checkouts are
+compared with ``python -m benchmarks.compare_checkouts BASE NEW --suites host``.
+docs/benchmarks.md says what each figure measures.
 """
 
 from __future__ import annotations
@@ -33,10 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -44,7 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FORMS = {"0": "triton_op", "1": "opaque"}
 
 
-# --- what is timed ----------------------------------------------------------------------------
+# --- host time per call: what is timed ------------------------------------------------------------
 
 
 class Case:
@@ -222,7 +209,7 @@ def _has_fla() -> bool:
     return True
 
 
-# --- timing -----------------------------------------------------------------------------------
+# --- host time per call: timing -------------------------------------------------------------------
 
 
 def host_us(fn, calls: int, cuda: bool, reps: int = 7) -> dict:
@@ -312,30 +299,6 @@ def host_us_backward(make_bwd, calls: int, cuda: bool, reps: int = 5) -> dict:
     return {"us": statistics.median(times), "min": min(times), "gpu_waited": not all(p for _, p in results)}
 
 
-def device_ms(fn, runs: int = 5) -> float:
-    """Device time in ms of everything one ``fn()`` launches (torch.profiler, kernels and memsets)."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(runs):
-            fn()
-        torch.cuda.synchronize()
-    return sum(e.self_device_time_total for e in prof.key_averages()) / runs / 1e3
-
-
-def bench_ms(fn) -> float:
-    import triton
-
-    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
-
-
-def _first_tensor(out):
-    return out[0] if isinstance(out, tuple) else out
-
-
 def consistent(fn) -> bool | None:
     """Whether two calls give the same bits: the first goes through Triton's own launch path
     (a new launch key), the second through the cached launch. None for in-place ops."""
@@ -357,16 +320,9 @@ def run_child(args) -> dict:
     device = "cuda" if cuda else "cpu"
     torch.manual_seed(0)
     import custom_ops
+    from benchmarks.timing import kernel_ms, median_ms
 
-    # checkouts from before custom_ops exported it kept it in custom_ops._common
-    visible = getattr(custom_ops, "kernels_visible_to_compiler", None)
-    if visible is None:
-        from custom_ops._common import kernels_visible_to_compiler as visible
-    result = {
-        "form": "triton_op" if visible() else "opaque",
-        "package": os.path.dirname(os.path.dirname(os.path.abspath(custom_ops.__file__))),
-        "rows": [],
-    }
+    result = {"form": "triton_op" if custom_ops.kernels_visible_to_compiler() else "opaque", "rows": []}
     for case in build_cases(device, args.smoke, args.ops):
         calls = min(case.calls, 5) if args.smoke else case.calls
         row = {"op": case.name, "group": case.group}
@@ -381,11 +337,11 @@ def run_child(args) -> dict:
             row["bwd host us"], row["bwd host us min"], row["bwd gpu waited"] = bwd["us"], bwd["min"], bwd["gpu_waited"]
         if cuda and not args.host_only:
             with torch.no_grad():
-                row["call ms"] = bench_ms(case.fwd)
-                row["kernels ms"] = device_ms(case.fwd)
+                row["call ms"] = median_ms(case.fwd, 25, 100)
+                row["kernels ms"] = kernel_ms(case.fwd, warmup=1)
                 if case.main is not None:
                     main = case.main
-                    row["clone ms"] = bench_ms(lambda: main.clone())
+                    row["clone ms"] = median_ms(lambda: main.clone(), 25, 100)
         result["rows"].append(row)
         print(json.dumps(row), flush=True)
     if args.layout_sweep and cuda and not args.host_only:
@@ -398,6 +354,7 @@ def layout_sweep() -> list[dict]:
     import torch
 
     import custom_ops
+    from benchmarks.timing import median_ms
 
     out = []
     for trailing, seqs, seq_len in (((16, 64), 16, 4096), ((32, 128), 8, 8192)):
@@ -406,7 +363,7 @@ def layout_sweep() -> list[dict]:
             cur = cup  # all rows valid
             x = torch.randn((seqs * seq_len,) + trailing, device="cuda", dtype=torch.bfloat16)
             src, dst = torch.randn_like(x), x.clone()
-            clone = bench_ms(lambda: x.clone())
+            clone = median_ms(lambda: x.clone(), 25, 100)
             row = {"shape": f"{seqs}x{seq_len} tok, {trailing[0]}x{trailing[1]}", "W": w, "clone ms": clone}
             for name, fn in (
                 ("seq_to_rank", lambda: custom_ops.thd_seq_to_rank_order(x, cup, w)),
@@ -414,72 +371,40 @@ def layout_sweep() -> list[dict]:
                 ("copy_valid", lambda: custom_ops.thd_copy_valid_tokens(x, src, cup, cur)),
                 ("copy_valid_", lambda: custom_ops.thd_copy_valid_tokens_(dst, src, cup, cur)),
             ):
-                row[f"{name} / clone"] = bench_ms(fn) / clone
+                row[f"{name} / clone"] = median_ms(fn, 25, 100) / clone
             out.append(row)
             print(json.dumps(row), flush=True)
     return out
 
 
-# --- the parent: one subprocess per form (and package) ------------------------------------------
+# --- host time per call: the parent, one subprocess per form --------------------------------------
 
 
-def spawn(form: str, package: str, args, tmp: str, host_only: bool) -> dict:
-    out = os.path.join(tmp, f"{os.path.basename(package) or 'tree'}-{form}.json")
+def spawn(form: str, args, tmp: str) -> dict:
+    out = os.path.join(tmp, f"{form}.json")
     env = dict(os.environ, CP_OPS_OPAQUE_KERNELS=form, PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (package, ROOT, env.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
     env.pop("TRITON_INTERPRET", None)
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--child-out", out]
-    cmd += ["--smoke"] * args.smoke + ["--layout-sweep"] * args.layout_sweep
-    cmd += ["--host-only"] * host_only
+    cmd += ["--smoke"] * args.smoke + ["--layout-sweep"] * args.layout_sweep + ["--host-only"] * args.host_only
     if args.ops:
         cmd += ["--ops", *args.ops]
-    print(f"===== {FORMS[form]} form, package {package}", flush=True)
+    print(f"===== {FORMS[form]} form", flush=True)
     proc = subprocess.run(cmd, cwd=ROOT, env=env)
     if proc.returncode != 0:
-        raise SystemExit(f"the {FORMS[form]} run of {package} failed (rc {proc.returncode})")
+        raise SystemExit(f"the {FORMS[form]} run failed (rc {proc.returncode})")
     with open(out) as f:
         return json.load(f)
 
 
-def merge_rounds(results: list[dict]) -> dict:
-    """One subprocess's result from the rounds of one (package, form): the first round's, with
-    each host figure the least over the rounds (each round's own figures kept as ``... rounds``).
-    A process's host speed varies from one to the next on one machine (a clone's call: 7 us in
-    one, 17 in the next), more than the changes measured; the rounds interleave the packages, so
-    each gets the fast and the slow processes alike, and the least is what the code costs."""
-    merged = json.loads(json.dumps(results[0]))
-    for row in merged["rows"]:
-        for which in ("fwd", "bwd"):
-            key = f"{which} host us"
-            figures = [r[key] for res in results for r in res["rows"] if r["op"] == row["op"] and r.get(key) is not None]
-            if figures:
-                row[key] = min(figures)
-                row[f"{key} rounds"] = figures
-                waited = [r.get(f"{which} gpu waited") for res in results for r in res["rows"] if r["op"] == row["op"]]
-                row[f"{which} gpu waited"] = any(waited)
-    return merged
-
-
 def table(runs: dict, smoke: bool) -> tuple[list[str], list[list]]:
-    """``(columns, rows)``: one row per op and form, host us (baseline -> this tree where there
-    is a baseline)."""
-    names = list(runs)
-    tree = names[-1]
+    """``(columns, rows)``: one row per op and form (``runs``: ``{form: a child's result}``)."""
+    header = ["op", "form", "fwd host us (this tree)", "bwd host us (this tree)"]
+    header += [] if smoke else ["call ms", "kernels ms", "clone ms", "call / clone"]
     rows = []
-    header = ["op", "form"]
-    for label in names:
-        header += [f"fwd host us ({label})", f"bwd host us ({label})"]
-    if not smoke:
-        header += ["call ms", "kernels ms", "clone ms", "call / clone"]
     for form in ("triton_op", "opaque"):
-        if any(form not in runs[label] for label in names):
-            continue
-        rows_by_label = {label: {r["op"]: r for r in runs[label][form]["rows"]} for label in names}
-        for op, row in rows_by_label[tree].items():
-            cells = [op, form]
-            for label in names:
-                r = rows_by_label[label].get(op, {})
-                cells += [_fmt_us(r, "fwd"), _fmt_us(r, "bwd")]
+        for row in runs.get(form, {}).get("rows", []):
+            cells = [row["op"], form, _fmt_us(row, "fwd"), _fmt_us(row, "bwd")]
             if not smoke:
                 call, kernels, clone = row.get("call ms"), row.get("kernels ms"), row.get("clone ms")
                 cells += [_fmt_ms(call), _fmt_ms(kernels), _fmt_ms(clone), f"{call / clone:.2f}x" if call and clone else ""]
@@ -499,38 +424,369 @@ def _fmt_us(row: dict, which: str) -> str:
 
 
 def sweep_table(runs: dict) -> tuple[list[str], list[list]]:
-    tree = list(runs)[-1]
     header = ["form", "shape", "W", "clone ms", "seq_to_rank", "rank_to_seq", "copy_valid", "copy_valid_"]
     rows = []
     for form in ("triton_op", "opaque"):
-        for r in runs[tree].get(form, {}).get("layout_sweep", []):
+        for r in runs.get(form, {}).get("layout_sweep", []):
             cells = [form, r["shape"], str(r["W"]), f"{r['clone ms']:.3f}"]
             cells += [f"{r[f'{n} / clone']:.2f}x" for n in ("seq_to_rank", "rank_to_seq", "copy_valid", "copy_valid_")]
             rows.append(cells)
     return header, rows
 
 
-def main() -> None:
-    # the parent's only: a child runs with an older checkout's packages first on its path
+# --- cold start: a fresh process's first steps ----------------------------------------------------
+
+DEMO_ARGS = ["--cp-size", "1"]
+SMOKE_DEMO_ARGS = ["--device", "cpu", "--steps", "2", "--blocks", "1", "--seqlens", "64,0,1,40"]
+STEP1_TARGET_S = 60.0
+LAYER_DIMS = (2048, 16, 32, 128, 128)  # hidden, Hk, Hv, dk, dv
+LAYER_TOKENS, LAYER_SEQS = 32768, 8
+SMOKE_LAYER_DIMS, SMOKE_LAYER_TOKENS, SMOKE_LAYER_SEQS = (32, 2, 4, 16, 16), 32, 3
+STEADY_STEPS = 3
+RESULT_PREFIX = "COLD_START_RESULT "  # the line a child prints its figures on, as JSON
+T0_VARIABLE = "COLD_START_T0"  # the parent's time.time() just before it starts the child
+
+
+# --- cold start: reading a child's output as it comes ---------------------------------------------
+
+
+class Stamper:
+    """Splits a byte stream fed in chunks into pieces ended by ``\\n`` or ``\\r``, each with the
+    time its last byte came in. A progress bar redraws its line as ``\\r`` then the text, so
+    a piece is stamped when its text arrives, not when the next redraw ends it."""
+
+    def __init__(self):
+        self.pending, self.pending_t = b"", 0.0
+
+    def feed(self, data: bytes, t: float) -> list[tuple[float, str]]:
+        parts = re.split(rb"[\r\n]", data)
+        if parts[0]:
+            self.pending, self.pending_t = self.pending + parts[0], t
+        if len(parts) == 1:
+            return []
+        done = [(self.pending_t, self.pending)] + [(t, p) for p in parts[1:-1]]
+        self.pending, self.pending_t = parts[-1], t
+        return [(at, p.decode(errors="replace")) for at, p in done if p.strip()]
+
+    def close(self) -> list[tuple[float, str]]:
+        rest, self.pending = self.pending, b""
+        return [(self.pending_t, rest.decode(errors="replace"))] if rest.strip() else []
+
+
+def stamp_output(cmd: list[str], env: dict, timeout: float, cwd: str = ROOT) -> dict:
+    """Run ``cmd`` and stamp its output (stdout and stderr together) with the seconds since it
+    was started: ``{"pieces": [(s, text), ...], "rc": exit status or None when it ran past
+    ``timeout``, "total_s": start to exit}``. The child runs in a session of its own, which is
+    killed at the end, so that no process it started outlives it."""
+    env = dict(env)
+    env[T0_VARIABLE] = repr(time.time())
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, bufsize=0,
+                            start_new_session=True)  # fmt: skip
+    stamper, pieces = Stamper(), []
+
+    def read():
+        while True:
+            data = os.read(proc.stdout.fileno(), 65536)
+            now = time.perf_counter() - start
+            if not data:
+                pieces.extend(stamper.close())
+                return
+            pieces.extend(stamper.feed(data, now))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        rc = None
+    total = time.perf_counter() - start
+    try:  # the child's own session: it (past its limit) and compile workers it left behind
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+    reader.join(timeout=10)
+    proc.stdout.close()
+    # output read after the exit was written before it: its stamp is at most the exit's
+    pieces = [(min(t, total), text) for t, text in pieces]
+    return {"pieces": pieces, "rc": rc, "total_s": total}
+
+
+# --- cold start: the demo's output ----------------------------------------------------------------
+
+_STEP1 = re.compile(r"\btrain\b.*?(?<![\d/])1/(\d+)\b")
+_TRAINING = re.compile(r"\[\s*[\d.]+ s\] training on ")
+_TABLE = {
+    "step_ms": re.compile(r"^step time\s+([\d.,]+) ms"),
+    "compile_s": re.compile(r"^compile time\s+([\d.,]+) s"),
+    "tokens_per_s": re.compile(r"^tokens/s\s+([\d.,]+)"),
+    "graph_breaks": re.compile(r"^graph breaks\s+(\d+)"),
+}
+
+
+def parse_demo(pieces: list[tuple[float, str]]) -> dict:
+    """The figures of one demo run from its stamped output (:func:`stamp_output`):
+    ``to_step1_s`` (the first progress update counting step 1 done: ``train ... 1/N``),
+    ``to_training_s`` (its "training on ..." line), and from its table ``step_ms``,
+    ``compile_s``, ``tokens_per_s``, ``graph_breaks``; None for what the output lacks."""
+    out = dict.fromkeys(["to_step1_s", "to_training_s", *_TABLE])
+    for t, text in pieces:
+        line = text.strip()
+        if out["to_step1_s"] is None and _STEP1.search(line):
+            out["to_step1_s"] = t
+        if out["to_training_s"] is None and _TRAINING.search(line):
+            out["to_training_s"] = t
+        for key, pattern in _TABLE.items():
+            m = pattern.match(line)
+            if m and out[key] is None:
+                value = float(m.group(1).replace(",", ""))
+                out[key] = int(value) if key == "graph_breaks" else value
+    return out
+
+
+# --- cold start: the layer children ---------------------------------------------------------------
+
+
+def _since_start() -> float:
+    """Seconds since the parent started this process (its ``COLD_START_T0``)."""
+    return time.time() - float(os.environ[T0_VARIABLE])
+
+
+def layer_child(mode: str, smoke: bool) -> dict:
+    """One layer child's figures (docs/benchmarks.md, "Cold and warm start"); runs in the fresh process."""
+    import torch
+
+    import cp_ops
+    from benchmarks.cases import random_lengths
+
+    out = {"import_s": _since_start()}
+    cuda = not smoke
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    dims, tokens, seqs = (SMOKE_LAYER_DIMS, SMOKE_LAYER_TOKENS, SMOKE_LAYER_SEQS) if smoke else (
+        LAYER_DIMS, LAYER_TOKENS, LAYER_SEQS)  # fmt: skip
+    torch.manual_seed(0)
+    layer = cp_ops.GatedDeltaNet(*dims).to(device, dtype)
+    gen = torch.Generator().manual_seed(0)
+    _, cup = cp_ops.pad_cu_seqlens(random_lengths(tokens, seqs, gen), 1, device=device)
+    rows = int(cup[-1])
+    x = torch.randn(rows, dims[0], generator=gen).to(device, dtype).requires_grad_()
+    grad = torch.randn(rows, dims[0], generator=gen).to(device, dtype)
+    leaves = [x, *layer.parameters()]
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    def timed(fn) -> float:
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        return time.perf_counter() - start
+
+    fn = layer if mode == "eager" else torch.compile(layer, fullgraph=True)
+
+    def step():
+        for t in leaves:
+            t.grad = None
+        fn(x, cup).backward(grad)
+
+    sync()
+    if mode == "eager":
+        start = time.perf_counter()
+        y = fn(x, cup)
+        sync()
+        out["first_fwd_s"] = time.perf_counter() - start
+        out["first_bwd_s"] = timed(lambda: y.backward(grad))
+    else:
+        out["first_step_s"] = timed(step)
+    out["to_first_step_s"] = _since_start()
+    out["steady_ms"] = statistics.median(timed(step) for _ in range(STEADY_STEPS)) * 1e3
+    return out
+
+
+def run_layer_child(mode: str, env: dict, smoke: bool, timeout: float) -> tuple[dict | None, str]:
+    """A layer child in a fresh process: ``(figures, "")``, or ``(None, why)`` when it failed."""
+    cmd = [sys.executable, "-m", "benchmarks.bench_host", "--layer-child", mode] + ["--smoke"] * smoke
+    run = stamp_output(cmd, env, timeout)
+    for _, text in run["pieces"]:
+        if text.startswith(RESULT_PREFIX):
+            figures = json.loads(text[len(RESULT_PREFIX) :])
+            figures["total_s"] = run["total_s"]
+            return figures, ""
+    tail = " | ".join(text for _, text in run["pieces"][-3:])
+    return None, ("ran past the time limit" if run["rc"] is None else f"rc={run['rc']}") + f": {tail[-300:]}"
+
+
+# --- cold start: the parent -----------------------------------------------------------------------
+
+
+def child_environment(caches: str, keep_autotuning: bool) -> dict:
+    """The children's environment: this one with new cache directories under ``caches``, the
+    repository first on PYTHONPATH, and TRITON_CACHE_AUTOTUNING as --keep-autotuning says."""
+    env = dict(os.environ)
+    for name, sub in (("TRITON_CACHE_DIR", "triton"), ("TORCHINDUCTOR_CACHE_DIR", "inductor"),
+                      ("CUDA_CACHE_PATH", "cuda")):  # fmt: skip
+        env[name] = os.path.join(caches, sub)
+        os.makedirs(env[name], exist_ok=True)
+    env.pop("TRITON_INTERPRET", None)
+    env.pop("TRITON_CACHE_AUTOTUNING", None)
+    if keep_autotuning:
+        env["TRITON_CACHE_AUTOTUNING"] = "1"
+    env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+    return env
+
+
+def runs_and_environments(args, part: str):
+    """``(which, environment)`` of each run of a part, in order: cold and warm on one set of new
+    cache directories, then with ``--unseeded`` a cold run on another with
+    ``CP_OPS_FLA_CONFIGS=0``; the directories are removed after the part's last run."""
+    with tempfile.TemporaryDirectory(prefix=f"cold-start-{part}-") as caches:
+        env = child_environment(caches, args.keep_autotuning)
+        yield "cold", env
+        yield "warm", env
+    if args.unseeded:
+        with tempfile.TemporaryDirectory(prefix=f"cold-start-{part}-unseeded-") as caches:
+            yield "unseeded", dict(child_environment(caches, args.keep_autotuning), CP_OPS_FLA_CONFIGS="0")
+
+
+def demo_rows(runs: dict[str, dict]) -> list[list]:
+    """Table rows of the demo's runs (``{"cold": figures, "warm": figures, "unseeded": figures}``)."""
+    cold, warm, unseeded = runs.get("cold", {}), runs.get("warm", {}), runs.get("unseeded", {})
+    step1 = cold.get("to_step1_s")
+    verdict = "-" if step1 is None else ("yes" if step1 <= STEP1_TARGET_S else "no")
+    figures = [
+        ("process start to end of step 1, s", "to_step1_s", f"<= {STEP1_TARGET_S:.0f} s cold: {verdict}"),
+        ("process start to training start, s", "to_training_s", ""),
+        ("compile time (the demo's), s", "compile_s", ""),
+        ("steady step (the demo's), ms", "step_ms", ""),
+        ("process start to exit, s", "total_s", ""),
+    ]
+    return [["demo", label, cold.get(key), warm.get(key), unseeded.get(key), target] for label, key, target in figures]
+
+
+def layer_rows(mode: str, runs: dict[str, dict]) -> list[list]:
+    cold, warm, unseeded = runs.get("cold", {}), runs.get("warm", {}), runs.get("unseeded", {})
+    if mode == "eager":
+        figures = [("process start to cp_ops imported, s", "import_s"), ("first forward, s", "first_fwd_s"),
+                   ("first backward, s", "first_bwd_s"), ("process start to end of first fwd+bwd, s",
+                   "to_first_step_s"), ("steady fwd+bwd, ms", "steady_ms")]  # fmt: skip
+    else:
+        figures = [("process start to cp_ops imported, s", "import_s"), ("first fwd+bwd (compiles), s",
+                   "first_step_s"), ("process start to end of first fwd+bwd, s", "to_first_step_s"),
+                   ("steady fwd+bwd, ms", "steady_ms")]  # fmt: skip
+    return [[f"GatedDeltaNet {mode}", label, cold.get(key), warm.get(key), unseeded.get(key), ""]
+            for label, key in figures]  # fmt: skip
+
+
+def cold_start_result(rows: list[list], notes: list[str], args):
+    from benchmarks.runner import Result, environment
+
+    name = "cold-start" + "-smoke" * args.smoke + "-keep-autotuning" * args.keep_autotuning
+    where = "the CPU (--smoke)" if args.smoke else "one GPU"
+    dims = SMOKE_LAYER_DIMS if args.smoke else LAYER_DIMS
+    tokens, seqs = (SMOKE_LAYER_TOKENS, SMOKE_LAYER_SEQS) if args.smoke else (LAYER_TOKENS, LAYER_SEQS)
+    demo = " ".join(DEMO_ARGS + SMOKE_DEMO_ARGS * args.smoke)
+    text = [
+        f"fresh processes on {where}; cold: empty TRITON_CACHE_DIR, TORCHINDUCTOR_CACHE_DIR, CUDA_CACHE_PATH; "
+        f"warm: the same caches after the cold run; TRITON_CACHE_AUTOTUNING "
+        f"{'= 1' if args.keep_autotuning else 'unset'}; demo: python -m cp_ops demo {demo}; layer: "
+        f"GatedDeltaNet (hidden {dims[0]}, Hk {dims[1]}, Hv {dims[2]}, dk {dims[3]}, dv {dims[4]}), "
+        f"{'float32' if args.smoke else 'bf16'}, T = {tokens} in {seqs} random-length sequences; steady: "
+        f"median of {STEADY_STEPS} synchronised steps; cold, CP_OPS_FLA_CONFIGS=0: a third, cold run on caches "
+        f"of its own without the recorded FLA autotuning choices (--unseeded; empty where not run)"
+    ] + notes
+    return Result("cold_start", "Cold and warm start: the demo and a GatedDeltaNet layer in fresh processes",
+                  ["part", "figure", "cold", "warm", "cold, CP_OPS_FLA_CONFIGS=0", "target"], rows,
+                  "\n".join(f"- {n}" for n in text), environment(), name=name,
+                  formats=[None, None, "{:.2f}", "{:.2f}", "{:.2f}", None])  # fmt: skip
+
+
+def cold_start(args) -> None:
+    """The --cold-start run: each part cold, then warm (then unseeded), each run a fresh process."""
+    import torch
+
+    from benchmarks.runner import emit
+
+    if not args.smoke and not torch.cuda.is_available():
+        raise SystemExit("bench_host --cold-start needs a CUDA device (or --smoke on the CPU)")
+    # a compiled demo takes minutes on the CPU: --smoke leaves it out unless asked for
+    parts = args.parts or (["layer"] if args.smoke else ["demo", "layer"])
+    timeout = args.timeout or (300.0 if args.smoke else 600.0)
+    rows, notes = [], []
+
+    def write():
+        if args.out is not None:  # the table so far, so a run cut short by a time limit still leaves one
+            cold_start_result(rows, notes, args).write(args.out)
+
+    if "demo" in parts:
+        cmd = [sys.executable, "-m", "cp_ops", "demo", *DEMO_ARGS, *SMOKE_DEMO_ARGS * args.smoke]
+        runs = {}
+        for which, env in runs_and_environments(args, "demo"):
+            run = stamp_output(cmd, env, timeout)
+            runs[which] = {**parse_demo(run["pieces"]), "total_s": run["total_s"]}
+            if run["rc"] != 0:
+                why = "ran past the time limit" if run["rc"] is None else f"exited with rc={run['rc']}"
+                tail = " | ".join(text for _, text in run["pieces"][-3:])
+                notes.append(f"demo, {which}: {why}: {tail[-300:]}")
+            print(f"demo {which}: " + ", ".join(f"{k} {v}" for k, v in runs[which].items()), flush=True)
+        rows += demo_rows(runs)
+        write()
+    if "layer" in parts:
+        for mode in ("eager", "compiled"):
+            runs = {}
+            for which, env in runs_and_environments(args, mode):
+                figures, why = run_layer_child(mode, env, args.smoke, timeout)
+                if figures is None:
+                    notes.append(f"GatedDeltaNet {mode}, {which}: {why}")
+                    figures = {}
+                runs[which] = figures
+                print(f"GatedDeltaNet {mode} {which}: " + (", ".join(f"{k} {v:.3f}" for k, v in figures.items())
+                                                           or why), flush=True)  # fmt: skip
+            rows += layer_rows(mode, runs)
+            write()
+    emit([cold_start_result(rows, notes, args)], args.out)
+    if notes:
+        raise SystemExit("some runs failed: " + "; ".join(notes))
+
+
+
+def main(argv: list[str] | None = None) -> None:
+    # the parent's only: the checkout comparison loads this file in a child with another checkout's packages
     from benchmarks.runner import Result, add_out_argument, emit, env_line, environment
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_out_argument(parser)
     parser.add_argument("--raw", help="also write every subprocess's figures to this JSON file")
-    parser.add_argument("--baseline", help="a folder holding an older custom_ops package to time as well")
     parser.add_argument("--ops", nargs="+", help="only these ops (names or groups: layout, attention, conv, gdn)")
     parser.add_argument("--layout-sweep", action="store_true", help="the THD layout ops against a clone, W = 2, 4, 8")
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
-    parser.add_argument("--host-only", action="store_true", help="host times only (as the baseline's runs)")
-    parser.add_argument("--package", help="time the custom_ops package in this folder instead of this tree's")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny shapes on the CPU (--cold-start: a tiny layer, and a short demo with --parts)")
+    parser.add_argument("--host-only", action="store_true", help="host times only")
     parser.add_argument("--forms", nargs="+", choices=list(FORMS), default=list(FORMS),
                         help="CP_OPS_OPAQUE_KERNELS values to run (default: 0 1)")
-    parser.add_argument("--rounds", type=int, default=1,
-                        help="run every (package, form) subprocess this many times, interleaved; each cell is the "
-                             "least of their figures (default 1)")
+    parser.add_argument("--cold-start", action="store_true", help="the demo's and a layer's first steps, cold and warm")
+    parser.add_argument("--parts", nargs="+", choices=["demo", "layer"], default=None,
+                        help="--cold-start: what to run (default: both; the layer alone with --smoke)")
+    parser.add_argument("--keep-autotuning", action="store_true",
+                        help="--cold-start: TRITON_CACHE_AUTOTUNING=1 in the children (autotuning results kept)")
+    parser.add_argument("--unseeded", action="store_true",
+                        help="--cold-start: also a cold run of each part with CP_OPS_FLA_CONFIGS=0 (FLA autotunes)")
+    parser.add_argument("--timeout", type=float, default=None,
+                        help="--cold-start: seconds per child run (default 600; 300 with --smoke)")
+    parser.add_argument("--layer-child", choices=["eager", "compiled"], help=argparse.SUPPRESS)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--child-out", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.layer_child:
+        print(RESULT_PREFIX + json.dumps(layer_child(args.layer_child, args.smoke)), flush=True)
+        return
+    if args.cold_start:
+        return cold_start(args)
+    if args.parts or args.keep_autotuning or args.unseeded or args.timeout:
+        raise SystemExit("--parts, --keep-autotuning, --unseeded and --timeout go with --cold-start")
     if args.child:
         result = run_child(args)
         with open(args.child_out, "w") as f:
@@ -538,19 +794,8 @@ def main() -> None:
         return
     env = environment()
     print(env_line(env), flush=True)
-    tree = ("this tree", ROOT) if args.package is None else (os.path.basename(args.package), os.path.abspath(args.package))
-    packages = ([("baseline", os.path.abspath(args.baseline))] if args.baseline else []) + [tree]
-    rounds = {(label, form): [] for label, _ in packages for form in args.forms}
     with tempfile.TemporaryDirectory() as tmp:
-        for i in range(args.rounds):
-            for label, package in packages:
-                for form in args.forms:
-                    host_only = args.host_only or label == "baseline" or i > 0
-                    rounds[label, form].append(spawn(form, package, args, tmp, host_only=host_only))
-    runs = {}
-    for (label, _), results in rounds.items():
-        merged = merge_rounds(results)
-        runs.setdefault(label, {})[merged["form"]] = merged
+        runs = {FORMS[form]: spawn(form, args, tmp) for form in args.forms}
     command = "python -m benchmarks.bench_host " + " ".join(sys.argv[1:])
     name = "host" + "-smoke" * args.smoke
     results = [Result("host", "Host time per op call, both registration forms", *table(runs, args.smoke),
@@ -560,8 +805,9 @@ def main() -> None:
                               notes=f"`{command}`", env=env, name=f"{name}-layout-sweep"))  # fmt: skip
     if args.raw:
         with open(args.raw, "w") as f:
-            json.dump({"environment": env, "command": command, "runs": runs}, f, indent=1)
+            json.dump({"environment": env, "command": command, "runs": {"this tree": runs}}, f, indent=1)
     emit(results, args.out)
+
 
 
 if __name__ == "__main__":

@@ -1,13 +1,5 @@
-"""THD layout ops on one GPU against the copy floor and the two usual ways of doing it.
-
-For each shape and CP size W:
-  clone        x.clone(): the copy floor (every op reads T rows and writes T rows)
-  index_select x.index_select(0, perm) with the permutation built on the host beforehand
-               (building it costs a host round trip per packing, not counted here)
-  loop         a Python loop over (rank, sequence) slicing chunks and concatenating them
-  ops          thd_seq_to_rank_order, thd_rank_to_seq_order, thd_copy_valid_tokens
-               (functional: T rows in and out) and thd_copy_valid_tokens_ (in place:
-               valid rows only), eager and inside torch.compile
+"""THD layout ops on one GPU against the copy floor (a clone), an index_select with a
+permutation built beforehand, and a Python loop over (rank, sequence); eager and compiled.
 
     python -m benchmarks.bench_thd_layout [--out DIR]
 

@@ -1,24 +1,13 @@
-"""GPU benchmark and tuner for custom_ops.varlen_attention (bf16, causal).
+"""GPU benchmark and tuner for custom_ops.varlen_attention (bf16, causal) against SDPA flash,
+cuDNN and FlexAttention, every implementation checked against SDPA first.
 
-    python -m benchmarks.bench_varlen_attention            # table: varlen_attention vs SDPA flash / cuDNN / FlexAttention
-    python -m benchmarks.bench_varlen_attention --gqa 4    # the same with Hkv = H / 4
-    python -m benchmarks.bench_varlen_attention --tune     # time kernel configs, print the best per kernel and head_dim
+    python -m benchmarks.bench_varlen_attention [--gqa G] [--head-dims D ...] [--configs FILE] [--pointer-loads]
+    python -m benchmarks.bench_varlen_attention --tune [--kinds fwd bwd_dkdv bwd_dq] [--rounds N] [--save FILE]
     python -m benchmarks.bench_varlen_attention --profile  # CUDA time per kernel of one forward and one backward
-    python -m benchmarks.bench_varlen_attention --tune --kinds bwd_dkdv --save tuned.json
-    python -m benchmarks.bench_varlen_attention --configs tuned.json   # the table with the tuned entries
-    python -m benchmarks.bench_varlen_attention --pointer-loads   # everything without TMA loads
-    python -m benchmarks.bench_varlen_attention --tune --kinds bwd_dkdv --rounds 5   # 5 rounds, candidates in turn
 
-Cases: (i) packed documents of mixed lengths totalling 32768 tokens, (ii) dense
-B = 8 x S = 4096 (eight segments); H = 16 query heads, D = 128 and 64 (``--head-dims``).
-TFLOP/s count visible (query, key) pairs only: forward ``4 * D`` FLOPs per pair
-and head, backward 2.5x that (so forward+backward = 3.5x forward). Times are
-medians of triton.testing.do_bench. Before timing, every implementation is
-checked against SDPA in bf16 (rel_error below the bf16 tolerance).
-
-Results (benchmarks/runner.py): the table is ``attention`` (``attention-gqaG-dD..`` at
-other heads), ``--profile`` writes ``attention-profile...``. An earlier version of the kernels is timed against this one
-with benchmarks/compare_checkouts.py, not here.
+Results (benchmarks/runner.py): ``attention`` (``attention-gqaG-dD..`` at other heads),
+``attention-profile...``; ``-pointer-loads``, ``-tuned`` added with those flags. docs/benchmarks.md
+gives the cases and the FLOP count.
 """
 
 from __future__ import annotations

@@ -1,26 +1,11 @@
 """The cases benchmarks/compare_checkouts.py times, run in a child process against one checkout's library.
 
-    PYTHONPATH=CHECKOUT python benchmarks/checkout_cases.py --checkout CHECKOUT --suites attention layout gdn
+    PYTHONPATH=CHECKOUT python benchmarks/checkout_cases.py --checkout CHECKOUT --suites attention layout gdn host
 
-Run as a script, not as ``-m benchmarks...``: the library (cp_ops, custom_ops) must come from
-CHECKOUT (PYTHONPATH), and this file's folder, not the current repository's root, is then the
-first entry of ``sys.path``. Every case uses the library's public API only (``torch.ops.cp_ops.*``,
-``cp_ops.*``, ``custom_ops``' exported functions), the API both checkouts of a comparison
-share; the case builders and the timing are this tree's (benchmarks/cases.py,
-benchmarks/timing.py, loaded by file path). Prints one ``RESULT {json}`` line per timing:
-``{"suite", "case", "metric", "ms"}``, and ``FAILED {"suite"}`` for a suite that raised (its
-traceback on stderr; the other suites still run).
-
-Suites:
-  attention  the segment-attention forward op and backward op on the packed and dense cases
-             (bf16, causal, 16 heads; ``--head-dims``): ``fwd`` (do_bench median of the
-             forward op, median of 3), ``bwd`` (the same for the backward op), and ``dq`` /
-             ``dkdv``: those kernels' device time from the profiler over 20 backward calls
-  layout     every THD layout op (seq_to_rank, rank_to_seq, copy_valid, copy_valid_) at both
-             row widths (16 x 64 and 32 x 128 bf16) and W = 2, 4, 8: do_bench medians
-  gdn        a compiled GatedDeltaNet fwd+bwd step at Qwen3-Next-80B's widths (hidden 2048,
-             Hk 16, Hv 32, dk = dv = 128, bf16), T = 16384 in 8 sequences: ``fwd+bwd``
-             (do_bench median) and ``kernels`` (the step's summed kernel time, profiler)
+Run as a script, so that cp_ops and custom_ops come from CHECKOUT; the cases use the public
+API both checkouts share, with this tree's case builders and timing (loaded by file path).
+Prints ``RESULT {"suite", "case", "metric", "ms"}`` per timing and ``FAILED {"suite"}`` per
+suite that raised. The suites: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -32,7 +17,8 @@ import statistics
 import traceback
 from pathlib import Path
 
-SUITES = ("attention", "layout", "gdn")
+SUITES = ("attention", "layout", "gdn", "host")
+DEFAULT_SUITES = SUITES[:3]  # host times vary from process to process: asked for by name, with more rounds
 HERE = Path(__file__).resolve().parent
 
 
@@ -143,10 +129,24 @@ def gdn(timing, cases) -> None:
     report("gdn", case, "kernels", timing.kernel_ms(step))
 
 
+def host(timing, cases) -> None:
+    """Host time per eager call of bench_host.py's cases, in the registration form this process's
+    environment selects (``CP_OPS_OPAQUE_KERNELS``), reported in ms."""
+    import torch
+
+    bench_host = _sibling("bench_host")
+    for case in bench_host.build_cases("cuda", smoke=False):
+        with torch.no_grad():
+            report("host", {"op": case.name}, "fwd host", bench_host.host_us(case.fwd, case.calls, True)["us"] / 1e3)
+        if case.make_bwd is not None:
+            bwd = bench_host.host_us_backward(case.make_bwd, case.calls, True)
+            report("host", {"op": case.name}, "bwd host", bwd["us"] / 1e3)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkout", required=True, help="the checkout whose library this process must import")
-    parser.add_argument("--suites", nargs="+", choices=SUITES, default=list(SUITES))
+    parser.add_argument("--suites", nargs="+", choices=SUITES, default=list(DEFAULT_SUITES))
     parser.add_argument("--head-dims", type=int, nargs="+", default=[128, 64])
     parser.add_argument("--imports-only", action="store_true", help="check where the library comes from, and exit")
     args = parser.parse_args(argv)
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
             if suite == "attention":
                 attention(timing, cases, args.head_dims)
             else:
-                {"layout": layout, "gdn": gdn}[suite](timing, cases)
+                {"layout": layout, "gdn": gdn, "host": host}[suite](timing, cases)
         except Exception:  # one suite's failure (a missing dependency, an API a checkout lacks) spares the others
             traceback.print_exc()
             print("FAILED " + json.dumps({"suite": suite}), flush=True)

@@ -1,6 +1,5 @@
-"""Shared pieces of the GPU benchmarks: the step-timeline arithmetic, spawning ranks, NCCL
-groups, compile settings. Timing of one callable is :mod:`benchmarks.timing` (re-exported
-here); environment and results are :mod:`benchmarks.runner`."""
+"""Shared pieces of the GPU benchmarks: step timelines, spawning ranks, NCCL groups, compile
+settings (timing: :mod:`benchmarks.timing`, re-exported; results: :mod:`benchmarks.runner`)."""
 
 from __future__ import annotations
 
@@ -140,15 +139,10 @@ def rank_waits(profile: dict[str, float], device) -> list[dict[str, float]]:
 
 
 def nccl_cta_groups(max_ctas) -> dict:
-    """A group of every rank of the default group per cap on NCCL's CTAs, ``{cap: group}``.
-
-    NCCL runs a collective as CTAs (thread blocks) that hold their SMs while it lasts, so
-    the kernels it overlaps run on the rest of the GPU; a lower cap leaves them more SMs and
-    moves the bytes over fewer. Cap 0 is the default group (NCCL's own choice); a cap n > 0
-    is a new group whose communicator is created with ``maxCTAs = n`` (NCCL's config, through
-    ``ProcessGroupNCCL.Options().config.max_ctas``; NCCL applies it to point-to-point
-    channels as well, so to all-to-alls). Every rank must call it, with the same caps.
-    """
+    """A group of every rank of the default group per cap on NCCL's CTAs, ``{cap: group}``:
+    cap 0 is the default group, a cap n > 0 a new group whose communicator has ``maxCTAs = n``
+    (fewer SMs held by a collective, more for the kernels it overlaps). Every rank must call
+    it, with the same caps."""
     import torch.distributed as dist
 
     groups = {}
@@ -172,10 +166,9 @@ def cta_label(cap: int) -> str:
 
 
 def recompile_limit(n: int):
-    """A context in which torch.compile keeps at least ``n`` graphs per function (a benchmark
-    compiles one function for several forms, shapes and grad modes; past the limit dynamo runs
-    it eagerly). Scoped with ``torch._dynamo.config.patch``; the option's name changed across
-    torch versions, so each known name that exists is raised."""
+    """A context in which torch.compile keeps at least ``n`` graphs per function, as a benchmark
+    compiles one function for several forms and shapes (each known name of the option, which
+    changed across torch versions)."""
     config = torch._dynamo.config
     names = [name for name in ("recompile_limit", "cache_size_limit") if hasattr(config, name)]
     if not names:

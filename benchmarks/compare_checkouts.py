@@ -1,20 +1,11 @@
 """Time the same benchmark cases against the library of two checkouts, in alternating processes.
 
     git worktree add /tmp/base e532a3b
-    python -m benchmarks.compare_checkouts /tmp/base . [--suites attention layout gdn] [--rounds 3]
+    python -m benchmarks.compare_checkouts /tmp/base . [--suites attention layout gdn host] [--rounds 3]
+                                           [--threshold 0.02] [--fail-on-slower] [--out DIR]
 
-For changes a benchmark cannot switch off in one process (the ops of two checkouts register
-under the same names, so a process holds one checkout's library). The cases are this tree's
-(benchmarks/checkout_cases.py: segment attention's forward and backward ops, the THD layout
-ops, a compiled GatedDeltaNet step), run as a script with ``PYTHONPATH=<checkout>``, so each
-child imports cp_ops and custom_ops from its checkout (it checks and says where from) and
-uses only the public API both checkouts share. Each round runs one child per checkout, in
-turn, the order swapped every round so drift over the run falls on both alike.
-
-Prints, per suite, the medians over rounds of base and new, ``new / base`` (above 1: new is
-slower) and a flag on every case slower by more than ``--threshold`` (2%); writes each suite's
-table as the result ``compare-SUITE`` (benchmarks/runner.py) to ``--out``.
-``--fail-on-slower`` exits 1 when any case is flagged.
+Prints and writes (``compare-SUITE``) each suite's medians over rounds, ``new / base`` and a
+flag on every case slower by more than the threshold; docs/benchmarks.md says how it works.
 """
 
 from __future__ import annotations
@@ -27,7 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks.checkout_cases import SUITES
+from benchmarks.checkout_cases import DEFAULT_SUITES, SUITES
 from benchmarks.runner import Result, add_out_argument, emit, environment, git_commit
 
 CHILD = Path(__file__).resolve().with_name("checkout_cases.py")
@@ -38,7 +29,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("base", help="the checkout to compare against")
     parser.add_argument("new", help="the checkout to time against it")
-    parser.add_argument("--suites", nargs="+", choices=SUITES, default=list(SUITES), help="default: all")
+    parser.add_argument("--suites", nargs="+", choices=SUITES, default=list(DEFAULT_SUITES),
+                        help=f"default: {' '.join(DEFAULT_SUITES)}")
     parser.add_argument("--head-dims", type=int, nargs="+", default=[128, 64], help="attention's head dims")
     parser.add_argument("--rounds", type=int, default=3, help="processes per checkout, in alternation")
     parser.add_argument("--threshold", type=float, default=THRESHOLD,
@@ -124,11 +116,11 @@ def tables(times: dict, threshold: float, env: dict, rounds: int) -> list[Result
             rows.append([values.get(label) for label in labels]
                         + [metric, mb, mn, ratio, f"slower by > {threshold:.0%}" if slower else ""])  # fmt: skip
         columns = labels + ["metric", "base ms", "new ms", "new / base", "flag"]
+        ms = "{:.4f}" if suite == "host" else "{:.3f}"  # a host time per call is tens of us
         notes = (f"base {env['base']}, new {env['new']}; medians of {rounds} rounds, alternating processes; "
                  f"new / base above 1: new is slower")  # fmt: skip
         results.append(Result("compare_checkouts", f"{suite}: base against new", columns, rows, notes, env,
-                              name=f"compare-{suite}", formats={"base ms": "{:.3f}", "new ms": "{:.3f}",
-                                                                "new / base": "{:.3f}"}))  # fmt: skip
+                              name=f"compare-{suite}", formats={"base ms": ms, "new ms": ms, "new / base": "{:.3f}"}))
     return results
 
 

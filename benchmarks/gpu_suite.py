@@ -2,51 +2,10 @@
 
     python benchmarks/gpu_suite.py [PART ...] [--world W [W ...]] [--out DIR] [--timeout S]
 
-PARTS (default: every part that fits the visible GPUs):
-  tests-1gpu      pytest -m "gpu and not dist" (kernels against their references on CUDA)
-  layout          python -m benchmarks.bench_thd_layout
-  attention       python -m benchmarks.bench_varlen_attention       (if present)
-  attention-tune  the same with --tune: kernel configs
-  attention-profile  the same with --profile: CUDA time per kernel
-  attention-qwen  the same at Qwen3-Next's attention heads: H = 16, Hkv = 2, D = 256
-  gdn             benchmarks/bench_gdn.py: the layer on one GPU, T = 32768 and 65536, with kernel
-                  times and the pieces one rank runs at W = 2 and 4
-  conv            benchmarks/bench_conv.py: the conv kernels against FLA's
-  conv-gather     the same with --gather: the conv on rows in rank order against reorder + conv
-  demo            python -m cp_ops demo --cp-size 1 (the hybrid stack on one GPU)
-  cold-start      benchmarks/bench_cold_start.py: the demo and a GDN layer in fresh processes on
-                  empty caches, then warm (time to the end of step 1, compile, steady step)
-  a2a             benchmarks/bench_cp2hp.py --world W --profile        multi-rank, >= 2 GPUs
-  ag-attention    benchmarks/bench_ag_attention.py --world W           multi-rank, >= 2 GPUs
-  gdn-cp          benchmarks/bench_gdn.py --cp W --profile              multi-rank, >= 2 GPUs
-  gdn-cp-graphs   the same, compiled rows only, with CUDA graphs        multi-rank, >= 2 GPUs
-  ag-attention-graphs  bench_ag_attention.py --cudagraphs --profile     multi-rank, >= 2 GPUs
-  ag-attention-qwen    the same at Qwen3-Next's attention heads: Hkv = 2 (--gqa 8), D = 256
-  demo-cp         python -m cp_ops demo --cp-size W                     multi-rank, >= 2 GPUs
-  train           benchmarks/bench_train.py --worlds 1,W: the training recipe's step, W = 1 and W,
-                  32768 and 131072 tokens, CUDA graphs off and on         multi-rank, >= 2 GPUs
-  train-curves    benchmarks/bench_train.py --curves: loss curves on 1 GPU, (dp 1, cp 4),
-                  (dp 2, cp 2), and the resume from the middle checkpoint        4 GPUs
-  tests-dist      pytest -m "gpu and dist" -k W<W> (NCCL tests at W)   multi-rank, >= 2 GPUs
-                  ("tests-2gpu" is accepted as its old name)
-
-A part runs for --timeout seconds at most, or for its own limit in PART_TIMEOUTS where that
-is longer (cold-start runs several fresh processes that each compile from nothing).
-
-Multi-rank parts run once per CP size W, each run with its own timeout and named
-PART-wW in the summary and logs (a2a-w8.log, ...). The sizes are
---world's; without it, the benchmarks run at W = every visible GPU and tests-dist at
-each of 2, 4, 8 that fits. For a scaling series on an 8-GPU host:
-``a2a gdn-cp --world 2 4 8`` (parts before --world). Sizes above the visible GPU count
-are reported as skipped.
-
-Logs go to --out (default $OUT or ./gpu-results), and so do the benchmarks' results as
-JSON files (benchmarks/runner.py: one file per table, named after the benchmark, e.g.
-layout.json, cp2hp-w8.json). Copy those to benchmarks/results/ and run
-``python -m benchmarks.report`` to render docs/benchmarks.md's tables from them, and
-``python -m benchmarks.plots`` for the pictures. The benchmarks run as modules of the
-repository's root (``python -m benchmarks.NAME``, with the root on PYTHONPATH), so the
-package need not be installed.
+PARTS (default: every part that fits the visible GPUs) are the keys of :data:`PARTS`; a
+multi-rank part runs once per CP size W (``--world``; default every visible GPU, the NCCL
+tests at each of 2, 4, 8 that fits), named PART-wW. Logs and JSON results go to --out
+(default $OUT or ./gpu-results); docs/benchmarks.md says what to do with them.
 """
 
 from __future__ import annotations
@@ -73,10 +32,10 @@ PARTS = {
         1,
         [sys.executable, "-m", "benchmarks.bench_gdn", "--kernel-time", "--rank-share", "2", "4", "--out", "{out}"],
     ),
-    "conv": (1, [sys.executable, "-m", "benchmarks.bench_conv", "--out", "{out}"]),
-    "conv-gather": (1, [sys.executable, "-m", "benchmarks.bench_conv", "--gather", "--out", "{out}"]),
+    "conv": (1, [sys.executable, "-m", "benchmarks.bench_gdn", "--conv", "--out", "{out}"]),
+    "conv-gather": (1, [sys.executable, "-m", "benchmarks.bench_gdn", "--conv", "--gather", "--out", "{out}"]),
     "demo": (1, [sys.executable, "-m", "cp_ops", "demo", "--cp-size", "1"]),
-    "cold-start": (1, [sys.executable, "-m", "benchmarks.bench_cold_start", "--out", "{out}"]),
+    "cold-start": (1, [sys.executable, "-m", "benchmarks.bench_host", "--cold-start", "--out", "{out}"]),
     # multi-rank: {world} is the CP size, {name} the part's name with it (a2a-w8)
     "a2a": (
         2,
@@ -139,7 +98,7 @@ def runs_of(part: str, worlds: list[int] | None, gpus: int) -> list[tuple[str, i
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("parts", nargs="*", help="parts to run")
+    parser.add_argument("parts", nargs="*", help=f"parts to run, of: {' '.join(PARTS)}")
     parser.add_argument("--world", type=int, nargs="+", help="CP sizes for the multi-rank parts")
     parser.add_argument("--out", default=os.environ.get("OUT", os.path.join(ROOT, "gpu-results")))
     parser.add_argument("--timeout", type=int, default=420, help="seconds per part (per run of a multi-rank part)")

@@ -2,21 +2,10 @@
 
     python -m benchmarks.plots [--results benchmarks/results] [--out docs/img]
 
-Runs anywhere (matplotlib, no GPU): the numbers are the ones the GPU benchmarks
-wrote as results, the same files docs/benchmarks.md's tables are rendered from,
-so a picture never shows anything the tables do not. One figure per question:
-
-  layout.png     each layout op's time over the clone's (the copy floor), per shape and W
-                 (result "layout")
-  a2a.png        fused all-to-all vs per-sequence all-to-alls, by number of sequences and W
-                 (results "cp2hp-w2", "cp2hp-w4")
-  attention.png  segment attention TFLOP/s against SDPA / FlexAttention / cuDNN, same run
-                 (result "attention")
-  scaling.png    scaling efficiency T_1 / (W * T_W) of the CP layers (every result of
-                 bench_gdn's CP table and bench_ag_attention's timing table; a later one's
-                 point replaces an earlier one's)
-  train_curves.png  the training recipe's loss per step on one GPU, at (dp 1, cp 4) and (dp 2, cp 2)
-                 (result "train-losses-slice4")
+Runs anywhere (matplotlib, no GPU), from the files the tables are rendered from: layout.png
+(result "layout"), a2a.png ("cp2hp-w2", "cp2hp-w4"), attention.png ("attention"),
+scaling.png (every CP table of bench_gdn and bench_ag_attention, a later point replacing an
+earlier one) and train_curves.png ("train-losses-slice4").
 """
 
 from __future__ import annotations

@@ -3,18 +3,10 @@
     python -m benchmarks.report [--results DIR] [--doc docs/benchmarks.md] [--check]
     python -m benchmarks.report --show NAME [NAME ...]     # print results as markdown
 
-docs/benchmarks.md shows the current result of each capability (older results stay in
-benchmarks/results/; ``--show NAME`` prints one). Its prose is written by hand; each measured
-table sits between markers naming a result file (its ``name``)::
-
-    <!-- results:layout -->
-    ... generated: environment line, notes, table ...
-    <!-- /results:layout -->
-
-``<!-- results:NAME table -->`` renders the table alone (for a table whose environment the
-prose around it already states). Everything between a pair of markers is replaced; the rest
-of the document is left as it is. ``--check`` rewrites nothing and exits 1 when a section
-differs from its result (or names a result that does not exist).
+Everything between ``<!-- results:NAME -->`` and ``<!-- /results:NAME -->`` is replaced by
+the result NAME (``<!-- results:NAME table -->``: the table without its environment line
+and notes); the rest is left as it is. ``--check`` rewrites nothing and exits 1 when a
+section differs from its result or names none.
 """
 
 from __future__ import annotations

@@ -1,21 +1,7 @@
 """What every benchmark shares besides timing: the environment it ran in, its results as JSON
-files, their markdown rendering, and the command-line options for where results go.
-
-A result is one table of one benchmark run::
-
-    {"benchmark": "thd_layout", "name": "layout", "title": "...",
-     "env": {"device": ..., "torch": ..., "triton": ..., "cuda": ..., "date": ..., "commit": ...},
-     "columns": ["shape (bf16)", "W", "clone ms", ...],
-     "rows": [["16x4096 tok, 16x64", 2, 0.094, ...], ...],
-     "formats": [null, "{:d}", "{:.3f}", ...],
-     "notes": "..."}
-
-``name`` is the file's stem under the output directory (``benchmarks/results/`` unless
-``--out`` says otherwise) and the key a ``<!-- results:NAME -->`` section of the docs refers
-to; ``formats`` (optional) gives each column's Python format string or null: a cell without
-one is printed as it is (floats to 3 decimals), a string cell always is; a ``null`` cell
-prints as ``-``.
-``python -m benchmarks.report`` renders the docs' sections from these files.
+files (:class:`Result`, one table of one run: its fields are the file's keys), their markdown,
+and the ``--out`` option. A result's ``name`` is its file's stem and the key of the docs'
+``<!-- results:NAME -->`` section that ``python -m benchmarks.report`` renders from it.
 """
 
 from __future__ import annotations
@@ -114,7 +100,8 @@ def markdown_table(columns: list[str], rows: list[list], formats: list[str | Non
 
 @dataclass
 class Result:
-    """One table of one benchmark run (the module docstring gives the file's schema)."""
+    """One table of one benchmark run. ``formats``: each column's format string or None (a cell
+    without one prints as it is, floats to 3 decimals; a None cell prints as ``-``)."""
 
     benchmark: str
     title: str

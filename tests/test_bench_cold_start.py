@@ -1,4 +1,4 @@
-"""The CPU parts of benchmarks/bench_cold_start.py: it reads a child's output as it comes and
+"""The CPU parts of benchmarks/bench_host.py --cold-start: it reads a child's output as it comes and
 parses the demo's real output. The smoke run starts fresh processes that compile from empty
 caches and takes minutes on the CPU: a slow test (make test-all); the table's arithmetic and
 the parsing are tested here in the fast tier, the layers themselves in tests/cp_ops."""
@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from benchmarks import bench_cold_start as cold
+from benchmarks import bench_host as cold
 from benchmarks.runner import load
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -30,7 +30,7 @@ def _run(module: str, *args: str, timeout: int = 600) -> subprocess.CompletedPro
     return run
 
 
-# --- bench_cold_start ---------------------------------------------------------------------------------
+# --- bench_host --cold-start ------------------------------------------------------------------------------
 
 # An excerpt of ``python -m cp_ops demo --cp-size 1`` on the CPU with empty caches, as
 # stamp_output read it: (seconds since the process started, piece of output)
@@ -125,13 +125,13 @@ def test_cold_start_rows_and_target():
     assert cold.demo_rows({"unseeded": {"to_step1_s": 190.0}})[0][4] == 190.0
     args = SimpleNamespace(smoke=True, keep_autotuning=False)
     layer = cold.layer_rows("compiled", {"cold": {"first_step_s": 15.0}})
-    result = cold.build_result(rows + layer, ["demo, warm: exited with rc=1"], args)
+    result = cold.cold_start_result(rows + layer, ["demo, warm: exited with rc=1"], args)
     assert result.name == "cold-start-smoke" and "rc=1" in result.notes and "| 51.29 | 9.00 |" in result.markdown()
 
 
 @pytest.mark.slow
 def test_cold_start_smoke_runs_the_demo_and_the_layer(tmp_path):
-    _run("benchmarks.bench_cold_start", "--smoke", "--parts", "demo", "layer", "--out", str(tmp_path), timeout=900)
+    _run("benchmarks.bench_host", "--cold-start", "--smoke", "--parts", "demo", "layer", "--out", str(tmp_path), timeout=900)
     result = load(tmp_path / "cold-start-smoke.json")
     cells = {(r["part"], r["figure"]): (r["cold"], r["warm"]) for r in result.records()}
     assert all(v is not None and v >= 0 for pair in cells.values() for v in pair), cells

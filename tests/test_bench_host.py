@@ -59,18 +59,3 @@ def test_bench_host_smoke(tmp_path):
     assert {(row[0], row[1]) for row in result.rows} >= {(op, form) for op in DIFFERENTIABLE for form in runs}
     assert "| rank_blocks_to_sections | opaque |" in run.stdout
 
-
-def test_rounds_merge_to_the_least_figure_of_each_cell():
-    from benchmarks.bench_host import merge_rounds
-
-    def result(fwd, bwd, waited=False):
-        return {"form": "opaque", "rows": [
-            {"op": "clone (floor)", "fwd host us": fwd, "bwd host us": bwd, "fwd gpu waited": waited, "call ms": 0.1},
-            {"op": "thd_copy_valid_tokens_", "fwd host us": fwd + 1},
-        ]}  # fmt: skip
-
-    merged = merge_rounds([result(9.0, 60.0), result(7.0, 65.0, waited=True), result(8.0, 61.0)])
-    clone, copy = merged["rows"]
-    assert (clone["fwd host us"], clone["bwd host us"], clone["call ms"]) == (7.0, 60.0, 0.1)
-    assert clone["fwd host us rounds"] == [9.0, 7.0, 8.0] and clone["fwd gpu waited"]
-    assert copy["fwd host us"] == 8.0 and "bwd host us" not in copy

@@ -115,6 +115,7 @@ def test_compare_arguments(tmp_path):
         cc.parse_args([str(tmp_path), str(ROOT)])  # not a checkout
     with pytest.raises(SystemExit):
         cc.parse_args([str(ROOT), str(ROOT), "--suites", "nope"])
+    assert cc.parse_args([str(ROOT), str(ROOT), "--suites", "host"]).suites == ["host"]
 
 
 def test_compare_ratio_and_flag():
