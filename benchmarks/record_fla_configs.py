@@ -6,7 +6,7 @@
 For each ``Hk,Hv`` pair, one eager forward and backward of ``cp_ops.GatedDeltaNet`` (head dims
 ``--head-dim``, bf16, one GPU, ``--tokens`` tokens in ``--seqs`` sequences of random lengths)
 lets FLA autotune every kernel the layer launches; then every FLA autotuner's cache (key ->
-chosen configuration) is written as JSON in the form :mod:`custom_ops.gdn.fla_configs` reads:
+chosen configuration) is written as JSON in the form :mod:`custom_ops.gated_delta_rule.fla_configs` reads:
 
     {"fla": "0.6.0", "capability": [9, 0], "recorded_with": {device, torch, triton, ...},
      "entries": [{"kernel": "fla.ops.common.chunk_o.chunk_fwd_kernel_o",
@@ -15,7 +15,7 @@ chosen configuration) is written as JSON in the form :mod:`custom_ops.gdn.fla_co
 The default heads are Qwen3-Next-80B's per rank at W = 1, 2, 4, 8 (Hk 16, Hv 32 over W); the
 demo's default (8, 16) is among them. FLA's autotuning keys hold head counts, head dims, the
 chunk size and dtypes, not the number of tokens, so one run per head pair covers every packing.
-``--write`` (default: ``custom_ops/gdn/fla_configs_sm<major><minor>.json`` for this GPU, the
+``--write`` (default: ``custom_ops/gated_delta_rule/fla_configs_sm<major><minor>.json`` for this GPU, the
 file the package reads) replaces the file; ``--out DIR`` also copies it there.
 """
 
