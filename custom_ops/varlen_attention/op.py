@@ -16,6 +16,7 @@ from custom_ops.runtime.checks import check_index_tensor
 from custom_ops.runtime.launch import use_triton
 from custom_ops.runtime.registration import NAMESPACE, kernel_op
 from custom_ops.runtime.validation import Segments, checked
+from custom_ops.varlen_attention.configs import ATTENTION_SETTINGS
 from custom_ops.varlen_attention.launch import backward, forward
 from custom_ops.varlen_attention.reference import (
     _attention,
@@ -102,7 +103,7 @@ def _varlen_attention(
     if not _use_kernel(q):
         out, lse = _attention(q, k, v, seg, causal, window_left, window_right, scale)
         return out.contiguous(), lse.contiguous()  # the fake's layout
-    return forward(q, k, v, seg, causal, window_left, window_right, scale)
+    return forward(q, k, v, seg, causal, window_left, window_right, scale, ATTENTION_SETTINGS)
 
 
 def _precompile(q, k, v, seg, causal, left, right, scale) -> None:
@@ -115,8 +116,9 @@ def _precompile(q, k, v, seg, causal, left, right, scale) -> None:
     def launchers(mq, mk, mv, *mseg):
         s = resolve_scale(scale, mq.shape[2])
         mseg = Segments(*mseg)
-        out, lse = forward(mq, mk, mv, mseg, causal, left, right, s)
-        backward(torch.empty_like(out), torch.empty_like(lse), mq, mk, mv, out, lse, mseg, causal, left, right, s)
+        out, lse = forward(mq, mk, mv, mseg, causal, left, right, s, ATTENTION_SETTINGS)
+        dout, dlse = torch.empty_like(out), torch.empty_like(lse)
+        backward(dout, dlse, mq, mk, mv, out, lse, mseg, causal, left, right, s, ATTENTION_SETTINGS)
 
     precompile.schedule("varlen_attention", launchers, q, k, v, *seg, args=(causal, left, right))
 
@@ -157,7 +159,7 @@ def _varlen_attention_backward(
     if not _use_kernel(q):
         grads = varlen_attention_backward_reference(dout, dlse, q, k, v, out, lse, seg, causal, window_left, window_right, scale)
         return tuple(g.contiguous() for g in grads)
-    return backward(dout, dlse, q, k, v, out, lse, seg, causal, window_left, window_right, scale)
+    return backward(dout, dlse, q, k, v, out, lse, seg, causal, window_left, window_right, scale, ATTENTION_SETTINGS)
 
 
 @_varlen_attention_backward.register_fake
