@@ -210,29 +210,16 @@ def varlen_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention over S segments in one launch: ``(out [Tq, Hq, D], lse [Hq, Tq])``.
 
-    q: ``[Tq, Hq, D]``; k, v: ``[Tk, Hkv, D]`` with ``Hq % Hkv == 0`` (query head h
-    reads kv head ``h // (Hq / Hkv)``). The five index tensors (int32 or int64,
-    ``[S]`` each) describe segment s: query rows ``[q_start, q_start + q_len)`` at
-    positions ``q_pos + a``; key rows ``[k_start, k_start + k_len)`` at positions
-    ``b = 0 .. k_len - 1``. Query a sees key b iff ``b < k_len`` and
-    ``b <= pos(a)`` (causal) and ``pos(a) - b <= left`` (left >= 0) and
-    ``b - pos(a) <= right`` (right >= 0), ``window = (left, right)``, -1 = unbounded.
-    With ``s_ab = scale * <q_a, k_b>`` (scale defaults to ``D ** -0.5``):
-
-        lse_a = log sum_{b visible} exp(s_ab)
-        out_a = sum_{b visible} exp(s_ab - lse_a) v_b
-
-    out has q's dtype; lse is float32 (float64 for float64 inputs). Query rows
-    with no visible key, and rows in no segment, get ``out = 0``, ``lse = -inf``
-    and zero gradient. Query segments must be disjoint (sorting not required);
-    key ranges may overlap (dk, dv sum over every segment). Values are not
-    checked here (no host sync): see :func:`custom_ops.validation.validate_varlen_segments`.
-
-    ``q_pos = 0`` is plain varlen attention, ``q_pos = k_len - q_len`` bottom-right
-    alignment. Differentiable in q, k, v, including through lse. On CUDA (and on
-    CPU under TRITON_INTERPRET=1) fp16/bf16/fp32 run the Triton kernels
-    (head_dim <= 256; fp32 products use Triton's default TF32 on the GPU, with
-    fp32 accumulation); otherwise the dense torch reference runs.
+    q ``[Tq, Hq, D]``; k, v ``[Tk, Hkv, D]``, ``Hq % Hkv == 0``; the five index tensors
+    (int32/int64, ``[S]``) give segment s its query rows ``[q_start, q_start + q_len)`` at
+    positions ``q_pos + a`` and key rows ``[k_start, k_start + k_len)`` at positions
+    ``0 .. k_len - 1``, masked by ``causal`` and ``window = (left, right)`` (-1 unbounded;
+    the mask: docs/design.md section 5). ``scale`` defaults to ``D ** -0.5``. out in q's
+    dtype, lse float32 (float64 for float64); rows that see no key get 0 and -inf.
+    Query segments disjoint, key ranges may overlap; values unchecked (no host sync):
+    :func:`custom_ops.validation.validate_varlen_segments`. Differentiable in q, k, v,
+    through out and lse. fp16/bf16/fp32 run the Triton kernels (head_dim <= 256), float64
+    the torch reference (docs/design.md section 2). Raises on bad shapes, dtypes, windows.
     """
     left, right = _window(window)
     return _varlen_attention(q, k, v, q_start, q_len, q_pos, k_start, k_len, causal, left, right, scale)
