@@ -1,16 +1,12 @@
 """torch.library ops (namespace ``cp_ops``) for context parallelism on packed THD sequences.
 
 Importing this package registers every op, reachable as ``custom_ops.<name>`` and
-``torch.ops.cp_ops.<name>``; :data:`custom_ops.ops.OPS` lists them. Each op family is a folder
-``custom_ops/<family>/`` with ``kernels.py`` (Triton), ``op.py`` (registration, fake, autograd)
-and ``reference.py`` (pure torch, the CPU path and the test oracle); what every family uses is
-in ``custom_ops/runtime/`` (docs/design.md section 6).
-
-This module is the package's public API: the op wrappers, their references, and the helpers
-the layers in ``cp_ops`` build on (group resolution, collectives, argument checks). The public
-modules beside it: :mod:`custom_ops.thd_index` (the layout's index maps),
-:mod:`custom_ops.validation` (value checks, the checked mode), :mod:`custom_ops.env` (every
-environment variable the package reads, docs/environment.md) and :mod:`custom_ops.testing`.
+``torch.ops.cp_ops.<name>`` (:data:`custom_ops.ops.OPS` lists them), each family a folder
+``custom_ops/<family>/`` with its shared machinery in ``custom_ops/runtime/`` (docs/design.md
+section 6). This module is the public API: the op wrappers, their references and the helpers
+the layers in ``cp_ops`` build on. Public modules beside it: :mod:`custom_ops.thd_index`
+(index maps), :mod:`custom_ops.validation` (value checks, the checked mode),
+:mod:`custom_ops.env` (environment variables, docs/environment.md) and :mod:`custom_ops.testing`.
 ``NAMESPACE`` is the ops' namespace, ``"cp_ops"``.
 """
 

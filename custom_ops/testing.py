@@ -1,23 +1,12 @@
 """Input factories, tolerances and hypothesis strategies shared by tests, benchmarks and notebooks.
 
-Layout ops move bits and are compared exactly (:func:`same_bits`). Compute ops are compared by
-the error-RMS / reference-RMS ratio (:func:`rel_error`) against a float64 reference, with the
-bound for the working dtype in :data:`TOLERANCE`.
-
-The hypothesis strategies draw what the ops' contracts allow, for property tests of code built
-on them: THD layouts (:func:`thd_layouts`, :func:`thd_packings`: CP sizes 1-8, no sequences,
-zero-length and one-token sequences, int32 and int64 index tensors), element dtypes
-(:func:`layout_dtypes`: every dtype the layout ops move), memory layouts (:func:`strided_views`:
-offset, transposed and strided views of a larger buffer), feature sections
-(:func:`section_layouts`) and attention masks and heads (:func:`attention_masks`,
-:func:`gqa_heads`). For example::
-
-    @given(thd_packings(), layout_dtypes(), st.data())
-    def test_my_op(packing, dtype, data):
-        x = data.draw(strided_views(random_tensor((packing.num_rows, 4), dtype)))
-        ...
-
-hypothesis is imported only when a strategy is built, so the rest of this module works without it.
+Layout ops move bits and are compared exactly (:func:`same_bits`); compute ops by the
+error-RMS / reference-RMS ratio (:func:`rel_error`) against a float64 reference, within
+:data:`TOLERANCE` for the working dtype. The strategies (:func:`thd_packings`,
+:func:`thd_layouts`, :func:`layout_dtypes`, :func:`strided_views`, :func:`section_layouts`,
+:func:`attention_masks`, :func:`gqa_heads`) draw what the ops' contracts allow; docs/testing.md
+lists what each draws and has an example. hypothesis is imported only when a strategy is
+built, so the rest of this module works without it.
 """
 
 from __future__ import annotations
@@ -105,18 +94,13 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def as_memory_layout(t: torch.Tensor, layout: str, generator: torch.Generator | None = None) -> torch.Tensor:
     """A tensor with ``t``'s shape, dtype and values, stored as ``layout`` (one of
-    :data:`MEMORY_LAYOUTS`) inside a larger buffer of random data:
-
-    - ``contiguous``: a contiguous copy;
-    - ``offset``: contiguous, starting one element into its storage (a pointer no longer
-      16-byte aligned), with rows of random data after it;
-    - ``row_strided``: every other row of a buffer twice as long (dim 0 strided);
-    - ``transposed``: dim 0 innermost in memory (a ``[..., T]`` buffer seen as ``[T, ...]``);
-      1-D tensors get ``row_strided``;
-    - ``last_dim_strided``: every other element of the last dim (no unit stride); 1-D tensors
-      get ``row_strided``.
-
-    Reading outside the view reads the random data around it.
+    :data:`MEMORY_LAYOUTS`) inside a larger buffer of random data: ``contiguous`` a copy;
+    ``offset`` contiguous from one element into its storage (not 16-byte aligned);
+    ``row_strided`` every other row of a buffer twice as long; ``transposed`` dim 0
+    innermost in memory (a ``[..., T]`` buffer seen as ``[T, ...]``); ``last_dim_strided``
+    every other element of the last dim. 1-D tensors get ``row_strided`` for the last two.
+    Reading outside the view reads the random data around it. Raises ValueError for an
+    unknown ``layout``.
     """
     if layout not in MEMORY_LAYOUTS:
         raise ValueError(f"layout must be one of {MEMORY_LAYOUTS}, got {layout!r}")

@@ -40,21 +40,14 @@ def ag_thd_segments(
 ) -> tuple[torch.Tensor, ...]:
     """``(q_start, q_len, q_pos, k_start, k_len)`` (int32) of rank ``rank``'s local chunks.
 
-    Query rows index the local shard ``[T/W, ...]``; key rows the gathered,
-    sequence-order ``[T, ...]``. ``chunks=(0, 1)`` gives both local chunks of every
-    sequence (``[2B]`` each, interleaved: sequence 0 chunk r, sequence 0 chunk
-    2W-1-r, sequence 1 ...); ``(0,)`` or ``(1,)`` only the first or second (``[B]``).
-    For chunk ``j`` of sequence i (``L_i`` real tokens, ``c_i`` rows a chunk)::
-
-        q_start = cup[i] / W  (+ c_i for the second chunk)   local rows
-        q_len   = clamp(L_i - j*c_i, 0, c_i)                  real tokens of the chunk
-        q_pos   = j*c_i                                       position of its first row
-        k_start = cup[i]                                      sequence order, gathered
-        k_len   = min(L_i, (j+1)*c_i + max(right, 0))         causal: keys past the chunk are masked anyway
-                = L_i                                         non-causal
-
-    Built on the device, no host sync; ``rank`` may be an int or a 0-d integer tensor on the
-    device.
+    Query rows index the local shard ``[T/W, ...]``; key rows the gathered, sequence-order
+    ``[T, ...]``. ``chunks=(0, 1)`` gives both local chunks of every sequence (``[2B]`` each,
+    interleaved: sequence 0 chunk r, sequence 0 chunk 2W-1-r, sequence 1 ...); ``(0,)`` or
+    ``(1,)`` only the first or second (``[B]``). Chunk j of sequence i (``L_i`` real tokens,
+    ``c_i`` rows a chunk) has ``q_pos = j*c_i``, ``k_start = cup[i]``, ``k_len = L_i`` (causal:
+    at most ``(j+1)*c_i + max(right, 0)``), its real rows as queries (the formulas:
+    docs/design.md section 4). Built on the device, no host sync; ``rank`` an int or a 0-d
+    integer tensor on the device.
     """
     ids = local_chunks(rank, cp_size)
     cols = [

@@ -125,17 +125,14 @@ def thd_cp2hp(
 ) -> torch.Tensor:
     """Context parallel -> head parallel, with one all-to-all for all sequences and sections.
 
-    x_cp: ``[T/W, ..., F]`` this rank's THD shard (see docs/design.md section 1); its last dim
-    is a concatenation of sections of widths ``sections`` (each divisible by W).
-    cu_seqlens_padded: ``[B+1]`` global padded offsets (``T = cu_seqlens_padded[-1]``).
-    group: ``ProcessGroup``, 1-D ``DeviceMesh``, or ``None`` (no CP: W = 1 and the
-    result is a copy of ``x_cp``, the section permutation being the identity).
-
-    Returns ``x_hp [T, ..., F/W]`` in sequence order; its features are this rank's
-    contiguous slice (width ``s/W``) of every section, in section order. Equal to
-    ``permute_sections(x, sections, W)[..., r*F/W:(r+1)*F/W]`` for the global
-    sequence-order ``x``. Differentiable; the gradient is :func:`thd_hp2cp`.
-    Also ``torch.ops.cp_ops.thd_cp2hp(x_cp, cu_seqlens_padded, sections, group_name, cp_size)``.
+    x_cp ``[T/W, ..., F]``: this rank's THD shard (docs/design.md section 1), its last dim
+    sections of widths ``sections`` (each divisible by W); cu_seqlens_padded ``[B+1]``, the
+    global padded offsets (``T = cu_seqlens_padded[-1]``); group a ``ProcessGroup``, 1-D
+    ``DeviceMesh`` or ``None`` (W = 1: a copy). Returns ``x_hp [T, ..., F/W]`` in sequence
+    order with this rank's slice (width ``s/W``) of every section, in section order:
+    ``permute_sections(x, sections, W)[..., r*F/W:(r+1)*F/W]`` of the global sequence-order
+    ``x``. Differentiable; the gradient is :func:`thd_hp2cp`. Also
+    ``torch.ops.cp_ops.thd_cp2hp(x_cp, cu_seqlens_padded, sections, group_name, cp_size)``.
     """
     group_name, world = resolve_group(group)
     sections = [int(s) for s in sections]

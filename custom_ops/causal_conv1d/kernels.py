@@ -1,18 +1,13 @@
 """Triton kernels of the depthwise causal conv1d over packed sequences (``custom_ops.causal_conv1d``),
 for kernel widths K <= 4 (:data:`MAX_TAPS`).
 
-Each program streams a block of channels down a run of rows, one row per loop step: the
-rows a tap needs are carried from step to step in registers, so every row of x (and of
-the output gradient) is read from memory once, in whole rows (the loads of later steps
-are issued ahead by the loop pipeliner). The grid is sized from shapes only. Sequences
-enter through ``pos``, each row's position in its sequence capped at :data:`MAX_TAPS`
-(built on the device from ``cu_seqlens`` by :func:`conv_positions_kernel`): tap j of row t
-sees x[t-j] iff ``pos[t] >= j``, the zero history at every sequence start.
-
-The backward streams the rows backwards: the pre-activation of row t is recomputed from
-the carried x rows (no pre-activation tensor goes through memory), ``dx[t]`` combines
-the carried ``dpre`` of rows t .. t+K-1, and ``dweight`` and ``dbias`` are summed per
-program (float32 partial sums the caller adds: deterministic, no atomics).
+Each program streams a block of channels down a run of rows, carrying the rows a tap
+needs in registers, so every row of x (and of the output gradient) is read once; the
+backward streams the rows backwards and recomputes the pre-activation, and sums
+``dweight`` and ``dbias`` per program in float32 for the caller to add. Grids are sized
+from shapes. Sequences enter through ``pos`` (each row's position in its sequence capped at
+:data:`MAX_TAPS`, from :func:`conv_positions_kernel`): tap j of row t sees ``x[t-j]`` iff
+``pos[t] >= j``. The design: docs/design.md section 2, "Gated DeltaNet core".
 """
 
 import triton

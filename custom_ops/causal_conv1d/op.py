@@ -58,7 +58,7 @@ class ConvConfig(NamedTuple):
 @dataclass(frozen=True)
 class ConvSettings:
     """The launch configs of the conv kernels, which the launchers below take as
-    ``settings=``. ``fwd`` and ``bwd`` serve CUDA tensors: the fastest of
+    ``settings``. ``fwd`` and ``bwd`` serve CUDA tensors: the fastest of
     ``benchmarks/bench_conv.py --sweep`` (docs/benchmarks.md's history, section "The causal conv1d
     kernels"). ``interpreter`` serves CPU tensors in Triton's interpreter: small blocks, so that
     a test's few rows span many programs (the rows carried over block boundaries) and the
@@ -77,7 +77,7 @@ class ConvSettings:
         return self.fwd if kernel == "fwd" else self.bwd
 
 
-# the settings the ops launch with; a benchmark passes others to the launchers
+# the settings every op passes to the launchers; a benchmark or test passes others
 CONV_SETTINGS = ConvSettings()
 
 
@@ -123,7 +123,7 @@ def causal_conv1d(
         return causal_conv1d_reference(x, weight, bias, cu_seqlens, activation).contiguous()
     if weight.shape[1] > MAX_TAPS:
         return _fla_conv_forward(x, weight, bias, cu_seqlens, activation)
-    return _conv_forward(x, weight, bias, cu_seqlens, activation)
+    return _conv_forward(x, weight, bias, cu_seqlens, activation, CONV_SETTINGS)
 
 
 def _precompile(x, weight, bias, cu_seqlens, activation, rows=None) -> None:
@@ -136,9 +136,9 @@ def _precompile(x, weight, bias, cu_seqlens, activation, rows=None) -> None:
     channels = weight.shape[0]
 
     def launchers(mx, mw, mb, mcu, mrows):
-        y = _conv_forward(mx[:, :channels], mw, mb, mcu, activation, mrows)
+        y = _conv_forward(mx[:, :channels], mw, mb, mcu, activation, CONV_SETTINGS, mrows)
         dx = None if rows is None else torch.empty(mx.shape, dtype=mx.dtype, device="meta")[:, :channels]
-        _conv_backward_kernel(torch.empty_like(y), mx[:, :channels], mw, mb, mcu, activation, mrows, dx)
+        _conv_backward_kernel(torch.empty_like(y), mx[:, :channels], mw, mb, mcu, activation, CONV_SETTINGS, mrows, dx)
 
     precompile.schedule("causal_conv1d", launchers, x, weight, bias, cu_seqlens, rows, args=activation)
 
@@ -164,7 +164,7 @@ def causal_conv1d_backward(
         return causal_conv1d_reference_backward(grad_y, x, weight, bias, cu_seqlens, activation)
     if weight.shape[1] > MAX_TAPS:
         return _fla_conv_backward(grad_y, x, weight, bias, cu_seqlens, activation)
-    return _conv_backward_kernel(grad_y, x, weight, bias, cu_seqlens, activation)
+    return _conv_backward_kernel(grad_y, x, weight, bias, cu_seqlens, activation, CONV_SETTINGS)
 
 
 def _conv_positions(cu_seqlens: torch.Tensor, num_rows: int) -> torch.Tensor:
@@ -181,8 +181,8 @@ def _conv_positions(cu_seqlens: torch.Tensor, num_rows: int) -> torch.Tensor:
     return pos
 
 
-def _conv_forward(x, weight, bias, cu_seqlens, activation, rows=None, settings=CONV_SETTINGS) -> torch.Tensor:
-    """Our forward kernel; with ``rows``, sequence row t of x is its row ``rows[t]``."""
+def _conv_forward(x, weight, bias, cu_seqlens, activation, settings: ConvSettings, rows=None) -> torch.Tensor:
+    """Our forward kernel under ``settings``; with ``rows``, sequence row t of x is its row ``rows[t]``."""
     x = unit_last_stride(x)
     weight = weight.contiguous()
     num_rows, channels = x.shape
@@ -199,8 +199,8 @@ def _conv_forward(x, weight, bias, cu_seqlens, activation, rows=None, settings=C
     return y
 
 
-def _conv_backward_kernel(grad_y, x, weight, bias, cu_seqlens, activation, rows=None, dx=None, settings=CONV_SETTINGS):
-    """Our backward kernel; with ``rows``, sequence row t of x is its row ``rows[t]`` and so is
+def _conv_backward_kernel(grad_y, x, weight, bias, cu_seqlens, activation, settings: ConvSettings, rows=None, dx=None):
+    """Our backward kernel under ``settings``; with ``rows``, sequence row t of x is its row ``rows[t]`` and so is
     that of dx (written into ``dx`` when given, an x-shaped view, else a new tensor)."""
     x, grad_y = unit_last_stride(x), unit_last_stride(grad_y)
     w = weight.contiguous()
@@ -324,7 +324,7 @@ def causal_conv1d_gather(
         xs = x.index_select(0, rows)
         y = _fla_conv_forward(xs[:, :channels], weight, bias, cu_seqlens, activation)
         return y, xs[:, channels:].clone(memory_format=torch.contiguous_format)
-    y = _conv_forward(x[:, :channels], weight, bias, cu_seqlens, activation, rows)
+    y = _conv_forward(x[:, :channels], weight, bias, cu_seqlens, activation, CONV_SETTINGS, rows)
     return y, x[:, channels:].index_select(0, rows)
 
 
@@ -359,7 +359,7 @@ def causal_conv1d_gather_backward(
         return dx, dw, db
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     _, dw, db = _conv_backward_kernel(
-        grad_y, x[:, :channels], weight, bias, cu_seqlens, activation, rows, dx[:, :channels]
+        grad_y, x[:, :channels], weight, bias, cu_seqlens, activation, CONV_SETTINGS, rows, dx[:, :channels]
     )
     dx[:, channels:].index_copy_(0, rows.long(), grad_rest.to(dx.dtype))
     return dx, dw, db

@@ -1,15 +1,10 @@
 """How the GDN ops call flash-linear-attention (FLA) without host syncs or cached tensors.
 
-FLA's varlen kernels take ``chunk_indices`` (one ``(sequence, chunk)`` row per program)
-whose length, the number of 64-row chunks, depends on the lengths. FLA builds it with
-``repeat_interleave`` on device counts, which reads the total on the host. Here it is built
-by :func:`fla_varlen_indices` with a length fixed by shapes, ``T // 64 + B``, an upper
-bound; the spare rows point at an extra zero-length sequence appended to ``cu_seqlens``,
-whose programs load nothing and store nothing. FLA then never calls
-``prepare_chunk_indices`` (docs/design.md section 3). On CUDA one launch of
-:func:`fla_chunk_indices_kernel` builds both tensors; :func:`fla_varlen_indices_reference`
-builds the same from torch ops (the CPU path, and the tests' reference). :func:`fla_call`
-wraps each call into FLA: the recorded autotuning choices for the device
+:func:`fla_varlen_indices` builds the ``chunk_indices`` of FLA's varlen kernels with a length
+fixed by shapes, ``T // 64 + B``, so FLA never calls ``prepare_chunk_indices`` (a host read;
+docs/design.md section 3): one launch of :func:`fla_chunk_indices_kernel` on CUDA, the torch
+ops of :func:`fla_varlen_indices_reference` on the CPU. :func:`fla_call` wraps each call into
+FLA: the recorded autotuning choices for the device
 (:mod:`custom_ops.gated_delta_rule.fla_configs`), and FLA's tensor cache switched off.
 """
 
@@ -69,19 +64,13 @@ def fla_varlen_indices(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(cu_ext [B+2], chunk_indices [T // chunk_size + B, 2])`` for FLA's varlen kernels, sync-free.
 
-    ``chunk_indices[s] = (i, c)``: program s handles chunk c of sequence i. The
-    real rows are FLA's own (``prepare_chunk_indices``): sequences in order,
-    ``ceil(L_i / chunk_size)`` rows each. Their count is at most
-    ``sum_i (L_i // chunk_size + 1) <= T // chunk_size + B``, so the tensor has
-    that many rows and every spare row is ``(B, 0)``: chunk 0 of the zero-length
-    sequence ``cu_ext[B] .. cu_ext[B+1]`` appended here, which FLA's kernels
-    process as empty (masked loads and stores; its per-chunk partial sums are zero).
-    ``cu_seqlens`` is clamped to ``[0, num_rows]`` first: a layout whose last entry
-    exceeds the rows (validate_thd reports it where data is prepared) then gives
-    wrong rows, never an out-of-bounds access inside FLA's kernels; a step down in
-    ``cu_seqlens`` counts as an empty sequence. Both tensors have ``cu_seqlens``'s dtype.
-
-    On CUDA (and on the CPU under ``TRITON_INTERPRET=1``) one launch of
+    ``chunk_indices[s] = (i, c)``: program s handles chunk c of sequence i. The real rows
+    are FLA's own (``prepare_chunk_indices``: sequences in order, ``ceil(L_i / chunk_size)``
+    rows each); every spare row is ``(B, 0)``, chunk 0 of the zero-length sequence
+    ``cu_ext[B] .. cu_ext[B+1]`` appended here, which FLA's kernels process as empty.
+    ``cu_seqlens`` is clamped to ``[0, num_rows]`` first, so a bad layout gives wrong rows,
+    never an out-of-bounds access (docs/design.md section 3). Both tensors have
+    ``cu_seqlens``'s dtype. On CUDA (and under ``TRITON_INTERPRET=1``) one launch of
     :func:`fla_chunk_indices_kernel`; otherwise :func:`fla_varlen_indices_reference`.
     """
     if not use_triton(cu_seqlens) or cu_seqlens.shape[0] == 0:

@@ -1,18 +1,12 @@
 """Recorded autotuning choices for FLA's kernels, so that a first step does not autotune.
 
-FLA's kernels are ``triton.autotune``\\ d: the first launch with a new key (head counts, head
-dims, chunk size, flags, argument dtypes; not the number of tokens) compiles and times every
-configuration in the kernel's list, which is most of a cold first step of the GDN layer on a
-GPU. :func:`use_recorded_configs` puts the choices recorded on a GPU of the same compute
-capability (``fla_configs_sm<major><minor>.json`` beside this module, written by
-``python -m benchmarks.record_fla_configs``) into the autotuners' caches for the keys they have
-not seen, so those launches compile one configuration and time none. An entry is used only
-where FLA's version is the recorded one and its configuration is still in the kernel's list;
-other keys and other GPUs autotune as before. ``CP_OPS_FLA_CONFIGS=0`` turns this off
-(docs/design.md section 3).
-
-FLA's autotuners are shared by everything in the process that calls FLA: a key recorded here
-gets the recorded configuration for those callers as well, as if they had autotuned it first.
+:func:`use_recorded_configs` puts the choices recorded on a GPU of the same compute capability
+(``fla_configs_sm<major><minor>.json`` beside this module, written by
+``python -m benchmarks.record_fla_configs``) into FLA's autotuner caches for the keys they have
+not seen, where FLA's version is the recorded one and the configuration still in the
+kernel's list; other keys and GPUs autotune as before. The caches are shared by every
+caller of FLA in the process. ``CP_OPS_FLA_CONFIGS=0`` turns this off; why and what a key is:
+docs/design.md section 3.
 """
 
 from __future__ import annotations

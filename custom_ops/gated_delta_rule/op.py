@@ -252,16 +252,12 @@ def chunk_gated_delta_rule(
 ) -> torch.Tensor:
     """Chunked gated delta rule over packed sequences (``torch.ops.cp_ops.chunk_gated_delta_rule``).
 
-    Per sequence (zero initial state) and value head h, with key head ``h // (Hv/Hk)``
-    and state ``S [dk, dv]``::
-
-        S_t = exp(g_t) S_{t-1};  S_t = S_t + k_t (beta_t (v_t - S_t^T k_t))^T;  o_t = scale S_t^T q_t
-
-    q, k ``[T, Hk, dk]`` (not normalised here), v ``[T, Hv, dv]``, g (log decay,
-    float32) and beta ``[T, Hv]``, ``Hv % Hk == 0``, cu_seqlens ``[B+1]``
-    (``cu[-1] = T``), scale default ``dk ** -0.5``. Returns o ``[T, Hv, dv]`` in q's
-    dtype. Differentiable in q, k, v, g, beta. CUDA: FLA's chunked kernels (GVA
-    handled by FLA natively), q/k/v in bf16 or fp16, ``dk, dv <= 256``; CPU: the
-    sequential torch reference.
+    Per sequence (zero initial state) and value head h, with key head ``h // (Hv/Hk)``:
+    ``S_t = exp(g_t) S_{t-1};  S_t += k_t (beta_t (v_t - S_t^T k_t))^T;  o_t = scale S_t^T q_t``.
+    q, k ``[T, Hk, dk]`` (not normalised here), v ``[T, Hv, dv]``, g (log decay, float32)
+    and beta ``[T, Hv]``, ``Hv % Hk == 0``, cu_seqlens ``[B+1]`` (``cu[-1] = T``), scale
+    default ``dk ** -0.5``. Returns o ``[T, Hv, dv]`` in q's dtype. Differentiable in q, k,
+    v, g, beta. CUDA: FLA's chunked kernels, q/k/v bf16 or fp16, ``dk, dv <= 256``; CPU: the
+    sequential torch reference (docs/design.md section 2).
     """
     return torch.ops.cp_ops.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, scale)

@@ -1,16 +1,11 @@
-"""Torch references of the chunked gated delta rule on packed (THD) sequences.
+"""Torch references of the chunked gated delta rule on packed (THD) sequences (the recurrence
+in FLA's convention: docs/design.md section 2, "Gated DeltaNet core").
 
 ``chunk_gated_delta_rule_reference`` is what the op runs on CPU, with the op's signature: no
-host syncs, float32 compute (float64 for float64 inputs), differentiable by torch autograd.
+host syncs, float32 compute (float64 for float64 inputs), differentiable by torch autograd;
+``chunk_gated_delta_rule_reference_backward`` its closed-form reverse scan.
 ``chunk_gated_delta_rule_loop`` spells the definition out per sequence in float64, an
 independent oracle for the tests.
-
-Per sequence, with zero initial state ``S [dk, dv]`` per value head h (key head
-``h // (Hv/Hk)``), FLA's convention::
-
-    S   = exp(g_t) * S
-    S   = S + k_t (beta_t * (v_t - S^T k_t))^T
-    o_t = scale * S^T q_t
 """
 
 from __future__ import annotations
@@ -97,18 +92,11 @@ def chunk_gated_delta_rule_reference_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dg, dbeta) of :func:`chunk_gated_delta_rule_reference`, by a reverse scan.
 
-    Per value head, with ``m_t`` = 0 at a sequence start (else 1), ``a_t = exp(g_t)``::
-
-        P_t = m_t a_t S_{t-1};  p_t = P_t^T k_t;  d_t = beta_t (v_t - p_t)
-        S_t = P_t + k_t d_t^T;  o_t = scale S_t^T q_t
-
-    the reverse pass carries ``dS`` (gradient of S_t from later rows):
-    ``dS += scale q_t do_t^T``, ``dq_t = scale S_t do_t``, ``dd = dS^T k_t``,
-    ``dk_t = dS d_t + P_t dp`` with ``dp = -beta_t dd``, ``dv_t = beta_t dd``,
-    ``dbeta_t = dd . (v_t - p_t)``, ``dP = dS + k_t dp^T``,
-    ``dg_t = m_t a_t <dP, S_{t-1}>`` and ``dS <- m_t a_t dP``. The forward is rerun to
-    keep every S_t (memory ``T*Hv*dk*dv``: fine for CPU tests). Key-head gradients
-    are summed over the value heads that share the key head.
+    Shapes and dtypes as the forward's inputs (``grad_o`` as its output). The reverse pass
+    carries the state's gradient ``dS`` down each sequence and value head (the scan:
+    docs/design.md section 2, "Gated DeltaNet core"); the forward is rerun to keep every
+    state (memory ``T*Hv*dk*dv``: fine for CPU tests). Key-head gradients are summed over
+    the value heads that share the key head.
     """
     dtype = _compute_dtype(q)
     num_rows, hk, dk = q.shape

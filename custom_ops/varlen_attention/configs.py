@@ -185,12 +185,8 @@ class AttentionSettings:
     work per masked entry). ``fwd``, ``bwd_dq``, ``bwd_dkdv``: each kernel's
     :class:`KernelSettings`.
 
-    The defaults are the tuned launch order: heads side by side keep a launch from ending on
-    one head's long tiles, and groups stop at 16 kv heads because past that the programs running
-    together read ever more K/V; the forward keeps one kv head's query heads together (they read
-    the same K/V) since larger groups did not gain, and dq runs groups of 2 since its segments
-    run heaviest first (docs/benchmarks.md's history, sections "Launch order, and TMA loads in the D = 256
-    forward" and "Segments heaviest first").
+    The defaults are the tuned launch order (docs/design.md section 5, "Where the tuned
+    settings live").
     """
 
     tma: bool = True
@@ -216,6 +212,5 @@ class AttentionSettings:
         return replace(self, **{name: replace(self.kernel(name), **changes) for name in KERNELS})
 
 
-# The settings the ops launch with. Nothing assigns it: other settings are new instances,
-# passed to the launchers.
+# The settings every op passes to the launchers; nothing assigns it, other settings are new instances.
 ATTENTION_SETTINGS = AttentionSettings()

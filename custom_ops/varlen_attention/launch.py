@@ -2,10 +2,10 @@
 needs, its configuration and descriptors, and the kernel launches of the forward
 (:func:`forward`) and the backward (:func:`backward`).
 
-Both launchers take an :class:`~custom_ops.varlen_attention.configs.AttentionSettings`
-(``settings=``, default :data:`~custom_ops.varlen_attention.configs.ATTENTION_SETTINGS`, what the
-ops use), so a benchmark or a test times or checks the kernels under other launch choices by
-calling them directly. Their inputs are what the ops' bodies pass: checked, the scale resolved,
+Both launchers take an :class:`~custom_ops.varlen_attention.configs.AttentionSettings` as
+``settings``: the ops pass :data:`~custom_ops.varlen_attention.configs.ATTENTION_SETTINGS`,
+the default, and a benchmark or a test passes others to time or check the kernels under
+other launch choices. Their inputs are what the ops' bodies pass: checked, the scale resolved,
 fp16/bf16/fp32 tensors on CUDA or on the CPU under ``TRITON_INTERPRET=1``.
 """
 

@@ -16,6 +16,7 @@ from custom_ops.runtime.checks import check_index_tensor
 from custom_ops.runtime.launch import use_triton
 from custom_ops.runtime.registration import NAMESPACE, kernel_op
 from custom_ops.runtime.validation import Segments, checked
+from custom_ops.varlen_attention.configs import ATTENTION_SETTINGS
 from custom_ops.varlen_attention.launch import backward, forward
 from custom_ops.varlen_attention.reference import (
     _attention,
@@ -102,7 +103,7 @@ def _varlen_attention(
     if not _use_kernel(q):
         out, lse = _attention(q, k, v, seg, causal, window_left, window_right, scale)
         return out.contiguous(), lse.contiguous()  # the fake's layout
-    return forward(q, k, v, seg, causal, window_left, window_right, scale)
+    return forward(q, k, v, seg, causal, window_left, window_right, scale, ATTENTION_SETTINGS)
 
 
 def _precompile(q, k, v, seg, causal, left, right, scale) -> None:
@@ -115,8 +116,9 @@ def _precompile(q, k, v, seg, causal, left, right, scale) -> None:
     def launchers(mq, mk, mv, *mseg):
         s = resolve_scale(scale, mq.shape[2])
         mseg = Segments(*mseg)
-        out, lse = forward(mq, mk, mv, mseg, causal, left, right, s)
-        backward(torch.empty_like(out), torch.empty_like(lse), mq, mk, mv, out, lse, mseg, causal, left, right, s)
+        out, lse = forward(mq, mk, mv, mseg, causal, left, right, s, ATTENTION_SETTINGS)
+        dout, dlse = torch.empty_like(out), torch.empty_like(lse)
+        backward(dout, dlse, mq, mk, mv, out, lse, mseg, causal, left, right, s, ATTENTION_SETTINGS)
 
     precompile.schedule("varlen_attention", launchers, q, k, v, *seg, args=(causal, left, right))
 
@@ -157,7 +159,7 @@ def _varlen_attention_backward(
     if not _use_kernel(q):
         grads = varlen_attention_backward_reference(dout, dlse, q, k, v, out, lse, seg, causal, window_left, window_right, scale)
         return tuple(g.contiguous() for g in grads)
-    return backward(dout, dlse, q, k, v, out, lse, seg, causal, window_left, window_right, scale)
+    return backward(dout, dlse, q, k, v, out, lse, seg, causal, window_left, window_right, scale, ATTENTION_SETTINGS)
 
 
 @_varlen_attention_backward.register_fake
@@ -208,29 +210,16 @@ def varlen_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention over S segments in one launch: ``(out [Tq, Hq, D], lse [Hq, Tq])``.
 
-    q: ``[Tq, Hq, D]``; k, v: ``[Tk, Hkv, D]`` with ``Hq % Hkv == 0`` (query head h
-    reads kv head ``h // (Hq / Hkv)``). The five index tensors (int32 or int64,
-    ``[S]`` each) describe segment s: query rows ``[q_start, q_start + q_len)`` at
-    positions ``q_pos + a``; key rows ``[k_start, k_start + k_len)`` at positions
-    ``b = 0 .. k_len - 1``. Query a sees key b iff ``b < k_len`` and
-    ``b <= pos(a)`` (causal) and ``pos(a) - b <= left`` (left >= 0) and
-    ``b - pos(a) <= right`` (right >= 0), ``window = (left, right)``, -1 = unbounded.
-    With ``s_ab = scale * <q_a, k_b>`` (scale defaults to ``D ** -0.5``):
-
-        lse_a = log sum_{b visible} exp(s_ab)
-        out_a = sum_{b visible} exp(s_ab - lse_a) v_b
-
-    out has q's dtype; lse is float32 (float64 for float64 inputs). Query rows
-    with no visible key, and rows in no segment, get ``out = 0``, ``lse = -inf``
-    and zero gradient. Query segments must be disjoint (sorting not required);
-    key ranges may overlap (dk, dv sum over every segment). Values are not
-    checked here (no host sync): see :func:`custom_ops.validation.validate_varlen_segments`.
-
-    ``q_pos = 0`` is plain varlen attention, ``q_pos = k_len - q_len`` bottom-right
-    alignment. Differentiable in q, k, v, including through lse. On CUDA (and on
-    CPU under TRITON_INTERPRET=1) fp16/bf16/fp32 run the Triton kernels
-    (head_dim <= 256; fp32 products use Triton's default TF32 on the GPU, with
-    fp32 accumulation); otherwise the dense torch reference runs.
+    q ``[Tq, Hq, D]``; k, v ``[Tk, Hkv, D]``, ``Hq % Hkv == 0``; the five index tensors
+    (int32/int64, ``[S]``) give segment s its query rows ``[q_start, q_start + q_len)`` at
+    positions ``q_pos + a`` and key rows ``[k_start, k_start + k_len)`` at positions
+    ``0 .. k_len - 1``, masked by ``causal`` and ``window = (left, right)`` (-1 unbounded;
+    the mask: docs/design.md section 5). ``scale`` defaults to ``D ** -0.5``. out in q's
+    dtype, lse float32 (float64 for float64); rows that see no key get 0 and -inf.
+    Query segments disjoint, key ranges may overlap; values unchecked (no host sync):
+    :func:`custom_ops.validation.validate_varlen_segments`. Differentiable in q, k, v,
+    through out and lse. fp16/bf16/fp32 run the Triton kernels (head_dim <= 256), float64
+    the torch reference (docs/design.md section 2). Raises on bad shapes, dtypes, windows.
     """
     left, right = _window(window)
     return _varlen_attention(q, k, v, q_start, q_len, q_pos, k_start, k_len, causal, left, right, scale)

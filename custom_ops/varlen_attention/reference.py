@@ -1,28 +1,11 @@
-"""Torch references for segment ("varlen") attention.
+"""Torch references for segment ("varlen") attention: the mask and the softmax of
+docs/design.md section 5, over ``Segments`` (query rows at ``q_pos + a``, key rows at ``b``).
 
-Segment s covers query rows ``[q_start[s], q_start[s] + q_len[s])`` at positions
-``pos(a) = q_pos[s] + a`` and key rows ``[k_start[s], k_start[s] + k_len[s])`` at
-positions ``b = 0 .. k_len[s] - 1``. Query a sees key b iff
-
-    b < k_len[s]
-    and (not causal or b <= pos(a))
-    and (left < 0 or pos(a) - b <= left)
-    and (right < 0 or b - pos(a) <= right)
-
-With ``s_ab = scale * <q_a, k_b>`` (query head h reads kv head ``h // (Hq/Hkv)``):
-
-    lse_a = log sum_{b visible} exp(s_ab)          (natural log; -inf if nothing is visible)
-    out_a = sum_{b visible} exp(s_ab - lse_a) v_b  (0 if nothing is visible)
-
-Query rows in no segment get ``out = 0``, ``lse = -inf``. Query segments must be
-disjoint (they need not be sorted); key ranges may overlap freely.
-
-:func:`varlen_attention_reference` is vectorised (dense ``[Hq, Tq, Tk]`` masked
-softmax, no host sync) and is what the op runs on CPU;
-:func:`varlen_attention_backward_reference` is the closed-form gradient the CPU
-backward uses. :func:`varlen_attention_loop` spells the definition out as a
-Python loop over segments and heads: an independent float64 oracle for tests
-and benchmarks.
+:func:`varlen_attention_reference` (dense ``[Hq, Tq, Tk]`` masked softmax, no host sync) is
+what the op runs on CPU and :func:`varlen_attention_backward_reference` the closed-form
+gradient of its CPU backward; :func:`varlen_attention_loop` spells the definition out as a
+Python loop over segments and heads in float64, an independent oracle for tests and
+benchmarks. Rows that see no key, and rows in no segment, get ``out = 0``, ``lse = -inf``.
 """
 
 from __future__ import annotations

@@ -1,8 +1,11 @@
 """The launch settings of the row-moving kernels (RowSettings) and the conv kernels (ConvSettings):
 frozen values with the tuned defaults, passed to the launchers; other settings change the
-launch, never the result. (Segment attention's settings: tests/custom_ops/test_varlen_attention.py.)"""
+launch, never the result. Every op passes its family's settings at each launcher call.
+(Segment attention's settings: tests/custom_ops/test_varlen_attention.py.)"""
 
+import ast
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -74,3 +77,31 @@ def test_conv_launchers_take_settings():
             want = (y, dx, dw, db)
         else:
             torch.testing.assert_close((y, dx, dw, db), want, rtol=1e-5, atol=1e-5)
+
+
+# (op module, its launchers, the settings constant each call passes): docs/design.md section 5
+LAUNCH_CALLS = [
+    ("thd_reorder/op.py", ("launch_rows",), "ROW_SETTINGS"),
+    ("thd_copy_valid_tokens/op.py", ("launch_rows",), "ROW_SETTINGS"),
+    ("permute_sections/op.py", ("_launch",), "SECTION_SETTINGS"),
+    ("causal_conv1d/op.py", ("_conv_forward", "_conv_backward_kernel"), "CONV_SETTINGS"),
+    ("varlen_attention/op.py", ("forward", "backward"), "ATTENTION_SETTINGS"),
+]
+
+
+@pytest.mark.parametrize(("module", "launchers", "constant"), LAUNCH_CALLS, ids=[m for m, _, _ in LAUNCH_CALLS])
+def test_ops_pass_their_settings_explicitly(module, launchers, constant):
+    """Each call of a family's launchers in its op module names the family's settings constant
+    as an argument, so no op relies on a launcher's default."""
+    path = Path(custom_ops.__file__).parent / module
+    calls = [
+        node
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in launchers
+    ]
+    assert calls, f"{module} calls none of {launchers}"
+    for call in calls:
+        args = [*call.args, *(k.value for k in call.keywords)]
+        assert any(isinstance(a, ast.Name) and a.id == constant for a in args), (
+            f"{module}:{call.lineno}: {call.func.id}(...) does not pass {constant}"
+        )

@@ -372,31 +372,11 @@ def varlen_attn_bwd_dkdv_kernel(
     """One tile of BLOCK_N rows of the key tensor x one kv head (x dk or dv, with PARTS = 2):
     ``dv_b = sum_a P_ab dout_a``, ``dk_b = scale * sum_a P_ab (dP_ab - delta_a) q_a``
     over every segment whose key range reaches the tile, the query heads of the kv
-    group, and the queries of the segment that see the tile.
-
-    Key ranges of different segments may overlap (all-gather CP runs two query
-    segments over one key range) or share a tile (short documents): one program
-    sums all of them in registers and stores the tile once, so there are no
-    atomics, no fp32 buffers to zero and cast, and the result does not depend on
-    the order programs run in. The launcher sorts the segments by key start and
-    gives each tile the slice of that order that can reach it (segments before
-    ``first`` end at or before the tile, those from ``last`` on start after it);
-    a segment in the slice that misses the tile is skipped.
-
-    The query loop runs in three phases like the other kernels' key loops: only
-    a tile wholly inside the segment's key range has an unmasked middle phase.
-    It spills registers at D = 128 on Hopper; one masked loop spills less but
-    masks every tile, which costs more than the spills (docs/benchmarks.md,
-    section "Segment attention").
-
-    With PARTS = 2 the launcher's grid has two programs per tile and kv head, one
-    computing dv and one dk, each with one accumulator: five matrix products per query
-    tile in all instead of four (both compute the scores; dv skips dP), and half the
-    accumulator registers. At D = 256 the two accumulators alone fill half a thread's
-    registers at 64 x 256 with 8 warps and the kernel spills heavily; the split form still
-    spills but is faster there for the whole backward and slower at D = 128, so only
-    D = 256 uses it (docs/benchmarks.md's history, section "D = 256 with 16 query
-    heads on 2 kv heads").
+    group, and the queries of the segment that see the tile. The segments come as the
+    slice ``[first, last)`` of ``order`` (sorted by key start) the launcher gives each tile;
+    one that misses the tile is skipped. Every key row is written once, summed in
+    registers: no atomics, deterministic (docs/design.md section 5, "Deterministic
+    backward"). The query loop runs in three phases like the forward's key loop.
     """
     # fp32 scales, as in the forward
     sm_scale = tl.cast(sm_scale, tl.float32)

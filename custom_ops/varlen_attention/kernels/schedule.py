@@ -45,32 +45,15 @@ def segment_tables_kernel(
     BLOCK: tl.constexpr,
     BUCKETS: tl.constexpr,
 ):
-    """Every table a forward or dq launch needs, in one program: the clamped segment tables,
-    and for each of the grid's ``num_tiles`` query tiles, in the order the grid runs them,
-    its segment (row 0 of ``tiles``; ``n_seg`` for a tile past the last segment's) and its
-    index within the segment (row 1). The query and key tile sizes (``tile``, ``key_tile``)
-    are runtime arguments, so that the forward's and dq's launches, whose tiles differ,
-    share one compiled variant.
-
-    Starts and lengths are clamped so that an invalid layout gives wrong rows but never
-    an out-of-bounds access: ``start`` into ``[0, rows]``, ``len`` into
-    ``[0, rows - start]``. Index tensors may be int32 or int64.
-
-    Launch order. Programs start in launch order as SMs free up, so a long tile started
-    near the end of the launch keeps its SM busy while the others idle; and the programs
-    running together share the L2, where tiles of one segment read the same K/V rows.
-    Without ``BY_WORK`` the segments run last to first, each segment's tiles last to first
-    (the whole table reversed; under a causal mask a segment's last tile is its longest).
-    With ``BY_WORK`` the segments run heaviest first, each one's tiles last to first: a
-    stable counting sort of the tiles on a bucket of their segment's work w, the number of
-    ``key_tile``-row tiles of keys that the segment's last query tile sees
-    (:func:`_key_range`; under a causal mask the segment's longest tile), ``8 * floor(log2(w
-    + 1))`` plus the three bits after the leading one, so eight buckets per doubling and
-    segments whose work differs by less than an eighth keep their order. The launch then
-    ends on the short documents, and a segment's tiles still run side by side. (Sorting
-    the tiles themselves, longest first, mixes the tiles of many segments among the programs
-    running together and is slower; docs/benchmarks.md's history, section "Segments heaviest first".) Tiles past the
-    last segment's come last.
+    """Every table a forward or dq launch needs, in one program: ``tab`` the five segment
+    columns (int32 or int64 in) clamped into the tensors (``start`` into ``[0, rows]``, ``len``
+    into ``[0, rows - start]``: an invalid layout gives wrong rows, never an out-of-bounds
+    access), and for each of the grid's ``num_tiles`` query tiles, in launch order, its
+    segment (row 0 of ``tiles``; ``n_seg`` past the last segment's tiles) and its index in the
+    segment (row 1). ``tile`` and ``key_tile`` are runtime arguments, so the forward's and
+    dq's launches share one compiled variant. Launch order: the segments last to first, or
+    with ``BY_WORK`` heaviest first by a stable counting sort on a bucket of their work
+    (eight per doubling), each segment's tiles last to first (docs/design.md section 5).
     """
     # row 0 first holds, at tile t, one more than the last segment whose cum entry is t (its
     # tiles and those of every segment before it end before t), so that the running maximum
@@ -238,17 +221,8 @@ def _program_tile(num_parts, HEAD_GROUP: tl.constexpr):
     """``(tile, part)`` of this program in a 1-D grid of ``num_tiles * num_parts`` programs
     (parts: the heads, or kv heads x PARTS in dk/dv). Launch order: the parts in groups of
     HEAD_GROUP (which divides num_parts), every tile of one group before the next group,
-    and within a group the HEAD_GROUP parts of one tile adjacent. HEAD_GROUP = 1 runs each
-    part's tiles in one stretch; HEAD_GROUP = num_parts runs all parts of a tile together.
-
-    Programs start in launch order as SMs free up, so the order decides two things: what
-    is left running at the end of the launch, and which K/V rows the programs running
-    together read. Parts of one tile have the same work; with the parts one at a time,
-    the last part's whole sequence of tiles, short and long, is what the launch ends on,
-    and a long tile started near the end leaves the other SMs idle while it finishes.
-    All parts of a tile together, the programs running at once read the K/V of every
-    head, more than the L2 cache holds. HEAD_GROUP sits between the two (its tuned values:
-    ``AttentionSettings`` in configs.py)."""
+    and within a group the HEAD_GROUP parts of one tile adjacent; why: docs/design.md
+    section 5, "Launch order"."""
     pid = tl.program_id(0)
     num_tiles = tl.num_programs(0) // num_parts
     per_group = num_tiles * HEAD_GROUP
