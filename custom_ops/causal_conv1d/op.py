@@ -58,8 +58,8 @@ class ConvConfig(NamedTuple):
 @dataclass(frozen=True)
 class ConvSettings:
     """The launch configs of the conv kernels, which the launchers below take as
-    ``settings``. ``fwd`` and ``bwd`` serve CUDA tensors: the fastest of a sweep of configs (docs/benchmarks.md's
-    git history, section "The causal conv1d kernels"). ``interpreter`` serves CPU tensors in Triton's interpreter: small blocks, so that
+    ``settings``. ``fwd`` and ``bwd`` serve CUDA tensors: the fastest of a sweep of configs
+    (docs/benchmarks.md's git history, section "The causal conv1d kernels"). ``interpreter`` serves CPU tensors in Triton's interpreter: small blocks, so that
     a test's few rows span many programs (the rows carried over block boundaries) and the
     interpreter's loops stay short."""
 
