@@ -57,11 +57,11 @@ class ConvConfig(NamedTuple):
 
 @dataclass(frozen=True)
 class ConvSettings:
-    """The launch configs of the conv kernels, which the launchers below take as
-    ``settings``. ``fwd`` and ``bwd`` serve CUDA tensors: the fastest of a sweep of configs
-    (docs/benchmarks.md's git history, section "The causal conv1d kernels"). ``interpreter`` serves CPU tensors in Triton's interpreter: small blocks, so that
-    a test's few rows span many programs (the rows carried over block boundaries) and the
-    interpreter's loops stay short."""
+    """The launch configs of the conv kernels, which the launchers below take as ``settings``.
+    ``fwd`` and ``bwd`` serve CUDA tensors: the fastest of a sweep of configs (docs/benchmarks.md's
+    git history, section "The causal conv1d kernels"). ``interpreter`` serves CPU tensors in
+    Triton's interpreter: small blocks, so that a test's few rows span many programs (the rows
+    carried over block boundaries) and the interpreter's loops stay short."""
 
     fwd: ConvConfig = ConvConfig(rows=64, block_c=1024, num_warps=4, num_stages=4)
     bwd: ConvConfig = ConvConfig(rows=256, block_c=512, num_warps=4, num_stages=4)
