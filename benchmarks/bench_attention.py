@@ -69,6 +69,11 @@ def varlen_fn(q, k, v, seg):
     return custom_ops.varlen_attention(q, k, v, *seg, causal=True)[0]
 
 
+def settings_fn(settings: AttentionSettings):
+    """:func:`varlen_fn` by the launchers under ``settings``."""
+    return lambda q, k, v, seg: _Launched.apply(q, k, v, settings, *seg)
+
+
 def _fwd_and_step(fn, q, k, v, dout):
     """Two closures: the forward alone, and forward + backward to q, k, v."""
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
@@ -135,13 +140,6 @@ class _Launched(torch.autograd.Function):
         q, k, v, out, lse, *seg = ctx.saved_tensors
         dq, dk, dv = launchers(ctx.settings, q, k, v, seg, out, lse, dout, torch.zeros_like(lse))[1]()
         return (dq, dk, dv, None) + (None,) * len(seg)
-
-
-def settings_fn(settings: AttentionSettings):
-    def fn(q, k, v, seg):
-        return _Launched.apply(q, k, v, settings, *seg)
-
-    return fn
 
 
 # --- kernel: implementations ------------------------------------------------------------------------------
@@ -619,7 +617,8 @@ def _tables(rows, profiles, world, heads, kv_heads, head_dim, runs, gqa, smoke, 
             "ag_attention",
             f"Profile of one compiled fwd+bwd step (--profile; kernel timeline, mean of {PROFILE_RUNS} steps, ms)",
             [""] + [f"T={t} {who}" for t, who in profiles],
-            [[k] + [_cell(p.get(k)) for p in profiles.values()] for k in keys], env=env, name=f"{name}-profile",
+            [[k] + ["" if p.get(k) is None else f"{p[k]:.3f}" for p in profiles.values()] for k in keys],
+            env=env, name=f"{name}-profile",
         ))  # fmt: skip
     return results
 
@@ -658,10 +657,6 @@ def _time_cp_forms(group, cu, cup, local, want, head_groups, cudagraphs, timed) 
             gathered.wait()
 
     return times, max_over_ranks(timed(gather))
-
-
-def _cell(value: float | None) -> str:
-    return "" if value is None else f"{value:.3f}"
 
 
 def tile_pairs(q_len, q_pos, k_len, block_m: int, block_n: int) -> int:
