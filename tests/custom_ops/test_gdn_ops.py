@@ -21,6 +21,9 @@ from custom_ops.gated_delta_rule.reference import (
     chunk_gated_delta_rule_loop,
     chunk_gated_delta_rule_reference,
     chunk_gated_delta_rule_reference_backward,
+    chunk_gated_delta_rule_with_state_loop,
+    chunk_gated_delta_rule_with_state_reference,
+    chunk_gated_delta_rule_with_state_reference_backward,
 )
 from custom_ops.testing import (
     TOLERANCE,
@@ -77,6 +80,11 @@ def _gdn_case(seqlens, hk, group, dk, dv, dtype, device="cpu"):
     return q, k, v, g, beta, cu
 
 
+def _states(num_seqs, hv, dk, dv, dtype, device="cpu"):
+    """Per-sequence states of unit scale in the state dtype (float64 for float64 inputs)."""
+    return random_tensor((num_seqs, hv, dk, dv), torch.float64 if dtype == torch.float64 else torch.float32, device)
+
+
 # --- agreement with the definitions -----------------------------------------------------------
 
 
@@ -127,6 +135,25 @@ def test_delta_rule_convention_is_flas():
         rep = lambda t: t[None, s:e].repeat_interleave(2, dim=2)  # noqa: E731
         theirs, _ = naive_recurrent_gated_delta_rule(rep(q), rep(k), v[None, s:e], beta[None, s:e], g[None, s:e])
         assert rel_error(theirs[0], ours[s:e]) < TOLERANCE[torch.float32]
+
+
+def test_state_convention_is_flas():
+    """With initial states, the loop oracle's outputs and final states (``[Hv, dk, dv]`` per
+    sequence) equal FLA's naive recurrence's, the layout FLA's kernels take and give."""
+    from fla.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
+
+    seqlens = [9, 0, 1, 14]
+    q, k, v, g, beta, cu = _gdn_case(seqlens, 2, 2, 8, 5, torch.float32)
+    h0 = _states(len(seqlens), 4, 8, 5, torch.float32)
+    ours, final = chunk_gated_delta_rule_with_state_loop(q, k, v, g, beta, cu, None, h0)
+    for i, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        rep = lambda t: t[None, s:e].repeat_interleave(2, dim=2)  # noqa: E731
+        theirs, theirs_final = naive_recurrent_gated_delta_rule(
+            rep(q), rep(k), v[None, s:e], beta[None, s:e], g[None, s:e],
+            initial_state=h0[i : i + 1], output_final_state=True,
+        )  # fmt: skip
+        assert rel_error(theirs[0], ours[s:e]) < TOLERANCE[torch.float32]
+        assert rel_error(theirs_final[0], final[i]) < TOLERANCE[torch.float32]
 
 
 def test_packing_is_per_sequence():
@@ -271,6 +298,24 @@ def test_gradcheck_delta_rule(seqlens, group):
     for fn in (custom_ops.chunk_gated_delta_rule, chunk_gated_delta_rule_reference):
         args = tuple(t.clone().requires_grad_() for t in (q, k, v, g, beta))
         assert torch.autograd.gradcheck(lambda *a, fn=fn: fn(*a, cu, 0.6), args)
+
+
+@given(gdn_layouts(max_seqs=3, max_len=10), st.sampled_from([(1, 2), (2, 1)]), st.booleans())
+def test_state_backward_matches_autograd_of_reference(seqlens, heads, given_state):
+    """The reverse scan with states (the op's CPU backward) equals autograd through the reference."""
+    hk, group = heads
+    q, k, v, g, beta, cu = _gdn_case(seqlens, hk, group, 4, 3, torch.float64)
+    h0 = _states(len(seqlens), hk * group, 4, 3, torch.float64) if given_state else None
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, g, beta) + ((h0,) if given_state else ())]
+    o, final = chunk_gated_delta_rule_with_state_reference(*leaves[:5], cu, None, *leaves[5:])
+    grad_o, grad_final = torch.randn_like(o), torch.randn_like(final)
+    # with no initial state and no rows the final state is a constant zero
+    outputs, grads = zip(*[(t, d) for t, d in ((o, grad_o), (final, grad_final)) if t.requires_grad])
+    expected = torch.autograd.grad(outputs, leaves, grads, allow_unused=True, materialize_grads=True)
+    got = chunk_gated_delta_rule_with_state_reference_backward(grad_o, grad_final, q, k, v, g, beta, cu, None, h0)
+    assert len(got) == 6 and (given_state or got[5].numel() == 0)
+    for a, e in zip(got, expected):
+        assert rel_error(a, e) < TOLERANCE[torch.float64]
 
 
 @given(gdn_layouts(max_seqs=3, max_len=10), st.sampled_from([(1, 2), (2, 1)]))
