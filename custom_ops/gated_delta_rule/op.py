@@ -4,9 +4,10 @@ section 2, "Gated DeltaNet core").
 ``chunk_gated_delta_rule_forward`` and ``_backward`` are opaque custom ops
 (:func:`custom_ops.runtime.registration.opaque_op`) around FLA's internal forward and backward
 functions, whose own autograd entry points are ``@torch.compiler.disable``: Inductor calls
-each as one extern node and never traces into FLA. The public ``chunk_gated_delta_rule`` is
-a composite (:func:`custom_ops.runtime.registration.composite_op`) over the forward op. CPU tensors
-run the torch reference of :mod:`custom_ops.gated_delta_rule.reference` (FLA's kernels do not run in
+each as one extern node and never traces into FLA. The public ``chunk_gated_delta_rule`` and
+``chunk_gated_delta_rule_with_state`` (per-sequence initial and final states) are composites
+(:func:`custom_ops.runtime.registration.composite_op`) over the forward op. CPU tensors run the
+torch references of :mod:`custom_ops.gated_delta_rule.reference` (FLA's kernels do not run in
 Triton's interpreter).
 """
 
@@ -24,14 +25,15 @@ from custom_ops.gated_delta_rule.fla import (
     precompile_varlen_indices,
 )
 from custom_ops.gated_delta_rule.reference import (
-    chunk_gated_delta_rule_reference,
-    chunk_gated_delta_rule_reference_backward,
+    chunk_gated_delta_rule_with_state_reference,
+    chunk_gated_delta_rule_with_state_reference_backward,
+    state_dtype,
 )
 from custom_ops.runtime.checks import check_index_tensor
 from custom_ops.runtime.registration import NAMESPACE, composite_op, opaque_op
 from custom_ops.runtime.validation import checked
 
-__all__ = ["chunk_gated_delta_rule"]
+__all__ = ["chunk_gated_delta_rule", "chunk_gated_delta_rule_with_state"]
 
 # FLA's GDN kernels keep a [dk, dv] state tile in registers/shared memory.
 MAX_HEAD_DIM = 256
@@ -61,6 +63,28 @@ def _check_gdn(q, k, v, g, beta, cu_seqlens) -> None:
     if q.device.type == "cuda" and max(dk, dv) > MAX_HEAD_DIM:
         raise ValueError(f"FLA's kernels take head dims up to {MAX_HEAD_DIM}, got dk = {dk}, dv = {dv}")
     check_index_tensor("cu_seqlens", cu_seqlens, q.device)
+
+
+def _check_state(name: str, state: Optional[torch.Tensor], q, v, cu_seqlens) -> None:
+    """A per-sequence state ``[B, Hv, dk, dv]`` of :func:`custom_ops.gated_delta_rule.reference.state_dtype`
+    on q's device, or None."""
+    if state is None:
+        return
+    shape = (cu_seqlens.shape[0] - 1, v.shape[1], q.shape[2], v.shape[2])
+    if tuple(state.shape) != shape:
+        raise ValueError(f"{name} must be [B, Hv, dk, dv] = {list(shape)}, got shape {tuple(state.shape)}")
+    if state.dtype != state_dtype(q):
+        raise TypeError(f"{name} must be {state_dtype(q)} for q of {q.dtype}, got {state.dtype}")
+    if state.device != q.device:
+        raise ValueError(f"{name} is on {state.device} but q is on {q.device}")
+
+
+def _fla_state(state: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """A state ``[B, ...]`` as FLA's ``[B+1, ...]`` float32: FLA also runs the empty sequence
+    that :func:`custom_ops.gated_delta_rule.fla.fla_varlen_indices` appends, from a zero state."""
+    if state is None:
+        return None
+    return torch.cat([state.float(), state.new_zeros((1, *state.shape[1:]), dtype=torch.float32)])
 
 
 def _check_fla_indices(cu_seqlens, fla_cu_seqlens, chunk_indices, num_rows: int) -> None:
@@ -101,9 +125,11 @@ def chunk_gated_delta_rule_forward(
     beta: torch.Tensor,
     cu_seqlens: torch.Tensor,
     scale: Optional[float] = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(o [T, Hv, dv], g_cum, A, fla_cu_seqlens, chunk_indices)``: the output of
-    :func:`chunk_gated_delta_rule` and what its backward needs.
+    initial_state: Optional[torch.Tensor] = None,
+    output_final_state: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(o, final_state, g_cum, A, fla_cu_seqlens, chunk_indices)``: :func:`chunk_gated_delta_rule_with_state`'s
+    outputs (``final_state`` empty unless ``output_final_state``) and what its backward needs.
 
     ``fla_cu_seqlens`` and ``chunk_indices`` are :func:`custom_ops.gated_delta_rule.fla.fla_varlen_indices`
     of ``cu_seqlens``, returned so that the backward reuses them instead of building them again;
@@ -116,39 +142,51 @@ def chunk_gated_delta_rule_forward(
     own autograd keeps besides the inputs. CPU reference path: both are empty.
     """
     _check_gdn(q, k, v, g, beta, cu_seqlens)
+    _check_state("initial_state", initial_state, q, v, cu_seqlens)
     scale = _resolve_scale(q, scale)
     fla_cu_seqlens, chunk_indices = fla_varlen_indices(cu_seqlens, q.shape[0])
+    no_state = q.new_empty(0, dtype=state_dtype(q))
     if not _uses_fla(q):
-        o = chunk_gated_delta_rule_reference(q, k, v, g, beta, cu_seqlens, scale)
-        return o, g.new_empty(0, dtype=torch.float32), q.new_empty(0), fla_cu_seqlens, chunk_indices.view(-1)
+        o, final_state = chunk_gated_delta_rule_with_state_reference(q, k, v, g, beta, cu_seqlens, scale, initial_state)
+        if not output_final_state:
+            final_state = no_state
+        g_cum, A = g.new_empty(0, dtype=torch.float32), q.new_empty(0)
+        return o, final_state, g_cum, A, fla_cu_seqlens, chunk_indices.view(-1)
     chunk_gated_delta_rule_fwd = fla_module("fla.ops.gated_delta_rule.chunk").chunk_gated_delta_rule_fwd
 
     with fla_call(q.device):
-        g_cum, o, A, _, _, _ = chunk_gated_delta_rule_fwd(
+        g_cum, o, A, final_state, _, _ = chunk_gated_delta_rule_fwd(
             q=q.contiguous().unsqueeze(0),
             k=k.contiguous().unsqueeze(0),
             v=v.contiguous().unsqueeze(0),
             g=g.contiguous().unsqueeze(0),
             beta=beta.contiguous().unsqueeze(0),
             scale=scale,
-            initial_state=None,
-            output_final_state=False,
+            initial_state=_fla_state(initial_state),
+            output_final_state=output_final_state,
             cu_seqlens=fla_cu_seqlens,
             chunk_indices=chunk_indices,
             chunk_size=FLA_CHUNK,
         )
-    return o.squeeze(0).to(q.dtype), g_cum.squeeze(0), A.squeeze(0), fla_cu_seqlens, chunk_indices.view(-1)
+    # FLA's states are float32 [B+1, Hv, dk, dv]; the last is the appended empty sequence's
+    final_state = final_state[:-1].to(no_state.dtype) if output_final_state else no_state
+    return (
+        o.squeeze(0).to(q.dtype), final_state, g_cum.squeeze(0), A.squeeze(0), fla_cu_seqlens, chunk_indices.view(-1)
+    )
 
 
 @chunk_gated_delta_rule_forward.register_fake
-def _(q, k, v, g, beta, cu_seqlens, scale=None):
+def _(q, k, v, g, beta, cu_seqlens, scale=None, initial_state=None, output_final_state=False):
     _check_gdn(q, k, v, g, beta, cu_seqlens)
+    _check_state("initial_state", initial_state, q, v, cu_seqlens)
     if _uses_fla(q):
         precompile_varlen_indices(cu_seqlens, q.shape[0])
     g_shape, a_shape = _aux_shapes(q, v)
     num_seqs = cu_seqlens.shape[0] - 1
+    state_shape = (num_seqs, v.shape[1], q.shape[2], v.shape[2]) if output_final_state else (0,)
     return (
         v.new_empty(v.shape, dtype=q.dtype),
+        q.new_empty(state_shape, dtype=state_dtype(q)),
         g.new_empty(g_shape, dtype=torch.float32),
         q.new_empty(a_shape),
         cu_seqlens.new_empty(num_seqs + 2),
@@ -170,22 +208,30 @@ def chunk_gated_delta_rule_backward(
     g_cum: torch.Tensor,
     A: torch.Tensor,
     scale: Optional[float] = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv, dg, dbeta) of :func:`chunk_gated_delta_rule`, from the forward's saved tensors.
+    initial_state: Optional[torch.Tensor] = None,
+    grad_final_state: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dg, dbeta, d_initial_state) of :func:`chunk_gated_delta_rule_with_state`,
+    from the forward's saved tensors and the final state's gradient (None: zero).
 
     CUDA: FLA's ``chunk_gated_delta_rule_bwd`` (it recomputes w, u and the chunk
-    states h from A and g_cum, as in FLA's own autograd). GVA: FLA sums the key-head
-    gradients over each group of value heads. CPU: the reverse scan of the reference.
+    states h from A, g_cum and the initial state, as in FLA's own autograd). GVA: FLA sums
+    the key-head gradients over each group of value heads. CPU: the reverse scan of the
+    reference. ``d_initial_state`` is empty where ``initial_state`` is None.
     """
     chunk_indices = chunk_indices.view(-1, 2)
     _check_fla_indices(cu_seqlens, fla_cu_seqlens, chunk_indices, q.shape[0])
+    _check_state("initial_state", initial_state, q, v, cu_seqlens)
+    _check_state("grad_final_state", grad_final_state, q, v, cu_seqlens)
     scale = _resolve_scale(q, scale)
     if not _uses_fla(q):
-        return chunk_gated_delta_rule_reference_backward(grad_o, q, k, v, g, beta, cu_seqlens, scale)
+        return chunk_gated_delta_rule_with_state_reference_backward(
+            grad_o, grad_final_state, q, k, v, g, beta, cu_seqlens, scale, initial_state
+        )
     chunk_gated_delta_rule_bwd = fla_module("fla.ops.gated_delta_rule.chunk").chunk_gated_delta_rule_bwd
 
     with fla_call(q.device):
-        dq, dk, dv, dbeta, dg, _, _, _ = chunk_gated_delta_rule_bwd(
+        dq, dk, dv, dbeta, dg, dh0, _, _ = chunk_gated_delta_rule_bwd(
             q=q.contiguous().unsqueeze(0),
             k=k.contiguous().unsqueeze(0),
             v=v.contiguous().unsqueeze(0),
@@ -193,9 +239,9 @@ def chunk_gated_delta_rule_backward(
             beta=beta.contiguous().unsqueeze(0),
             A=A.unsqueeze(0),
             scale=scale,
-            initial_state=None,
+            initial_state=_fla_state(initial_state),
             do=grad_o.contiguous().unsqueeze(0),
-            dht=None,
+            dht=_fla_state(grad_final_state),
             cu_seqlens=fla_cu_seqlens,
             chunk_indices=chunk_indices,
             chunk_size=FLA_CHUNK,
@@ -206,24 +252,38 @@ def chunk_gated_delta_rule_backward(
         dv.squeeze(0).to(v.dtype),
         dg.squeeze(0).to(g.dtype),
         dbeta.squeeze(0).to(beta.dtype),
+        q.new_empty(0, dtype=state_dtype(q)) if initial_state is None else dh0[:-1].to(initial_state.dtype),
     )
 
 
 @chunk_gated_delta_rule_backward.register_fake
-def _(grad_o, q, k, v, g, beta, cu_seqlens, fla_cu_seqlens, chunk_indices, g_cum, A, scale=None):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), g.new_empty(g.shape), beta.new_empty(beta.shape)
+def _(grad_o, q, k, v, g, beta, cu_seqlens, fla_cu_seqlens, chunk_indices, g_cum, A, scale=None,
+      initial_state=None, grad_final_state=None):  # fmt: skip
+    _check_state("initial_state", initial_state, q, v, cu_seqlens)
+    _check_state("grad_final_state", grad_final_state, q, v, cu_seqlens)
+    d_state = q.new_empty(0, dtype=state_dtype(q)) if initial_state is None else torch.empty_like(initial_state)
+    return (
+        q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), g.new_empty(g.shape),
+        beta.new_empty(beta.shape), d_state,
+    )  # fmt: skip
 
 
 def _gdn_setup_context(ctx, inputs, output):
-    q, k, v, g, beta, cu_seqlens, scale = inputs
-    _, g_cum, A, fla_cu_seqlens, chunk_indices = output
-    ctx.save_for_backward(q, k, v, g, beta, cu_seqlens, fla_cu_seqlens, chunk_indices, g_cum, A)
+    q, k, v, g, beta, cu_seqlens, scale, initial_state, output_final_state = inputs
+    _, _, g_cum, A, fla_cu_seqlens, chunk_indices = output
+    ctx.save_for_backward(q, k, v, g, beta, cu_seqlens, fla_cu_seqlens, chunk_indices, g_cum, A, initial_state)
     ctx.scale = scale
+    ctx.output_final_state = output_final_state
 
 
-def _gdn_backward(ctx, grad_o, *_grad_aux):
-    dq, dk, dv, dg, dbeta = torch.ops.cp_ops.chunk_gated_delta_rule_backward(grad_o, *ctx.saved_tensors, ctx.scale)
-    return dq, dk, dv, dg, dbeta, None, None
+def _gdn_backward(ctx, grad_o, grad_final_state, *_grad_aux):
+    *saved, initial_state = ctx.saved_tensors
+    # without output_final_state the final state is an empty placeholder, its gradient too
+    grad_final_state = grad_final_state if ctx.output_final_state else None
+    *grads, d_state = torch.ops.cp_ops.chunk_gated_delta_rule_backward(
+        grad_o, *saved, ctx.scale, initial_state, grad_final_state
+    )
+    return (*grads, None, None, None if initial_state is None else d_state, None)
 
 
 chunk_gated_delta_rule_forward.register_autograd(_gdn_backward, setup_context=_gdn_setup_context)
@@ -239,6 +299,20 @@ chunk_gated_delta_rule_forward.register_autograd(_gdn_backward, setup_context=_g
 def _chunk_gated_delta_rule_composite(q, k, v, g, beta, cu_seqlens, scale=None):
     cu_seqlens = checked("cumulative", cu_seqlens, (), q.shape[0])
     return torch.ops.cp_ops.chunk_gated_delta_rule_forward(q, k, v, g, beta, cu_seqlens, scale)[0]
+
+
+# A public op of its own, so that chunk_gated_delta_rule keeps its schema and its one output.
+@composite_op(
+    f"{NAMESPACE}::chunk_gated_delta_rule_with_state",
+    "(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor cu_seqlens, float? scale=None, "
+    "Tensor? initial_state=None) -> (Tensor, Tensor)",
+)
+def _chunk_gated_delta_rule_with_state_composite(q, k, v, g, beta, cu_seqlens, scale=None, initial_state=None):
+    cu_seqlens = checked("cumulative", cu_seqlens, (), q.shape[0])
+    o, final_state, *_ = torch.ops.cp_ops.chunk_gated_delta_rule_forward(
+        q, k, v, g, beta, cu_seqlens, scale, initial_state, True
+    )
+    return o, final_state
 
 
 def chunk_gated_delta_rule(
@@ -261,3 +335,26 @@ def chunk_gated_delta_rule(
     sequential torch reference (docs/design.md section 2).
     """
     return torch.ops.cp_ops.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, scale)
+
+
+def chunk_gated_delta_rule_with_state(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: Optional[float] = None,
+    initial_state: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`chunk_gated_delta_rule` from a state per sequence: ``(o, final_state)``
+    (``torch.ops.cp_ops.chunk_gated_delta_rule_with_state``).
+
+    ``initial_state`` ``[B, Hv, dk, dv]`` (None: zeros) is the state ``S`` before each
+    sequence's first row, ``final_state`` (same shape) the state after its last row (the
+    initial state for a zero-length sequence); states are float32, float64 for float64 q.
+    Running a sequence's tail from its head's final state gives the whole sequence's rows.
+    Differentiable in q, k, v, g, beta and ``initial_state``, with gradients from ``o`` and
+    ``final_state`` (docs/design.md section 2).
+    """
+    return torch.ops.cp_ops.chunk_gated_delta_rule_with_state(q, k, v, g, beta, cu_seqlens, scale, initial_state)
