@@ -277,75 +277,57 @@ def bench_conv_gather(
 # --- context parallelism: the per-sequence all-to-all baseline and the section-layout form --------
 
 
-class _PerSequenceCp2hp(torch.autograd.Function):
-    """cp2hp_per_sequence with hp2cp_per_sequence as its gradient (the baseline's autograd)."""
+class _PerSequence(torch.autograd.Function):
+    """A per-sequence exchange, cp2hp (``to_hp``) or hp2cp, with the other one as its gradient
+    (the baseline's autograd)."""
 
     @staticmethod
-    def forward(ctx, x, cu_seqlens_padded, sections, group):
-        ctx.cup, ctx.sections, ctx.group = cu_seqlens_padded, [int(s) for s in sections], group
-        return cp2hp_per_sequence(x, cu_seqlens_padded, ctx.sections, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        local = [s // ctx.group.size() for s in ctx.sections]
-        return hp2cp_per_sequence(grad.contiguous(), ctx.cup, local, ctx.group), None, None, None
-
-
-class _PerSequenceHp2cp(torch.autograd.Function):
-    """hp2cp_per_sequence with cp2hp_per_sequence as its gradient."""
-
-    @staticmethod
-    def forward(ctx, y, cu_seqlens_padded, sections, group):
-        ctx.cup, ctx.sections, ctx.group = cu_seqlens_padded, [int(s) for s in sections], group
-        return hp2cp_per_sequence(y, cu_seqlens_padded, ctx.sections, group)
+    def forward(ctx, x, cu_seqlens_padded, sections, group, to_hp):
+        ctx.cup, ctx.sections, ctx.group, ctx.to_hp = cu_seqlens_padded, [int(s) for s in sections], group, to_hp
+        return (cp2hp_per_sequence if to_hp else hp2cp_per_sequence)(x, cu_seqlens_padded, ctx.sections, group)
 
     @staticmethod
     def backward(ctx, grad):
-        full = [s * ctx.group.size() for s in ctx.sections]
-        return cp2hp_per_sequence(grad.contiguous(), ctx.cup, full, ctx.group), None, None, None
+        world = ctx.group.size()
+        if ctx.to_hp:
+            dx = hp2cp_per_sequence(grad.contiguous(), ctx.cup, [s // world for s in ctx.sections], ctx.group)
+        else:
+            dx = cp2hp_per_sequence(grad.contiguous(), ctx.cup, [s * world for s in ctx.sections], ctx.group)
+        return dx, None, None, None, None
 
 
 def per_sequence_cp2hp(x_cp, cu_seqlens_padded, sections, group):
     """``thd_cp2hp``'s signature, one all-to-all per sequence and section (eager, differentiable)."""
-    return _PerSequenceCp2hp.apply(x_cp, cu_seqlens_padded, sections, group)
+    return _PerSequence.apply(x_cp, cu_seqlens_padded, sections, group, True)
 
 
 def per_sequence_hp2cp(y_hp, cu_seqlens_padded, sections, group):
     """``thd_hp2cp``'s signature, one all-to-all per sequence and section (eager, differentiable)."""
-    return _PerSequenceHp2cp.apply(y_hp, cu_seqlens_padded, sections, group)
+    return _PerSequence.apply(y_hp, cu_seqlens_padded, sections, group, False)
 
 
-def forward_sections(layer: GatedDeltaNet, x, cu_seqlens_padded, group, cp2hp=thd_cp2hp, hp2cp=thd_hp2cp):
-    """The layer's forward converting section-layout tensors with ``cp2hp`` and ``hp2cp``
-    (``thd_cp2hp``'s and ``thd_hp2cp``'s signatures): ``in_proj`` as ``layer.project``, ``cp2hp``
-    of q, k, v, b, a, the core on this rank's heads, ``hp2cp`` of its output, the gated norm,
-    ``out_proj``; the z projection after the exchange, nothing overlapped. The same values as
-    ``layer.forward``, with a pass over the activations on each side of each exchange."""
-    heads = layer.num_k_heads // resolve_group(group)[1]
-    qkvba, z = layer.project(x)
-    qkvba_hp = cp2hp(qkvba, cu_seqlens_padded, layer.exchanged_sections(), group)
-    o_hp = layer.head_parallel_core(qkvba_hp, cu_seqlens_padded, group_rank(group) * heads, heads)
-    o = hp2cp(o_hp, cu_seqlens_padded, [o_hp.shape[-1]], group)
-    rows, dv = o.shape[0], layer.head_v_dim
-    gated = layer.norm(o.view(rows, -1, dv), z.view(rows, -1, dv)).reshape(rows, -1)
-    return layer.out_proj(gated)
+class SectionsForm(torch.nn.Module):
+    """The CP layer converting section-layout tensors with ``cp2hp`` and ``hp2cp`` (``thd_cp2hp``'s
+    and ``thd_hp2cp``'s signatures): ``in_proj`` as ``layer.project``, ``cp2hp`` of q, k, v, b, a,
+    the core on this rank's heads, ``hp2cp`` of its output, the gated norm, ``out_proj``; the z
+    projection after the exchange, nothing overlapped. The same values as ``layer.forward``, with
+    a pass over the activations on each side of each exchange: with the defaults, the layer as it
+    was before the fused layouts and the overlap."""
 
+    def __init__(self, layer: GatedDeltaNet, cp2hp=thd_cp2hp, hp2cp=thd_hp2cp):
+        super().__init__()
+        self.layer, self.cp2hp, self.hp2cp = layer, cp2hp, hp2cp
 
-def sections_form(layer: GatedDeltaNet, cp2hp=thd_cp2hp, hp2cp=thd_hp2cp):
-    """The CP layer converting section-layout tensors with ``cp2hp`` / ``hp2cp``
-    (:func:`forward_sections`: a pass over the activations on each side of each exchange, the z
-    projection after it, nothing overlapped), as a module ``torch.compile`` can wrap: with the
-    defaults, the layer as it was before the fused layouts and the overlap."""
-
-    class SectionsForm(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.layer = layer
-
-        def forward(self, x, cu_seqlens_padded, group=None):
-            return forward_sections(self.layer, x, cu_seqlens_padded, group, cp2hp, hp2cp)
-
-    return SectionsForm()
+    def forward(self, x, cu_seqlens_padded, group=None):
+        layer = self.layer
+        heads = layer.num_k_heads // resolve_group(group)[1]
+        qkvba, z = layer.project(x)
+        qkvba_hp = self.cp2hp(qkvba, cu_seqlens_padded, layer.exchanged_sections(), group)
+        o_hp = layer.head_parallel_core(qkvba_hp, cu_seqlens_padded, group_rank(group) * heads, heads)
+        o = self.hp2cp(o_hp, cu_seqlens_padded, [o_hp.shape[-1]], group)
+        rows, dv = o.shape[0], layer.head_v_dim
+        gated = layer.norm(o.view(rows, -1, dv), z.view(rows, -1, dv)).reshape(rows, -1)
+        return layer.out_proj(gated)
 
 
 def a2a_steps(layer: GatedDeltaNet, x_cp: torch.Tensor, cup: torch.Tensor, group, cp2hp, hp2cp) -> dict:
@@ -391,8 +373,8 @@ def _cp_rank(rank, world, init_method, tokens, seqs, out, smoke, opts: dict) -> 
     layer = GatedDeltaNet(hidden, hk, hv, dk, dv).to(device, dtype)
     params = list(layer.parameters())
 
-    unfused = sections_form(layer)
-    per_sequence = sections_form(layer, per_sequence_cp2hp, per_sequence_hp2cp)
+    unfused = SectionsForm(layer)
+    per_sequence = SectionsForm(layer, per_sequence_cp2hp, per_sequence_hp2cp)
 
     def compile_layer(dynamic: bool):
         """The layer compiled as recommended, and its section-layout form compiled as the layer
@@ -573,38 +555,23 @@ def _cp_table(results, cases, world, dims, dtype, runs, seq_runs, notes) -> tupl
                       "gated norm fwd+bwd compiled", "hp2cp fwd+bwd", "out_proj fwd+bwd")
         )  # fmt: skip
     e, t, x = "{:.2e}", "{:.3f}", "{:.2f}"
-    table = [
-        ("rel error vs 1 GPU: CP eager", "err eager", e),
-        ("rel error vs 1 GPU: CP compiled", "err compiled", e),
-        ("rel error vs 1 GPU: CP eager, per-seq a2a", "err per-seq", e),
-        ("rel error vs 1 GPU: CP compiled, unfused", "err compiled unfused", e),
-        ("1 GPU fwd+bwd compiled", "1 compiled", t),
-        (f"{w} fwd+bwd compiled", "W compiled", t),
-        ("scaling efficiency, compiled", "eff compiled", x),
-        (f"{w} fwd+bwd compiled, unfused", "W compiled unfused", t),
-        ("scaling efficiency, compiled, unfused", "eff compiled unfused", x),
-        ("1 GPU fwd+bwd eager", "1 eager", t),
-        (f"{w} fwd+bwd eager", "W eager", t),
-        ("scaling efficiency, eager", "eff eager", x),
-        (f"{w} fwd+bwd eager, unfused", "W eager unfused", t),
-        ("scaling efficiency, eager, unfused", "eff eager unfused", x),
-        (f"{w} fwd+bwd eager, per-seq a2a", "W per-seq eager", t),
-        ("per-seq a2a / fused a2a (eager layer)", "per-seq / fused", x),
-        ("in_proj fwd+bwd", "in_proj fwd+bwd", t),
-        ("cp2hp fwd+bwd", "cp2hp fwd+bwd", t),
-        ("conv fwd+bwd", "conv fwd+bwd", t),
-        ("core fwd", "core fwd", t),
-        ("core fwd+bwd", "core fwd+bwd", t),
-        ("gated norm fwd+bwd eager", "gated norm fwd+bwd eager", t),
-        ("gated norm fwd+bwd compiled", "gated norm fwd+bwd compiled", t),
-        ("hp2cp fwd+bwd", "hp2cp fwd+bwd", t),
-        ("out_proj fwd+bwd", "out_proj fwd+bwd", t),
-        ("sum of the fwd+bwd pieces (compiled norm)", "sum", t),
-        ("all-to-alls (cp2hp + hp2cp fwd+bwd)", "a2a", t),
-        ("per-seq all-to-alls (cp2hp + hp2cp fwd+bwd)", "per-seq a2a", t),
-        ("per-seq cp2hp fwd+bwd", "per-seq cp2hp fwd+bwd", t),
-        ("per-seq hp2cp fwd+bwd", "per-seq hp2cp fwd+bwd", t),
-    ]
+    errors = {"eager": "err eager", "compiled": "err compiled", "eager, per-seq a2a": "err per-seq",
+              "compiled, unfused": "err compiled unfused"}  # fmt: skip
+    table = [(f"rel error vs 1 GPU: CP {label}", key, e) for label, key in errors.items()]
+    for mode in ("compiled", "eager"):
+        table += [(f"1 GPU fwd+bwd {mode}", f"1 {mode}", t), (f"{w} fwd+bwd {mode}", f"W {mode}", t),
+                  (f"scaling efficiency, {mode}", f"eff {mode}", x),
+                  (f"{w} fwd+bwd {mode}, unfused", f"W {mode} unfused", t),
+                  (f"scaling efficiency, {mode}, unfused", f"eff {mode} unfused", x)]  # fmt: skip
+    table += [(f"{w} fwd+bwd eager, per-seq a2a", "W per-seq eager", t),
+              ("per-seq a2a / fused a2a (eager layer)", "per-seq / fused", x)]  # fmt: skip
+    table += [(k, k, t) for k in ("in_proj fwd+bwd", "cp2hp fwd+bwd", "conv fwd+bwd", "core fwd", "core fwd+bwd",
+                                  "gated norm fwd+bwd eager", "gated norm fwd+bwd compiled", "hp2cp fwd+bwd",
+                                  "out_proj fwd+bwd")]  # fmt: skip
+    table += [("sum of the fwd+bwd pieces (compiled norm)", "sum", t),
+              ("all-to-alls (cp2hp + hp2cp fwd+bwd)", "a2a", t),
+              ("per-seq all-to-alls (cp2hp + hp2cp fwd+bwd)", "per-seq a2a", t)]  # fmt: skip
+    table += [(k, k, t) for k in ("per-seq cp2hp fwd+bwd", "per-seq hp2cp fwd+bwd")]
     title = (f"GatedDeltaNet with CP, {w} (hidden {hidden}, Hk {hk}, Hv {hv}, dk {dk}, dv {dv}), "
              f"{str(dtype).removeprefix('torch.')}")  # fmt: skip
     text = [
@@ -618,9 +585,8 @@ def _cp_table(results, cases, world, dims, dtype, runs, seq_runs, notes) -> tupl
     rows = []
     if "prof W wall" in results[cases[0]]:  # --profile: rank 0's compiled steps by kernel class
         for who, label in (("1", "1 GPU"), ("W", w)):
-            for k in ["wall", "GPU busy", "idle", "compute busy", "collectives only"] + [c for c, _ in KERNEL_CLASSES]:
+            for k in ["wall", "GPU busy", "idle", "compute busy", "collectives only", *dict(KERNEL_CLASSES), "other"]:
                 table.append((f"profile, compiled {label}: {k}", f"prof {who} {k}", t))
-            table.append((f"profile, compiled {label}: other", f"prof {who} other", t))
         table.append(("profile, compiled 1 GPU: host issue", "prof 1 host issue", t))
         for r in range(world):
             for k in RANK_WAIT_KEYS:

@@ -1,36 +1,12 @@
 """transformers' Qwen3-Next with this package's layers (apply_context_parallel) against its own
 layers, on one GPU: error against a float32 reference, and fwd+bwd throughput.
 
-    python -m benchmarks.bench_qwen3_next [--tokens 16384] [--seqs 8] [--out DIR]
+    python -m benchmarks.bench_qwen3_next [--tokens 16384] [--seqs 8] [--runs N] [--forms FORM ...] [--out DIR]
     python -m benchmarks.bench_qwen3_next --smoke --out DIR     # tiny shapes on the CPU, seconds
 
-The model: ``Qwen3NextForCausalLM`` with two decoder layers, a Gated DeltaNet then a gated
-attention, at Qwen3-Next-80B-A3B's widths (hidden 2048; GDN 16 key / 32 value heads of 128;
-attention 16 query / 2 kv heads of 256, partial_rotary_factor 0.25, rope_theta 1e7), a dense
-SwiGLU MLP (intermediate 5632) and a 32000-token vocabulary, random weights, bf16. The batch:
-``--seqs`` sequences of mixed lengths, ``--tokens`` real tokens in all.
-
-Forms (the same weights):
-
-  ours, compiled    apply_context_parallel(model) (group None: one GPU), the packed batch,
-                    torch.compile(model, fullgraph=True)
-  ours, eager       the same model uncompiled
-  hf, looped        transformers' model, bf16, one sequence at a time (its default kernels:
-                    FLA for the delta rule on the GPU)
-  hf, packed        transformers' model, bf16, the whole batch in one row with position_ids
-                    restarting per sequence and cu_seq_lens_q / cu_seq_lens_k (its packed path;
-                    sdpa with a block-diagonal mask; its causal conv reads across sequences)
-
-Error: ``||x - x_ref|| / ||x_ref||`` of the real tokens' logits and of each mixer's parameter
-gradients (loss: the batch's mean next-token cross-entropy), against transformers' model in
-float32 run one sequence at a time with its torch delta rule and TF32 off. The check: ours no
-more than 2x the error of ``hf, looped`` on the logits and on every mixer's gradients (the scalar loss
-agrees to rounding noise in every form: reported only). Throughput: real tokens per second
-of one fwd+bwd step (median of timed runs, CUDA events). Prints a table and writes the results
-``qwen3-next`` and ``qwen3-next-checks`` (``qwen3-next-smoke...`` with --smoke;
-benchmarks/runner.py) to DIR. ``--smoke`` compiles with the ``aot_eager`` backend
-(dynamo and AOT autograd, as on the GPU, without Inductor's CPU code) and fails unless the
-check holds.
+Results (benchmarks/runner.py): ``qwen3-next`` and ``qwen3-next-checks`` (``qwen3-next-smoke...``
+with --smoke, which compiles with the ``aot_eager`` backend and fails unless the check holds).
+docs/transformers.md, section "Benchmark", gives the model, the forms and the check.
 """
 
 from __future__ import annotations

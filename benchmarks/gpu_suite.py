@@ -18,55 +18,38 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+
+def _bench(module: str, *args: str) -> list[str]:
+    """``python -m benchmarks.MODULE ARGS --out {out}``: a benchmark part's command."""
+    return [sys.executable, "-m", f"benchmarks.{module}", *args, "--out", "{out}"]
+
+
+# multi-rank parts (2 or more GPUs): {world} is the CP size, {name} the part's name with it (a2a-w8)
 PARTS = {
     "tests-1gpu": (1, [sys.executable, "-m", "pytest", "-m", "gpu and not dist", "-q", "-p", "no:cacheprovider"]),
-    "layout": (1, [sys.executable, "-m", "benchmarks.bench_thd_layout", "--out", "{out}"]),
-    "attention": (1, [sys.executable, "-m", "benchmarks.bench_varlen_attention", "--out", "{out}"]),
-    "attention-tune": (1, [sys.executable, "-m", "benchmarks.bench_varlen_attention", "--tune"]),
-    "attention-profile": (1, [sys.executable, "-m", "benchmarks.bench_varlen_attention", "--profile", "--out", "{out}"]),
-    "attention-qwen": (
-        1,
-        [sys.executable, "-m", "benchmarks.bench_varlen_attention", "--gqa", "8", "--head-dims", "256", "--out", "{out}"],
-    ),
-    "gdn": (
-        1,
-        [sys.executable, "-m", "benchmarks.bench_gdn", "--kernel-time", "--rank-share", "2", "4", "--out", "{out}"],
-    ),
-    "conv": (1, [sys.executable, "-m", "benchmarks.bench_gdn", "--conv", "--out", "{out}"]),
-    "conv-gather": (1, [sys.executable, "-m", "benchmarks.bench_gdn", "--conv", "--gather", "--out", "{out}"]),
+    "layout": (1, _bench("bench_thd_layout")),
+    "attention": (1, _bench("bench_attention", "kernel")),
+    "attention-tune": (1, [sys.executable, "-m", "benchmarks.bench_attention", "tune"]),
+    "attention-profile": (1, _bench("bench_attention", "kernel", "--profile")),
+    "attention-qwen": (1, _bench("bench_attention", "kernel", "--gqa", "8", "--head-dims", "256")),
+    "gdn": (1, _bench("bench_gdn", "--kernel-time", "--rank-share", "2", "4")),
+    "conv": (1, _bench("bench_gdn", "--conv")),
+    "conv-gather": (1, _bench("bench_gdn", "--conv", "--gather")),
     "demo": (1, [sys.executable, "-m", "cp_ops", "demo", "--cp-size", "1"]),
-    "cold-start": (1, [sys.executable, "-m", "benchmarks.bench_host", "--cold-start", "--out", "{out}"]),
-    # multi-rank: {world} is the CP size, {name} the part's name with it (a2a-w8)
-    "a2a": (
-        2,
-        [sys.executable, "-m", "benchmarks.bench_cp2hp", "--world", "{world}", "--profile", "--out", "{out}"],
-    ),
-    "ag-attention": (
-        2,
-        [sys.executable, "-m", "benchmarks.bench_ag_attention", "--world", "{world}", "--out", "{out}"],
-    ),
-    "gdn-cp": (
-        2,
-        [sys.executable, "-m", "benchmarks.bench_gdn", "--cp", "{world}", "--profile", "--out", "{out}"],
-    ),
-    "gdn-cp-graphs": (
-        2,
-        [sys.executable, "-m", "benchmarks.bench_gdn", "--cp", "{world}", "--compiled-only", "--cudagraphs", "--profile",
-         "--out", "{out}"],
-    ),  # fmt: skip
-    "ag-attention-graphs": (
-        2,
-        [sys.executable, "-m", "benchmarks.bench_ag_attention", "--world", "{world}", "--cudagraphs", "--profile",
-         "--out", "{out}"],
-    ),  # fmt: skip
+    "cold-start": (1, _bench("bench_host", "--cold-start")),
+    "a2a": (2, _bench("bench_cp2hp", "--world", "{world}", "--profile")),
+    "ag-attention": (2, _bench("bench_attention", "cp", "--world", "{world}")),
+    "gdn-cp": (2, _bench("bench_gdn", "--cp", "{world}", "--profile")),
+    "gdn-cp-graphs": (2, _bench("bench_gdn", "--cp", "{world}", "--compiled-only", "--cudagraphs", "--profile")),
+    "ag-attention-graphs": (2, _bench("bench_attention", "cp", "--world", "{world}", "--cudagraphs", "--profile")),
     "ag-attention-qwen": (
         2,
-        [sys.executable, "-m", "benchmarks.bench_ag_attention", "--world", "{world}", "--gqa", "8", "--head-dim", "256",
-         "--head-groups", "2", "--cudagraphs", "--profile", "--out", "{out}"],
+        _bench("bench_attention", "cp", "--world", "{world}", "--gqa", "8", "--head-dim", "256", "--head-groups", "2",
+               "--cudagraphs", "--profile"),
     ),  # fmt: skip
     "demo-cp": (2, [sys.executable, "-m", "cp_ops", "demo", "--cp-size", "{world}"]),
-    "train": (2, [sys.executable, "-m", "benchmarks.bench_train", "--worlds", "1,{world}", "--out", "{out}"]),
-    "train-curves": (4, [sys.executable, "-m", "benchmarks.bench_train", "--curves", "--out", "{out}"]),
+    "train": (2, _bench("bench_train", "--worlds", "1,{world}")),
+    "train-curves": (4, _bench("bench_train", "--curves")),
     "tests-dist": (
         2,
         [sys.executable, "-m", "pytest", "tests/cp_ops/test_gpu_multi_rank.py", "-m", "gpu and dist", "-k",

@@ -4,7 +4,7 @@
 
 Runs anywhere (matplotlib, no GPU), from the files the tables are rendered from: layout.png
 (result "layout"), a2a.png ("cp2hp-w2", "cp2hp-w4"), attention.png ("attention"),
-scaling.png (every CP table of bench_gdn and bench_ag_attention, a later point replacing an
+scaling.png (every CP table of bench_gdn and bench_attention cp, a later point replacing an
 earlier one) and train_curves.png ("train-losses-slice4").
 """
 

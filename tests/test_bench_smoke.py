@@ -21,7 +21,9 @@ CASES = {
     # module, extra args, the result's name, a column or row name the table must have
     "cp2hp": ("benchmarks.bench_cp2hp", [], "cp2hp-smoke-w2", "bare a2a, no self block"),
     "gdn": ("benchmarks.bench_gdn", ["--cp", "2"], "gdn-cp-smoke-w2", "scaling efficiency, compiled"),
-    "ag-attention": ("benchmarks.bench_ag_attention", [], "ag-attention-smoke-w2", "eff 1L compiled vs 1 GPU compiled"),
+    "ag-attention": (
+        "benchmarks.bench_attention", ["cp"], "ag-attention-smoke-w2", "eff 1L compiled vs 1 GPU compiled"
+    ),
 }
 
 

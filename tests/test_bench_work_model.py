@@ -1,10 +1,15 @@
-"""benchmarks/bench_ag_attention.py --work-model: the tile count against a direct loop."""
+"""benchmarks/bench_attention.py cp --work-model: the tile count against a direct loop."""
+
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from benchmarks.bench_ag_attention import tile_pairs, work_model
+from benchmarks.bench_attention import parse_args, tile_pairs, work_model
+from benchmarks.runner import load
 
 
 def _loop(q_len, q_pos, k_len, bm, bn):
@@ -31,3 +36,27 @@ def test_work_model_table():
     assert [(r["T"], r["W"]) for r in result.records()] == [(t, w) for t in (32768, 65536) for w in (2, 4, 8)]
     assert all(r["ratio"] >= 1.0 for r in result.records())  # for these batches CP adds tiles, never removes them
     assert "| 32768 |" in result.markdown()
+
+
+def test_modes_keep_their_flags_apart():
+    """kernel's --profile and --head-dims, cp's --profile and --head-dim: each mode parses its own."""
+    kernel = parse_args(["kernel", "--profile", "--head-dims", "256", "--gqa", "8", "--pointer-loads"])
+    assert (kernel.mode, kernel.profile, kernel.head_dims, kernel.gqa, kernel.pointer_loads) == (
+        "kernel", True, [256], 8, True
+    )
+    tune = parse_args(["tune", "--kinds", "fwd", "--rounds", "3", "--save", "best.json"])
+    assert (tune.kinds, tune.rounds, tune.save, tune.head_dims) == (["fwd"], 3, "best.json", [128, 64])
+    cp = parse_args(["cp", "--world", "4", "--tokens", "32768", "131072", "--gqa", "8", "--head-dim", "256",
+                     "--head-groups", "--cudagraphs", "--profile", "--nccl-max-ctas", "0", "8", "--out", "o"])  # fmt: skip
+    assert (cp.world, cp.tokens, cp.gqa, cp.head_dim, cp.head_groups, cp.cudagraphs, cp.profile) == (
+        4, [32768, 131072], 8, 256, [], True, True
+    )
+    assert (cp.nccl_max_ctas, cp.out, cp.smoke, cp.work_model) == ([0, 8], "o", False, False)
+
+
+def test_cp_mode_runs_under_its_earlier_name(tmp_path):
+    """``python -m benchmarks.bench_ag_attention ARGS`` is ``bench_attention cp ARGS``."""
+    root = Path(__file__).resolve().parent.parent
+    cmd = [sys.executable, "-m", "benchmarks.bench_ag_attention", "--work-model", "--out", str(tmp_path)]
+    subprocess.run(cmd, cwd=root, check=True, capture_output=True)
+    assert load(tmp_path / "ag-attention-work-model.json").rows == work_model().rows

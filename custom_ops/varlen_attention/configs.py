@@ -27,7 +27,7 @@ def _frozen(table: dict) -> Mapping:
 
 # Pointer loads, 2-byte elements. Per kernel: {largest BLOCK_D served: config}; the first entry
 # whose key is >= BLOCK_D is used (past the largest, the largest). Each entry is the best of
-# benchmarks/bench_varlen_attention.py --tune (D = 256 with --gqa 8 --head-dims 256, Qwen3-Next's
+# `python -m benchmarks.bench_attention tune` (D = 256 with --gqa 8 --head-dims 256, Qwen3-Next's
 # attention heads; docs/benchmarks.md, section "Segment attention"). K_ROWS picks how the forward
 # loads K tiles; PARTS = 2 computes dk and dv of a key tile in two programs (see
 # varlen_attn_bwd_dkdv_kernel).

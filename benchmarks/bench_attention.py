@@ -1,0 +1,792 @@
+"""Attention benchmarks: segment attention on one GPU against SDPA flash, cuDNN and
+FlexAttention (``kernel``), its kernel-config tuner (``tune``), and all-gather CP attention
+on W GPUs (NCCL) against segment attention on one GPU (``cp``).
+
+    python -m benchmarks.bench_attention kernel [--gqa G] [--head-dims D ...] [--configs FILE] [--pointer-loads]
+    python -m benchmarks.bench_attention kernel --profile  # CUDA time per kernel of one forward and one backward
+    python -m benchmarks.bench_attention tune [--kinds fwd bwd_dkdv bwd_dq] [--rounds N] [--save FILE]
+    python -m benchmarks.bench_attention cp [--world W] [--tokens T ...] [--gqa G] [--head-dim D]
+        [--head-groups G ...] [--cudagraphs] [--profile] [--nccl-max-ctas N ...]
+    python -m benchmarks.bench_attention cp --smoke        # 2 gloo ranks on the CPU, tiny shapes
+    python -m benchmarks.bench_attention cp --work-model   # CPU only: kernel tiles per rank against one GPU
+
+``python -m benchmarks.bench_ag_attention ARGS`` runs ``cp ARGS``. Results (benchmarks/runner.py):
+``attention`` (``attention-gqaG-dD..`` at other heads; ``-pointer-loads``, ``-tuned`` with those
+flags), ``attention-profile...``; ``ag-attention-wW`` (``-gqaG-dD`` at other heads,
+``-cudagraphs``; ``ag-attention-smoke-wW``), ``...-profile``, ``ag-attention-work-model``.
+docs/benchmarks.md gives the cases, the FLOP count and what each column measures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import statistics
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import custom_ops
+from benchmarks.cases import ATTENTION_DTYPE as DTYPE
+from benchmarks.cases import ATTENTION_HEAD_DIMS as HEAD_DIMS
+from benchmarks.cases import ATTENTION_HEADS as HEADS
+from benchmarks.cases import attention_cases, attention_op_inputs, packed_lengths, segments_for, tflops, visible_pairs
+from benchmarks.cases import attention_inputs as make_inputs
+from benchmarks.common import (
+    add_nccl_cta_argument,
+    check_nccl_cta_argument,
+    cta_label,
+    default_world,
+    host_issue_ms,
+    kernel_class,
+    kernel_totals,
+    max_over_ranks,
+    median_ms_counted,
+    nccl_cta_groups,
+    profile_kernels,
+    rank_waits,
+    recompile_limit,
+    spawn_ranks,
+    timeline_summary,
+)
+from benchmarks.internals import CONFIGS, DEFAULT_SETTINGS, KERNELS, AttentionSettings, resolve_scale
+from benchmarks.internals import attention_launch as launch
+from benchmarks.runner import Result, add_out_argument, emit, environment
+from benchmarks.timing import kernel_breakdown, median_ms
+from cp_ops import COMPILE_OPTIONS, ag_thd_attention, all_gather_rows, pad_cu_seqlens, resolve_group, shard_thd
+from cp_ops.local_ranks import init_local_rank
+from custom_ops.testing import TOLERANCE, rel_error
+
+# --- shared: the op, its forward and fwd+bwd closures, the compiled form -------------------------
+
+
+def varlen_fn(q, k, v, seg):
+    return custom_ops.varlen_attention(q, k, v, *seg, causal=True)[0]
+
+
+def settings_fn(settings: AttentionSettings):
+    """:func:`varlen_fn` by the launchers under ``settings``."""
+    return lambda q, k, v, seg: _Launched.apply(q, k, v, settings, *seg)
+
+
+def _fwd_and_step(fn, q, k, v, dout):
+    """Two closures: the forward alone, and forward + backward to q, k, v."""
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+
+    def fwd():
+        with torch.no_grad():
+            fn(q, k, v)
+
+    def step():
+        torch.autograd.grad(fn(*leaves), leaves, dout)
+
+    return fwd, step
+
+
+def _compiled(fn, cudagraphs: bool, options: dict | None = None):
+    """``fn`` compiled the way every compiled form of the CP benchmark is, the one-GPU baseline's
+    included: ``fullgraph=True``, with ``options``, and Inductor's CUDA graphs under --cudagraphs."""
+    graphs = {"triton.cudagraphs": True} if cudagraphs else {}
+    return torch.compile(fn, fullgraph=True, options={**(options or {}), **graphs})
+
+
+# --- kernel and tune: launch settings ------------------------------------------------------------------------------
+# The ops launch with the library's DEFAULT_SETTINGS. The tuner, the sweeps and the runs with
+# other settings (--pointer-loads, --configs) call the launchers of
+# custom_ops.varlen_attention.launch with an AttentionSettings instead.
+
+
+def settings_for(base: AttentionSettings, tuned: dict | None, d: int) -> AttentionSettings:
+    """``base`` with the configs a ``--tune --save`` file (:func:`load_configs`) holds for head dim ``d``."""
+    settings = base
+    for kind, by_dim in (tuned or {}).items():
+        if d in by_dim:
+            settings = settings.with_kernel(kind, config=by_dim[d])
+    return settings
+
+
+def launchers(settings: AttentionSettings, q, k, v, seg, out=None, lse=None, dout=None, dlse=None):
+    """``(fwd, bwd)``: closures running the forward and backward launchers under ``settings``
+    (causal, no window, the default scale), as the ops would with their own settings."""
+    scale = resolve_scale(None, q.shape[2])
+
+    def fwd():
+        return launch.forward(q, k, v, seg, True, -1, -1, scale, settings)
+
+    def bwd():
+        return launch.backward(dout, dlse, q, k, v, out, lse, seg, True, -1, -1, scale, settings)
+
+    return fwd, bwd
+
+
+class _Launched(torch.autograd.Function):
+    """Segment attention (causal) by the launchers under given settings, differentiable: what
+    ``custom_ops.varlen_attention`` computes, under other settings than the op's."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, settings, *seg):
+        out, lse = launchers(settings, q, k, v, seg)[0]()
+        ctx.save_for_backward(q, k, v, out, lse, *seg)
+        ctx.settings = settings
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, *seg = ctx.saved_tensors
+        dq, dk, dv = launchers(ctx.settings, q, k, v, seg, out, lse, dout, torch.zeros_like(lse))[1]()
+        return (dq, dk, dv, None) + (None,) * len(seg)
+
+
+# --- kernel: implementations ------------------------------------------------------------------------------
+
+
+def sdpa_dense_fn(backend, batch, seqlen):
+    """SDPA on [B, H, S, D] views of the packed [B*S, H, D] tensors."""
+
+    def fn(q, k, v, seg):
+        def to_bhsd(t):
+            return t.view(batch, seqlen, t.shape[1], t.shape[2]).transpose(1, 2)
+
+        with sdpa_kernel(backend):
+            out = F.scaled_dot_product_attention(
+                to_bhsd(q), to_bhsd(k), to_bhsd(v), is_causal=True, enable_gqa=q.shape[1] != k.shape[1]
+            )
+        return out.transpose(1, 2).reshape(q.shape)
+
+    return fn
+
+
+def sdpa_loop_fn(backend, lens):
+    """SDPA per document in a Python loop (packed case; includes the launch overheads)."""
+    starts = [0] + list(itertools.accumulate(lens))[:-1]
+
+    def fn(q, k, v, seg):
+        outs = []
+        with sdpa_kernel(backend):
+            for s, n in zip(starts, lens):
+                qd, kd, vd = (t[s : s + n].transpose(0, 1)[None] for t in (q, k, v))
+                o = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+                outs.append(o[0].transpose(0, 1))
+        return torch.cat(outs)
+
+    return fn
+
+
+def flex_fn(lens, device):
+    """FlexAttention (compiled) over the packed sequence with a causal document mask."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    doc = torch.repeat_interleave(torch.arange(len(lens), device=device), torch.tensor(lens, device=device))
+    total = doc.numel()
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+
+    block_mask = create_block_mask(mask_mod, None, None, total, total, device=device)
+    flex = torch.compile(flex_attention, dynamic=False)
+
+    def fn(q, k, v, seg):
+        out = flex(
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+            block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1],
+        )  # fmt: skip
+        return out[0].transpose(0, 1)
+
+    return fn
+
+
+# --- kernel: timing------------------------------------------------------------------------------------
+
+
+def time_fwd_bwd(fn, q, k, v, seg):
+    """do_bench medians of ``fn``'s forward and of its forward + backward, in ms."""
+    fwd, step = _fwd_and_step(lambda *qkv: fn(*qkv, seg), q, k, v, torch.randn_like(q))
+    return median_ms(fwd, 25, 200), median_ms(step, 25, 200)
+
+
+def check_agreement(name, fn, ref_fn, q, k, v, seg):
+    """Output and gradients of ``fn`` vs ``ref_fn`` in bf16 (rel_error < bf16 tolerance)."""
+    dout = torch.randn_like(q)
+    results = []
+    for f in (fn, ref_fn):
+        qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        out = f(qq, kk, vv, seg)
+        out.backward(dout)
+        results.append((out.detach(), qq.grad, kk.grad, vv.grad))
+    errs = [rel_error(a, b) for a, b in zip(*results)]
+    ok = all(e < TOLERANCE[DTYPE] for e in errs)
+    print(f"  check {name}: rel_error out/dq/dk/dv = {', '.join(f'{e:.1e}' for e in errs)} {'ok' if ok else 'FAILED'}")
+    return ok
+
+
+def _suffix(gqa: int, head_dims) -> str:
+    """The result-name suffix of a run at other heads than the default's."""
+    if gqa == 1 and tuple(head_dims) == HEAD_DIMS:
+        return ""
+    return f"-gqa{gqa}-d" + "-".join(str(d) for d in head_dims)
+
+
+def bench(gqa: int = 1, head_dims=HEAD_DIMS, base: AttentionSettings = DEFAULT_SETTINGS, tuned: dict | None = None,
+          label: str = "") -> list[Result]:  # fmt: skip
+    device = torch.device("cuda")
+    rows = []
+    cases = attention_cases()
+    for d in head_dims:
+        for case, lens in cases:
+            dense = len(set(lens)) == 1
+            q, k, v = make_inputs(sum(lens), HEADS, HEADS // gqa, d, device)
+            seg = segments_for(lens, device)
+            pairs = visible_pairs(lens)
+            settings = settings_for(base, tuned, d)
+            ours = varlen_fn if settings == DEFAULT_SETTINGS else settings_fn(settings)
+            impls = [("varlen_attention" + label, ours)]
+            if dense:
+                impls += [
+                    ("SDPA flash", sdpa_dense_fn(SDPBackend.FLASH_ATTENTION, len(lens), lens[0])),
+                    ("SDPA cuDNN", sdpa_dense_fn(SDPBackend.CUDNN_ATTENTION, len(lens), lens[0])),
+                ]
+            else:
+                impls += [("SDPA flash, loop over docs", sdpa_loop_fn(SDPBackend.FLASH_ATTENTION, lens))]
+            impls += [("FlexAttention doc mask", flex_fn(lens, device))]
+            ref_name, ref = impls[1]
+            print(f"D={d} {case} ({len(lens)} docs, {pairs / 1e6:.1f}M visible pairs per head)")
+            for name, fn in impls:
+                try:
+                    if name != ref_name and not check_agreement(name, fn, ref, q, k, v, seg):
+                        rows.append([case, d, name, None, None, None, None, "disagrees with SDPA"])
+                        continue
+                    ms_fwd, ms_all = time_fwd_bwd(fn, q, k, v, seg)
+                except Exception as e:  # a backend may be unavailable for this shape / build
+                    rows.append([case, d, name, None, None, None, None, f"{type(e).__name__}: {str(e)[:60]}"])
+                    continue
+                rows.append(
+                    [case, d, name, ms_fwd, tflops(pairs, HEADS, d, ms_fwd),
+                     ms_all, tflops(pairs, HEADS, d, ms_all, 3.5), ""]
+                )  # fmt: skip
+            del q, k, v
+    columns = ["case", "D", "implementation", "fwd ms", "fwd TFLOP/s", "fwd+bwd ms", "fwd+bwd TFLOP/s", "note"]
+    formats = {"D": "{:d}", "fwd ms": "{:.3f}", "fwd TFLOP/s": "{:.0f}", "fwd+bwd ms": "{:.3f}",
+               "fwd+bwd TFLOP/s": "{:.0f}"}  # fmt: skip
+    notes = f"bf16, causal, H = {HEADS}, Hkv = {HEADS // gqa}; TFLOP/s on visible pairs; median of do_bench"
+    title = "Segment attention against SDPA, FlexAttention and cuDNN"
+    return [Result("varlen_attention", title, columns, rows, notes, environment(),
+                   name="attention" + _suffix(gqa, head_dims), formats=formats)]  # fmt: skip
+
+
+# --- tune ---------------------------------------------------------------------------------------
+
+FWD_CANDIDATES = [
+    dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s, K_ROWS=kr)
+    for kr in (True, False)
+    for bm, bn, w, s in [
+        (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3),
+        (64, 64, 4, 4), (128, 64, 8, 2),
+    ]
+]  # fmt: skip
+DKDV_CANDIDATES = [
+    dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)
+    for bm, bn, w, s in [
+        (64, 128, 8, 2), (32, 128, 8, 2), (32, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 2),
+        (64, 64, 4, 3), (64, 64, 8, 3), (32, 64, 4, 3), (64, 128, 8, 3), (16, 128, 4, 3),
+    ]
+] + [
+    # one program for dv and one for dk per tile (PARTS = 2)
+    dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s, PARTS=2)
+    for bm, bn, w, s in [(64, 64, 4, 2), (64, 128, 8, 2), (64, 128, 8, 3), (32, 64, 4, 3)]
+]  # fmt: skip
+DQ_CANDIDATES = [
+    dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)
+    for bm, bn, w, s in [
+        (128, 64, 8, 2), (128, 32, 8, 2), (128, 32, 8, 3), (128, 32, 4, 3), (64, 64, 4, 2),
+        (64, 64, 4, 3), (64, 32, 4, 3), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2),
+    ]
+]  # fmt: skip
+# D = 256 (Qwen3-Next's attention heads): the tiles above do not fit an SM's shared memory or
+# registers at this width; smaller tiles and fewer stages
+WIDE_HEAD_CANDIDATES = {
+    "fwd": [
+        dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s, K_ROWS=kr)
+        for kr in (True, False)
+        for bm, bn, w, s in [
+            (64, 32, 4, 2), (64, 32, 8, 2), (64, 64, 4, 2), (64, 64, 8, 2), (128, 32, 8, 2),
+            (128, 64, 8, 2), (64, 32, 4, 3), (128, 32, 8, 3), (64, 64, 8, 3),
+        ]
+    ],
+    # dk/dv: one program per key tile, and two (PARTS = 2: one for dv, one for dk)
+    "bwd_dkdv": [
+        dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s, PARTS=parts)
+        for bm, bn, w, s, parts in [
+            (64, 64, 8, 1, 1), (32, 32, 4, 2, 1), (32, 64, 8, 2, 1), (64, 64, 8, 1, 2), (64, 128, 8, 1, 2),
+            (32, 64, 8, 2, 2), (32, 128, 8, 2, 2), (64, 64, 8, 2, 2), (64, 64, 4, 2, 2), (32, 64, 4, 2, 2),
+            (16, 128, 8, 2, 2), (16, 128, 8, 3, 2), (32, 128, 8, 1, 2),
+        ]
+    ],
+    "bwd_dq": [
+        dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)
+        for bm, bn, w, s in [
+            (64, 32, 8, 1), (64, 32, 8, 2), (64, 64, 8, 2), (128, 32, 8, 2), (32, 64, 4, 2),
+            (64, 32, 4, 2), (128, 64, 8, 1),
+        ]
+    ],
+}  # fmt: skip
+
+
+def candidates_for(kind: str, d: int) -> list[dict]:
+    """The configs ``--tune`` tries for ``kind`` at head dim ``d``."""
+    if d > 128:
+        return WIDE_HEAD_CANDIDATES[kind]
+    return {"fwd": FWD_CANDIDATES, "bwd_dkdv": DKDV_CANDIDATES, "bwd_dq": DQ_CANDIDATES}[kind]
+
+
+def _table_in_use(kind: str, d: int, q, k, v, settings: AttentionSettings) -> str:
+    """The name of the config table the launcher takes ``kind``'s config from for these inputs."""
+    streamed = (k, v) if kind in ("fwd", "bwd_dq") else (q, q)
+    return "TMA_CONFIGS" if launch.tma_usable(kind, d, d, *streamed, settings=settings) else "CONFIGS"
+
+
+def _time_kernel(kind, cfg, settings, q, k, v, seg, out, lse, dout, dlse):
+    """do_bench median of the forward (``kind`` "fwd") or the whole backward launch, with
+    ``cfg`` in place of ``kind``'s tables entry."""
+    fwd, bwd = launchers(settings.with_kernel(kind, config=cfg), q, k, v, seg, out, lse, dout, dlse)
+    fn = fwd if kind == "fwd" else bwd
+    try:
+        fn()  # compile outside the timing
+        return median_ms(fn, 10, 100)
+    except Exception as e:  # e.g. out of shared memory for this tile shape
+        print(f"    {cfg}: {type(e).__name__}")
+        return float("inf")
+
+
+def tune(
+    gqa: int = 1, kinds=("fwd", "bwd_dkdv", "bwd_dq"), save: str | None = None, head_dims=HEAD_DIMS, rounds: int = 1,
+    base: AttentionSettings = DEFAULT_SETTINGS,
+) -> None:
+    """Time the candidate configs of each kernel on both cases at each of ``head_dims``; print
+    the best (and write them to ``save`` as JSON, for ``--configs``).
+
+    Each kernel is tuned for the table the launcher takes it from on this GPU (TMA_CONFIGS
+    where the TMA loads serve it, else CONFIGS; ``--pointer-loads`` tunes CONFIGS), each
+    candidate passed as the kernel's config in the launch settings. The backward is timed as
+    the whole backward launch while one of its kernels varies (the others keep their table
+    entries). With ``rounds`` > 1 every candidate is timed once per round, in turn, and
+    its time is the median over rounds: drift of the GPU over the run then falls on every
+    candidate alike.
+    """
+    device = torch.device("cuda")
+    cases = attention_cases()
+    best, tables = {}, {}
+    for d in head_dims:
+        for kind in kinds:
+            probe = make_inputs(16, HEADS, HEADS // gqa, d, device)
+            table = tables[kind] = _table_in_use(kind, d, *probe, base)
+            candidates = candidates_for(kind, d)
+            if table == "TMA_CONFIGS":  # K_ROWS picks a pointer-load form: one row per tile shape
+                candidates = [c for c in candidates if c.get("K_ROWS", True)]
+            print(f"D={d} {kind}: tuning {table}")
+            totals = {}
+            for case, lens in cases:
+                q, k, v, seg, out, lse, dout, dlse = attention_op_inputs(lens, d, gqa, device)
+                pairs = visible_pairs(lens)
+                factor = 1.0 if kind == "fwd" else 2.5
+                times = {}
+                for _ in range(rounds):
+                    for i, cfg in enumerate(candidates):
+                        ms = _time_kernel(kind, cfg, base, q, k, v, seg, out, lse, dout, dlse)
+                        times.setdefault(i, []).append(ms)
+                for i, cfg in enumerate(candidates):
+                    ms = statistics.median(times[i])
+                    totals[i] = totals.get(i, 0.0) + ms
+                    spread = f" (rounds {min(times[i]):.3f}-{max(times[i]):.3f})" if rounds > 1 else ""
+                    print(f"  D={d} {kind:8s} {case:16s} {cfg}: {ms:.3f} ms{spread}, "
+                          f"{tflops(pairs, HEADS, d, ms, factor):.0f} TFLOP/s")  # fmt: skip
+            i = min(totals, key=totals.get)
+            best[(kind, d)] = candidates[i]
+            print(f"best D={d} {kind}: {candidates[i]} (sum over cases {totals[i]:.3f} ms)")
+    print("\n# paste into custom_ops/varlen_attention/configs.py")
+    for kind in kinds:
+        entries = ", ".join(f"{d}: dict({_fmt(best[(kind, d)])})" for d in sorted(head_dims))
+        print(f'{tables[kind]} "{kind}": {{{entries}}},')
+    if save:
+        with open(save, "w") as f:
+            json.dump(
+                {kind: {"table": tables[kind], **{str(d): best[(kind, d)] for d in sorted(head_dims)}} for kind in kinds},
+                f, indent=1,
+            )  # fmt: skip
+
+
+def load_configs(path: str) -> dict[str, dict[int, dict]]:
+    """``{kernel: {head dim: config}}`` of a ``--tune --save`` file (:func:`settings_for` passes
+    them to the launchers)."""
+    with open(path) as f:
+        saved = json.load(f)
+    tuned = {}
+    for kind, entries in saved.items():
+        if kind not in KERNELS:
+            raise SystemExit(f"{path}: unknown kernel {kind!r}; the kernels are {KERNELS}")
+        tuned[kind] = {int(d): cfg for d, cfg in entries.items() if d != "table"}
+        for d, cfg in tuned[kind].items():
+            print(f"config {kind} D={d}: {_fmt(cfg)}")
+    return tuned
+
+
+def profile(gqa: int = 1, head_dims=HEAD_DIMS, base: AttentionSettings = DEFAULT_SETTINGS,
+            tuned: dict | None = None) -> list[Result]:  # fmt: skip
+    """CUDA time per kernel of the forward and backward launches (torch.profiler, mean over 5 calls)."""
+    device = torch.device("cuda")
+    rows = []
+    for case, lens in attention_cases()[::-1]:
+        for d in head_dims:
+            q, k, v, seg, out, lse, dout, dlse = attention_op_inputs(lens, d, gqa, device)
+            fwd, bwd = launchers(settings_for(base, tuned, d), q, k, v, seg, out, lse, dout, dlse)
+
+            def step():
+                fwd()
+                bwd()
+
+            rows += [[case, d, name[:60], ms] for name, ms in kernel_breakdown(step, runs=5, warmup=1)]
+    notes = f"bf16, causal, H = {HEADS}, Hkv = {HEADS // gqa}; CUDA ms per call (torch.profiler, mean of 5 calls)"
+    return [Result("varlen_attention", "Segment attention: CUDA time per kernel, one forward and one backward",
+                   ["case", "D", "kernel", "ms"], rows, notes, environment(),
+                   name="attention-profile" + _suffix(gqa, head_dims))]  # fmt: skip
+
+
+def _fmt(cfg):
+    return ", ".join(f"{k}={v}" for k, v in cfg.items())
+
+
+# --- cp ------------------------------------------------------------------------------------------
+
+TOTALS = (32768, 65536)
+HEAD_DIM = HEAD_DIMS[0]
+# --smoke: the same code path on 2 gloo ranks, at sizes a CPU runs in seconds
+SMOKE_TOTALS, SMOKE_HEADS, SMOKE_HEAD_DIM = (1024,), 4, 16  # two documents: 1008 and 16 tokens
+
+
+PROFILE_RUNS = 5
+
+
+def _profile_rows(step) -> dict[str, float]:
+    """Where one fwd+bwd step's GPU time goes: :func:`benchmarks.common.timeline_summary` of
+    its kernels, and the kernel time of each attention kernel and of NCCL, per step (ms)."""
+    kernels = profile_kernels(step, PROFILE_RUNS)
+    out = timeline_summary(kernels, PROFILE_RUNS)
+    for name in ("varlen_attn_fwd", "varlen_attn_bwd_dq", "varlen_attn_bwd_dkdv", "nccl"):
+        out[f"{name} kernels"] = sum(e - s for n, s, e in kernels if name in n.lower()) / PROFILE_RUNS / 1e3
+    top = [(n, t) for n, t in kernel_totals(kernels, PROFILE_RUNS).items() if kernel_class(n) == "other"][:6]
+    print("  largest 'other' kernels (ms per step): " + "; ".join(f"{n[:70]} {t:.3f}" for n, t in top), flush=True)
+    out["host issue"] = host_issue_ms(step)
+    return out
+
+
+def _worker(*args) -> None:
+    # the compiled forms are closures of one function: one graph per form, group, total and grad mode
+    with recompile_limit(64):
+        _rank(*args)
+
+
+def _rank(
+    rank: int, world: int, init_method: str, gqa: int, out: str | None, smoke: bool, profile: bool, cudagraphs: bool,
+    head_groups: tuple[int, ...] = (), max_ctas: tuple[int, ...] = (0,), head_dim: int = HEAD_DIM,
+    tokens: tuple[int, ...] = TOTALS,
+) -> None:
+    device = init_local_rank(rank, world, init_method, "cpu" if smoke else "cuda")
+    groups = nccl_cta_groups(max_ctas)  # {cap: group}: the CP forms are timed on each
+    name_cap = len(groups) > 1
+    totals, heads, head_dim = (SMOKE_TOTALS, SMOKE_HEADS, SMOKE_HEAD_DIM) if smoke else (tokens, HEADS, head_dim)
+    warmup, runs = (1, 3) if smoke else (5, 40)
+
+    def timed(fn):
+        return median_ms_counted(fn, warmup, runs, device)
+
+    kv_heads = heads // gqa
+    rows = []
+    profiles = {}
+    try:
+        for total in totals:
+            lens = packed_lengths(total)
+            cu, cup = pad_cu_seqlens(lens, world, device=device)
+            num_rows = int(cup[-1])
+            gen = torch.Generator(device=device).manual_seed(0)  # one global batch on every rank
+
+            def rand(h):
+                return torch.randn(num_rows, h, head_dim, device=device, generator=gen).to(DTYPE)
+
+            q, k, v, dout = rand(heads), rand(kv_heads), rand(kv_heads), rand(heads)
+            lengths, starts = cu[1:] - cu[:-1], cup[:-1]
+            seg = (starts, lengths, torch.zeros_like(lengths), starts, lengths)
+
+            def one_gpu(q_, k_, v_):
+                return varlen_fn(q_, k_, v_, seg)
+
+            local = [shard_thd(t, cup, world, rank) for t in (q, k, v, dout)]
+            with torch.no_grad():
+                want = shard_thd(one_gpu(q, k, v), cup, world, rank)
+
+            # one GPU: rank 0 alone; the other ranks wait at the barrier. The op as called, and
+            # compiled as the CP forms are (with CUDA graphs under --cudagraphs): the baseline
+            # of the compiled CP forms, like for like
+            t1, t1c = [0.0, 0.0], [0.0, 0.0]
+            if rank == 0:
+                fwd, step = _fwd_and_step(one_gpu, q, k, v, dout)
+                t1 = [timed(fwd), timed(step)]
+                fwd_c, step_c = _fwd_and_step(_compiled(one_gpu, cudagraphs), q, k, v, dout)
+                t1c = [timed(fwd_c), timed(step_c)]
+                if profile:
+                    profiles[(total, "1 GPU")] = _profile_rows(step)
+                    profiles[(total, "1 GPU compiled")] = _profile_rows(step_c)
+            dist.barrier()
+            del q, k, v, dout
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            for cap, group in groups.items():
+                named = f", {cta_label(cap)}" if name_cap else ""  # the cap in row and column labels
+                times, t_ag = _time_cp_forms(group, cu, cup, local, want, head_groups, cudagraphs, timed)
+                # every rank runs the profiled steps (they meet in the all-gathers); rank 0's figures
+                profiled = {"compiled": f"W={world} compiled, rank 0"}
+                if head_groups:
+                    g = max(head_groups)
+                    profiled[f"G={g}"] = f"W={world} compiled, {g} head groups, rank 0"
+                for form, label in profiled.items() if profile else ():
+                    prof = _profile_rows(_fwd_and_step(times[form]["fn"], *local)[1])
+                    for r, figures in enumerate(rank_waits(prof, device)):
+                        prof.update({f"rank {r}: {k}": v for k, v in figures.items()})
+                    profiles[(total, label + named)] = prof
+                for label, idx in (("fwd", 0), ("fwd+bwd", 1)):
+                    w1, w2, wc = (times[form]["ms"][idx] for form in (1, 2, "compiled"))
+                    row = [total, len(lens), label + named, t1[idx], w1, w2,
+                           t1[idx] / (world * w1), t1[idx] / (world * w2), w2 / w1,
+                           t_ag if idx == 0 else "", wc, t1[idx] / (world * wc),
+                           t1c[idx], t1c[idx] / (world * wc)]  # fmt: skip
+                    for g in head_groups:  # compiled: against the compiled one-GPU step
+                        tg = times[f"G={g}"]["ms"][idx]
+                        row += [tg, t1c[idx] / (world * tg)]
+                    rows.append(row)
+                if rank == 0:  # a line per total and cap, so a run cut short by a time limit still reports
+                    print(f"T={total} {cta_label(cap)}: " + ", ".join(
+                        f"{form} {t['ms'][0]:.3f}/{t['ms'][1]:.3f}" for form, t in times.items()), flush=True)
+                del times
+            del local
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+
+        if rank == 0:
+            emit(_tables(rows, profiles, world, heads, kv_heads, head_dim, runs, gqa, smoke, cudagraphs, head_groups,
+                         name_cap), out)  # fmt: skip
+        # no rank tears down before all are done (gloo can abort a rank whose peer left first), as in tests/_dist.py
+        dist.barrier()
+    finally:
+        # with CUDA graphs that captured NCCL work, a run hung after its table at the end
+        # (barrier or teardown, not narrowed down); the process ends with os._exit either way
+        if not cudagraphs:
+            dist.destroy_process_group()
+
+
+def _tables(rows, profiles, world, heads, kv_heads, head_dim, runs, gqa, smoke, cudagraphs, head_groups,
+            name_cap) -> list[Result]:  # fmt: skip
+    """The timing table and, with --profile, the profile table, as results."""
+    env = environment(world)
+    name = f"ag-attention{'-smoke' if smoke else ''}-w{world}"
+    if not smoke and (gqa != 1 or head_dim != HEAD_DIM):
+        name += f"-gqa{gqa}-d{head_dim}"
+    name += "-cudagraphs" * cudagraphs
+    notes = (
+        f"ag_thd_attention, {str(DTYPE).removeprefix('torch.')}, causal, H = {heads}, Hkv = {kv_heads}, "
+        f"D = {head_dim}; T = real tokens of the global batch (packed documents); times in ms, median "
+        f"over {runs} runs, max over ranks; eff = T_1 / (W * T_W)"
+        + ("; the compiled forms, one GPU's too, with CUDA graphs (--cudagraphs)" if cudagraphs else "")
+        + ("; a row per cap on NCCL's CTAs (--nccl-max-ctas), the 1 GPU times shared" if name_cap else "")
+    )
+    ms, eff = "{:.3f}", "{:.2f}"
+    columns = {"T": None, "docs": None, "pass": None, "1 GPU": ms, f"W={world} 1 launch": ms,
+               f"W={world} 2 launches": ms, "eff 1L": eff, "eff 2L": eff, "2L / 1L": eff, "KV all-gather": ms,
+               f"W={world} 1L compiled": ms, "eff 1L compiled": eff, "1 GPU compiled": ms,
+               "eff 1L compiled vs 1 GPU compiled": eff}  # fmt: skip
+    for g in head_groups:
+        columns.update({f"W={world} compiled, {g} head groups": ms, f"eff, {g} groups": eff})
+    title = f"All-gather CP attention, W = {world}, against segment attention on one GPU"
+    results = [Result("ag_attention", title, list(columns), rows, notes, env, name=name,
+                      formats=list(columns.values()))]  # fmt: skip
+    if profiles:
+        keys = list(dict.fromkeys(k for p in profiles.values() for k in p))  # W columns add rank rows
+        results.append(Result(
+            "ag_attention",
+            f"Profile of one compiled fwd+bwd step (--profile; kernel timeline, mean of {PROFILE_RUNS} steps, ms)",
+            [""] + [f"T={t} {who}" for t, who in profiles],
+            [[k] + ["" if p.get(k) is None else f"{p[k]:.3f}" for p in profiles.values()] for k in keys],
+            env=env, name=f"{name}-profile",
+        ))  # fmt: skip
+    return results
+
+
+def _time_cp_forms(group, cu, cup, local, want, head_groups, cudagraphs, timed) -> tuple[dict, float]:
+    """The CP forms on ``group``, each checked against the one-GPU result ``want`` and timed:
+    ``({form: {"fn": fn, "ms": [fwd, fwd+bwd]}}, all-gather ms)``, times max over ranks."""
+    group_name, world = resolve_group(group)
+
+    def cp_fn(launches, groups=1):
+        def fn(q_, k_, v_):
+            return ag_thd_attention(q_, k_, v_, cu, cup, causal=True, group=group, launches=launches,
+                                    head_groups=groups)  # fmt: skip
+
+        return fn
+
+    forms = {1: cp_fn(1), 2: cp_fn(2), "compiled": _compiled(cp_fn(1), cudagraphs)}
+    for g in head_groups:  # pipelined: the scheduling pass of COMPILE_OPTIONS overlaps the groups
+        forms[f"G={g}"] = _compiled(cp_fn(1, g), cudagraphs, COMPILE_OPTIONS)
+    with torch.no_grad():
+        for form, fn in forms.items():
+            err = rel_error(fn(*local[:3]), want)
+            if err > TOLERANCE[DTYPE]:
+                raise AssertionError(f"form {form}: rel_error {err:.3g} against one GPU")
+    times = {}
+    for form, fn in forms.items():
+        fwd, step = _fwd_and_step(fn, *local)
+        times[form] = {"fn": fn, "ms": [max_over_ranks(timed(fwd)), max_over_ranks(timed(step))]}
+    kv_cp = torch.cat([local[1], local[2]], dim=1)
+
+    def gather():
+        gathered = all_gather_rows(kv_cp, group_name)
+        # eager functional collectives return a tensor that waits on first use: wait here,
+        # so the end event is recorded after the transfer
+        if isinstance(gathered, funcol.AsyncCollectiveTensor):
+            gathered.wait()
+
+    return times, max_over_ranks(timed(gather))
+
+
+def tile_pairs(q_len, q_pos, k_len, block_m: int, block_n: int) -> int:
+    """(query tile, key tile) pairs the causal forward visits over segments ``[S]`` of q rows
+    (``block_m``-row tiles per segment) whose keys start at position 0 of the sequence."""
+    q_len, q_pos, k_len = (t.to(torch.int64) for t in (q_len, q_pos, k_len))
+    tiles = (q_len + block_m - 1) // block_m
+    seg = torch.repeat_interleave(torch.arange(len(q_len)), tiles)
+    first = torch.arange(len(seg)) - torch.repeat_interleave(torch.cumsum(tiles, 0) - tiles, tiles)
+    # last query position of each tile, and the keys it may see (causal)
+    last = q_pos[seg] + torch.minimum((first + 1) * block_m, q_len[seg]) - 1
+    keys = torch.minimum(k_len[seg], last + 1)
+    return int(((keys + block_n - 1) // block_n).sum())
+
+
+def work_model() -> Result:
+    """The --work-model table (CPU only, no kernels run)."""
+    from cp_ops import ag_thd_segments
+    from benchmarks.internals import kernel_config
+
+    cfg = kernel_config("fwd", HEAD_DIM, interpreting=False)
+    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    notes = (f"causal forward, BLOCK_M = {bm}, BLOCK_N = {bn} (D = {HEAD_DIM} config); tile pairs visited; "
+             "ratio = W * (most loaded rank) / (one GPU): the kernel work CP adds, 1.00 = none")  # fmt: skip
+    rows = []
+    for total in TOTALS:
+        lens = packed_lengths(total)
+        lt = torch.tensor(lens)
+        one = tile_pairs(lt, torch.zeros_like(lt), lt, bm, bn)
+        for world in (2, 4, 8):
+            cu, cup = pad_cu_seqlens(lens, world)
+            per = []
+            for rank in range(world):
+                _, ql, qp, _, kl = ag_thd_segments(cu, cup, world, rank, causal=True)
+                per.append(tile_pairs(ql, qp, kl, bm, bn))
+            rows.append([total, len(lens), one, world, f"{min(per)}-{max(per)}", world * max(per) / one])
+    columns = ["T", "docs", "one GPU", "W", "per rank (min-max)", "ratio"]
+    return Result("ag_attention", "Kernel tiles per rank against one GPU (work model)", columns, rows, notes,
+                  environment(), name="ag-attention-work-model", formats={"ratio": "{:.2f}"})  # fmt: skip
+
+
+def _run_kernel(args) -> None:
+    base = dataclasses.replace(DEFAULT_SETTINGS, tma=False) if args.pointer_loads else DEFAULT_SETTINGS
+    if args.mode == "tune":
+        if set(args.head_dims) - set(CONFIGS["fwd"]):
+            raise SystemExit(f"tune tunes the config table's head dims {sorted(CONFIGS['fwd'])}, got {args.head_dims}")
+        tune(args.gqa, args.kinds, args.save, args.head_dims, args.rounds, base)
+        return
+    tuned = load_configs(args.configs) if args.configs else None
+    if args.profile:
+        results = profile(args.gqa, args.head_dims, base, tuned)
+    else:  # other settings than the ops': their own row label and result names
+        label = ", pointer loads" * args.pointer_loads + ", tuned configs" * bool(tuned)
+        results = bench(args.gqa, args.head_dims, base, tuned, label)
+    for r in results:
+        r.name += "-pointer-loads" * args.pointer_loads + "-tuned" * bool(tuned)
+    emit(results, args.out)
+
+
+def _run_cp(args) -> None:
+    if args.work_model:
+        emit([work_model()], args.out)
+        return
+    heads = SMOKE_HEADS if args.smoke else HEADS
+    if heads % args.gqa:
+        raise SystemExit(f"--gqa must divide {heads}")
+    world = args.world or (2 if args.smoke else default_world())
+    if args.profile and args.smoke:
+        raise SystemExit("--profile needs GPUs")
+    if args.smoke and args.cudagraphs:
+        raise SystemExit("--cudagraphs needs GPUs, not --smoke")
+    bad = [g for g in args.head_groups if g < 2 or (heads // args.gqa) % g]
+    if bad:
+        raise SystemExit(f"--head-groups must be divisors of Hkv = {heads // args.gqa} above 1, got {bad}")
+    if args.smoke and args.head_dim != HEAD_DIM:
+        raise SystemExit(f"--smoke runs D = {SMOKE_HEAD_DIM}; --head-dim is for the GPU runs")
+    check_nccl_cta_argument(args.nccl_max_ctas, args.smoke)
+    spawn_ranks(_worker, world, args.gqa, args.out, args.smoke, args.profile, args.cudagraphs,
+                tuple(args.head_groups), tuple(args.nccl_max_ctas), args.head_dim, tuple(args.tokens),
+                device="cpu" if args.smoke else "cuda")  # fmt: skip
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    shared = argparse.ArgumentParser(add_help=False)
+    shared.add_argument("--gqa", type=int, default=1, help="query heads per kv head (Hkv = H / gqa; default 1)")
+    one_gpu = argparse.ArgumentParser(add_help=False, parents=[shared])
+    one_gpu.add_argument("--head-dims", type=int, nargs="+", default=list(HEAD_DIMS),
+                         help="head dims D to run (default 128 64; 256 is Qwen3-Next's)")  # fmt: skip
+    one_gpu.add_argument("--pointer-loads", action="store_true",
+                         help="no TMA loads: run (and tune) the pointer-load kernels and CONFIGS")  # fmt: skip
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    modes = parser.add_subparsers(dest="mode", required=True)
+
+    kernel = modes.add_parser("kernel", parents=[one_gpu], help="segment attention against SDPA, FlexAttention")
+    kernel.add_argument("--profile", action="store_true", help="CUDA time per kernel instead of the table")
+    kernel.add_argument("--configs", help="JSON from tune --save: use these configs instead of the table's")
+    add_out_argument(kernel)
+
+    tuner = modes.add_parser("tune", parents=[one_gpu], help="time the kernels' candidate configs")
+    tuner.add_argument("--kinds", nargs="+", default=["fwd", "bwd_dkdv", "bwd_dq"], help="kernels to tune")
+    tuner.add_argument("--rounds", type=int, default=1, help="rounds of timing every candidate in turn")
+    tuner.add_argument("--save", help="write the best configs to this JSON file")
+
+    cp = modes.add_parser("cp", parents=[shared], help="all-gather CP attention on W GPUs against one GPU")
+    cp.add_argument("--world", type=int, help="ranks, one GPU each (default: every visible GPU, at least 2)")
+    cp.add_argument("--tokens", type=int, nargs="+", default=list(TOTALS),
+                    help=f"global real tokens per batch (default {' '.join(map(str, TOTALS))}; not with --smoke)")
+    cp.add_argument("--head-dim", type=int, default=HEAD_DIM, help=f"D (default {HEAD_DIM}; not with --smoke)")
+    cp.add_argument("--smoke", action="store_true", help="2 gloo ranks on the CPU, tiny shapes, few runs")
+    cp.add_argument("--work-model", action="store_true", help="print the kernel-tile work model (CPU) and exit")
+    cp.add_argument("--profile", action="store_true", help="also profile one fwd+bwd step: one GPU, compiled CP")
+    cp.add_argument("--head-groups", type=int, nargs="*", default=[2, 4], metavar="G",
+                    help="also time the compiled one-launch form with head_groups=G (the KV heads in G all-gathers, "
+                    "overlapped by cp_ops.COMPILE_OPTIONS); each G must divide Hkv (default 2 4)")  # fmt: skip
+    cp.add_argument("--cudagraphs", action="store_true",
+                    help="compile the CP form with CUDA graphs (Inductor's triton.cudagraphs)")  # fmt: skip
+    add_nccl_cta_argument(cp)
+    add_out_argument(cp)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.mode == "cp":
+        _run_cp(args)
+        return
+    if not torch.cuda.is_available():
+        raise SystemExit("this benchmark needs a CUDA device")
+    _run_kernel(args)
+
+
+if __name__ == "__main__":
+    main()
