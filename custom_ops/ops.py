@@ -42,6 +42,8 @@ OPS = (
     Op("chunk_gated_delta_rule_with_state", "custom_ops.gated_delta_rule.op", True),
     Op("chunk_gated_delta_rule_forward", "custom_ops.gated_delta_rule.op", False),
     Op("chunk_gated_delta_rule_backward", "custom_ops.gated_delta_rule.op", False),
+    Op("chunk_gated_delta_rule_with_state_forward", "custom_ops.gated_delta_rule.op", False),
+    Op("chunk_gated_delta_rule_with_state_backward", "custom_ops.gated_delta_rule.op", False),
     Op("check_layout", "custom_ops.runtime.validation", False),
 )
 

@@ -4,11 +4,12 @@ section 2, "Gated DeltaNet core").
 ``chunk_gated_delta_rule_forward`` and ``_backward`` are opaque custom ops
 (:func:`custom_ops.runtime.registration.opaque_op`) around FLA's internal forward and backward
 functions, whose own autograd entry points are ``@torch.compiler.disable``: Inductor calls
-each as one extern node and never traces into FLA. The public ``chunk_gated_delta_rule`` and
-``chunk_gated_delta_rule_with_state`` (per-sequence initial and final states) are composites
-(:func:`custom_ops.runtime.registration.composite_op`) over the forward op. CPU tensors run the
-torch references of :mod:`custom_ops.gated_delta_rule.reference` (FLA's kernels do not run in
-Triton's interpreter).
+each as one extern node and never traces into FLA. ``chunk_gated_delta_rule_with_state_forward``
+and ``_backward`` are the same with per-sequence initial and final states, sharing the checks
+and the FLA calls. The public ``chunk_gated_delta_rule`` and ``chunk_gated_delta_rule_with_state``
+are composites (:func:`custom_ops.runtime.registration.composite_op`) over their forward ops.
+CPU tensors run the torch references of :mod:`custom_ops.gated_delta_rule.reference` (FLA's
+kernels do not run in Triton's interpreter).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from custom_ops.gated_delta_rule.fla import (
     precompile_varlen_indices,
 )
 from custom_ops.gated_delta_rule.reference import (
+    chunk_gated_delta_rule_reference,
+    chunk_gated_delta_rule_reference_backward,
     chunk_gated_delta_rule_with_state_reference,
     chunk_gated_delta_rule_with_state_reference_backward,
     state_dtype,
@@ -116,42 +119,25 @@ def _aux_shapes(q, v):
     return (v.shape[0], v.shape[1]), (v.shape[0], v.shape[1], FLA_CHUNK)
 
 
-@opaque_op(f"{NAMESPACE}::chunk_gated_delta_rule_forward", mutates_args=())
-def chunk_gated_delta_rule_forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    scale: Optional[float] = None,
-    initial_state: Optional[torch.Tensor] = None,
-    output_final_state: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(o, final_state, g_cum, A, fla_cu_seqlens, chunk_indices)``: :func:`chunk_gated_delta_rule_with_state`'s
-    outputs (``final_state`` empty unless ``output_final_state``) and what its backward needs.
-
-    ``fla_cu_seqlens`` and ``chunk_indices`` are :func:`custom_ops.gated_delta_rule.fla.fla_varlen_indices`
-    of ``cu_seqlens``, returned so that the backward reuses them instead of building them again;
-    ``chunk_indices`` flattened to ``[2 * rows]``, a length that is never 1, so that compiling
-    for shapes that vary does not guard on its row count being 1.
-
-    CUDA: FLA's ``chunk_gated_delta_rule_fwd``; ``g_cum [T, Hv]`` (fp32) is g
-    cumulated within each 64-row chunk (in log2 units) and ``A [T, Hv, 64]`` (q's
-    dtype) the solved ``(I + tril(beta K K^T))^{-1}`` blocks, the two tensors FLA's
-    own autograd keeps besides the inputs. CPU reference path: both are empty.
-    """
+def _forward_fake(q, k, v, g, beta, cu_seqlens):
+    """Fakes of ``(o, g_cum, A, fla_cu_seqlens, chunk_indices)``, the forward ops' outputs besides the final state."""
     _check_gdn(q, k, v, g, beta, cu_seqlens)
-    _check_state("initial_state", initial_state, q, v, cu_seqlens)
-    scale = _resolve_scale(q, scale)
-    fla_cu_seqlens, chunk_indices = fla_varlen_indices(cu_seqlens, q.shape[0])
-    no_state = q.new_empty(0, dtype=state_dtype(q))
-    if not _uses_fla(q):
-        o, final_state = chunk_gated_delta_rule_with_state_reference(q, k, v, g, beta, cu_seqlens, scale, initial_state)
-        if not output_final_state:
-            final_state = no_state
-        g_cum, A = g.new_empty(0, dtype=torch.float32), q.new_empty(0)
-        return o, final_state, g_cum, A, fla_cu_seqlens, chunk_indices.view(-1)
+    if _uses_fla(q):
+        precompile_varlen_indices(cu_seqlens, q.shape[0])
+    g_shape, a_shape = _aux_shapes(q, v)
+    num_seqs = cu_seqlens.shape[0] - 1
+    return (
+        v.new_empty(v.shape, dtype=q.dtype),
+        g.new_empty(g_shape, dtype=torch.float32),
+        q.new_empty(a_shape),
+        cu_seqlens.new_empty(num_seqs + 2),
+        cu_seqlens.new_empty(2 * (q.shape[0] // FLA_CHUNK + num_seqs)),
+    )
+
+
+def _fla_forward(q, k, v, g, beta, scale, fla_cu_seqlens, chunk_indices, initial_state=None, output_final_state=False):
+    """``(o, g_cum, A, final_state)`` from FLA's ``chunk_gated_delta_rule_fwd`` on CUDA; ``final_state``
+    ``[B, Hv, dk, dv]`` float32 where ``output_final_state``, else None."""
     chunk_gated_delta_rule_fwd = fla_module("fla.ops.gated_delta_rule.chunk").chunk_gated_delta_rule_fwd
 
     with fla_call(q.device):
@@ -169,65 +155,15 @@ def chunk_gated_delta_rule_forward(
             chunk_size=FLA_CHUNK,
         )
     # FLA's states are float32 [B+1, Hv, dk, dv]; the last is the appended empty sequence's
-    final_state = final_state[:-1].to(no_state.dtype) if output_final_state else no_state
-    return (
-        o.squeeze(0).to(q.dtype), final_state, g_cum.squeeze(0), A.squeeze(0), fla_cu_seqlens, chunk_indices.view(-1)
-    )
+    final_state = final_state[:-1] if output_final_state else None
+    return o.squeeze(0).to(q.dtype), g_cum.squeeze(0), A.squeeze(0), final_state
 
 
-@chunk_gated_delta_rule_forward.register_fake
-def _(q, k, v, g, beta, cu_seqlens, scale=None, initial_state=None, output_final_state=False):
-    _check_gdn(q, k, v, g, beta, cu_seqlens)
-    _check_state("initial_state", initial_state, q, v, cu_seqlens)
-    if _uses_fla(q):
-        precompile_varlen_indices(cu_seqlens, q.shape[0])
-    g_shape, a_shape = _aux_shapes(q, v)
-    num_seqs = cu_seqlens.shape[0] - 1
-    state_shape = (num_seqs, v.shape[1], q.shape[2], v.shape[2]) if output_final_state else (0,)
-    return (
-        v.new_empty(v.shape, dtype=q.dtype),
-        q.new_empty(state_shape, dtype=state_dtype(q)),
-        g.new_empty(g_shape, dtype=torch.float32),
-        q.new_empty(a_shape),
-        cu_seqlens.new_empty(num_seqs + 2),
-        cu_seqlens.new_empty(2 * (q.shape[0] // FLA_CHUNK + num_seqs)),
-    )
-
-
-@opaque_op(f"{NAMESPACE}::chunk_gated_delta_rule_backward", mutates_args=())
-def chunk_gated_delta_rule_backward(
-    grad_o: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    fla_cu_seqlens: torch.Tensor,
-    chunk_indices: torch.Tensor,
-    g_cum: torch.Tensor,
-    A: torch.Tensor,
-    scale: Optional[float] = None,
-    initial_state: Optional[torch.Tensor] = None,
-    grad_final_state: Optional[torch.Tensor] = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv, dg, dbeta, d_initial_state) of :func:`chunk_gated_delta_rule_with_state`,
-    from the forward's saved tensors and the final state's gradient (None: zero).
-
-    CUDA: FLA's ``chunk_gated_delta_rule_bwd`` (it recomputes w, u and the chunk
-    states h from A, g_cum and the initial state, as in FLA's own autograd). GVA: FLA sums
-    the key-head gradients over each group of value heads. CPU: the reverse scan of the
-    reference. ``d_initial_state`` is empty where ``initial_state`` is None.
-    """
-    chunk_indices = chunk_indices.view(-1, 2)
-    _check_fla_indices(cu_seqlens, fla_cu_seqlens, chunk_indices, q.shape[0])
-    _check_state("initial_state", initial_state, q, v, cu_seqlens)
-    _check_state("grad_final_state", grad_final_state, q, v, cu_seqlens)
-    scale = _resolve_scale(q, scale)
-    if not _uses_fla(q):
-        return chunk_gated_delta_rule_with_state_reference_backward(
-            grad_o, grad_final_state, q, k, v, g, beta, cu_seqlens, scale, initial_state
-        )
+def _fla_backward(grad_o, q, k, v, g, beta, fla_cu_seqlens, chunk_indices, g_cum, A, scale,
+                  initial_state=None, grad_final_state=None):  # fmt: skip
+    """``(dq, dk, dv, dg, dbeta, dh0)`` from FLA's ``chunk_gated_delta_rule_bwd`` on CUDA (it recomputes
+    w, u and the chunk states h from A, g_cum and the initial state, as in FLA's own autograd);
+    ``dh0`` ``[B, Hv, dk, dv]`` float32 where ``initial_state`` is given, else None."""
     chunk_gated_delta_rule_bwd = fla_module("fla.ops.gated_delta_rule.chunk").chunk_gated_delta_rule_bwd
 
     with fla_call(q.device):
@@ -252,11 +188,178 @@ def chunk_gated_delta_rule_backward(
         dv.squeeze(0).to(v.dtype),
         dg.squeeze(0).to(g.dtype),
         dbeta.squeeze(0).to(beta.dtype),
-        q.new_empty(0, dtype=state_dtype(q)) if initial_state is None else dh0[:-1].to(initial_state.dtype),
+        None if initial_state is None else dh0[:-1],
     )
 
 
+@opaque_op(f"{NAMESPACE}::chunk_gated_delta_rule_forward", mutates_args=())
+def chunk_gated_delta_rule_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: Optional[float] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(o [T, Hv, dv], g_cum, A, fla_cu_seqlens, chunk_indices)``: the output of
+    :func:`chunk_gated_delta_rule` and what its backward needs.
+
+    ``fla_cu_seqlens`` and ``chunk_indices`` are :func:`custom_ops.gated_delta_rule.fla.fla_varlen_indices`
+    of ``cu_seqlens``, returned so that the backward reuses them instead of building them again;
+    ``chunk_indices`` flattened to ``[2 * rows]``, a length that is never 1, so that compiling
+    for shapes that vary does not guard on its row count being 1.
+
+    CUDA: FLA's ``chunk_gated_delta_rule_fwd``; ``g_cum [T, Hv]`` (fp32) is g
+    cumulated within each 64-row chunk (in log2 units) and ``A [T, Hv, 64]`` (q's
+    dtype) the solved ``(I + tril(beta K K^T))^{-1}`` blocks, the two tensors FLA's
+    own autograd keeps besides the inputs. CPU reference path: both are empty.
+    """
+    _check_gdn(q, k, v, g, beta, cu_seqlens)
+    scale = _resolve_scale(q, scale)
+    fla_cu_seqlens, chunk_indices = fla_varlen_indices(cu_seqlens, q.shape[0])
+    if not _uses_fla(q):
+        o = chunk_gated_delta_rule_reference(q, k, v, g, beta, cu_seqlens, scale)
+        return o, g.new_empty(0, dtype=torch.float32), q.new_empty(0), fla_cu_seqlens, chunk_indices.view(-1)
+    o, g_cum, A, _ = _fla_forward(q, k, v, g, beta, scale, fla_cu_seqlens, chunk_indices)
+    return o, g_cum, A, fla_cu_seqlens, chunk_indices.view(-1)
+
+
+@chunk_gated_delta_rule_forward.register_fake
+def _(q, k, v, g, beta, cu_seqlens, scale=None):
+    return _forward_fake(q, k, v, g, beta, cu_seqlens)
+
+
+@opaque_op(f"{NAMESPACE}::chunk_gated_delta_rule_backward", mutates_args=())
+def chunk_gated_delta_rule_backward(
+    grad_o: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    fla_cu_seqlens: torch.Tensor,
+    chunk_indices: torch.Tensor,
+    g_cum: torch.Tensor,
+    A: torch.Tensor,
+    scale: Optional[float] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dg, dbeta) of :func:`chunk_gated_delta_rule`, from the forward's saved tensors.
+
+    CUDA: FLA's ``chunk_gated_delta_rule_bwd`` (it recomputes w, u and the chunk
+    states h from A and g_cum, as in FLA's own autograd). GVA: FLA sums the key-head
+    gradients over each group of value heads. CPU: the reverse scan of the reference.
+    """
+    chunk_indices = chunk_indices.view(-1, 2)
+    _check_fla_indices(cu_seqlens, fla_cu_seqlens, chunk_indices, q.shape[0])
+    scale = _resolve_scale(q, scale)
+    if not _uses_fla(q):
+        return chunk_gated_delta_rule_reference_backward(grad_o, q, k, v, g, beta, cu_seqlens, scale)
+    return _fla_backward(grad_o, q, k, v, g, beta, fla_cu_seqlens, chunk_indices, g_cum, A, scale)[:5]
+
+
 @chunk_gated_delta_rule_backward.register_fake
+def _(grad_o, q, k, v, g, beta, cu_seqlens, fla_cu_seqlens, chunk_indices, g_cum, A, scale=None):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), g.new_empty(g.shape), beta.new_empty(beta.shape)
+
+
+def _gdn_setup_context(ctx, inputs, output):
+    q, k, v, g, beta, cu_seqlens, scale = inputs
+    _, g_cum, A, fla_cu_seqlens, chunk_indices = output
+    ctx.save_for_backward(q, k, v, g, beta, cu_seqlens, fla_cu_seqlens, chunk_indices, g_cum, A)
+    ctx.scale = scale
+
+
+def _gdn_backward(ctx, grad_o, *_grad_aux):
+    dq, dk, dv, dg, dbeta = torch.ops.cp_ops.chunk_gated_delta_rule_backward(grad_o, *ctx.saved_tensors, ctx.scale)
+    return dq, dk, dv, dg, dbeta, None, None
+
+
+chunk_gated_delta_rule_forward.register_autograd(_gdn_backward, setup_context=_gdn_setup_context)
+
+
+@opaque_op(f"{NAMESPACE}::chunk_gated_delta_rule_with_state_forward", mutates_args=())
+def chunk_gated_delta_rule_with_state_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: Optional[float] = None,
+    initial_state: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(o, final_state, g_cum, A, fla_cu_seqlens, chunk_indices)``: the outputs of
+    :func:`chunk_gated_delta_rule_with_state` and what its backward needs, the auxiliary
+    outputs as in :func:`chunk_gated_delta_rule_forward`.
+
+    CUDA: FLA's ``chunk_gated_delta_rule_fwd`` with ``initial_state`` and ``output_final_state``.
+    CPU: the stateful reference.
+    """
+    _check_gdn(q, k, v, g, beta, cu_seqlens)
+    _check_state("initial_state", initial_state, q, v, cu_seqlens)
+    scale = _resolve_scale(q, scale)
+    fla_cu_seqlens, chunk_indices = fla_varlen_indices(cu_seqlens, q.shape[0])
+    if not _uses_fla(q):
+        o, final_state = chunk_gated_delta_rule_with_state_reference(q, k, v, g, beta, cu_seqlens, scale, initial_state)
+        g_cum, A = g.new_empty(0, dtype=torch.float32), q.new_empty(0)
+        return o, final_state, g_cum, A, fla_cu_seqlens, chunk_indices.view(-1)
+    o, g_cum, A, final_state = _fla_forward(
+        q, k, v, g, beta, scale, fla_cu_seqlens, chunk_indices, initial_state, output_final_state=True
+    )
+    return o, final_state.to(state_dtype(q)), g_cum, A, fla_cu_seqlens, chunk_indices.view(-1)
+
+
+@chunk_gated_delta_rule_with_state_forward.register_fake
+def _(q, k, v, g, beta, cu_seqlens, scale=None, initial_state=None):
+    o, g_cum, A, fla_cu_seqlens, chunk_indices = _forward_fake(q, k, v, g, beta, cu_seqlens)
+    _check_state("initial_state", initial_state, q, v, cu_seqlens)
+    state_shape = (cu_seqlens.shape[0] - 1, v.shape[1], q.shape[2], v.shape[2])
+    return o, q.new_empty(state_shape, dtype=state_dtype(q)), g_cum, A, fla_cu_seqlens, chunk_indices
+
+
+@opaque_op(f"{NAMESPACE}::chunk_gated_delta_rule_with_state_backward", mutates_args=())
+def chunk_gated_delta_rule_with_state_backward(
+    grad_o: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    fla_cu_seqlens: torch.Tensor,
+    chunk_indices: torch.Tensor,
+    g_cum: torch.Tensor,
+    A: torch.Tensor,
+    scale: Optional[float] = None,
+    initial_state: Optional[torch.Tensor] = None,
+    grad_final_state: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dg, dbeta, d_initial_state) of :func:`chunk_gated_delta_rule_with_state`,
+    from the forward's saved tensors and the final state's gradient (None: zero).
+
+    CUDA: FLA's ``chunk_gated_delta_rule_bwd`` with ``initial_state`` and ``dht``, as in
+    :func:`chunk_gated_delta_rule_backward`. CPU: the reverse scan of the stateful reference.
+    ``d_initial_state`` is empty where ``initial_state`` is None.
+    """
+    chunk_indices = chunk_indices.view(-1, 2)
+    _check_fla_indices(cu_seqlens, fla_cu_seqlens, chunk_indices, q.shape[0])
+    _check_state("initial_state", initial_state, q, v, cu_seqlens)
+    _check_state("grad_final_state", grad_final_state, q, v, cu_seqlens)
+    scale = _resolve_scale(q, scale)
+    if not _uses_fla(q):
+        return chunk_gated_delta_rule_with_state_reference_backward(
+            grad_o, grad_final_state, q, k, v, g, beta, cu_seqlens, scale, initial_state
+        )
+    *grads, dh0 = _fla_backward(
+        grad_o, q, k, v, g, beta, fla_cu_seqlens, chunk_indices, g_cum, A, scale, initial_state, grad_final_state
+    )
+    d_state = q.new_empty(0, dtype=state_dtype(q)) if initial_state is None else dh0.to(initial_state.dtype)
+    return (*grads, d_state)
+
+
+@chunk_gated_delta_rule_with_state_backward.register_fake
 def _(grad_o, q, k, v, g, beta, cu_seqlens, fla_cu_seqlens, chunk_indices, g_cum, A, scale=None,
       initial_state=None, grad_final_state=None):  # fmt: skip
     _check_state("initial_state", initial_state, q, v, cu_seqlens)
@@ -268,25 +371,24 @@ def _(grad_o, q, k, v, g, beta, cu_seqlens, fla_cu_seqlens, chunk_indices, g_cum
     )  # fmt: skip
 
 
-def _gdn_setup_context(ctx, inputs, output):
-    q, k, v, g, beta, cu_seqlens, scale, initial_state, output_final_state = inputs
+def _gdn_with_state_setup_context(ctx, inputs, output):
+    q, k, v, g, beta, cu_seqlens, scale, initial_state = inputs
     _, _, g_cum, A, fla_cu_seqlens, chunk_indices = output
     ctx.save_for_backward(q, k, v, g, beta, cu_seqlens, fla_cu_seqlens, chunk_indices, g_cum, A, initial_state)
     ctx.scale = scale
-    ctx.output_final_state = output_final_state
 
 
-def _gdn_backward(ctx, grad_o, grad_final_state, *_grad_aux):
+def _gdn_with_state_backward(ctx, grad_o, grad_final_state, *_grad_aux):
     *saved, initial_state = ctx.saved_tensors
-    # without output_final_state the final state is an empty placeholder, its gradient too
-    grad_final_state = grad_final_state if ctx.output_final_state else None
-    *grads, d_state = torch.ops.cp_ops.chunk_gated_delta_rule_backward(
+    *grads, d_state = torch.ops.cp_ops.chunk_gated_delta_rule_with_state_backward(
         grad_o, *saved, ctx.scale, initial_state, grad_final_state
     )
-    return (*grads, None, None, None if initial_state is None else d_state, None)
+    return (*grads, None, None, None if initial_state is None else d_state)
 
 
-chunk_gated_delta_rule_forward.register_autograd(_gdn_backward, setup_context=_gdn_setup_context)
+chunk_gated_delta_rule_with_state_forward.register_autograd(
+    _gdn_with_state_backward, setup_context=_gdn_with_state_setup_context
+)
 
 
 # The public op returns o alone. It is CompositeImplicitAutograd over the forward op above,
@@ -301,7 +403,7 @@ def _chunk_gated_delta_rule_composite(q, k, v, g, beta, cu_seqlens, scale=None):
     return torch.ops.cp_ops.chunk_gated_delta_rule_forward(q, k, v, g, beta, cu_seqlens, scale)[0]
 
 
-# A public op of its own, so that chunk_gated_delta_rule keeps its schema and its one output.
+# The same over the stateful forward op, returning o and the final states.
 @composite_op(
     f"{NAMESPACE}::chunk_gated_delta_rule_with_state",
     "(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor cu_seqlens, float? scale=None, "
@@ -309,8 +411,8 @@ def _chunk_gated_delta_rule_composite(q, k, v, g, beta, cu_seqlens, scale=None):
 )
 def _chunk_gated_delta_rule_with_state_composite(q, k, v, g, beta, cu_seqlens, scale=None, initial_state=None):
     cu_seqlens = checked("cumulative", cu_seqlens, (), q.shape[0])
-    o, final_state, *_ = torch.ops.cp_ops.chunk_gated_delta_rule_forward(
-        q, k, v, g, beta, cu_seqlens, scale, initial_state, True
+    o, final_state, *_ = torch.ops.cp_ops.chunk_gated_delta_rule_with_state_forward(
+        q, k, v, g, beta, cu_seqlens, scale, initial_state
     )
     return o, final_state
 

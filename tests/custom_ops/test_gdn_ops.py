@@ -356,14 +356,14 @@ def test_opcheck_chunk_gated_delta_rule_with_state():
         for state in (None, h0):
             torch.library.opcheck(torch.ops.cp_ops.chunk_gated_delta_rule_with_state.default, (*tensors, scale, state))
             torch.library.opcheck(
-                torch.ops.cp_ops.chunk_gated_delta_rule_forward.default, (*tensors, scale, state, True)
+                torch.ops.cp_ops.chunk_gated_delta_rule_with_state_forward.default, (*tensors, scale, state)
             )
     q, k, v, g, beta, cu = _gdn_case([5, 0, 4], 1, 2, 4, 3, torch.float32)
     h0, dht = _states(3, 2, 4, 3, torch.float32), _states(3, 2, 4, 3, torch.float32)
     aux = q.new_empty(0)
     for state, grad_final in ((h0, dht), (None, dht), (h0, None)):
         torch.library.opcheck(
-            torch.ops.cp_ops.chunk_gated_delta_rule_backward.default,
+            torch.ops.cp_ops.chunk_gated_delta_rule_with_state_backward.default,
             (torch.randn_like(v), q, k, v, g, beta, cu, *_flat_fla_indices(cu, q.shape[0]), aux.float(), aux, None,
              state, grad_final),
         )  # fmt: skip
@@ -913,7 +913,7 @@ def test_bad_state():
         custom_ops.chunk_gated_delta_rule_with_state(q, k, v, g, beta, cu, None, h0.to("meta"))
     aux = q.new_empty(0)
     with pytest.raises(ValueError, match="grad_final_state must be"):
-        torch.ops.cp_ops.chunk_gated_delta_rule_backward(
+        torch.ops.cp_ops.chunk_gated_delta_rule_with_state_backward(
             torch.randn_like(v), q, k, v, g, beta, cu, *_flat_fla_indices(cu, q.shape[0]), aux.float(), aux, None,
             h0, h0[:, :2],
         )  # fmt: skip
