@@ -19,8 +19,11 @@ from custom_ops.all_to_all.reference import thd_cp2hp_reference, thd_hp2cp_refer
 from custom_ops.causal_conv1d.op import causal_conv1d, causal_conv1d_gather
 from custom_ops.causal_conv1d.reference import causal_conv1d_gather_reference, causal_conv1d_reference
 from custom_ops.gated_delta_rule.fla import fla_module
-from custom_ops.gated_delta_rule.op import chunk_gated_delta_rule
-from custom_ops.gated_delta_rule.reference import chunk_gated_delta_rule_reference
+from custom_ops.gated_delta_rule.op import chunk_gated_delta_rule, chunk_gated_delta_rule_with_state
+from custom_ops.gated_delta_rule.reference import (
+    chunk_gated_delta_rule_reference,
+    chunk_gated_delta_rule_with_state_reference,
+)
 from custom_ops.permute_sections.op import (
     permute_sections,
     rank_blocks_to_sections,
@@ -61,6 +64,7 @@ __all__ = [
     "causal_conv1d",
     "causal_conv1d_gather",
     "chunk_gated_delta_rule",
+    "chunk_gated_delta_rule_with_state",
     # references
     "thd_seq_to_rank_order_reference",
     "thd_rank_to_seq_order_reference",
@@ -74,6 +78,7 @@ __all__ = [
     "causal_conv1d_reference",
     "causal_conv1d_gather_reference",
     "chunk_gated_delta_rule_reference",
+    "chunk_gated_delta_rule_with_state_reference",
     # helpers: groups, collectives, checks, the index maps
     "resolve_group",
     "group_size",

@@ -39,8 +39,11 @@ OPS = (
     Op("causal_conv1d_gather", "custom_ops.causal_conv1d.op", True),
     Op("causal_conv1d_gather_backward", "custom_ops.causal_conv1d.op", False),
     Op("chunk_gated_delta_rule", "custom_ops.gated_delta_rule.op", True),
+    Op("chunk_gated_delta_rule_with_state", "custom_ops.gated_delta_rule.op", True),
     Op("chunk_gated_delta_rule_forward", "custom_ops.gated_delta_rule.op", False),
     Op("chunk_gated_delta_rule_backward", "custom_ops.gated_delta_rule.op", False),
+    Op("chunk_gated_delta_rule_with_state_forward", "custom_ops.gated_delta_rule.op", False),
+    Op("chunk_gated_delta_rule_with_state_backward", "custom_ops.gated_delta_rule.op", False),
     Op("check_layout", "custom_ops.runtime.validation", False),
 )
 

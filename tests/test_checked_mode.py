@@ -105,6 +105,8 @@ def test_gated_delta_rule_refuses_bad_cumulative_lengths():
     g, beta = -torch.rand(t, h), torch.rand(t, h)
     with pytest.raises(ValueError, match="cu_seqlens\\[-1\\] = 12 but the tensor has 10 rows"):
         custom_ops.chunk_gated_delta_rule(q, k, v, g, beta, _idx([0, 4, 12]))
+    with pytest.raises(ValueError, match="cu_seqlens\\[-1\\] = 12 but the tensor has 10 rows"):
+        custom_ops.chunk_gated_delta_rule_with_state(q, k, v, g, beta, _idx([0, 4, 12]), None, torch.zeros(2, h, d, d))
 
 
 def test_gdn_layer_refuses_bad_padded_layouts():

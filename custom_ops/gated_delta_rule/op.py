@@ -4,10 +4,12 @@ section 2, "Gated DeltaNet core").
 ``chunk_gated_delta_rule_forward`` and ``_backward`` are opaque custom ops
 (:func:`custom_ops.runtime.registration.opaque_op`) around FLA's internal forward and backward
 functions, whose own autograd entry points are ``@torch.compiler.disable``: Inductor calls
-each as one extern node and never traces into FLA. The public ``chunk_gated_delta_rule`` is
-a composite (:func:`custom_ops.runtime.registration.composite_op`) over the forward op. CPU tensors
-run the torch reference of :mod:`custom_ops.gated_delta_rule.reference` (FLA's kernels do not run in
-Triton's interpreter).
+each as one extern node and never traces into FLA. ``chunk_gated_delta_rule_with_state_forward``
+and ``_backward`` are the same with per-sequence initial and final states, sharing the checks
+and the FLA calls. The public ``chunk_gated_delta_rule`` and ``chunk_gated_delta_rule_with_state``
+are composites (:func:`custom_ops.runtime.registration.composite_op`) over their forward ops.
+CPU tensors run the torch references of :mod:`custom_ops.gated_delta_rule.reference` (FLA's
+kernels do not run in Triton's interpreter).
 """
 
 from __future__ import annotations
@@ -26,12 +28,15 @@ from custom_ops.gated_delta_rule.fla import (
 from custom_ops.gated_delta_rule.reference import (
     chunk_gated_delta_rule_reference,
     chunk_gated_delta_rule_reference_backward,
+    chunk_gated_delta_rule_with_state_reference,
+    chunk_gated_delta_rule_with_state_reference_backward,
+    state_dtype,
 )
 from custom_ops.runtime.checks import check_index_tensor
 from custom_ops.runtime.registration import NAMESPACE, composite_op, opaque_op
 from custom_ops.runtime.validation import checked
 
-__all__ = ["chunk_gated_delta_rule"]
+__all__ = ["chunk_gated_delta_rule", "chunk_gated_delta_rule_with_state"]
 
 # FLA's GDN kernels keep a [dk, dv] state tile in registers/shared memory.
 MAX_HEAD_DIM = 256
@@ -63,6 +68,28 @@ def _check_gdn(q, k, v, g, beta, cu_seqlens) -> None:
     check_index_tensor("cu_seqlens", cu_seqlens, q.device)
 
 
+def _check_state(name: str, state: Optional[torch.Tensor], q, v, cu_seqlens) -> None:
+    """A per-sequence state ``[B, Hv, dk, dv]`` of :func:`custom_ops.gated_delta_rule.reference.state_dtype`
+    on q's device, or None."""
+    if state is None:
+        return
+    shape = (cu_seqlens.shape[0] - 1, v.shape[1], q.shape[2], v.shape[2])
+    if tuple(state.shape) != shape:
+        raise ValueError(f"{name} must be [B, Hv, dk, dv] = {list(shape)}, got shape {tuple(state.shape)}")
+    if state.dtype != state_dtype(q):
+        raise TypeError(f"{name} must be {state_dtype(q)} for q of {q.dtype}, got {state.dtype}")
+    if state.device != q.device:
+        raise ValueError(f"{name} is on {state.device} but q is on {q.device}")
+
+
+def _fla_state(state: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """A state ``[B, ...]`` as FLA's ``[B+1, ...]`` float32: FLA also runs the empty sequence
+    that :func:`custom_ops.gated_delta_rule.fla.fla_varlen_indices` appends, from a zero state."""
+    if state is None:
+        return None
+    return torch.cat([state.float(), state.new_zeros((1, *state.shape[1:]), dtype=torch.float32)])
+
+
 def _check_fla_indices(cu_seqlens, fla_cu_seqlens, chunk_indices, num_rows: int) -> None:
     """The shapes :func:`custom_ops.gated_delta_rule.fla.fla_varlen_indices` gives for ``cu_seqlens`` and T rows."""
     num_seqs = cu_seqlens.shape[0] - 1
@@ -90,6 +117,79 @@ def _aux_shapes(q, v):
     if not _uses_fla(q):
         return (0,), (0,)
     return (v.shape[0], v.shape[1]), (v.shape[0], v.shape[1], FLA_CHUNK)
+
+
+def _forward_fake(q, k, v, g, beta, cu_seqlens):
+    """Fakes of ``(o, g_cum, A, fla_cu_seqlens, chunk_indices)``, the forward ops' outputs besides the final state."""
+    _check_gdn(q, k, v, g, beta, cu_seqlens)
+    if _uses_fla(q):
+        precompile_varlen_indices(cu_seqlens, q.shape[0])
+    g_shape, a_shape = _aux_shapes(q, v)
+    num_seqs = cu_seqlens.shape[0] - 1
+    return (
+        v.new_empty(v.shape, dtype=q.dtype),
+        g.new_empty(g_shape, dtype=torch.float32),
+        q.new_empty(a_shape),
+        cu_seqlens.new_empty(num_seqs + 2),
+        cu_seqlens.new_empty(2 * (q.shape[0] // FLA_CHUNK + num_seqs)),
+    )
+
+
+def _fla_forward(q, k, v, g, beta, scale, fla_cu_seqlens, chunk_indices, initial_state=None, output_final_state=False):
+    """``(o, g_cum, A, final_state)`` from FLA's ``chunk_gated_delta_rule_fwd`` on CUDA; ``final_state``
+    ``[B, Hv, dk, dv]`` float32 where ``output_final_state``, else None."""
+    chunk_gated_delta_rule_fwd = fla_module("fla.ops.gated_delta_rule.chunk").chunk_gated_delta_rule_fwd
+
+    with fla_call(q.device):
+        g_cum, o, A, final_state, _, _ = chunk_gated_delta_rule_fwd(
+            q=q.contiguous().unsqueeze(0),
+            k=k.contiguous().unsqueeze(0),
+            v=v.contiguous().unsqueeze(0),
+            g=g.contiguous().unsqueeze(0),
+            beta=beta.contiguous().unsqueeze(0),
+            scale=scale,
+            initial_state=_fla_state(initial_state),
+            output_final_state=output_final_state,
+            cu_seqlens=fla_cu_seqlens,
+            chunk_indices=chunk_indices,
+            chunk_size=FLA_CHUNK,
+        )
+    # FLA's states are float32 [B+1, Hv, dk, dv]; the last is the appended empty sequence's
+    final_state = final_state[:-1] if output_final_state else None
+    return o.squeeze(0).to(q.dtype), g_cum.squeeze(0), A.squeeze(0), final_state
+
+
+def _fla_backward(grad_o, q, k, v, g, beta, fla_cu_seqlens, chunk_indices, g_cum, A, scale,
+                  initial_state=None, grad_final_state=None):  # fmt: skip
+    """``(dq, dk, dv, dg, dbeta, dh0)`` from FLA's ``chunk_gated_delta_rule_bwd`` on CUDA (it recomputes
+    w, u and the chunk states h from A, g_cum and the initial state, as in FLA's own autograd);
+    ``dh0`` ``[B, Hv, dk, dv]`` float32 where ``initial_state`` is given, else None."""
+    chunk_gated_delta_rule_bwd = fla_module("fla.ops.gated_delta_rule.chunk").chunk_gated_delta_rule_bwd
+
+    with fla_call(q.device):
+        dq, dk, dv, dbeta, dg, dh0, _, _ = chunk_gated_delta_rule_bwd(
+            q=q.contiguous().unsqueeze(0),
+            k=k.contiguous().unsqueeze(0),
+            v=v.contiguous().unsqueeze(0),
+            g=g_cum.unsqueeze(0),
+            beta=beta.contiguous().unsqueeze(0),
+            A=A.unsqueeze(0),
+            scale=scale,
+            initial_state=_fla_state(initial_state),
+            do=grad_o.contiguous().unsqueeze(0),
+            dht=_fla_state(grad_final_state),
+            cu_seqlens=fla_cu_seqlens,
+            chunk_indices=chunk_indices,
+            chunk_size=FLA_CHUNK,
+        )
+    return (
+        dq.squeeze(0).to(q.dtype),
+        dk.squeeze(0).to(k.dtype),
+        dv.squeeze(0).to(v.dtype),
+        dg.squeeze(0).to(g.dtype),
+        dbeta.squeeze(0).to(beta.dtype),
+        None if initial_state is None else dh0[:-1],
+    )
 
 
 @opaque_op(f"{NAMESPACE}::chunk_gated_delta_rule_forward", mutates_args=())
@@ -121,39 +221,13 @@ def chunk_gated_delta_rule_forward(
     if not _uses_fla(q):
         o = chunk_gated_delta_rule_reference(q, k, v, g, beta, cu_seqlens, scale)
         return o, g.new_empty(0, dtype=torch.float32), q.new_empty(0), fla_cu_seqlens, chunk_indices.view(-1)
-    chunk_gated_delta_rule_fwd = fla_module("fla.ops.gated_delta_rule.chunk").chunk_gated_delta_rule_fwd
-
-    with fla_call(q.device):
-        g_cum, o, A, _, _, _ = chunk_gated_delta_rule_fwd(
-            q=q.contiguous().unsqueeze(0),
-            k=k.contiguous().unsqueeze(0),
-            v=v.contiguous().unsqueeze(0),
-            g=g.contiguous().unsqueeze(0),
-            beta=beta.contiguous().unsqueeze(0),
-            scale=scale,
-            initial_state=None,
-            output_final_state=False,
-            cu_seqlens=fla_cu_seqlens,
-            chunk_indices=chunk_indices,
-            chunk_size=FLA_CHUNK,
-        )
-    return o.squeeze(0).to(q.dtype), g_cum.squeeze(0), A.squeeze(0), fla_cu_seqlens, chunk_indices.view(-1)
+    o, g_cum, A, _ = _fla_forward(q, k, v, g, beta, scale, fla_cu_seqlens, chunk_indices)
+    return o, g_cum, A, fla_cu_seqlens, chunk_indices.view(-1)
 
 
 @chunk_gated_delta_rule_forward.register_fake
 def _(q, k, v, g, beta, cu_seqlens, scale=None):
-    _check_gdn(q, k, v, g, beta, cu_seqlens)
-    if _uses_fla(q):
-        precompile_varlen_indices(cu_seqlens, q.shape[0])
-    g_shape, a_shape = _aux_shapes(q, v)
-    num_seqs = cu_seqlens.shape[0] - 1
-    return (
-        v.new_empty(v.shape, dtype=q.dtype),
-        g.new_empty(g_shape, dtype=torch.float32),
-        q.new_empty(a_shape),
-        cu_seqlens.new_empty(num_seqs + 2),
-        cu_seqlens.new_empty(2 * (q.shape[0] // FLA_CHUNK + num_seqs)),
-    )
+    return _forward_fake(q, k, v, g, beta, cu_seqlens)
 
 
 @opaque_op(f"{NAMESPACE}::chunk_gated_delta_rule_backward", mutates_args=())
@@ -182,31 +256,7 @@ def chunk_gated_delta_rule_backward(
     scale = _resolve_scale(q, scale)
     if not _uses_fla(q):
         return chunk_gated_delta_rule_reference_backward(grad_o, q, k, v, g, beta, cu_seqlens, scale)
-    chunk_gated_delta_rule_bwd = fla_module("fla.ops.gated_delta_rule.chunk").chunk_gated_delta_rule_bwd
-
-    with fla_call(q.device):
-        dq, dk, dv, dbeta, dg, _, _, _ = chunk_gated_delta_rule_bwd(
-            q=q.contiguous().unsqueeze(0),
-            k=k.contiguous().unsqueeze(0),
-            v=v.contiguous().unsqueeze(0),
-            g=g_cum.unsqueeze(0),
-            beta=beta.contiguous().unsqueeze(0),
-            A=A.unsqueeze(0),
-            scale=scale,
-            initial_state=None,
-            do=grad_o.contiguous().unsqueeze(0),
-            dht=None,
-            cu_seqlens=fla_cu_seqlens,
-            chunk_indices=chunk_indices,
-            chunk_size=FLA_CHUNK,
-        )
-    return (
-        dq.squeeze(0).to(q.dtype),
-        dk.squeeze(0).to(k.dtype),
-        dv.squeeze(0).to(v.dtype),
-        dg.squeeze(0).to(g.dtype),
-        dbeta.squeeze(0).to(beta.dtype),
-    )
+    return _fla_backward(grad_o, q, k, v, g, beta, fla_cu_seqlens, chunk_indices, g_cum, A, scale)[:5]
 
 
 @chunk_gated_delta_rule_backward.register_fake
@@ -229,6 +279,118 @@ def _gdn_backward(ctx, grad_o, *_grad_aux):
 chunk_gated_delta_rule_forward.register_autograd(_gdn_backward, setup_context=_gdn_setup_context)
 
 
+@opaque_op(f"{NAMESPACE}::chunk_gated_delta_rule_with_state_forward", mutates_args=())
+def chunk_gated_delta_rule_with_state_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: Optional[float] = None,
+    initial_state: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(o, final_state, g_cum, A, fla_cu_seqlens, chunk_indices)``: the outputs of
+    :func:`chunk_gated_delta_rule_with_state` and what its backward needs, the auxiliary
+    outputs as in :func:`chunk_gated_delta_rule_forward`.
+
+    CUDA: FLA's ``chunk_gated_delta_rule_fwd`` with ``initial_state`` and ``output_final_state``.
+    CPU: the stateful reference.
+    """
+    _check_gdn(q, k, v, g, beta, cu_seqlens)
+    _check_state("initial_state", initial_state, q, v, cu_seqlens)
+    scale = _resolve_scale(q, scale)
+    fla_cu_seqlens, chunk_indices = fla_varlen_indices(cu_seqlens, q.shape[0])
+    if not _uses_fla(q):
+        o, final_state = chunk_gated_delta_rule_with_state_reference(q, k, v, g, beta, cu_seqlens, scale, initial_state)
+        g_cum, A = g.new_empty(0, dtype=torch.float32), q.new_empty(0)
+        return o, final_state, g_cum, A, fla_cu_seqlens, chunk_indices.view(-1)
+    o, g_cum, A, final_state = _fla_forward(
+        q, k, v, g, beta, scale, fla_cu_seqlens, chunk_indices, initial_state, output_final_state=True
+    )
+    return o, final_state.to(state_dtype(q)), g_cum, A, fla_cu_seqlens, chunk_indices.view(-1)
+
+
+@chunk_gated_delta_rule_with_state_forward.register_fake
+def _(q, k, v, g, beta, cu_seqlens, scale=None, initial_state=None):
+    o, g_cum, A, fla_cu_seqlens, chunk_indices = _forward_fake(q, k, v, g, beta, cu_seqlens)
+    _check_state("initial_state", initial_state, q, v, cu_seqlens)
+    state_shape = (cu_seqlens.shape[0] - 1, v.shape[1], q.shape[2], v.shape[2])
+    return o, q.new_empty(state_shape, dtype=state_dtype(q)), g_cum, A, fla_cu_seqlens, chunk_indices
+
+
+@opaque_op(f"{NAMESPACE}::chunk_gated_delta_rule_with_state_backward", mutates_args=())
+def chunk_gated_delta_rule_with_state_backward(
+    grad_o: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    fla_cu_seqlens: torch.Tensor,
+    chunk_indices: torch.Tensor,
+    g_cum: torch.Tensor,
+    A: torch.Tensor,
+    scale: Optional[float] = None,
+    initial_state: Optional[torch.Tensor] = None,
+    grad_final_state: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dg, dbeta, d_initial_state) of :func:`chunk_gated_delta_rule_with_state`,
+    from the forward's saved tensors and the final state's gradient (None: zero).
+
+    CUDA: FLA's ``chunk_gated_delta_rule_bwd`` with ``initial_state`` and ``dht``, as in
+    :func:`chunk_gated_delta_rule_backward`. CPU: the reverse scan of the stateful reference.
+    ``d_initial_state`` is empty where ``initial_state`` is None.
+    """
+    chunk_indices = chunk_indices.view(-1, 2)
+    _check_fla_indices(cu_seqlens, fla_cu_seqlens, chunk_indices, q.shape[0])
+    _check_state("initial_state", initial_state, q, v, cu_seqlens)
+    _check_state("grad_final_state", grad_final_state, q, v, cu_seqlens)
+    scale = _resolve_scale(q, scale)
+    if not _uses_fla(q):
+        return chunk_gated_delta_rule_with_state_reference_backward(
+            grad_o, grad_final_state, q, k, v, g, beta, cu_seqlens, scale, initial_state
+        )
+    *grads, dh0 = _fla_backward(
+        grad_o, q, k, v, g, beta, fla_cu_seqlens, chunk_indices, g_cum, A, scale, initial_state, grad_final_state
+    )
+    d_state = q.new_empty(0, dtype=state_dtype(q)) if initial_state is None else dh0.to(initial_state.dtype)
+    return (*grads, d_state)
+
+
+@chunk_gated_delta_rule_with_state_backward.register_fake
+def _(grad_o, q, k, v, g, beta, cu_seqlens, fla_cu_seqlens, chunk_indices, g_cum, A, scale=None,
+      initial_state=None, grad_final_state=None):  # fmt: skip
+    _check_state("initial_state", initial_state, q, v, cu_seqlens)
+    _check_state("grad_final_state", grad_final_state, q, v, cu_seqlens)
+    d_state = q.new_empty(0, dtype=state_dtype(q)) if initial_state is None else torch.empty_like(initial_state)
+    return (
+        q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), g.new_empty(g.shape),
+        beta.new_empty(beta.shape), d_state,
+    )  # fmt: skip
+
+
+def _gdn_with_state_setup_context(ctx, inputs, output):
+    q, k, v, g, beta, cu_seqlens, scale, initial_state = inputs
+    _, _, g_cum, A, fla_cu_seqlens, chunk_indices = output
+    ctx.save_for_backward(q, k, v, g, beta, cu_seqlens, fla_cu_seqlens, chunk_indices, g_cum, A, initial_state)
+    ctx.scale = scale
+
+
+def _gdn_with_state_backward(ctx, grad_o, grad_final_state, *_grad_aux):
+    *saved, initial_state = ctx.saved_tensors
+    *grads, d_state = torch.ops.cp_ops.chunk_gated_delta_rule_with_state_backward(
+        grad_o, *saved, ctx.scale, initial_state, grad_final_state
+    )
+    return (*grads, None, None, None if initial_state is None else d_state)
+
+
+chunk_gated_delta_rule_with_state_forward.register_autograd(
+    _gdn_with_state_backward, setup_context=_gdn_with_state_setup_context
+)
+
+
 # The public op returns o alone. It is CompositeImplicitAutograd over the forward op above,
 # so autograd and tracing see chunk_gated_delta_rule_forward (with its fake and backward)
 # and the auxiliary outputs reach the backward without being recomputed.
@@ -239,6 +401,20 @@ chunk_gated_delta_rule_forward.register_autograd(_gdn_backward, setup_context=_g
 def _chunk_gated_delta_rule_composite(q, k, v, g, beta, cu_seqlens, scale=None):
     cu_seqlens = checked("cumulative", cu_seqlens, (), q.shape[0])
     return torch.ops.cp_ops.chunk_gated_delta_rule_forward(q, k, v, g, beta, cu_seqlens, scale)[0]
+
+
+# The same over the stateful forward op, returning o and the final states.
+@composite_op(
+    f"{NAMESPACE}::chunk_gated_delta_rule_with_state",
+    "(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor cu_seqlens, float? scale=None, "
+    "Tensor? initial_state=None) -> (Tensor, Tensor)",
+)
+def _chunk_gated_delta_rule_with_state_composite(q, k, v, g, beta, cu_seqlens, scale=None, initial_state=None):
+    cu_seqlens = checked("cumulative", cu_seqlens, (), q.shape[0])
+    o, final_state, *_ = torch.ops.cp_ops.chunk_gated_delta_rule_with_state_forward(
+        q, k, v, g, beta, cu_seqlens, scale, initial_state
+    )
+    return o, final_state
 
 
 def chunk_gated_delta_rule(
@@ -261,3 +437,26 @@ def chunk_gated_delta_rule(
     sequential torch reference (docs/design.md section 2).
     """
     return torch.ops.cp_ops.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, scale)
+
+
+def chunk_gated_delta_rule_with_state(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: Optional[float] = None,
+    initial_state: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`chunk_gated_delta_rule` from a state per sequence: ``(o, final_state)``
+    (``torch.ops.cp_ops.chunk_gated_delta_rule_with_state``).
+
+    ``initial_state`` ``[B, Hv, dk, dv]`` (None: zeros) is the state ``S`` before each
+    sequence's first row, ``final_state`` (same shape) the state after its last row (the
+    initial state for a zero-length sequence); states are float32, float64 for float64 q.
+    Running a sequence's tail from its head's final state gives the whole sequence's rows.
+    Differentiable in q, k, v, g, beta and ``initial_state``, with gradients from ``o`` and
+    ``final_state`` (docs/design.md section 2).
+    """
+    return torch.ops.cp_ops.chunk_gated_delta_rule_with_state(q, k, v, g, beta, cu_seqlens, scale, initial_state)

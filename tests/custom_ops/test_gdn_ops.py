@@ -21,6 +21,9 @@ from custom_ops.gated_delta_rule.reference import (
     chunk_gated_delta_rule_loop,
     chunk_gated_delta_rule_reference,
     chunk_gated_delta_rule_reference_backward,
+    chunk_gated_delta_rule_with_state_loop,
+    chunk_gated_delta_rule_with_state_reference,
+    chunk_gated_delta_rule_with_state_reference_backward,
 )
 from custom_ops.testing import (
     TOLERANCE,
@@ -77,6 +80,23 @@ def _gdn_case(seqlens, hk, group, dk, dv, dtype, device="cpu"):
     return q, k, v, g, beta, cu
 
 
+def _states(num_seqs, hv, dk, dv, dtype, device="cpu"):
+    """Per-sequence states of unit scale in the state dtype (float64 for float64 inputs)."""
+    return random_tensor((num_seqs, hv, dk, dv), torch.float64 if dtype == torch.float64 else torch.float32, device)
+
+
+def _split(seqlens, cuts):
+    """Rows of the heads (the first ``cuts[i]`` rows of sequence i) and of the tails (the rest),
+    each packed in sequence order, with their ``cu_seqlens``."""
+    cu = _cu(seqlens).tolist()
+    heads = [r for i, c in enumerate(cuts) for r in range(cu[i], cu[i] + c)]
+    tails = [r for i, c in enumerate(cuts) for r in range(cu[i] + c, cu[i + 1])]
+    return (
+        torch.tensor(heads, dtype=torch.int64), _cu(cuts),
+        torch.tensor(tails, dtype=torch.int64), _cu([n - c for n, c in zip(seqlens, cuts)]),
+    )  # fmt: skip
+
+
 # --- agreement with the definitions -----------------------------------------------------------
 
 
@@ -115,6 +135,79 @@ def test_delta_rule_matches_loop(seqlens, heads, dims, scale):
     assert rel_error(chunk_gated_delta_rule_reference(q, k, v, g, beta, cu, scale), expected) < TOLERANCE[torch.float64]
 
 
+@given(gdn_layouts(), st.sampled_from([(1, 1), (1, 2), (2, 2)]), st.sampled_from([(3, 2), (8, 5)]), st.booleans())
+def test_delta_rule_with_state_matches_loop(seqlens, heads, dims, given_state):
+    """Outputs and final states from given (or zero) initial states against the float64 loop."""
+    (hk, group), (dk, dv) = heads, dims
+    q, k, v, g, beta, cu = _gdn_case(seqlens, hk, group, dk, dv, torch.float64)
+    h0 = _states(len(seqlens), hk * group, dk, dv, torch.float64) if given_state else None
+    o_e, final_e = chunk_gated_delta_rule_with_state_loop(q, k, v, g, beta, cu, 0.4, h0)
+    for fn in (custom_ops.chunk_gated_delta_rule_with_state, chunk_gated_delta_rule_with_state_reference):
+        o, final = fn(q, k, v, g, beta, cu, 0.4, h0)
+        assert o.shape == v.shape and final.shape == (len(seqlens), hk * group, dk, dv)
+        assert final.dtype == torch.float64
+        assert rel_error(o, o_e) < TOLERANCE[torch.float64]
+        assert rel_error(final, final_e) < TOLERANCE[torch.float64]
+    # a zero-length sequence passes its initial state through
+    for i, n in enumerate(seqlens):
+        if n == 0:
+            assert torch.equal(final[i], torch.zeros_like(final[i]) if h0 is None else h0[i])
+    # float32 inputs: float32 states, computed in float32
+    o32, final32 = custom_ops.chunk_gated_delta_rule_with_state(
+        *(t.float() for t in (q, k, v, g, beta)), cu, 0.4, None if h0 is None else h0.float()
+    )
+    assert o32.dtype == final32.dtype == torch.float32
+    assert rel_error(o32, o_e) < TOLERANCE[torch.float32] and rel_error(final32, final_e) < TOLERANCE[torch.float32]
+
+
+@given(gdn_layouts(max_seqs=5, max_len=12), st.sampled_from([(1, 1), (2, 2)]), st.data())
+def test_chained_pieces_equal_the_whole(seqlens, heads, data):
+    """The property a state-passing CP mode rests on: every sequence cut at any point into a
+    head and a tail (either may be empty), the heads packed and run from the initial states,
+    the tails packed and run from the heads' final states, give the whole sequences' outputs
+    and final states, and the same gradients of a loss over both, initial states included
+    (float64: to rounding)."""
+    hk, group = heads
+    cuts = [data.draw(st.integers(0, n)) for n in seqlens]
+    q, k, v, g, beta, cu = _gdn_case(seqlens, hk, group, 4, 3, torch.float64)
+    h0 = _states(len(seqlens), hk * group, 4, 3, torch.float64)
+    w_o, w_final = random_tensor(v.shape, torch.float64), random_tensor(h0.shape, torch.float64)
+    heads_rows, cu_heads, tails_rows, cu_tails = _split(seqlens, cuts)
+
+    def whole(q, k, v, g, beta, h0):
+        return custom_ops.chunk_gated_delta_rule_with_state(q, k, v, g, beta, cu, None, h0)
+
+    def chained(q, k, v, g, beta, h0):
+        o_heads, mid = custom_ops.chunk_gated_delta_rule_with_state(
+            *(t[heads_rows] for t in (q, k, v, g, beta)), cu_heads, None, h0
+        )
+        o_tails, final = custom_ops.chunk_gated_delta_rule_with_state(
+            *(t[tails_rows] for t in (q, k, v, g, beta)), cu_tails, None, mid
+        )
+        o = torch.zeros_like(v).index_copy(0, heads_rows, o_heads).index_copy(0, tails_rows, o_tails)
+        return o, final
+
+    runs = []
+    for fn in (whole, chained):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, g, beta, h0)]
+        o, final = fn(*leaves)
+        loss = (o * w_o).sum() + (final * w_final).sum()
+        runs.append([o, final, *torch.autograd.grad(loss, leaves, allow_unused=True, materialize_grads=True)])
+    names = ("o", "final", "dq", "dk", "dv", "dg", "dbeta", "dh0")
+    for name, a, e in zip(names, *runs):
+        assert rel_error(a, e) < TOLERANCE[torch.float64], name
+
+
+def test_no_initial_state_is_a_zero_state():
+    q, k, v, g, beta, cu = _gdn_case([6, 0, 1, 9], 1, 2, 4, 3, torch.float64)
+    o_none, final_none = custom_ops.chunk_gated_delta_rule_with_state(q, k, v, g, beta, cu)
+    zero = torch.zeros_like(final_none)
+    o_zero, final_zero = custom_ops.chunk_gated_delta_rule_with_state(q, k, v, g, beta, cu, None, zero)
+    assert torch.equal(o_none, o_zero) and torch.equal(final_none, final_zero)
+    assert torch.equal(o_none, custom_ops.chunk_gated_delta_rule(q, k, v, g, beta, cu))
+    assert torch.equal(o_none, chunk_gated_delta_rule_reference(q, k, v, g, beta, cu))
+
+
 def test_delta_rule_convention_is_flas():
     """The loop oracle equals FLA's own naive recurrence (float32) sequence by sequence, GVA
     spelled out there by repeating key heads: the CUDA path computes the same function."""
@@ -127,6 +220,25 @@ def test_delta_rule_convention_is_flas():
         rep = lambda t: t[None, s:e].repeat_interleave(2, dim=2)  # noqa: E731
         theirs, _ = naive_recurrent_gated_delta_rule(rep(q), rep(k), v[None, s:e], beta[None, s:e], g[None, s:e])
         assert rel_error(theirs[0], ours[s:e]) < TOLERANCE[torch.float32]
+
+
+def test_state_convention_is_flas():
+    """With initial states, the loop oracle's outputs and final states (``[Hv, dk, dv]`` per
+    sequence) equal FLA's naive recurrence's, the layout FLA's kernels take and give."""
+    from fla.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
+
+    seqlens = [9, 0, 1, 14]
+    q, k, v, g, beta, cu = _gdn_case(seqlens, 2, 2, 8, 5, torch.float32)
+    h0 = _states(len(seqlens), 4, 8, 5, torch.float32)
+    ours, final = chunk_gated_delta_rule_with_state_loop(q, k, v, g, beta, cu, None, h0)
+    for i, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        rep = lambda t: t[None, s:e].repeat_interleave(2, dim=2)  # noqa: E731
+        theirs, theirs_final = naive_recurrent_gated_delta_rule(
+            rep(q), rep(k), v[None, s:e], beta[None, s:e], g[None, s:e],
+            initial_state=h0[i : i + 1], output_final_state=True,
+        )  # fmt: skip
+        assert rel_error(theirs[0], ours[s:e]) < TOLERANCE[torch.float32]
+        assert rel_error(theirs_final[0], final[i]) < TOLERANCE[torch.float32]
 
 
 def test_packing_is_per_sequence():
@@ -237,6 +349,26 @@ def test_opcheck_chunk_gated_delta_rule():
     )
 
 
+def test_opcheck_chunk_gated_delta_rule_with_state():
+    for *tensors, scale in _gdn_samples():
+        q, v, cu = tensors[0], tensors[2], tensors[5]
+        h0 = _states(cu.shape[0] - 1, v.shape[1], q.shape[2], v.shape[2], q.dtype).requires_grad_(q.requires_grad)
+        for state in (None, h0):
+            torch.library.opcheck(torch.ops.cp_ops.chunk_gated_delta_rule_with_state.default, (*tensors, scale, state))
+            torch.library.opcheck(
+                torch.ops.cp_ops.chunk_gated_delta_rule_with_state_forward.default, (*tensors, scale, state)
+            )
+    q, k, v, g, beta, cu = _gdn_case([5, 0, 4], 1, 2, 4, 3, torch.float32)
+    h0, dht = _states(3, 2, 4, 3, torch.float32), _states(3, 2, 4, 3, torch.float32)
+    aux = q.new_empty(0)
+    for state, grad_final in ((h0, dht), (None, dht), (h0, None)):
+        torch.library.opcheck(
+            torch.ops.cp_ops.chunk_gated_delta_rule_with_state_backward.default,
+            (torch.randn_like(v), q, k, v, g, beta, cu, *_flat_fla_indices(cu, q.shape[0]), aux.float(), aux, None,
+             state, grad_final),
+        )  # fmt: skip
+
+
 def test_gdn_forward_returns_the_fla_indices_and_backward_refuses_others():
     q, k, v, g, beta, cu = _gdn_case([5, 4], 1, 2, 4, 3, torch.float32)
     *_, fla_cu, chunk_indices = torch.ops.cp_ops.chunk_gated_delta_rule_forward(q, k, v, g, beta, cu)
@@ -271,6 +403,37 @@ def test_gradcheck_delta_rule(seqlens, group):
     for fn in (custom_ops.chunk_gated_delta_rule, chunk_gated_delta_rule_reference):
         args = tuple(t.clone().requires_grad_() for t in (q, k, v, g, beta))
         assert torch.autograd.gradcheck(lambda *a, fn=fn: fn(*a, cu, 0.6), args)
+
+
+@pytest.mark.parametrize("seqlens,group", [([3, 0, 2], 2), ([1, 4], 1)])
+def test_gradcheck_delta_rule_with_state(seqlens, group):
+    """Gradients to the inputs and the initial states, from the outputs and the final states."""
+    q, k, v, g, beta, cu = _gdn_case(seqlens, 1, group, 3, 2, torch.float64)
+    h0 = _states(len(seqlens), group, 3, 2, torch.float64)
+    for fn in (custom_ops.chunk_gated_delta_rule_with_state, chunk_gated_delta_rule_with_state_reference):
+        args = tuple(t.clone().requires_grad_() for t in (q, k, v, g, beta, h0))
+        assert torch.autograd.gradcheck(lambda *a, fn=fn: fn(*a[:5], cu, 0.6, a[5]), args)
+    # no initial state: the final state's gradient still reaches the inputs
+    args = tuple(t.clone().requires_grad_() for t in (q, k, v, g, beta))
+    assert torch.autograd.gradcheck(lambda *a: custom_ops.chunk_gated_delta_rule_with_state(*a, cu)[1], args)
+
+
+@given(gdn_layouts(max_seqs=3, max_len=10), st.sampled_from([(1, 2), (2, 1)]), st.booleans())
+def test_state_backward_matches_autograd_of_reference(seqlens, heads, given_state):
+    """The reverse scan with states (the op's CPU backward) equals autograd through the reference."""
+    hk, group = heads
+    q, k, v, g, beta, cu = _gdn_case(seqlens, hk, group, 4, 3, torch.float64)
+    h0 = _states(len(seqlens), hk * group, 4, 3, torch.float64) if given_state else None
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, g, beta) + ((h0,) if given_state else ())]
+    o, final = chunk_gated_delta_rule_with_state_reference(*leaves[:5], cu, None, *leaves[5:])
+    grad_o, grad_final = torch.randn_like(o), torch.randn_like(final)
+    # with no initial state and no rows the final state is a constant zero
+    outputs, grads = zip(*[(t, d) for t, d in ((o, grad_o), (final, grad_final)) if t.requires_grad])
+    expected = torch.autograd.grad(outputs, leaves, grads, allow_unused=True, materialize_grads=True)
+    got = chunk_gated_delta_rule_with_state_reference_backward(grad_o, grad_final, q, k, v, g, beta, cu, None, h0)
+    assert len(got) == 6 and (given_state or got[5].numel() == 0)
+    for a, e in zip(got, expected):
+        assert rel_error(a, e) < TOLERANCE[torch.float64]
 
 
 @given(gdn_layouts(max_seqs=3, max_len=10), st.sampled_from([(1, 2), (2, 1)]))
@@ -324,6 +487,38 @@ def test_compiled_fullgraph_forward_backward():
         for a, e in zip(inputs, eager_inputs):
             assert rel_error(a.grad, e.grad) < TOLERANCE[torch.float64]
     assert counter.frame_count == 1
+
+
+def test_compiled_with_state_fullgraph_forward_backward():
+    """The stateful op chained over two packed pieces, forward and backward, in one graph with no
+    breaks and no recompile for a second packing; equal to the same code eagerly."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    counter = CompileCounterWithBackend("aot_eager")
+
+    def chained(heads, tails, h0, cu_heads, cu_tails):
+        o_heads, mid = torch.ops.cp_ops.chunk_gated_delta_rule_with_state(*heads, cu_heads, None, h0)
+        o_tails, final = torch.ops.cp_ops.chunk_gated_delta_rule_with_state(*tails, cu_tails, None, mid)
+        return o_heads.square().sum() + o_tails.square().sum() + final.square().sum()
+
+    compiled = torch.compile(chained, backend=counter, fullgraph=True, dynamic=True)
+    # no row count or len(cu_seqlens) equals a feature dim: duck sizing would tie them
+    packings = (([5, 0, 1, 7, 2, 9, 1], [3, 0, 6, 0, 8, 1, 2]), ([9, 1, 0, 2, 6, 1, 3], [4, 2, 0, 7, 1, 0, 5]))
+    for heads, tails in packings:
+        head_case, tail_case = (_gdn_case(lens, 1, 2, 3, 5, torch.float64)[:5] for lens in (heads, tails))
+        h0 = _states(len(heads), 2, 3, 5, torch.float64)
+        runs = []
+        for fn in (compiled, chained):
+            leaves = [t.clone().requires_grad_() for t in (*head_case, *tail_case, h0)]
+            loss = fn(leaves[:5], leaves[5:10], leaves[10], _cu(heads), _cu(tails))
+            runs.append([loss, *torch.autograd.grad(loss, leaves)])
+        for a, e in zip(*runs):
+            assert rel_error(a, e) < TOLERANCE[torch.float64]
+    assert counter.frame_count == 1
+    assert sum(counters["graph_break"].values()) == 0
 
 
 # --- kernel paths -----------------------------------------------------------------------------
@@ -611,6 +806,31 @@ def test_cuda_kernels_match_reference_bf16(seqlens):
 
 
 @pytest.mark.gpu
+@needs_fla
+@pytest.mark.parametrize("seqlens", [[300, 0, 1, 200, 64], [1000, 24]])
+def test_cuda_delta_rule_with_state_matches_reference_bf16(seqlens):
+    """FLA's kernels from initial states in bf16 (states float32) against the float64 reference:
+    outputs, final states and every gradient, the initial states' included, from a loss over
+    both outputs. Tolerances as for the stateless op."""
+    dev, bf16 = "cuda", torch.bfloat16
+    q, k, v, g, beta, cu = _gdn_case(seqlens, 2, 2, 128, 128, bf16, dev)
+    h0 = _states(len(seqlens), 4, 128, 128, torch.float32, dev)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, g, beta, h0)]
+    o, final = custom_ops.chunk_gated_delta_rule_with_state(*leaves[:5], cu, None, leaves[5])
+    assert final.dtype == torch.float32 and final.shape == h0.shape
+    grad_o, grad_final = torch.randn_like(o), torch.randn_like(final)
+    torch.autograd.backward([o, final], [grad_o, grad_final])
+
+    ref = [t.detach().double().cpu().requires_grad_() for t in (q, k, v, g, beta, h0)]
+    o_ref, final_ref = chunk_gated_delta_rule_with_state_reference(*ref[:5], cu.cpu(), None, ref[5])
+    torch.autograd.backward([o_ref, final_ref], [grad_o.double().cpu(), grad_final.double().cpu()])
+    assert rel_error(o.cpu(), o_ref) < 5e-3
+    assert rel_error(final.cpu(), final_ref) < 5e-3
+    for name, a, e in zip(("q", "k", "v", "g", "beta", "h0"), leaves, ref):
+        assert rel_error(a.grad.cpu(), e.grad) < 1e-2, name
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("kernel", [4, pytest.param(5, marks=needs_fla)])
 def test_cuda_conv_gather_matches_reference_bf16(kernel):
     """causal_conv1d_gather on CUDA in bf16 (our kernels through the row map; FLA's on the
@@ -674,3 +894,26 @@ def test_bad_input():
         custom_ops.causal_conv1d(x, w, b, cu, "relu")
     with pytest.raises(ValueError, match="weight must be"):
         custom_ops.causal_conv1d(x, w[:2], b, cu)
+
+
+def test_bad_state():
+    q, k, v, g, beta, cu = _gdn_case([4, 0, 4], 2, 2, 4, 3, torch.float32)
+    h0 = _states(3, 4, 4, 3, torch.float32)
+    shape_error = r"initial_state must be \[B, Hv, dk, dv\] = \[3, 4, 4, 3\], got shape \(2, 4, 4, 3\)"
+    with pytest.raises(ValueError, match=shape_error):
+        custom_ops.chunk_gated_delta_rule_with_state(q, k, v, g, beta, cu, None, h0[:2])
+    with pytest.raises(ValueError, match="initial_state must be"):
+        custom_ops.chunk_gated_delta_rule_with_state(q, k, v, g, beta, cu, None, h0.transpose(2, 3))
+    for dtype in (torch.float64, torch.bfloat16):
+        with pytest.raises(TypeError, match=f"initial_state must be torch.float32 for q of torch.float32, got {dtype}"):
+            custom_ops.chunk_gated_delta_rule_with_state(q, k, v, g, beta, cu, None, h0.to(dtype))
+    with pytest.raises(TypeError, match="initial_state must be torch.float64 for q of torch.float64"):
+        custom_ops.chunk_gated_delta_rule_with_state(*(t.double() for t in (q, k, v, g, beta)), cu, None, h0)
+    with pytest.raises(ValueError, match="initial_state is on meta but q is on cpu"):
+        custom_ops.chunk_gated_delta_rule_with_state(q, k, v, g, beta, cu, None, h0.to("meta"))
+    aux = q.new_empty(0)
+    with pytest.raises(ValueError, match="grad_final_state must be"):
+        torch.ops.cp_ops.chunk_gated_delta_rule_with_state_backward(
+            torch.randn_like(v), q, k, v, g, beta, cu, *_flat_fla_indices(cu, q.shape[0]), aux.float(), aux, None,
+            h0, h0[:, :2],
+        )  # fmt: skip
