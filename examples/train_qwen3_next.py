@@ -22,6 +22,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -555,10 +556,13 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
         bar = tqdm(total=args.steps, initial=start, desc=f"train dp={args.dp} cp={args.cp}", file=sys.stdout)
     graphs_after_first = None
     profiler = None
+    recordings = cudagraph_recordings()
     for step in range(start + 1, args.steps + 1):
         if args.profile and step - start == PROFILE_STEPS.start:
             profiler = start_profiler()
+        recorded = recordings()
         rec = train_step(run, step)
+        rec["cudagraph_recordings"] = recordings() - recorded
         if profiler and step - start == PROFILE_STEPS.stop - 1:
             write_profile(profiler, args.profile, rank)
             profiler = None
@@ -593,7 +597,8 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
         if args.log_json:
             write_log(log, args.log_json)
         if args.compile:
-            skips = f", CUDA graphs skipped: {log['cudagraph_skips']}" if args.cuda_graphs else ""
+            skips = (f", CUDA graphs recorded per step: {[r['cudagraph_recordings'] for r in log['steps']]}, "
+                     f"skipped: {log['cudagraph_skips']}" if args.cuda_graphs else "")  # fmt: skip
             print(f"[train] compiled graphs: {log['graphs']}, recompiles after the first step: {log['recompiles']}"
                   + skips)  # fmt: skip
         if log["steps"]:
@@ -602,6 +607,19 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
             print(f"[train] step {last['step']}: loss {last['loss']:.4f}, median step {median:.1f} ms, "
                   f"{last['tokens_per_s']:.0f} tokens/s, peak memory {last['peak_mem_gib']:.2f} GiB")  # fmt: skip
     return log
+
+
+def cudagraph_recordings() -> Callable[[], int]:
+    """A count of the CUDA graphs Inductor records from now on (a replay for a new packing records none)."""
+    from torch._dynamo.callback import CallbackTrigger, callback_handler
+
+    count = [0]
+
+    def on_start(event) -> None:
+        count[0] += event.callback_trigger == CallbackTrigger.CUDAGRAPH_RECORDING
+
+    callback_handler.register_start_callback(on_start)
+    return lambda: count[0]
 
 
 def start_profiler():

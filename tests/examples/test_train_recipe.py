@@ -160,6 +160,17 @@ def test_parameters_as_graph_inputs():
     assert forward_static and forward_static[0].endswith(": []"), forward_static
 
 
+def test_cudagraph_recordings_counts_inductors_recording_events():
+    """The per-step count of recorded CUDA graphs listens to Inductor's recording trigger only."""
+    from torch._dynamo.callback import CallbackTrigger, callback_handler
+
+    recordings = recipe.cudagraph_recordings()
+    for trigger in (CallbackTrigger.CUDAGRAPH_RECORDING, CallbackTrigger.DYNAMO, CallbackTrigger.CUDAGRAPH_RECORDING):
+        with callback_handler.install_callbacks(trigger, "0/0"):
+            pass
+    assert recordings() == 2
+
+
 def test_static_batches_and_their_stream():
     """Every step's shard has one shape; a step's batch depends on (seed, step, dp rank) only."""
     args = _args("--cp", "2")
