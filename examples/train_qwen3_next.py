@@ -567,7 +567,8 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
             write_profile(profiler, args.profile, rank)
             profiler = None
         rec["tokens_per_s"] = rec["tokens"] / (rec["step_ms"] / 1e3)
-        flops = count_flops_per_step(run.config, [run.batches.lengths(step, k) for k in range(args.batch_shards)])
+        rec["lengths"] = [run.batches.lengths(step, k) for k in range(args.batch_shards)]  # the step's packing
+        flops = count_flops_per_step(run.config, rec["lengths"])
         rec["mfu"] = flops / (rec["step_ms"] / 1e3) / (world * peak * 1e12) if peak else None
         if device.type == "cuda":
             mem = torch.tensor([torch.cuda.max_memory_allocated(device) / 2**30], device=device)
