@@ -3,7 +3,7 @@ kernels, and the layer with CP on W GPUs.
 
     python -m benchmarks.bench_gdn [--tokens T ...] [--seqs B ...] [--kernel-time] [--rank-share W ...]
     python -m benchmarks.bench_gdn --conv [--gather]    # our conv kernels against FLA's (--gather: permuted rows)
-    python -m benchmarks.bench_gdn --cp W [--profile [--kernels N]] [--compiled-only | --eager-only]
+    python -m benchmarks.bench_gdn --cp W [--profile [--kernels N]] [--compiled-only]
                                    [--cudagraphs] [--nccl-max-ctas N ...]    # spawns W NCCL ranks
     python -m benchmarks.bench_gdn --cp 2 --smoke       # 2 gloo ranks on the CPU, a tiny layer
 
@@ -355,9 +355,9 @@ def _cp_worker(*args) -> None:
 
 
 def _cp_rank(rank, world, init_method, tokens, seqs, out, smoke, opts: dict) -> None:
-    """One CP rank of the multi-rank benchmark; ``opts``: the flags ``eager_only``, ``compiled_only``,
-    ``cudagraphs``, ``profile`` and ``nccl_max_ctas`` of the command line."""
-    eager_only, profile, full = opts["eager_only"], opts["profile"], not opts["compiled_only"]
+    """One CP rank of the multi-rank benchmark; ``opts``: the flags ``compiled_only``, ``cudagraphs``,
+    ``profile`` and ``nccl_max_ctas`` of the command line."""
+    profile, full = opts["profile"], not opts["compiled_only"]
     device = init_local_rank(rank, world, init_method, "cpu" if smoke else "cuda")
     groups = nccl_cta_groups(opts["nccl_max_ctas"])  # {cap: group}; one column per cap and shape
     caps = list(groups)
@@ -427,7 +427,7 @@ def _cp_rank(rank, world, init_method, tokens, seqs, out, smoke, opts: dict) -> 
                 res = shape_results[cap]
                 res["err eager"] = check(layer, cap_group)
                 try:
-                    res["err compiled"] = math.nan if eager_only else check(compiled["fn"], cap_group)
+                    res["err compiled"] = check(compiled["fn"], cap_group)
                 except Exception as e:  # noqa: BLE001  (a compile failure: retry with static shapes)
                     if not compiled["dynamic"]:
                         raise
@@ -437,15 +437,15 @@ def _cp_rank(rank, world, init_method, tokens, seqs, out, smoke, opts: dict) -> 
                     compiled, compiled_unfused = compile_layer(dynamic=False)
                     notes.append(f"compiled with dynamic=False (dynamic=True failed: {msg[:200]})")
                     res["err compiled"] = check(compiled["fn"], cap_group)
-                res["W compiled"] = math.nan if eager_only else timed(cp_step(compiled["fn"], cap_group))
+                res["W compiled"] = timed(cp_step(compiled["fn"], cap_group))
             res, group = shape_results[caps[0]], groups[caps[0]]  # the rows timed on one group only
             if full:
                 res["err per-seq"] = check(per_sequence, group)
                 res["W per-seq eager"] = timed(cp_step(per_sequence, group), per_sequence=True)
                 res["W eager"] = timed(cp_step(layer, group))
                 res["W eager unfused"] = timed(cp_step(unfused, group))
-                res["err compiled unfused"] = math.nan if eager_only else check(compiled_unfused, group)
-                res["W compiled unfused"] = math.nan if eager_only else timed(cp_step(compiled_unfused, group))
+                res["err compiled unfused"] = check(compiled_unfused, group)
+                res["W compiled unfused"] = timed(cp_step(compiled_unfused, group))
             if profile:  # every rank runs the profiled steps (they meet in the all-to-alls)
                 for cap, cap_group in groups.items():
                     per_kernel = kernel_steps[(total, num_seqs, cap)] = {}
@@ -455,10 +455,9 @@ def _cp_rank(rank, world, init_method, tokens, seqs, out, smoke, opts: dict) -> 
             one = {"1 compiled": math.nan, "1 eager": math.nan}
             if rank == 0:
                 x_all = x.detach().requires_grad_()
-                if not eager_only:
-                    one["1 compiled"] = median_ms_counted(
-                        _fwd_bwd(lambda: compiled["fn"](x_all, cup), [x_all] + params, grad), warmup, runs, device
-                    )
+                one["1 compiled"] = median_ms_counted(
+                    _fwd_bwd(lambda: compiled["fn"](x_all, cup), [x_all] + params, grad), warmup, runs, device
+                )
                 if full:
                     one["1 eager"] = median_ms_counted(
                         _fwd_bwd(lambda: layer(x_all, cup), [x_all] + params, grad), warmup, runs, device
@@ -540,7 +539,7 @@ def _cp_table(results, cases, world, dims, dtype, runs, seq_runs, notes) -> tupl
     """``(title, columns, rows, notes)`` of the CP table: a row per quantity, a column per case."""
     hidden, hk, hv, dk, dv = dims
     w = f"W={world}"
-    for case in cases:  # rows a run skipped (--eager-only, --compiled-only) read nan
+    for case in cases:  # rows a run skipped (--compiled-only) read nan
         r = results[case] = collections.defaultdict(lambda: math.nan, results[case])
         r["eff compiled"] = r["1 compiled"] / (world * r["W compiled"])
         r["eff eager"] = r["1 eager"] / (world * r["W eager"])
@@ -659,7 +658,6 @@ def main() -> None:
     parser.add_argument("--seqs", type=int, nargs="+", help=f"sequences per batch (default {SEQS})")
     parser.add_argument("--cp", type=int, default=0, help="W: run the CP layer on W ranks (one GPU each, NCCL)")
     parser.add_argument("--smoke", action="store_true", help="with --cp: gloo ranks on the CPU, tiny layer, few runs")
-    parser.add_argument("--eager-only", action="store_true", help="with --cp: skip the compiled layer (eager rows only)")
     parser.add_argument("--compiled-only", action="store_true",
                         help="with --cp: only the compiled layer's rows (and --profile's); no eager, unfused, "
                         "per-seq or piece rows")
@@ -684,15 +682,12 @@ def main() -> None:
     args = parser.parse_args()
     if args.gather and not args.conv:
         raise SystemExit("--gather needs --conv")
-    opts = {k: getattr(args, k) for k in ("eager_only", "compiled_only", "cudagraphs", "profile", "nccl_max_ctas",
-                                          "kernels")}  # fmt: skip
+    opts = {k: getattr(args, k) for k in ("compiled_only", "cudagraphs", "profile", "nccl_max_ctas", "kernels")}
     if args.kernels and not args.profile:
         raise SystemExit("--kernels needs --profile")
     check_nccl_cta_argument(args.nccl_max_ctas, args.smoke)
     if len(args.nccl_max_ctas) > 1 and not args.compiled_only:
         raise SystemExit("more than one --nccl-max-ctas needs --compiled-only (the other rows run on one group)")
-    if args.eager_only and (args.compiled_only or args.cudagraphs):
-        raise SystemExit("--eager-only excludes --compiled-only and --cudagraphs")
     if args.smoke and args.cudagraphs:
         raise SystemExit("--cudagraphs needs GPUs, not --smoke")
     if args.smoke:
