@@ -3,13 +3,13 @@ kernels, and the layer with CP on W GPUs.
 
     python -m benchmarks.bench_gdn [--tokens T ...] [--seqs B ...] [--kernel-time] [--rank-share W ...]
     python -m benchmarks.bench_gdn --conv [--gather]    # our conv kernels against FLA's (--gather: permuted rows)
-    python -m benchmarks.bench_gdn --cp W [--profile [--kernels N]] [--compiled-only]
+    python -m benchmarks.bench_gdn --cp W [--profile] [--compiled-only]
                                    [--cudagraphs] [--nccl-max-ctas N ...]    # spawns W NCCL ranks
     python -m benchmarks.bench_gdn --cp 2 --smoke       # 2 gloo ranks on the CPU, a tiny layer
 
 Results (benchmarks/runner.py): ``gdn``; ``conv`` or ``conv-gather``; ``gdn-cp-wW`` (``-compiled``,
-``-cudagraphs`` added with those flags; ``gdn-cp-smoke-wW``), with --kernels also one
-``...-kernels-T..-B..`` per shape. docs/benchmarks.md says what each row measures.
+``-cudagraphs`` added with those flags; ``gdn-cp-smoke-wW``). docs/benchmarks.md says what each row
+measures.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ from benchmarks.common import (
     check_nccl_cta_argument,
     cta_label,
     host_issue_ms,
-    kernel_class,
     kernel_ms,
     max_over_ranks,
     median_ms,
@@ -391,8 +390,6 @@ def _cp_rank(rank, world, init_method, tokens, seqs, out, smoke, opts: dict) -> 
                      "the 1 GPU rows shared")  # fmt: skip
     shapes = [(t, b) for t in tokens for b in seqs]
     results = {}
-    # --profile: ms per kernel name and step, rank 0's compiled CP step per column, the one-GPU step per shape
-    kernel_steps, one_kernels = {}, {}
     try:
         for total, num_seqs in shapes:
             lens = _lengths(total, num_seqs, torch.Generator().manual_seed(total + num_seqs))
@@ -448,8 +445,7 @@ def _cp_rank(rank, world, init_method, tokens, seqs, out, smoke, opts: dict) -> 
                 res["W compiled unfused"] = timed(cp_step(compiled_unfused, group))
             if profile:  # every rank runs the profiled steps (they meet in the all-to-alls)
                 for cap, cap_group in groups.items():
-                    per_kernel = kernel_steps[(total, num_seqs, cap)] = {}
-                    shape_results[cap].update(_profile_ranks(cp_step(compiled["fn"], cap_group), device, per_kernel))
+                    shape_results[cap].update(_profile_ranks(cp_step(compiled["fn"], cap_group), device))
 
             # one device: rank 0 alone, the whole batch, the same (compiled) layer; the others wait
             one = {"1 compiled": math.nan, "1 eager": math.nan}
@@ -464,8 +460,7 @@ def _cp_rank(rank, world, init_method, tokens, seqs, out, smoke, opts: dict) -> 
                     )
                 if profile:
                     step = _fwd_bwd(lambda: compiled["fn"](x_all, cup), [x_all] + params, grad)
-                    one_kernels[(total, num_seqs)] = per_kernel = {}
-                    one.update({f"prof 1 {k}": v for k, v in profile_timeline(step, per_kernel=per_kernel).items()})
+                    one.update({f"prof 1 {k}": v for k, v in profile_timeline(step).items()})
                     one["prof 1 host issue"] = host_issue_ms(step)
                 del x_all
             dist.barrier()
@@ -496,11 +491,7 @@ def _cp_rank(rank, world, init_method, tokens, seqs, out, smoke, opts: dict) -> 
             name += "-compiled" * opts["compiled_only"] + "-cudagraphs" * opts["cudagraphs"]
             env = _fla_environment(world)
             table = _cp_table(results, cases, world, (hidden, hk, hv, dk, dv), dtype, runs, seq_runs, notes)
-            tables = [Result("gdn", table[0], table[1], table[2], table[3], env, name=name)]
-            for case in cases if opts["profile"] and opts["kernels"] else []:
-                tables.append(_kernel_table(case, one_kernels[case[:2]], kernel_steps[case], world, opts["kernels"],
-                                            env, name))  # fmt: skip
-            emit(tables, out)
+            emit([Result("gdn", table[0], table[1], table[2], table[3], env, name=name)], out)
         # no rank tears down before all are done (gloo can abort a rank whose peer left first), as in tests/_dist.py
         dist.barrier()
     finally:
@@ -518,11 +509,10 @@ def _cp_rank(rank, world, init_method, tokens, seqs, out, smoke, opts: dict) -> 
         raise AssertionError(f"CP output off by rel_error {worst:.3g} >= {CP_TOLERANCE} against one device")
 
 
-def _profile_ranks(step, device, per_kernel: dict) -> dict[str, float]:
-    """Rank 0's :func:`profile_timeline` of the compiled CP step (``prof W *``; its time per
-    kernel name into ``per_kernel``), and every rank's :data:`benchmarks.common.RANK_WAIT_KEYS`
-    (``prof W rank r *``). Every rank must call it."""
-    prof = profile_timeline(step, per_kernel=per_kernel)
+def _profile_ranks(step, device) -> dict[str, float]:
+    """Rank 0's :func:`profile_timeline` of the compiled CP step (``prof W *``) and every rank's
+    :data:`benchmarks.common.RANK_WAIT_KEYS` (``prof W rank r *``). Every rank must call it."""
+    prof = profile_timeline(step)
     prof["host issue"] = host_issue_ms(step)
     out = {f"prof W {k}": v for k, v in prof.items()}
     for r, figures in enumerate(rank_waits(prof, device)):
@@ -580,7 +570,8 @@ def _cp_table(results, cases, world, dims, dtype, runs, seq_runs, notes) -> tupl
         f"core on T rows, 1/W of the heads)"
     ]
     text += [f"- {n}" for n in notes]
-    columns = [""] + [_column(case, len({c for _, _, c in cases}) > 1) for case in cases]
+    name_cap = len({c for _, _, c in cases}) > 1
+    columns = [""] + [f"T={t} B={b}" + (f", {cta_label(cap)}" if name_cap else "") for t, b, cap in cases]
     rows = []
     if "prof W wall" in results[cases[0]]:  # --profile: rank 0's compiled steps by kernel class
         for who, label in (("1", "1 GPU"), ("W", w)):
@@ -596,31 +587,6 @@ def _cp_table(results, cases, world, dims, dtype, runs, seq_runs, notes) -> tupl
             continue  # a row the flags skipped
         rows.append([label] + [fmt.format(v) for v in values])  # each row its own format: kept as text
     return title, columns, rows, "\n".join(text)
-
-
-def _kernel_table(case, one: dict[str, float], cp: dict[str, float], world: int, top: int, env: dict,
-                  name: str) -> Result:  # fmt: skip
-    """The ``top`` kernels of rank 0's compiled CP step by time, beside the one-GPU step's time in
-    the same kernel (same name; Inductor names its fused kernels per graph, so those rarely
-    match), then the rest of both steps summed."""
-    names = list(cp)[:top]
-    rest_cp = sum(v for k, v in cp.items() if k not in names)
-    rest_one = sum(v for k, v in one.items() if k not in names)
-    rows = [
-        [name.replace("|", "/")[:90], kernel_class(name), one.get(name, 0.0), one.get(name, 0.0) / world, cp[name]]
-        for name in names
-    ]
-    rows.append(["(every other kernel)", "", rest_one, rest_one / world, rest_cp])
-    rows.append(["(all)", "", sum(one.values()), sum(one.values()) / world, sum(cp.values())])
-    header = ["kernel", "class", "1 GPU", f"1 GPU / {world}", f"W={world} rank 0"]
-    total, num_seqs, cap = case
-    return Result("gdn", f"{_column(case, False)}: rank 0's top {top} kernels, ms per compiled step (--profile's steps)",
-                  header, rows, env=env, name=f"{name}-kernels-T{total}-B{num_seqs}" + (f"-ctas{cap}" if cap else ""))  # fmt: skip
-
-
-def _column(case, name_cap: bool) -> str:
-    total, num_seqs, cap = case
-    return f"T={total} B={num_seqs}" + (f", {cta_label(cap)}" if name_cap else "")
 
 
 def _fla_environment(world: int | None = None) -> dict:
@@ -672,9 +638,6 @@ def main() -> None:
                         "and GPU idle time (torch.profiler)")
     parser.add_argument("--rank-share", type=int, nargs="+", default=[], metavar="W",
                         help="one GPU: also time one rank's pieces of a W-rank CP layer, no collectives")
-    parser.add_argument("--kernels", type=int, default=0, metavar="N",
-                        help="with --profile: also list the N kernels of rank 0's CP step by time, "
-                        "beside the one-GPU step's time in each")
     parser.add_argument("--conv", action="store_true", help="one GPU: the conv kernels against FLA's, not the layer")
     parser.add_argument("--gather", action="store_true",
                         help="with --conv: the conv on rows in rank order, reorder + conv against the gathered conv")
@@ -682,9 +645,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.gather and not args.conv:
         raise SystemExit("--gather needs --conv")
-    opts = {k: getattr(args, k) for k in ("compiled_only", "cudagraphs", "profile", "nccl_max_ctas", "kernels")}
-    if args.kernels and not args.profile:
-        raise SystemExit("--kernels needs --profile")
+    opts = {k: getattr(args, k) for k in ("compiled_only", "cudagraphs", "profile", "nccl_max_ctas")}
     check_nccl_cta_argument(args.nccl_max_ctas, args.smoke)
     if len(args.nccl_max_ctas) > 1 and not args.compiled_only:
         raise SystemExit("more than one --nccl-max-ctas needs --compiled-only (the other rows run on one group)")

@@ -103,13 +103,9 @@ def profile_kernels(fn, runs: int = 5, warmup: int = 2) -> list[tuple[str, float
     ]
 
 
-def profile_timeline(fn, runs: int = 5, warmup: int = 2, per_kernel: dict | None = None) -> dict[str, float]:
-    """:func:`timeline_summary` of :func:`profile_kernels` (``runs`` calls of ``fn()``); with
-    ``per_kernel`` (a dict), also fills it with the same steps' :func:`kernel_totals`."""
-    kernels = profile_kernels(fn, runs, warmup)
-    if per_kernel is not None:
-        per_kernel.update(kernel_totals(kernels, runs))
-    return timeline_summary(kernels, runs)
+def profile_timeline(fn, runs: int = 5, warmup: int = 2) -> dict[str, float]:
+    """:func:`timeline_summary` of :func:`profile_kernels` (``runs`` calls of ``fn()``)."""
+    return timeline_summary(profile_kernels(fn, runs, warmup), runs)
 
 
 def max_over_ranks(value: float) -> float:
