@@ -50,7 +50,6 @@ from benchmarks.common import (
     nccl_cta_groups,
     profile_kernels,
     rank_waits,
-    recompile_limit,
     spawn_ranks,
     timeline_summary,
 )
@@ -59,7 +58,6 @@ from benchmarks.internals import attention_launch as launch
 from benchmarks.runner import Result, add_out_argument, emit, environment
 from benchmarks.timing import kernel_breakdown, median_ms
 from cp_ops import COMPILE_OPTIONS, ag_thd_attention, all_gather_rows, pad_cu_seqlens, resolve_group, shard_thd
-from cp_ops.local_ranks import init_local_rank
 from custom_ops.testing import TOLERANCE, rel_error
 
 # --- shared: the op, its forward and fwd+bwd closures, the compiled form -------------------------
@@ -483,18 +481,11 @@ def _profile_rows(step) -> dict[str, float]:
     return out
 
 
-def _worker(*args) -> None:
-    # the compiled forms are closures of one function: one graph per form, group, total and grad mode
-    with recompile_limit(64):
-        _rank(*args)
-
-
 def _rank(
-    rank: int, world: int, init_method: str, gqa: int, out: str | None, smoke: bool, profile: bool, cudagraphs: bool,
+    rank: int, world: int, device, gqa: int, out: str | None, smoke: bool, profile: bool, cudagraphs: bool,
     head_groups: tuple[int, ...] = (), max_ctas: tuple[int, ...] = (0,), head_dim: int = HEAD_DIM,
     tokens: tuple[int, ...] = TOTALS,
 ) -> None:
-    device = init_local_rank(rank, world, init_method, "cpu" if smoke else "cuda")
     groups = nccl_cta_groups(max_ctas)  # {cap: group}: the CP forms are timed on each
     name_cap = len(groups) > 1
     totals, heads, head_dim = (SMOKE_TOTALS, SMOKE_HEADS, SMOKE_HEAD_DIM) if smoke else (tokens, HEADS, head_dim)
@@ -506,86 +497,74 @@ def _rank(
     kv_heads = heads // gqa
     rows = []
     profiles = {}
-    try:
-        for total in totals:
-            lens = packed_lengths(total)
-            cu, cup = pad_cu_seqlens(lens, world, device=device)
-            num_rows = int(cup[-1])
-            gen = torch.Generator(device=device).manual_seed(0)  # one global batch on every rank
+    for total in totals:
+        lens = packed_lengths(total)
+        cu, cup = pad_cu_seqlens(lens, world, device=device)
+        num_rows = int(cup[-1])
+        gen = torch.Generator(device=device).manual_seed(0)  # one global batch on every rank
 
-            def rand(h):
-                return torch.randn(num_rows, h, head_dim, device=device, generator=gen).to(DTYPE)
+        def rand(h):
+            return torch.randn(num_rows, h, head_dim, device=device, generator=gen).to(DTYPE)
 
-            q, k, v, dout = rand(heads), rand(kv_heads), rand(kv_heads), rand(heads)
-            lengths, starts = cu[1:] - cu[:-1], cup[:-1]
-            seg = (starts, lengths, torch.zeros_like(lengths), starts, lengths)
+        q, k, v, dout = rand(heads), rand(kv_heads), rand(kv_heads), rand(heads)
+        lengths, starts = cu[1:] - cu[:-1], cup[:-1]
+        seg = (starts, lengths, torch.zeros_like(lengths), starts, lengths)
 
-            def one_gpu(q_, k_, v_):
-                return varlen_fn(q_, k_, v_, seg)
+        def one_gpu(q_, k_, v_):
+            return varlen_fn(q_, k_, v_, seg)
 
-            local = [shard_thd(t, cup, world, rank) for t in (q, k, v, dout)]
-            with torch.no_grad():
-                want = shard_thd(one_gpu(q, k, v), cup, world, rank)
+        local = [shard_thd(t, cup, world, rank) for t in (q, k, v, dout)]
+        with torch.no_grad():
+            want = shard_thd(one_gpu(q, k, v), cup, world, rank)
 
-            # one GPU: rank 0 alone; the other ranks wait at the barrier. The op as called, and
-            # compiled as the CP forms are (with CUDA graphs under --cudagraphs): the baseline
-            # of the compiled CP forms, like for like
-            t1, t1c = [0.0, 0.0], [0.0, 0.0]
-            if rank == 0:
-                fwd, step = _fwd_and_step(one_gpu, q, k, v, dout)
-                t1 = [timed(fwd), timed(step)]
-                fwd_c, step_c = _fwd_and_step(_compiled(one_gpu, cudagraphs), q, k, v, dout)
-                t1c = [timed(fwd_c), timed(step_c)]
-                if profile:
-                    profiles[(total, "1 GPU")] = _profile_rows(step)
-                    profiles[(total, "1 GPU compiled")] = _profile_rows(step_c)
-            dist.barrier()
-            del q, k, v, dout
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-            for cap, group in groups.items():
-                named = f", {cta_label(cap)}" if name_cap else ""  # the cap in row and column labels
-                times, t_ag = _time_cp_forms(group, cu, cup, local, want, head_groups, cudagraphs, timed)
-                # every rank runs the profiled steps (they meet in the all-gathers); rank 0's figures
-                profiled = {"compiled": f"W={world} compiled, rank 0"}
-                if head_groups:
-                    g = max(head_groups)
-                    profiled[f"G={g}"] = f"W={world} compiled, {g} head groups, rank 0"
-                for form, label in profiled.items() if profile else ():
-                    prof = _profile_rows(_fwd_and_step(times[form]["fn"], *local)[1])
-                    for r, figures in enumerate(rank_waits(prof, device)):
-                        prof.update({f"rank {r}: {k}": v for k, v in figures.items()})
-                    profiles[(total, label + named)] = prof
-                for label, idx in (("fwd", 0), ("fwd+bwd", 1)):
-                    w1, w2, wc = (times[form]["ms"][idx] for form in (1, 2, "compiled"))
-                    row = [total, len(lens), label + named, t1[idx], w1, w2,
-                           t1[idx] / (world * w1), t1[idx] / (world * w2), w2 / w1,
-                           t_ag if idx == 0 else "", wc, t1[idx] / (world * wc),
-                           t1c[idx], t1c[idx] / (world * wc)]  # fmt: skip
-                    for g in head_groups:  # compiled: against the compiled one-GPU step
-                        tg = times[f"G={g}"]["ms"][idx]
-                        row += [tg, t1c[idx] / (world * tg)]
-                    rows.append(row)
-                if rank == 0:  # a line per total and cap, so a run cut short by a time limit still reports
-                    print(f"T={total} {cta_label(cap)}: " + ", ".join(
-                        f"{form} {t['ms'][0]:.3f}/{t['ms'][1]:.3f}" for form, t in times.items()), flush=True)
-                del times
-            del local
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-
+        # one GPU: rank 0 alone; the other ranks wait at the barrier. The op as called, and
+        # compiled as the CP forms are (with CUDA graphs under --cudagraphs): the baseline
+        # of the compiled CP forms, like for like
+        t1, t1c = [0.0, 0.0], [0.0, 0.0]
         if rank == 0:
-            emit(_tables(rows, profiles, world, heads, kv_heads, head_dim, runs, gqa, smoke, cudagraphs, head_groups,
-                         name_cap), out)  # fmt: skip
-        # no rank tears down before all are done (gloo can abort a rank whose peer left first), as in tests/_dist.py
+            fwd, step = _fwd_and_step(one_gpu, q, k, v, dout)
+            t1 = [timed(fwd), timed(step)]
+            fwd_c, step_c = _fwd_and_step(_compiled(one_gpu, cudagraphs), q, k, v, dout)
+            t1c = [timed(fwd_c), timed(step_c)]
+            if profile:
+                profiles[(total, "1 GPU")] = _profile_rows(step)
+                profiles[(total, "1 GPU compiled")] = _profile_rows(step_c)
         dist.barrier()
-    finally:
-        # with CUDA graphs that captured NCCL work, a run hung after its table at the end
-        # (barrier or teardown, not narrowed down); the process ends with os._exit either way
-        if not cudagraphs:
-            dist.destroy_process_group()
+        del q, k, v, dout
+        torch.cuda.empty_cache()
+        for cap, group in groups.items():
+            named = f", {cta_label(cap)}" if name_cap else ""  # the cap in row and column labels
+            times, t_ag = _time_cp_forms(group, cu, cup, local, want, head_groups, cudagraphs, timed)
+            # every rank runs the profiled steps (they meet in the all-gathers); rank 0's figures
+            profiled = {"compiled": f"W={world} compiled, rank 0"}
+            if head_groups:
+                g = max(head_groups)
+                profiled[f"G={g}"] = f"W={world} compiled, {g} head groups, rank 0"
+            for form, label in profiled.items() if profile else ():
+                prof = _profile_rows(_fwd_and_step(times[form]["fn"], *local)[1])
+                for r, figures in enumerate(rank_waits(prof, device)):
+                    prof.update({f"rank {r}: {k}": v for k, v in figures.items()})
+                profiles[(total, label + named)] = prof
+            for label, idx in (("fwd", 0), ("fwd+bwd", 1)):
+                w1, w2, wc = (times[form]["ms"][idx] for form in (1, 2, "compiled"))
+                row = [total, len(lens), label + named, t1[idx], w1, w2,
+                       t1[idx] / (world * w1), t1[idx] / (world * w2), w2 / w1,
+                       t_ag if idx == 0 else "", wc, t1[idx] / (world * wc),
+                       t1c[idx], t1c[idx] / (world * wc)]  # fmt: skip
+                for g in head_groups:  # compiled: against the compiled one-GPU step
+                    tg = times[f"G={g}"]["ms"][idx]
+                    row += [tg, t1c[idx] / (world * tg)]
+                rows.append(row)
+            if rank == 0:  # a line per total and cap, so a run cut short by a time limit still reports
+                print(f"T={total} {cta_label(cap)}: " + ", ".join(
+                    f"{form} {t['ms'][0]:.3f}/{t['ms'][1]:.3f}" for form, t in times.items()), flush=True)
+            del times
+        del local
+        torch.cuda.empty_cache()
 
-
+    if rank == 0:
+        emit(_tables(rows, profiles, world, heads, kv_heads, head_dim, runs, gqa, smoke, cudagraphs, head_groups,
+                     name_cap), out)  # fmt: skip
 def _tables(rows, profiles, world, heads, kv_heads, head_dim, runs, gqa, smoke, cudagraphs, head_groups,
             name_cap) -> list[Result]:  # fmt: skip
     """The timing table and, with --profile, the profile table, as results."""
@@ -734,9 +713,9 @@ def _run_cp(args) -> None:
     if args.smoke and args.head_dim != HEAD_DIM:
         raise SystemExit(f"--smoke runs D = {SMOKE_HEAD_DIM}; --head-dim is for the GPU runs")
     check_nccl_cta_argument(args.nccl_max_ctas, args.smoke)
-    spawn_ranks(_worker, world, args.gqa, args.out, args.smoke, args.profile, args.cudagraphs,
+    spawn_ranks(_rank, world, args.gqa, args.out, args.smoke, args.profile, args.cudagraphs,
                 tuple(args.head_groups), tuple(args.nccl_max_ctas), args.head_dim, tuple(args.tokens),
-                device="cpu" if args.smoke else "cuda")  # fmt: skip
+                device="cpu" if args.smoke else "cuda", keep_group=args.cudagraphs)  # fmt: skip
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

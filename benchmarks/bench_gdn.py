@@ -39,7 +39,6 @@ from benchmarks.common import (
     nccl_cta_groups,
     profile_timeline,
     rank_waits,
-    recompile_limit,
     spawn_ranks,
 )
 from benchmarks.internals import fla_varlen_indices, valid_token_mask
@@ -54,7 +53,6 @@ from cp_ops import (
     thd_cp2hp,
     thd_hp2cp,
 )
-from cp_ops.local_ranks import init_local_rank
 from custom_ops.testing import rel_error
 
 HIDDEN, HK, HV, DK, DV = 2048, 16, 32, 128, 128
@@ -347,17 +345,10 @@ def a2a_steps(layer: GatedDeltaNet, x_cp: torch.Tensor, cup: torch.Tensor, group
     }
 
 
-def _cp_worker(*args) -> None:
-    # one graph per (CP group, one device) and grad mode, a second for a new packing if specialised
-    with recompile_limit(64):
-        _cp_rank(*args)
-
-
-def _cp_rank(rank, world, init_method, tokens, seqs, out, smoke, opts: dict) -> None:
+def _cp_rank(rank, world, device, tokens, seqs, out, smoke, opts: dict) -> None:
     """One CP rank of the multi-rank benchmark; ``opts``: the flags ``compiled_only``, ``cudagraphs``,
     ``profile`` and ``nccl_max_ctas`` of the command line."""
     profile, full = opts["profile"], not opts["compiled_only"]
-    device = init_local_rank(rank, world, init_method, "cpu" if smoke else "cuda")
     groups = nccl_cta_groups(opts["nccl_max_ctas"])  # {cap: group}; one column per cap and shape
     caps = list(groups)
     hidden, hk, hv, dk, dv = SMOKE_DIMS if smoke else (HIDDEN, HK, HV, DK, DV)
@@ -390,115 +381,107 @@ def _cp_rank(rank, world, init_method, tokens, seqs, out, smoke, opts: dict) -> 
                      "the 1 GPU rows shared")  # fmt: skip
     shapes = [(t, b) for t in tokens for b in seqs]
     results = {}
-    try:
-        for total, num_seqs in shapes:
-            lens = _lengths(total, num_seqs, torch.Generator().manual_seed(total + num_seqs))
-            cu, cup = pad_cu_seqlens(lens, world, device=device)
-            rows = int(cup[-1])
-            gen = torch.Generator(device=device).manual_seed(total + num_seqs)  # one global batch on every rank
-            x = torch.randn(rows, hidden, device=device, generator=gen).to(dtype)
-            grad = torch.randn(rows, hidden, device=device, generator=gen).to(dtype)
-            real = valid_token_mask(cup, cu, rows)
-            with torch.no_grad():
-                ref = layer(x, cup)  # one device, eager, the whole batch
-            x_cp = shard_thd(x, cup, world, rank).requires_grad_()
-            grad_cp = shard_thd(grad, cup, world, rank)
-            real_cp = shard_thd(real, cup, world, rank)
-            ref_cp = shard_thd(ref, cup, world, rank)[real_cp]
-            del ref
+    for total, num_seqs in shapes:
+        lens = _lengths(total, num_seqs, torch.Generator().manual_seed(total + num_seqs))
+        cu, cup = pad_cu_seqlens(lens, world, device=device)
+        rows = int(cup[-1])
+        gen = torch.Generator(device=device).manual_seed(total + num_seqs)  # one global batch on every rank
+        x = torch.randn(rows, hidden, device=device, generator=gen).to(dtype)
+        grad = torch.randn(rows, hidden, device=device, generator=gen).to(dtype)
+        real = valid_token_mask(cup, cu, rows)
+        with torch.no_grad():
+            ref = layer(x, cup)  # one device, eager, the whole batch
+        x_cp = shard_thd(x, cup, world, rank).requires_grad_()
+        grad_cp = shard_thd(grad, cup, world, rank)
+        real_cp = shard_thd(real, cup, world, rank)
+        ref_cp = shard_thd(ref, cup, world, rank)[real_cp]
+        del ref
 
-            def cp_step(fn, group):
-                return _fwd_bwd(lambda: fn(x_cp, cup, group=group), [x_cp] + params, grad_cp)
+        def cp_step(fn, group):
+            return _fwd_bwd(lambda: fn(x_cp, cup, group=group), [x_cp] + params, grad_cp)
 
-            def check(fn, group):
-                """One fwd+bwd step of the CP layer; the output's rel_error on real tokens, max over ranks."""
-                for t in [x_cp] + params:
-                    t.grad = None
-                out_cp = fn(x_cp, cup, group=group)
-                err = max_over_ranks(rel_error(out_cp.detach()[real_cp], ref_cp))
-                out_cp.backward(grad_cp)
-                return err
+        def check(fn, group):
+            """One fwd+bwd step of the CP layer; the output's rel_error on real tokens, max over ranks."""
+            for t in [x_cp] + params:
+                t.grad = None
+            out_cp = fn(x_cp, cup, group=group)
+            err = max_over_ranks(rel_error(out_cp.detach()[real_cp], ref_cp))
+            out_cp.backward(grad_cp)
+            return err
 
-            shape_results = {cap: {} for cap in caps}
+        shape_results = {cap: {} for cap in caps}
+        for cap, cap_group in groups.items():
+            res = shape_results[cap]
+            res["err eager"] = check(layer, cap_group)
+            try:
+                res["err compiled"] = check(compiled["fn"], cap_group)
+            except Exception as e:  # noqa: BLE001  (a compile failure: retry with static shapes)
+                if not compiled["dynamic"]:
+                    raise
+                msg = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                print(f"rank {rank}: torch.compile(dynamic=True) failed ({msg}); using dynamic=False", flush=True)
+                torch._dynamo.reset()
+                compiled, compiled_unfused = compile_layer(dynamic=False)
+                notes.append(f"compiled with dynamic=False (dynamic=True failed: {msg[:200]})")
+                res["err compiled"] = check(compiled["fn"], cap_group)
+            res["W compiled"] = timed(cp_step(compiled["fn"], cap_group))
+        res, group = shape_results[caps[0]], groups[caps[0]]  # the rows timed on one group only
+        if full:
+            res["err per-seq"] = check(per_sequence, group)
+            res["W per-seq eager"] = timed(cp_step(per_sequence, group), per_sequence=True)
+            res["W eager"] = timed(cp_step(layer, group))
+            res["W eager unfused"] = timed(cp_step(unfused, group))
+            res["err compiled unfused"] = check(compiled_unfused, group)
+            res["W compiled unfused"] = timed(cp_step(compiled_unfused, group))
+        if profile:  # every rank runs the profiled steps (they meet in the all-to-alls)
             for cap, cap_group in groups.items():
-                res = shape_results[cap]
-                res["err eager"] = check(layer, cap_group)
-                try:
-                    res["err compiled"] = check(compiled["fn"], cap_group)
-                except Exception as e:  # noqa: BLE001  (a compile failure: retry with static shapes)
-                    if not compiled["dynamic"]:
-                        raise
-                    msg = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-                    print(f"rank {rank}: torch.compile(dynamic=True) failed ({msg}); using dynamic=False", flush=True)
-                    torch._dynamo.reset()
-                    compiled, compiled_unfused = compile_layer(dynamic=False)
-                    notes.append(f"compiled with dynamic=False (dynamic=True failed: {msg[:200]})")
-                    res["err compiled"] = check(compiled["fn"], cap_group)
-                res["W compiled"] = timed(cp_step(compiled["fn"], cap_group))
-            res, group = shape_results[caps[0]], groups[caps[0]]  # the rows timed on one group only
-            if full:
-                res["err per-seq"] = check(per_sequence, group)
-                res["W per-seq eager"] = timed(cp_step(per_sequence, group), per_sequence=True)
-                res["W eager"] = timed(cp_step(layer, group))
-                res["W eager unfused"] = timed(cp_step(unfused, group))
-                res["err compiled unfused"] = check(compiled_unfused, group)
-                res["W compiled unfused"] = timed(cp_step(compiled_unfused, group))
-            if profile:  # every rank runs the profiled steps (they meet in the all-to-alls)
-                for cap, cap_group in groups.items():
-                    shape_results[cap].update(_profile_ranks(cp_step(compiled["fn"], cap_group), device))
+                shape_results[cap].update(_profile_ranks(cp_step(compiled["fn"], cap_group), device))
 
-            # one device: rank 0 alone, the whole batch, the same (compiled) layer; the others wait
-            one = {"1 compiled": math.nan, "1 eager": math.nan}
-            if rank == 0:
-                x_all = x.detach().requires_grad_()
-                one["1 compiled"] = median_ms_counted(
-                    _fwd_bwd(lambda: compiled["fn"](x_all, cup), [x_all] + params, grad), warmup, runs, device
-                )
-                if full:
-                    one["1 eager"] = median_ms_counted(
-                        _fwd_bwd(lambda: layer(x_all, cup), [x_all] + params, grad), warmup, runs, device
-                    )
-                if profile:
-                    step = _fwd_bwd(lambda: compiled["fn"](x_all, cup), [x_all] + params, grad)
-                    one.update({f"prof 1 {k}": v for k, v in profile_timeline(step).items()})
-                    one["prof 1 host issue"] = host_issue_ms(step)
-                del x_all
-            dist.barrier()
-            del x, grad
-            _empty_cache(device)
-
-            if full:  # where one rank's step goes
-                for name, fn in piece_steps(layer, x_cp, cup, world).items():
-                    res[name] = timed(fn)
-                fused = a2a_steps(layer, x_cp, cup, group, thd_cp2hp, thd_hp2cp)
-                per_seq = a2a_steps(layer, x_cp, cup, group, per_sequence_cp2hp, per_sequence_hp2cp)
-                for name in ("cp2hp", "hp2cp"):
-                    res[f"{name} fwd+bwd"] = timed(fused[name])
-                    res[f"per-seq {name} fwd+bwd"] = timed(per_seq[name], per_sequence=True)
-                del fused, per_seq
-            for cap, res in shape_results.items():
-                results[(total, num_seqs, cap)] = {**one, **res}
-                if rank == 0:  # a line per column, so a run cut short by a time limit still reports
-                    done = ", ".join(f"{k} {v:.4g}" for k, v in results[(total, num_seqs, cap)].items()
-                                     if k.startswith(("err", "W ", "1 ")))  # fmt: skip
-                    print(f"T={total} B={num_seqs} {cta_label(cap)}: {done}", flush=True)
-            del x_cp, grad_cp
-            _empty_cache(device)
-
+        # one device: rank 0 alone, the whole batch, the same (compiled) layer; the others wait
+        one = {"1 compiled": math.nan, "1 eager": math.nan}
         if rank == 0:
-            cases = list(results)
-            name = f"gdn-cp{'-smoke' if smoke else ''}-w{world}"
-            name += "-compiled" * opts["compiled_only"] + "-cudagraphs" * opts["cudagraphs"]
-            env = _fla_environment(world)
-            table = _cp_table(results, cases, world, (hidden, hk, hv, dk, dv), dtype, runs, seq_runs, notes)
-            emit([Result("gdn", table[0], table[1], table[2], table[3], env, name=name)], out)
-        # no rank tears down before all are done (gloo can abort a rank whose peer left first), as in tests/_dist.py
+            x_all = x.detach().requires_grad_()
+            one["1 compiled"] = median_ms_counted(
+                _fwd_bwd(lambda: compiled["fn"](x_all, cup), [x_all] + params, grad), warmup, runs, device
+            )
+            if full:
+                one["1 eager"] = median_ms_counted(
+                    _fwd_bwd(lambda: layer(x_all, cup), [x_all] + params, grad), warmup, runs, device
+                )
+            if profile:
+                step = _fwd_bwd(lambda: compiled["fn"](x_all, cup), [x_all] + params, grad)
+                one.update({f"prof 1 {k}": v for k, v in profile_timeline(step).items()})
+                one["prof 1 host issue"] = host_issue_ms(step)
+            del x_all
         dist.barrier()
-    finally:
-        # with CUDA graphs that captured NCCL work, a run hung after its table at the end
-        # (barrier or teardown, not narrowed down); the process ends with os._exit either way
-        if not opts["cudagraphs"]:
-            dist.destroy_process_group()
+        del x, grad
+        torch.cuda.empty_cache()
+
+        if full:  # where one rank's step goes
+            for name, fn in piece_steps(layer, x_cp, cup, world).items():
+                res[name] = timed(fn)
+            fused = a2a_steps(layer, x_cp, cup, group, thd_cp2hp, thd_hp2cp)
+            per_seq = a2a_steps(layer, x_cp, cup, group, per_sequence_cp2hp, per_sequence_hp2cp)
+            for name in ("cp2hp", "hp2cp"):
+                res[f"{name} fwd+bwd"] = timed(fused[name])
+                res[f"per-seq {name} fwd+bwd"] = timed(per_seq[name], per_sequence=True)
+            del fused, per_seq
+        for cap, res in shape_results.items():
+            results[(total, num_seqs, cap)] = {**one, **res}
+            if rank == 0:  # a line per column, so a run cut short by a time limit still reports
+                done = ", ".join(f"{k} {v:.4g}" for k, v in results[(total, num_seqs, cap)].items()
+                                 if k.startswith(("err", "W ", "1 ")))  # fmt: skip
+                print(f"T={total} B={num_seqs} {cta_label(cap)}: {done}", flush=True)
+        del x_cp, grad_cp
+        torch.cuda.empty_cache()
+
+    if rank == 0:
+        cases = list(results)
+        name = f"gdn-cp{'-smoke' if smoke else ''}-w{world}"
+        name += "-compiled" * opts["compiled_only"] + "-cudagraphs" * opts["cudagraphs"]
+        env = _fla_environment(world)
+        table = _cp_table(results, cases, world, (hidden, hk, hv, dk, dv), dtype, runs, seq_runs, notes)
+        emit([Result("gdn", table[0], table[1], table[2], table[3], env, name=name)], out)
     errors = [
         r.get(k, math.nan)
         for r in results.values()
@@ -518,11 +501,6 @@ def _profile_ranks(step, device) -> dict[str, float]:
     for r, figures in enumerate(rank_waits(prof, device)):
         out.update({f"prof W rank {r} {k}": v for k, v in figures.items()})
     return out
-
-
-def _empty_cache(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def _cp_table(results, cases, world, dims, dtype, runs, seq_runs, notes) -> tuple[str, list, list, str]:
@@ -656,13 +634,13 @@ def main() -> None:
         tokens, seqs = args.tokens or SMOKE_TOKENS, args.seqs or SMOKE_SEQS
         if SMOKE_DIMS[1] % world:
             raise SystemExit(f"--smoke runs a layer with Hk = {SMOKE_DIMS[1]}; --cp must divide it")
-        spawn_ranks(_cp_worker, world, tokens, seqs, args.out, True, {**opts, "profile": False}, device="cpu")
+        spawn_ranks(_cp_rank, world, tokens, seqs, args.out, True, {**opts, "profile": False}, device="cpu")
         return
     tokens, seqs = args.tokens or TOKENS, args.seqs or SEQS
     if args.cp:
         if args.cp < 2 or HK % args.cp:
             raise SystemExit(f"--cp must be at least 2 and divide Hk = {HK}, got {args.cp}")
-        spawn_ranks(_cp_worker, args.cp, tokens, seqs, args.out, False, opts, device="cuda")
+        spawn_ranks(_cp_rank, args.cp, tokens, seqs, args.out, False, opts, device="cuda", keep_group=args.cudagraphs)
         return
     if not torch.cuda.is_available():
         raise SystemExit("bench_gdn needs a CUDA device (or --cp 2 --smoke on the CPU)")

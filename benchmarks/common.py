@@ -177,11 +177,13 @@ def default_world() -> int:
     return max(2, torch.cuda.device_count())
 
 
-def spawn_ranks(worker, world: int, *args, device: str = "cuda") -> None:
-    """Run ``worker(rank, world, init_method, *args)`` in ``world`` processes and wait for all.
+def spawn_ranks(worker, world: int, *args, device: str = "cuda", keep_group: bool = False) -> None:
+    """Run ``worker(rank, world, device, *args)`` in ``world`` processes and wait for all; each
+    rank has joined the group (:func:`cp_ops.local_ranks.init_local_rank`) and computes on ``device``.
 
     ``device="cuda"`` needs ``world`` visible GPUs (one per rank, NCCL); ``"cpu"`` runs gloo.
-    A worker that returns ends its process with :func:`cp_ops.local_ranks.leave_local_rank`.
+    After the worker returns, every rank waits for the others, leaves the group (not with
+    ``keep_group``) and ends its process with :func:`cp_ops.local_ranks.leave_local_rank`.
     """
     if device == "cuda" and torch.cuda.device_count() < world:
         raise SystemExit(f"needs {world} GPUs, found {torch.cuda.device_count()}")
@@ -193,7 +195,8 @@ def spawn_ranks(worker, world: int, *args, device: str = "cuda") -> None:
     from cp_ops.local_ranks import local_rendezvous
 
     with local_rendezvous() as init_method:
-        torch.multiprocessing.spawn(_run_worker, args=(worker, world, init_method, *args), nprocs=world, join=True)
+        torch.multiprocessing.spawn(_run_worker, args=(worker, world, init_method, device, keep_group, *args),
+                                    nprocs=world, join=True)  # fmt: skip
 
 
 def add_nccl_cta_argument(parser) -> None:
@@ -212,8 +215,21 @@ def check_nccl_cta_argument(caps: list[int], smoke: bool) -> None:
         raise SystemExit("--nccl-max-ctas needs NCCL, not --smoke")
 
 
-def _run_worker(rank: int, worker, *args) -> None:
-    from cp_ops.local_ranks import leave_local_rank
+def _run_worker(rank: int, worker, world: int, init_method: str, device: str, keep_group: bool, *args) -> None:
+    import torch.distributed as dist
 
-    worker(rank, *args)
+    from cp_ops.local_ranks import init_local_rank, leave_local_rank
+
+    dev = init_local_rank(rank, world, init_method, device)
+    try:
+        # the compiled forms are closures of one function: one graph per form, group, shape and grad mode
+        with recompile_limit(64):
+            worker(rank, world, dev, *args)
+        # no rank tears down before all are done (gloo can abort a rank whose peer left first), as in tests/_dist.py
+        dist.barrier()
+    finally:
+        # with CUDA graphs that captured NCCL work, a run hung after its table at the end
+        # (barrier or teardown, not narrowed down); the process ends with os._exit either way
+        if not keep_group:
+            dist.destroy_process_group()
     leave_local_rank()  # reached only when the worker succeeded (it has left its group)
