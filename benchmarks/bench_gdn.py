@@ -42,7 +42,7 @@ from benchmarks.common import (
     spawn_ranks,
 )
 from benchmarks.internals import fla_varlen_indices, valid_token_mask
-from benchmarks.runner import Result, add_out_argument, emit, environment
+from benchmarks.runner import Result, add_out_argument, emit, environment, fla_environment
 from cp_ops import (
     COMPILE_OPTIONS,
     GatedDeltaNet,
@@ -479,7 +479,7 @@ def _cp_rank(rank, world, device, tokens, seqs, out, smoke, opts: dict) -> None:
         cases = list(results)
         name = f"gdn-cp{'-smoke' if smoke else ''}-w{world}"
         name += "-compiled" * opts["compiled_only"] + "-cudagraphs" * opts["cudagraphs"]
-        env = _fla_environment(world)
+        env = fla_environment(world)
         table = _cp_table(results, cases, world, (hidden, hk, hv, dk, dv), dtype, runs, seq_runs, notes)
         emit([Result("gdn", table[0], table[1], table[2], table[3], env, name=name)], out)
     errors = [
@@ -567,16 +567,6 @@ def _cp_table(results, cases, world, dims, dtype, runs, seq_runs, notes) -> tupl
     return title, columns, rows, "\n".join(text)
 
 
-def _fla_environment(world: int | None = None) -> dict:
-    try:
-        import fla
-
-        version = getattr(fla, "__version__", "?")
-    except ImportError:
-        version = "absent"
-    return environment(world, fla=version)
-
-
 def conv_main(tokens, seqs, gather: bool, out) -> None:
     torch.manual_seed(0)
     if gather:
@@ -656,7 +646,7 @@ def main() -> None:
         columns = [""] + [f"T={t} B={b}" for t, b in results]
         rows = [[name] + [r[name] for r in results.values()] for name in results[case]]
         title = f"GatedDeltaNet (hidden {HIDDEN}, Hk {HK}, Hv {HV}, dk = dv = {DK}), bf16, median ms"
-        emit([Result("gdn", title, columns, rows, env=_fla_environment(), name="gdn")], args.out)
+        emit([Result("gdn", title, columns, rows, env=fla_environment(), name="gdn")], args.out)
 
 
 if __name__ == "__main__":
