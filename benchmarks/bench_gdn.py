@@ -221,23 +221,18 @@ def bench_conv(total: int, num_seqs: int, channels: int) -> dict[str, float]:
     return out
 
 
-def bench_conv_gather(
-    total: int, num_seqs: int, channels: int = 4096, extra: int = 32, world: int = 2, device: str = "cuda"
-) -> dict[str, float]:
-    """ms of the two forms of the conv on permuted rows (docs/benchmarks.md), compiled; on
-    a CPU device only their agreement (the ms entries left out)."""
-    from cp_ops.layout import pad_cu_seqlens
+def bench_conv_gather(total: int, num_seqs: int, channels: int = 4096, extra: int = 32, world: int = 2) -> dict:
+    """ms of the two forms of the conv on permuted rows (docs/benchmarks.md), compiled."""
     from custom_ops.thd_index import rank_to_seq_index
 
     lens = _lengths(total, num_seqs, torch.Generator().manual_seed(total + num_seqs))
-    _, cup = pad_cu_seqlens(lens, world)
-    cup = cup.to(torch.int32).to(device)
+    _, cup = pad_cu_seqlens(lens, world, device="cuda")
     rows_total = int(cup[-1])
-    recv = torch.randn(rows_total, channels + extra, device=device, dtype=torch.bfloat16, requires_grad=True)
-    w = (torch.randn(channels, CONV_KERNEL, device=device) / CONV_KERNEL**0.5).to(torch.bfloat16).requires_grad_()
+    recv = torch.randn(rows_total, channels + extra, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(channels, CONV_KERNEL, device="cuda") / CONV_KERNEL**0.5).to(torch.bfloat16).requires_grad_()
     rows = rank_to_seq_index(cup, world, rows_total)
-    dy = torch.randn(rows_total, channels, device=device, dtype=torch.bfloat16)
-    dtail = torch.randn(rows_total, extra, device=device, dtype=torch.bfloat16)
+    dy = torch.randn(rows_total, channels, device="cuda", dtype=torch.bfloat16)
+    dtail = torch.randn(rows_total, extra, device="cuda", dtype=torch.bfloat16)
 
     def reorder_then_conv(recv, w):
         xs = custom_ops.thd_rank_to_seq_order(recv, cup, world)
@@ -255,18 +250,15 @@ def bench_conv_gather(
             return (y.detach(), *torch.autograd.grad([y, tail], [recv, w], [dy, dtail]))
 
         grads[name] = step()
-        if device == "cuda":
-            out[f"{name} fwd+bwd"] = median_ms(step)
-            out[f"{name} fwd+bwd, kernel time"] = kernel_ms(step)
+        out[f"{name} fwd+bwd"] = median_ms(step)
+        out[f"{name} fwd+bwd, kernel time"] = kernel_ms(step)
     for label, a, b in zip(("y", "dx", "dw"), *grads.values()):
         out[f"err {label}"] = rel_error(a, b)
     if not max(v for k, v in out.items() if k.startswith("err")) < CONV_TOLERANCE:
         raise AssertionError(f"T={total} B={num_seqs}: the two forms disagree: {out}")
-    if device == "cuda":
-        for suffix in ("", ", kernel time"):
-            out[f"reorder + conv / gather conv{suffix}"] = (
-                out[f"reorder + conv fwd+bwd{suffix}"] / out[f"gather conv fwd+bwd{suffix}"]
-            )
+    for suffix in ("", ", kernel time"):
+        ratio = out[f"reorder + conv fwd+bwd{suffix}"] / out[f"gather conv fwd+bwd{suffix}"]
+        out[f"reorder + conv / gather conv{suffix}"] = ratio
     return out
 
 
