@@ -42,16 +42,11 @@ from benchmarks.common import (
     check_nccl_cta_argument,
     cta_label,
     default_world,
-    host_issue_ms,
-    kernel_class,
-    kernel_totals,
     max_over_ranks,
     median_ms_counted,
     nccl_cta_groups,
-    profile_kernels,
-    rank_waits,
+    profile_step,
     spawn_ranks,
-    timeline_summary,
 )
 from benchmarks.internals import CONFIGS, DEFAULT_SETTINGS, KERNELS, AttentionSettings, resolve_scale
 from benchmarks.internals import attention_launch as launch
@@ -465,20 +460,9 @@ HEAD_DIM = HEAD_DIMS[0]
 SMOKE_TOTALS, SMOKE_HEADS, SMOKE_HEAD_DIM = (1024,), 4, 16  # two documents: 1008 and 16 tokens
 
 
+# --profile: besides the timeline, the kernel time of each attention kernel and of NCCL (common.profile_step)
+PROFILED_KERNELS = ("varlen_attn_fwd", "varlen_attn_bwd_dq", "varlen_attn_bwd_dkdv", "nccl")
 PROFILE_RUNS = 5
-
-
-def _profile_rows(step) -> dict[str, float]:
-    """Where one fwd+bwd step's GPU time goes: :func:`benchmarks.common.timeline_summary` of
-    its kernels, and the kernel time of each attention kernel and of NCCL, per step (ms)."""
-    kernels = profile_kernels(step, PROFILE_RUNS)
-    out = timeline_summary(kernels, PROFILE_RUNS)
-    for name in ("varlen_attn_fwd", "varlen_attn_bwd_dq", "varlen_attn_bwd_dkdv", "nccl"):
-        out[f"{name} kernels"] = sum(e - s for n, s, e in kernels if name in n.lower()) / PROFILE_RUNS / 1e3
-    top = [(n, t) for n, t in kernel_totals(kernels, PROFILE_RUNS).items() if kernel_class(n) == "other"][:6]
-    print("  largest 'other' kernels (ms per step): " + "; ".join(f"{n[:70]} {t:.3f}" for n, t in top), flush=True)
-    out["host issue"] = host_issue_ms(step)
-    return out
 
 
 def _rank(
@@ -527,8 +511,8 @@ def _rank(
             fwd_c, step_c = _fwd_and_step(_compiled(one_gpu, cudagraphs), q, k, v, dout)
             t1c = [timed(fwd_c), timed(step_c)]
             if profile:
-                profiles[(total, "1 GPU")] = _profile_rows(step)
-                profiles[(total, "1 GPU compiled")] = _profile_rows(step_c)
+                profiles[(total, "1 GPU")] = profile_step(step, named=PROFILED_KERNELS, runs=PROFILE_RUNS)
+                profiles[(total, "1 GPU compiled")] = profile_step(step_c, named=PROFILED_KERNELS, runs=PROFILE_RUNS)
         dist.barrier()
         del q, k, v, dout
         torch.cuda.empty_cache()
@@ -541,10 +525,8 @@ def _rank(
                 g = max(head_groups)
                 profiled[f"G={g}"] = f"W={world} compiled, {g} head groups, rank 0"
             for form, label in profiled.items() if profile else ():
-                prof = _profile_rows(_fwd_and_step(times[form]["fn"], *local)[1])
-                for r, figures in enumerate(rank_waits(prof, device)):
-                    prof.update({f"rank {r}: {k}": v for k, v in figures.items()})
-                profiles[(total, label + named)] = prof
+                step = _fwd_and_step(times[form]["fn"], *local)[1]
+                profiles[(total, label + named)] = profile_step(step, device, PROFILED_KERNELS, PROFILE_RUNS)
             for label, idx in (("fwd", 0), ("fwd+bwd", 1)):
                 w1, w2, wc = (times[form]["ms"][idx] for form in (1, 2, "compiled"))
                 row = [total, len(lens), label + named, t1[idx], w1, w2,

@@ -31,14 +31,12 @@ from benchmarks.common import (
     add_nccl_cta_argument,
     check_nccl_cta_argument,
     cta_label,
-    host_issue_ms,
     kernel_ms,
     max_over_ranks,
     median_ms,
     median_ms_counted,
     nccl_cta_groups,
-    profile_timeline,
-    rank_waits,
+    profile_step,
     spawn_ranks,
 )
 from benchmarks.internals import fla_varlen_indices, valid_token_mask
@@ -427,7 +425,8 @@ def _cp_rank(rank, world, device, tokens, seqs, out, smoke, opts: dict) -> None:
             res["W compiled unfused"] = timed(cp_step(compiled_unfused, group))
         if profile:  # every rank runs the profiled steps (they meet in the all-to-alls)
             for cap, cap_group in groups.items():
-                shape_results[cap].update(_profile_ranks(cp_step(compiled["fn"], cap_group), device))
+                prof = profile_step(cp_step(compiled["fn"], cap_group), device)
+                shape_results[cap].update({f"prof W {k}": v for k, v in prof.items()})
 
         # one device: rank 0 alone, the whole batch, the same (compiled) layer; the others wait
         one = {"1 compiled": math.nan, "1 eager": math.nan}
@@ -442,8 +441,7 @@ def _cp_rank(rank, world, device, tokens, seqs, out, smoke, opts: dict) -> None:
                 )
             if profile:
                 step = _fwd_bwd(lambda: compiled["fn"](x_all, cup), [x_all] + params, grad)
-                one.update({f"prof 1 {k}": v for k, v in profile_timeline(step).items()})
-                one["prof 1 host issue"] = host_issue_ms(step)
+                one.update({f"prof 1 {k}": v for k, v in profile_step(step).items()})
             del x_all
         dist.barrier()
         del x, grad
@@ -482,17 +480,6 @@ def _cp_rank(rank, world, device, tokens, seqs, out, smoke, opts: dict) -> None:
     worst = max(e for e in errors if not math.isnan(e))  # nan: a row the flags skipped
     if not worst < CP_TOLERANCE:
         raise AssertionError(f"CP output off by rel_error {worst:.3g} >= {CP_TOLERANCE} against one device")
-
-
-def _profile_ranks(step, device) -> dict[str, float]:
-    """Rank 0's :func:`profile_timeline` of the compiled CP step (``prof W *``) and every rank's
-    :data:`benchmarks.common.RANK_WAIT_KEYS` (``prof W rank r *``). Every rank must call it."""
-    prof = profile_timeline(step)
-    prof["host issue"] = host_issue_ms(step)
-    out = {f"prof W {k}": v for k, v in prof.items()}
-    for r, figures in enumerate(rank_waits(prof, device)):
-        out.update({f"prof W rank {r} {k}": v for k, v in figures.items()})
-    return out
 
 
 def _cp_table(results, cases, world, dims, dtype, runs, seq_runs, notes) -> tuple[str, list, list, str]:
@@ -550,7 +537,7 @@ def _cp_table(results, cases, world, dims, dtype, runs, seq_runs, notes) -> tupl
         table.append(("profile, compiled 1 GPU: host issue", "prof 1 host issue", t))
         for r in range(world):
             for k in RANK_WAIT_KEYS:
-                table.append((f"profile, compiled {w} rank {r}: {k}", f"prof W rank {r} {k}", t))
+                table.append((f"profile, compiled {w} rank {r}: {k}", f"prof W rank {r}: {k}", t))
     for label, key, fmt in table:
         values = [results[c].get(key, math.nan) for c in cases]
         if all(math.isnan(v) for v in values):

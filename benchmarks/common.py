@@ -103,9 +103,23 @@ def profile_kernels(fn, runs: int = 5, warmup: int = 2) -> list[tuple[str, float
     ]
 
 
-def profile_timeline(fn, runs: int = 5, warmup: int = 2) -> dict[str, float]:
-    """:func:`timeline_summary` of :func:`profile_kernels` (``runs`` calls of ``fn()``)."""
-    return timeline_summary(profile_kernels(fn, runs, warmup), runs)
+def profile_step(step, device=None, named=(), runs: int = 5) -> dict[str, float]:
+    """Where a step's time goes, in ms per step: :func:`timeline_summary` of ``runs`` calls of
+    ``step()``, the summed time of the kernels whose name holds each of ``named`` (``NAME kernels``),
+    the host's time to issue it (``host issue``, :func:`host_issue_ms`) and, with ``device`` (a
+    multi-rank step: every rank must call it), every rank's :data:`RANK_WAIT_KEYS` (``rank R: KEY``).
+    Prints the largest kernels of the class "other"."""
+    kernels = profile_kernels(step, runs)
+    out = timeline_summary(kernels, runs)
+    for name in named:
+        out[f"{name} kernels"] = sum(e - s for n, s, e in kernels if name in n.lower()) / runs / 1e3
+    top = [(n, t) for n, t in kernel_totals(kernels, runs).items() if kernel_class(n) == "other"][:6]
+    print("  largest 'other' kernels (ms per step): " + "; ".join(f"{n[:70]} {t:.3f}" for n, t in top), flush=True)
+    out["host issue"] = host_issue_ms(step)
+    if device is not None:
+        for r, figures in enumerate(rank_waits(out, device)):
+            out.update({f"rank {r}: {k}": v for k, v in figures.items()})
+    return out
 
 
 def max_over_ranks(value: float) -> float:

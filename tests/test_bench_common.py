@@ -73,11 +73,12 @@ def test_kernel_totals_sums_each_name_per_step_slowest_first():
 
 
 @pytest.mark.gpu
-def test_profile_timeline_on_the_gpu():
-    from benchmarks.common import KERNEL_CLASSES, profile_timeline
+def test_profile_step_on_the_gpu():
+    from benchmarks.common import KERNEL_CLASSES, profile_step
 
     a = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
-    out = profile_timeline(lambda: (a @ a).relu_(), runs=3, warmup=1)
+    out = profile_step(lambda: (a @ a).relu_(), named=["nccl"], runs=3)
+    assert out["host issue"] > 0 and out["nccl kernels"] == 0
     assert out["GEMMs"] > 0 and out["collectives"] == 0 and out["collectives only"] == 0
     assert 0 < out["GPU busy"] <= out["wall"] and out["idle"] >= 0
     assert out["compute busy"] == pytest.approx(out["GPU busy"])
