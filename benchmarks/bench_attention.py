@@ -2,17 +2,16 @@
 FlexAttention (``kernel``), its kernel-config tuner (``tune``), and all-gather CP attention
 on W GPUs (NCCL) against segment attention on one GPU (``cp``).
 
-    python -m benchmarks.bench_attention kernel [--gqa G] [--head-dims D ...] [--configs FILE] [--pointer-loads]
+    python -m benchmarks.bench_attention kernel [--gqa G] [--head-dims D ...] [--pointer-loads]
     python -m benchmarks.bench_attention kernel --profile  # CUDA time per kernel of one forward and one backward
-    python -m benchmarks.bench_attention tune [--kinds fwd bwd_dkdv bwd_dq] [--rounds N] [--save FILE]
+    python -m benchmarks.bench_attention tune [--kinds fwd bwd_dkdv bwd_dq] [--rounds N]
     python -m benchmarks.bench_attention cp [--world W] [--tokens T ...] [--gqa G] [--head-dim D]
         [--head-groups G ...] [--cudagraphs] [--profile] [--nccl-max-ctas N ...]
     python -m benchmarks.bench_attention cp --smoke        # 2 gloo ranks on the CPU, tiny shapes
     python -m benchmarks.bench_attention cp --work-model   # CPU only: kernel tiles per rank against one GPU
 
 ``python -m benchmarks.bench_ag_attention ARGS`` runs ``cp ARGS``. Results (benchmarks/runner.py):
-``attention`` (``attention-gqaG-dD..`` at other heads; ``-pointer-loads``, ``-tuned`` with those
-flags), ``attention-profile...``; ``ag-attention-wW`` (``-gqaG-dD`` at other heads,
+``attention`` (``attention-gqaG-dD..`` at other heads; ``-pointer-loads`` with that flag), ``attention-profile...``; ``ag-attention-wW`` (``-gqaG-dD`` at other heads,
 ``-cudagraphs``; ``ag-attention-smoke-wW``), ``...-profile``, ``ag-attention-work-model``.
 docs/benchmarks.md gives the cases, the FLOP count and what each column measures.
 """
@@ -22,7 +21,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
-import json
 import statistics
 
 import torch
@@ -48,7 +46,7 @@ from benchmarks.common import (
     profile_step,
     spawn_ranks,
 )
-from benchmarks.internals import CONFIGS, DEFAULT_SETTINGS, KERNELS, AttentionSettings, resolve_scale
+from benchmarks.internals import CONFIGS, DEFAULT_SETTINGS, AttentionSettings, resolve_scale
 from benchmarks.internals import attention_launch as launch
 from benchmarks.runner import Result, add_out_argument, emit, environment
 from benchmarks.timing import kernel_breakdown, median_ms
@@ -89,18 +87,9 @@ def _compiled(fn, cudagraphs: bool, options: dict | None = None):
 
 
 # --- kernel and tune: launch settings ------------------------------------------------------------------------------
-# The ops launch with the library's DEFAULT_SETTINGS. The tuner, the sweeps and the runs with
-# other settings (--pointer-loads, --configs) call the launchers of
-# custom_ops.varlen_attention.launch with an AttentionSettings instead.
-
-
-def settings_for(base: AttentionSettings, tuned: dict | None, d: int) -> AttentionSettings:
-    """``base`` with the configs a ``--tune --save`` file (:func:`load_configs`) holds for head dim ``d``."""
-    settings = base
-    for kind, by_dim in (tuned or {}).items():
-        if d in by_dim:
-            settings = settings.with_kernel(kind, config=by_dim[d])
-    return settings
+# The ops launch with the library's DEFAULT_SETTINGS. The tuner and the runs with other settings
+# (--pointer-loads) call the launchers of custom_ops.varlen_attention.launch with an
+# AttentionSettings instead.
 
 
 def launchers(settings: AttentionSettings, q, k, v, seg, out=None, lse=None, dout=None, dlse=None):
@@ -224,19 +213,18 @@ def _suffix(gqa: int, head_dims) -> str:
     return f"-gqa{gqa}-d" + "-".join(str(d) for d in head_dims)
 
 
-def bench(gqa: int = 1, head_dims=HEAD_DIMS, base: AttentionSettings = DEFAULT_SETTINGS, tuned: dict | None = None,
+def bench(gqa: int = 1, head_dims=HEAD_DIMS, settings: AttentionSettings = DEFAULT_SETTINGS,
           label: str = "") -> list[Result]:  # fmt: skip
     device = torch.device("cuda")
     rows = []
     cases = attention_cases()
+    ours = varlen_fn if settings == DEFAULT_SETTINGS else settings_fn(settings)
     for d in head_dims:
         for case, lens in cases:
             dense = len(set(lens)) == 1
             q, k, v = make_inputs(sum(lens), HEADS, HEADS // gqa, d, device)
             seg = segments_for(lens, device)
             pairs = visible_pairs(lens)
-            settings = settings_for(base, tuned, d)
-            ours = varlen_fn if settings == DEFAULT_SETTINGS else settings_fn(settings)
             impls = [("varlen_attention" + label, ours)]
             if dense:
                 impls += [
@@ -356,11 +344,11 @@ def _time_kernel(kind, cfg, settings, q, k, v, seg, out, lse, dout, dlse):
 
 
 def tune(
-    gqa: int = 1, kinds=("fwd", "bwd_dkdv", "bwd_dq"), save: str | None = None, head_dims=HEAD_DIMS, rounds: int = 1,
+    gqa: int = 1, kinds=("fwd", "bwd_dkdv", "bwd_dq"), head_dims=HEAD_DIMS, rounds: int = 1,
     base: AttentionSettings = DEFAULT_SETTINGS,
 ) -> None:
     """Time the candidate configs of each kernel on both cases at each of ``head_dims``; print
-    the best (and write them to ``save`` as JSON, for ``--configs``).
+    the best, as entries of the config tables.
 
     Each kernel is tuned for the table the launcher takes it from on this GPU (TMA_CONFIGS
     where the TMA loads serve it, else CONFIGS; ``--pointer-loads`` tunes CONFIGS), each
@@ -404,38 +392,16 @@ def tune(
     for kind in kinds:
         entries = ", ".join(f"{d}: dict({_fmt(best[(kind, d)])})" for d in sorted(head_dims))
         print(f'{tables[kind]} "{kind}": {{{entries}}},')
-    if save:
-        with open(save, "w") as f:
-            json.dump(
-                {kind: {"table": tables[kind], **{str(d): best[(kind, d)] for d in sorted(head_dims)}} for kind in kinds},
-                f, indent=1,
-            )  # fmt: skip
 
 
-def load_configs(path: str) -> dict[str, dict[int, dict]]:
-    """``{kernel: {head dim: config}}`` of a ``--tune --save`` file (:func:`settings_for` passes
-    them to the launchers)."""
-    with open(path) as f:
-        saved = json.load(f)
-    tuned = {}
-    for kind, entries in saved.items():
-        if kind not in KERNELS:
-            raise SystemExit(f"{path}: unknown kernel {kind!r}; the kernels are {KERNELS}")
-        tuned[kind] = {int(d): cfg for d, cfg in entries.items() if d != "table"}
-        for d, cfg in tuned[kind].items():
-            print(f"config {kind} D={d}: {_fmt(cfg)}")
-    return tuned
-
-
-def profile(gqa: int = 1, head_dims=HEAD_DIMS, base: AttentionSettings = DEFAULT_SETTINGS,
-            tuned: dict | None = None) -> list[Result]:  # fmt: skip
+def profile(gqa: int = 1, head_dims=HEAD_DIMS, settings: AttentionSettings = DEFAULT_SETTINGS) -> list[Result]:
     """CUDA time per kernel of the forward and backward launches (torch.profiler, mean over 5 calls)."""
     device = torch.device("cuda")
     rows = []
     for case, lens in attention_cases()[::-1]:
         for d in head_dims:
             q, k, v, seg, out, lse, dout, dlse = attention_op_inputs(lens, d, gqa, device)
-            fwd, bwd = launchers(settings_for(base, tuned, d), q, k, v, seg, out, lse, dout, dlse)
+            fwd, bwd = launchers(settings, q, k, v, seg, out, lse, dout, dlse)
 
             def step():
                 fwd()
@@ -664,16 +630,14 @@ def _run_kernel(args) -> None:
     if args.mode == "tune":
         if set(args.head_dims) - set(CONFIGS["fwd"]):
             raise SystemExit(f"tune tunes the config table's head dims {sorted(CONFIGS['fwd'])}, got {args.head_dims}")
-        tune(args.gqa, args.kinds, args.save, args.head_dims, args.rounds, base)
+        tune(args.gqa, args.kinds, args.head_dims, args.rounds, base)
         return
-    tuned = load_configs(args.configs) if args.configs else None
     if args.profile:
-        results = profile(args.gqa, args.head_dims, base, tuned)
+        results = profile(args.gqa, args.head_dims, base)
     else:  # other settings than the ops': their own row label and result names
-        label = ", pointer loads" * args.pointer_loads + ", tuned configs" * bool(tuned)
-        results = bench(args.gqa, args.head_dims, base, tuned, label)
+        results = bench(args.gqa, args.head_dims, base, ", pointer loads" * args.pointer_loads)
     for r in results:
-        r.name += "-pointer-loads" * args.pointer_loads + "-tuned" * bool(tuned)
+        r.name += "-pointer-loads" * args.pointer_loads
     emit(results, args.out)
 
 
@@ -713,13 +677,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
     kernel = modes.add_parser("kernel", parents=[one_gpu], help="segment attention against SDPA, FlexAttention")
     kernel.add_argument("--profile", action="store_true", help="CUDA time per kernel instead of the table")
-    kernel.add_argument("--configs", help="JSON from tune --save: use these configs instead of the table's")
     add_out_argument(kernel)
 
     tuner = modes.add_parser("tune", parents=[one_gpu], help="time the kernels' candidate configs")
     tuner.add_argument("--kinds", nargs="+", default=["fwd", "bwd_dkdv", "bwd_dq"], help="kernels to tune")
     tuner.add_argument("--rounds", type=int, default=1, help="rounds of timing every candidate in turn")
-    tuner.add_argument("--save", help="write the best configs to this JSON file")
 
     cp = modes.add_parser("cp", parents=[shared], help="all-gather CP attention on W GPUs against one GPU")
     cp.add_argument("--world", type=int, help="ranks, one GPU each (default: every visible GPU, at least 2)")

@@ -44,8 +44,8 @@ def test_modes_keep_their_flags_apart():
     assert (kernel.mode, kernel.profile, kernel.head_dims, kernel.gqa, kernel.pointer_loads) == (
         "kernel", True, [256], 8, True
     )
-    tune = parse_args(["tune", "--kinds", "fwd", "--rounds", "3", "--save", "best.json"])
-    assert (tune.kinds, tune.rounds, tune.save, tune.head_dims) == (["fwd"], 3, "best.json", [128, 64])
+    tune = parse_args(["tune", "--kinds", "fwd", "--rounds", "3"])
+    assert (tune.kinds, tune.rounds, tune.head_dims) == (["fwd"], 3, [128, 64])
     cp = parse_args(["cp", "--world", "4", "--tokens", "32768", "131072", "--gqa", "8", "--head-dim", "256",
                      "--head-groups", "--cudagraphs", "--profile", "--nccl-max-ctas", "0", "8", "--out", "o"])  # fmt: skip
     assert (cp.world, cp.tokens, cp.gqa, cp.head_dim, cp.head_groups, cp.cudagraphs, cp.profile) == (
