@@ -513,6 +513,8 @@ def _rank(
     if rank == 0:
         emit(_tables(rows, profiles, world, heads, kv_heads, head_dim, runs, gqa, smoke, cudagraphs, head_groups,
                      name_cap), out)  # fmt: skip
+
+
 def _tables(rows, profiles, world, heads, kv_heads, head_dim, runs, gqa, smoke, cudagraphs, head_groups,
             name_cap) -> list[Result]:  # fmt: skip
     """The timing table and, with --profile, the profile table, as results."""

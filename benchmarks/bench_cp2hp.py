@@ -98,6 +98,8 @@ def _worker(rank: int, world: int, device, out: str | None, smoke: bool, profile
                 "device ms, mean of 5 calls; slowest first", env, name=f"{name}-kernels",
             ))  # fmt: skip
         emit(results, out)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
