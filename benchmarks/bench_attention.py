@@ -6,13 +6,14 @@ on W GPUs (NCCL) against segment attention on one GPU (``cp``).
     python -m benchmarks.bench_attention kernel --profile  # CUDA time per kernel of one forward and one backward
     python -m benchmarks.bench_attention tune [--kinds fwd bwd_dkdv bwd_dq] [--rounds N]
     python -m benchmarks.bench_attention cp [--world W] [--tokens T ...] [--gqa G] [--head-dim D]
-        [--head-groups G ...] [--cudagraphs] [--profile] [--nccl-max-ctas N ...]
+        [--head-groups G ...] [--cudagraphs] [--profile]
     python -m benchmarks.bench_attention cp --smoke        # 2 gloo ranks on the CPU, tiny shapes
     python -m benchmarks.bench_attention cp --work-model   # CPU only: kernel tiles per rank against one GPU
 
 ``python -m benchmarks.bench_ag_attention ARGS`` runs ``cp ARGS``. Results (benchmarks/runner.py):
-``attention`` (``attention-gqaG-dD..`` at other heads; ``-pointer-loads`` with that flag), ``attention-profile...``; ``ag-attention-wW`` (``-gqaG-dD`` at other heads,
-``-cudagraphs``; ``ag-attention-smoke-wW``), ``...-profile``, ``ag-attention-work-model``.
+``attention`` (``attention-gqaG-dD..`` at other heads; ``-pointer-loads`` with that flag),
+``attention-profile...``; ``ag-attention-wW`` (``-gqaG-dD`` at other heads, ``-cudagraphs``;
+``ag-attention-smoke-wW``), ``...-profile``, ``ag-attention-work-model``.
 docs/benchmarks.md gives the cases, the FLOP count and what each column measures.
 """
 
@@ -36,13 +37,9 @@ from benchmarks.cases import ATTENTION_HEADS as HEADS
 from benchmarks.cases import attention_cases, attention_op_inputs, packed_lengths, segments_for, tflops, visible_pairs
 from benchmarks.cases import attention_inputs as make_inputs
 from benchmarks.common import (
-    add_nccl_cta_argument,
-    check_nccl_cta_argument,
-    cta_label,
     default_world,
     max_over_ranks,
     median_ms_counted,
-    nccl_cta_groups,
     profile_step,
     spawn_ranks,
 )
@@ -433,11 +430,8 @@ PROFILE_RUNS = 5
 
 def _rank(
     rank: int, world: int, device, gqa: int, out: str | None, smoke: bool, profile: bool, cudagraphs: bool,
-    head_groups: tuple[int, ...] = (), max_ctas: tuple[int, ...] = (0,), head_dim: int = HEAD_DIM,
-    tokens: tuple[int, ...] = TOTALS,
+    head_groups: tuple[int, ...] = (), head_dim: int = HEAD_DIM, tokens: tuple[int, ...] = TOTALS,
 ) -> None:
-    groups = nccl_cta_groups(max_ctas)  # {cap: group}: the CP forms are timed on each
-    name_cap = len(groups) > 1
     totals, heads, head_dim = (SMOKE_TOTALS, SMOKE_HEADS, SMOKE_HEAD_DIM) if smoke else (tokens, HEADS, head_dim)
     warmup, runs = (1, 3) if smoke else (5, 40)
 
@@ -482,41 +476,38 @@ def _rank(
         dist.barrier()
         del q, k, v, dout
         torch.cuda.empty_cache()
-        for cap, group in groups.items():
-            named = f", {cta_label(cap)}" if name_cap else ""  # the cap in row and column labels
-            times, t_ag = _time_cp_forms(group, cu, cup, local, want, head_groups, cudagraphs, timed)
-            # every rank runs the profiled steps (they meet in the all-gathers); rank 0's figures
-            profiled = {"compiled": f"W={world} compiled, rank 0"}
-            if head_groups:
-                g = max(head_groups)
-                profiled[f"G={g}"] = f"W={world} compiled, {g} head groups, rank 0"
-            for form, label in profiled.items() if profile else ():
-                step = _fwd_and_step(times[form]["fn"], *local)[1]
-                profiles[(total, label + named)] = profile_step(step, device, PROFILED_KERNELS, PROFILE_RUNS)
-            for label, idx in (("fwd", 0), ("fwd+bwd", 1)):
-                w1, w2, wc = (times[form]["ms"][idx] for form in (1, 2, "compiled"))
-                row = [total, len(lens), label + named, t1[idx], w1, w2,
-                       t1[idx] / (world * w1), t1[idx] / (world * w2), w2 / w1,
-                       t_ag if idx == 0 else "", wc, t1[idx] / (world * wc),
-                       t1c[idx], t1c[idx] / (world * wc)]  # fmt: skip
-                for g in head_groups:  # compiled: against the compiled one-GPU step
-                    tg = times[f"G={g}"]["ms"][idx]
-                    row += [tg, t1c[idx] / (world * tg)]
-                rows.append(row)
-            if rank == 0:  # a line per total and cap, so a run cut short by a time limit still reports
-                print(f"T={total} {cta_label(cap)}: " + ", ".join(
-                    f"{form} {t['ms'][0]:.3f}/{t['ms'][1]:.3f}" for form, t in times.items()), flush=True)
-            del times
-        del local
+        times, t_ag = _time_cp_forms(dist.group.WORLD, cu, cup, local, want, head_groups, cudagraphs, timed)
+        # every rank runs the profiled steps (they meet in the all-gathers); rank 0's figures
+        profiled = {"compiled": f"W={world} compiled, rank 0"}
+        if head_groups:
+            g = max(head_groups)
+            profiled[f"G={g}"] = f"W={world} compiled, {g} head groups, rank 0"
+        for form, label in profiled.items() if profile else ():
+            step = _fwd_and_step(times[form]["fn"], *local)[1]
+            profiles[(total, label)] = profile_step(step, device, PROFILED_KERNELS, PROFILE_RUNS)
+        for label, idx in (("fwd", 0), ("fwd+bwd", 1)):
+            w1, w2, wc = (times[form]["ms"][idx] for form in (1, 2, "compiled"))
+            row = [total, len(lens), label, t1[idx], w1, w2,
+                   t1[idx] / (world * w1), t1[idx] / (world * w2), w2 / w1,
+                   t_ag if idx == 0 else "", wc, t1[idx] / (world * wc),
+                   t1c[idx], t1c[idx] / (world * wc)]  # fmt: skip
+            for g in head_groups:  # compiled: against the compiled one-GPU step
+                tg = times[f"G={g}"]["ms"][idx]
+                row += [tg, t1c[idx] / (world * tg)]
+            rows.append(row)
+        if rank == 0:  # a line per total, so a run cut short by a time limit still reports
+            print(f"T={total}: " + ", ".join(
+                f"{form} {t['ms'][0]:.3f}/{t['ms'][1]:.3f}" for form, t in times.items()), flush=True)
+        del times, local
         torch.cuda.empty_cache()
 
     if rank == 0:
-        emit(_tables(rows, profiles, world, heads, kv_heads, head_dim, runs, gqa, smoke, cudagraphs, head_groups,
-                     name_cap), out)  # fmt: skip
+        emit(_tables(rows, profiles, world, heads, kv_heads, head_dim, runs, gqa, smoke, cudagraphs, head_groups),
+             out)
 
 
-def _tables(rows, profiles, world, heads, kv_heads, head_dim, runs, gqa, smoke, cudagraphs, head_groups,
-            name_cap) -> list[Result]:  # fmt: skip
+def _tables(rows, profiles, world, heads, kv_heads, head_dim, runs, gqa, smoke, cudagraphs,
+            head_groups) -> list[Result]:  # fmt: skip
     """The timing table and, with --profile, the profile table, as results."""
     env = environment(world)
     name = f"ag-attention{'-smoke' if smoke else ''}-w{world}"
@@ -528,7 +519,6 @@ def _tables(rows, profiles, world, heads, kv_heads, head_dim, runs, gqa, smoke, 
         f"D = {head_dim}; T = real tokens of the global batch (packed documents); times in ms, median "
         f"over {runs} runs, max over ranks; eff = T_1 / (W * T_W)"
         + ("; the compiled forms, one GPU's too, with CUDA graphs (--cudagraphs)" if cudagraphs else "")
-        + ("; a row per cap on NCCL's CTAs (--nccl-max-ctas), the 1 GPU times shared" if name_cap else "")
     )
     ms, eff = "{:.3f}", "{:.2f}"
     columns = {"T": None, "docs": None, "pass": None, "1 GPU": ms, f"W={world} 1 launch": ms,
@@ -660,9 +650,8 @@ def _run_cp(args) -> None:
         raise SystemExit(f"--head-groups must be divisors of Hkv = {heads // args.gqa} above 1, got {bad}")
     if args.smoke and args.head_dim != HEAD_DIM:
         raise SystemExit(f"--smoke runs D = {SMOKE_HEAD_DIM}; --head-dim is for the GPU runs")
-    check_nccl_cta_argument(args.nccl_max_ctas, args.smoke)
     spawn_ranks(_rank, world, args.gqa, args.out, args.smoke, args.profile, args.cudagraphs,
-                tuple(args.head_groups), tuple(args.nccl_max_ctas), args.head_dim, tuple(args.tokens),
+                tuple(args.head_groups), args.head_dim, tuple(args.tokens),
                 device="cpu" if args.smoke else "cuda", keep_group=args.cudagraphs)  # fmt: skip
 
 
@@ -698,7 +687,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "overlapped by cp_ops.COMPILE_OPTIONS); each G must divide Hkv (default 2 4)")  # fmt: skip
     cp.add_argument("--cudagraphs", action="store_true",
                     help="compile the CP form with CUDA graphs (Inductor's triton.cudagraphs)")  # fmt: skip
-    add_nccl_cta_argument(cp)
     add_out_argument(cp)
     return parser.parse_args(argv)
 

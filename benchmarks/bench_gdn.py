@@ -4,7 +4,7 @@ kernels, and the layer with CP on W GPUs.
     python -m benchmarks.bench_gdn [--tokens T ...] [--seqs B ...] [--kernel-time] [--rank-share W ...]
     python -m benchmarks.bench_gdn --conv [--gather]    # our conv kernels against FLA's (--gather: permuted rows)
     python -m benchmarks.bench_gdn --cp W [--profile] [--compiled-only]
-                                   [--cudagraphs] [--nccl-max-ctas N ...]    # spawns W NCCL ranks
+                                   [--cudagraphs]    # spawns W NCCL ranks
     python -m benchmarks.bench_gdn --cp 2 --smoke       # 2 gloo ranks on the CPU, a tiny layer
 
 Results (benchmarks/runner.py): ``gdn``; ``conv`` or ``conv-gather``; ``gdn-cp-wW`` (``-compiled``,
@@ -28,14 +28,10 @@ from benchmarks.cases import random_lengths as _lengths
 from benchmarks.common import (
     KERNEL_CLASSES,
     RANK_WAIT_KEYS,
-    add_nccl_cta_argument,
-    check_nccl_cta_argument,
-    cta_label,
     kernel_ms,
     max_over_ranks,
     median_ms,
     median_ms_counted,
-    nccl_cta_groups,
     profile_step,
     spawn_ranks,
 )
@@ -336,11 +332,10 @@ def a2a_steps(layer: GatedDeltaNet, x_cp: torch.Tensor, cup: torch.Tensor, group
 
 
 def _cp_rank(rank, world, device, tokens, seqs, out, smoke, opts: dict) -> None:
-    """One CP rank of the multi-rank benchmark; ``opts``: the flags ``compiled_only``, ``cudagraphs``,
-    ``profile`` and ``nccl_max_ctas`` of the command line."""
+    """One CP rank of the multi-rank benchmark; ``opts``: the flags ``compiled_only``, ``cudagraphs``
+    and ``profile`` of the command line."""
     profile, full = opts["profile"], not opts["compiled_only"]
-    groups = nccl_cta_groups(opts["nccl_max_ctas"])  # {cap: group}; one column per cap and shape
-    caps = list(groups)
+    group = dist.group.WORLD
     hidden, hk, hv, dk, dv = SMOKE_DIMS if smoke else (HIDDEN, HK, HV, DK, DV)
     dtype = torch.float32 if smoke else torch.bfloat16
     warmup, runs, seq_warmup, seq_runs = (1, 2, 1, 2) if smoke else (3, 20, 2, 10)
@@ -366,9 +361,6 @@ def _cp_rank(rank, world, device, tokens, seqs, out, smoke, opts: dict) -> None:
 
     compiled, compiled_unfused = compile_layer(dynamic=True)
     notes = ["the compiled layer with CUDA graphs (--cudagraphs), on W GPUs and on one"] if opts["cudagraphs"] else []
-    if len(caps) > 1:
-        notes.append("a column per cap on NCCL's CTAs (--nccl-max-ctas; benchmarks.common.nccl_cta_groups), "
-                     "the 1 GPU rows shared")  # fmt: skip
     shapes = [(t, b) for t in tokens for b in seqs]
     results = {}
     for total, num_seqs in shapes:
@@ -387,10 +379,10 @@ def _cp_rank(rank, world, device, tokens, seqs, out, smoke, opts: dict) -> None:
         ref_cp = shard_thd(ref, cup, world, rank)[real_cp]
         del ref
 
-        def cp_step(fn, group):
+        def cp_step(fn):
             return _fwd_bwd(lambda: fn(x_cp, cup, group=group), [x_cp] + params, grad_cp)
 
-        def check(fn, group):
+        def check(fn):
             """One fwd+bwd step of the CP layer; the output's rel_error on real tokens, max over ranks."""
             for t in [x_cp] + params:
                 t.grad = None
@@ -399,34 +391,28 @@ def _cp_rank(rank, world, device, tokens, seqs, out, smoke, opts: dict) -> None:
             out_cp.backward(grad_cp)
             return err
 
-        shape_results = {cap: {} for cap in caps}
-        for cap, cap_group in groups.items():
-            res = shape_results[cap]
-            res["err eager"] = check(layer, cap_group)
-            try:
-                res["err compiled"] = check(compiled["fn"], cap_group)
-            except Exception as e:  # noqa: BLE001  (a compile failure: retry with static shapes)
-                if not compiled["dynamic"]:
-                    raise
-                msg = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-                print(f"rank {rank}: torch.compile(dynamic=True) failed ({msg}); using dynamic=False", flush=True)
-                torch._dynamo.reset()
-                compiled, compiled_unfused = compile_layer(dynamic=False)
-                notes.append(f"compiled with dynamic=False (dynamic=True failed: {msg[:200]})")
-                res["err compiled"] = check(compiled["fn"], cap_group)
-            res["W compiled"] = timed(cp_step(compiled["fn"], cap_group))
-        res, group = shape_results[caps[0]], groups[caps[0]]  # the rows timed on one group only
+        res = {"err eager": check(layer)}
+        try:
+            res["err compiled"] = check(compiled["fn"])
+        except Exception as e:  # noqa: BLE001  (a compile failure: retry with static shapes)
+            if not compiled["dynamic"]:
+                raise
+            msg = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            print(f"rank {rank}: torch.compile(dynamic=True) failed ({msg}); using dynamic=False", flush=True)
+            torch._dynamo.reset()
+            compiled, compiled_unfused = compile_layer(dynamic=False)
+            notes.append(f"compiled with dynamic=False (dynamic=True failed: {msg[:200]})")
+            res["err compiled"] = check(compiled["fn"])
+        res["W compiled"] = timed(cp_step(compiled["fn"]))
         if full:
-            res["err per-seq"] = check(per_sequence, group)
-            res["W per-seq eager"] = timed(cp_step(per_sequence, group), per_sequence=True)
-            res["W eager"] = timed(cp_step(layer, group))
-            res["W eager unfused"] = timed(cp_step(unfused, group))
-            res["err compiled unfused"] = check(compiled_unfused, group)
-            res["W compiled unfused"] = timed(cp_step(compiled_unfused, group))
+            res["err per-seq"] = check(per_sequence)
+            res["W per-seq eager"] = timed(cp_step(per_sequence), per_sequence=True)
+            res["W eager"] = timed(cp_step(layer))
+            res["W eager unfused"] = timed(cp_step(unfused))
+            res["err compiled unfused"] = check(compiled_unfused)
+            res["W compiled unfused"] = timed(cp_step(compiled_unfused))
         if profile:  # every rank runs the profiled steps (they meet in the all-to-alls)
-            for cap, cap_group in groups.items():
-                prof = profile_step(cp_step(compiled["fn"], cap_group), device)
-                shape_results[cap].update({f"prof W {k}": v for k, v in prof.items()})
+            res.update({f"prof W {k}": v for k, v in profile_step(cp_step(compiled["fn"]), device).items()})
 
         # one device: rank 0 alone, the whole batch, the same (compiled) layer; the others wait
         one = {"1 compiled": math.nan, "1 eager": math.nan}
@@ -456,12 +442,11 @@ def _cp_rank(rank, world, device, tokens, seqs, out, smoke, opts: dict) -> None:
                 res[f"{name} fwd+bwd"] = timed(fused[name])
                 res[f"per-seq {name} fwd+bwd"] = timed(per_seq[name], per_sequence=True)
             del fused, per_seq
-        for cap, res in shape_results.items():
-            results[(total, num_seqs, cap)] = {**one, **res}
-            if rank == 0:  # a line per column, so a run cut short by a time limit still reports
-                done = ", ".join(f"{k} {v:.4g}" for k, v in results[(total, num_seqs, cap)].items()
-                                 if k.startswith(("err", "W ", "1 ")))  # fmt: skip
-                print(f"T={total} B={num_seqs} {cta_label(cap)}: {done}", flush=True)
+        results[(total, num_seqs)] = {**one, **res}
+        if rank == 0:  # a line per column, so a run cut short by a time limit still reports
+            done = ", ".join(f"{k} {v:.4g}" for k, v in results[(total, num_seqs)].items()
+                             if k.startswith(("err", "W ", "1 ")))  # fmt: skip
+            print(f"T={total} B={num_seqs}: {done}", flush=True)
         del x_cp, grad_cp
         torch.cuda.empty_cache()
 
@@ -527,8 +512,7 @@ def _cp_table(results, cases, world, dims, dtype, runs, seq_runs, notes) -> tupl
         f"core on T rows, 1/W of the heads)"
     ]
     text += [f"- {n}" for n in notes]
-    name_cap = len({c for _, _, c in cases}) > 1
-    columns = [""] + [f"T={t} B={b}" + (f", {cta_label(cap)}" if name_cap else "") for t, b, cap in cases]
+    columns = [""] + [f"T={t} B={b}" for t, b in cases]
     rows = []
     if "prof W wall" in results[cases[0]]:  # --profile: rank 0's compiled steps by kernel class
         for who, label in (("1", "1 GPU"), ("W", w)):
@@ -588,14 +572,10 @@ def main() -> None:
     parser.add_argument("--conv", action="store_true", help="one GPU: the conv kernels against FLA's, not the layer")
     parser.add_argument("--gather", action="store_true",
                         help="with --conv: the conv on rows in rank order, reorder + conv against the gathered conv")
-    add_nccl_cta_argument(parser)
     args = parser.parse_args()
     if args.gather and not args.conv:
         raise SystemExit("--gather needs --conv")
-    opts = {k: getattr(args, k) for k in ("compiled_only", "cudagraphs", "profile", "nccl_max_ctas")}
-    check_nccl_cta_argument(args.nccl_max_ctas, args.smoke)
-    if len(args.nccl_max_ctas) > 1 and not args.compiled_only:
-        raise SystemExit("more than one --nccl-max-ctas needs --compiled-only (the other rows run on one group)")
+    opts = {k: getattr(args, k) for k in ("compiled_only", "cudagraphs", "profile")}
     if args.smoke and args.cudagraphs:
         raise SystemExit("--cudagraphs needs GPUs, not --smoke")
     if args.smoke:

@@ -1,4 +1,4 @@
-"""Shared pieces of the GPU benchmarks: step timelines, spawning ranks, NCCL groups, compile
+"""Shared pieces of the GPU benchmarks: step timelines, spawning ranks, compile
 settings (timing: :mod:`benchmarks.timing`, re-exported; results: :mod:`benchmarks.runner`)."""
 
 from __future__ import annotations
@@ -148,33 +148,6 @@ def rank_waits(profile: dict[str, float], device) -> list[dict[str, float]]:
     return [dict(zip(RANK_WAIT_KEYS, t.tolist())) for t in gathered]
 
 
-def nccl_cta_groups(max_ctas) -> dict:
-    """A group of every rank of the default group per cap on NCCL's CTAs, ``{cap: group}``:
-    cap 0 is the default group, a cap n > 0 a new group whose communicator has ``maxCTAs = n``
-    (fewer SMs held by a collective, more for the kernels it overlaps). Every rank must call
-    it, with the same caps."""
-    import torch.distributed as dist
-
-    groups = {}
-    for cap in max_ctas:
-        if cap < 0:
-            raise ValueError(f"an NCCL CTA cap is 0 (NCCL's default) or positive, got {cap}")
-        if cap == 0:
-            groups[cap] = dist.group.WORLD
-            continue
-        if dist.get_backend() != "nccl":
-            raise ValueError(f"a CTA cap needs NCCL, the default group runs {dist.get_backend()}")
-        options = dist.ProcessGroupNCCL.Options()
-        options.config.max_ctas = cap
-        groups[cap] = dist.new_group(pg_options=options)
-    return groups
-
-
-def cta_label(cap: int) -> str:
-    """How tables name an NCCL CTA cap of :func:`nccl_cta_groups`."""
-    return "NCCL CTAs: default" if cap == 0 else f"NCCL CTAs <= {cap}"
-
-
 def recompile_limit(n: int):
     """A context in which torch.compile keeps at least ``n`` graphs per function, as a benchmark
     compiles one function for several forms and shapes (each known name of the option, which
@@ -211,22 +184,6 @@ def spawn_ranks(worker, world: int, *args, device: str = "cuda", keep_group: boo
     with local_rendezvous() as init_method:
         torch.multiprocessing.spawn(_run_worker, args=(worker, world, init_method, device, keep_group, *args),
                                     nprocs=world, join=True)  # fmt: skip
-
-
-def add_nccl_cta_argument(parser) -> None:
-    """The ``--nccl-max-ctas`` option of the multi-rank benchmarks (:func:`nccl_cta_groups`);
-    check what it parsed with :func:`check_nccl_cta_argument`."""
-    parser.add_argument("--nccl-max-ctas", type=int, nargs="+", default=[0], metavar="N",
-                        help="time the compiled CP forms on a group per cap on NCCL's CTAs (0: NCCL's default; "
-                        "default: 0 only), in the same run")  # fmt: skip
-
-
-def check_nccl_cta_argument(caps: list[int], smoke: bool) -> None:
-    """Refuse repeated caps, and caps in a ``--smoke`` run (gloo has no CTAs), before any rank starts."""
-    if len(set(caps)) != len(caps):
-        raise SystemExit(f"--nccl-max-ctas repeats a cap: {caps}")
-    if smoke and caps != [0]:
-        raise SystemExit("--nccl-max-ctas needs NCCL, not --smoke")
 
 
 def _run_worker(rank: int, worker, world: int, init_method: str, device: str, keep_group: bool, *args) -> None:

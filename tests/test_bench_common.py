@@ -85,39 +85,3 @@ def test_profile_step_on_the_gpu():
     # nothing overlaps on one stream: the classes add up to the busy time
     classes = sum(out[c] for c, _ in KERNEL_CLASSES) + out["other"]
     assert classes == pytest.approx(out["GPU busy"], rel=1e-6)
-
-
-def _cta_groups_rank(rank, world_size, backend):
-    import torch.distributed as dist
-
-    from benchmarks.common import cta_label, nccl_cta_groups
-
-    assert nccl_cta_groups([0]) == {0: dist.group.WORLD}
-    assert cta_label(0) == "NCCL CTAs: default" and cta_label(8) == "NCCL CTAs <= 8"
-    with pytest.raises(ValueError, match="0 .NCCL's default. or positive"):
-        nccl_cta_groups([-1])
-    if backend == "gloo":
-        with pytest.raises(ValueError, match="needs NCCL"):
-            nccl_cta_groups([0, 8])
-        return
-    groups = nccl_cta_groups([0, 8])
-    x = torch.full((4,), float(rank + 1), device="cuda")
-    dist.all_reduce(x, group=groups[8])  # the capped group runs collectives like the default one
-    assert groups[8] is not dist.group.WORLD and x.tolist() == [world_size * (world_size + 1) / 2] * 4
-
-
-@pytest.mark.dist
-def test_nccl_cta_groups_on_gloo():
-    from tests._dist import run_ranks
-
-    run_ranks(2, _cta_groups_rank, "gloo")
-
-
-@pytest.mark.gpu
-@pytest.mark.dist
-def test_nccl_cta_groups_on_nccl():
-    from tests._dist import run_ranks
-
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 GPUs")
-    run_ranks(2, _cta_groups_rank, "nccl", backend="nccl")
