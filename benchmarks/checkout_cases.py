@@ -31,18 +31,13 @@ def _sibling(name: str):
     return module
 
 
-def library_files() -> dict[str, str]:
-    """The files the library packages were imported from."""
+def check_imports(checkout: str) -> dict[str, str]:
+    """The files the library packages were imported from, refusing any that lies outside ``checkout``."""
     import cp_ops
     import custom_ops
 
-    return {"cp_ops": cp_ops.__file__, "custom_ops": custom_ops.__file__}
-
-
-def check_imports(checkout: str) -> dict[str, str]:
-    """:func:`library_files`, refusing any that lies outside ``checkout``."""
     root = Path(checkout).resolve()
-    files = library_files()
+    files = {"cp_ops": cp_ops.__file__, "custom_ops": custom_ops.__file__}
     outside = {k: f for k, f in files.items() if not Path(f).resolve().is_relative_to(root)}
     if outside:
         raise SystemExit(f"imported {outside}, not from the checkout {root}")
@@ -74,9 +69,6 @@ def attention(timing, cases, head_dims) -> None:
             for kind in ("dq", "dkdv"):
                 found = [ms for kernel, ms in kernels if f"bwd_{kind}_kernel" in kernel]
                 report("attention", case, kind, sum(found) if found else None)
-
-
-LAYOUT_OPS = ("seq_to_rank", "rank_to_seq", "copy_valid", "copy_valid_")
 
 
 def layout(timing, cases) -> None:

@@ -65,12 +65,9 @@ def round_order(round_index: int) -> tuple[int, int]:
     return (0, 1) if round_index % 2 == 0 else (1, 0)
 
 
-def parse_child_output(stdout: str) -> list[dict]:
-    return [json.loads(line[len("RESULT ") :]) for line in stdout.splitlines() if line.startswith("RESULT ")]
-
-
-def failed_suites(stdout: str) -> list[str]:
-    return [json.loads(line[len("FAILED ") :])["suite"] for line in stdout.splitlines() if line.startswith("FAILED ")]
+def tagged(stdout: str, tag: str) -> list:
+    """What a child printed as ``TAG <json>`` lines (``IMPORTS``, ``RESULT``, ``FAILED``), decoded."""
+    return [json.loads(line[len(tag) + 1 :]) for line in stdout.splitlines() if line.startswith(tag + " ")]
 
 
 def run_child(checkout: str, suites, head_dims) -> list[dict]:
@@ -78,11 +75,11 @@ def run_child(checkout: str, suites, head_dims) -> list[dict]:
                          capture_output=True, text=True)  # fmt: skip
     if run.returncode:
         raise SystemExit(f"{checkout}: exit {run.returncode}\n{run.stdout[-2000:]}\n{run.stderr[-4000:]}")
-    imports = [line for line in run.stdout.splitlines() if line.startswith("IMPORTS ")]
-    print(f"{checkout}: {imports[0][len('IMPORTS '):] if imports else 'no import line'}", flush=True)
-    for suite in failed_suites(run.stdout):
-        print(f"{checkout}: suite {suite} failed\n{run.stderr[-3000:]}", flush=True)
-    return parse_child_output(run.stdout)
+    imports = tagged(run.stdout, "IMPORTS")
+    print(f"{checkout}: {imports[0] if imports else 'no import line'}", flush=True)
+    for failed in tagged(run.stdout, "FAILED"):
+        print(f"{checkout}: suite {failed['suite']} failed\n{run.stderr[-3000:]}", flush=True)
+    return tagged(run.stdout, "RESULT")
 
 
 def collect(records_by_checkout: list[list[dict]], times: dict, index: int) -> None:
