@@ -10,10 +10,9 @@ on W GPUs (NCCL) against segment attention on one GPU (``cp``).
     python -m benchmarks.bench_attention cp --smoke        # 2 gloo ranks on the CPU, tiny shapes
     python -m benchmarks.bench_attention cp --work-model   # CPU only: kernel tiles per rank against one GPU
 
-``python -m benchmarks.bench_ag_attention ARGS`` runs ``cp ARGS``. Results (benchmarks/runner.py):
-``attention`` (``attention-gqaG-dD..`` at other heads; ``-pointer-loads`` with that flag),
-``attention-profile...``; ``ag-attention-wW`` (``-gqaG-dD`` at other heads, ``-cudagraphs``;
-``ag-attention-smoke-wW``), ``...-profile``, ``ag-attention-work-model``.
+Results (benchmarks/runner.py): ``attention`` (``attention-gqaG-dD..`` at other heads;
+``-pointer-loads`` with that flag), ``attention-profile...``; ``ag-attention-wW`` (``-gqaG-dD`` at
+other heads, ``-cudagraphs``; ``ag-attention-smoke-wW``), ``...-profile``, ``ag-attention-work-model``.
 docs/benchmarks.md gives the cases, the FLOP count and what each column measures.
 """
 

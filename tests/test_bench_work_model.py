@@ -54,9 +54,8 @@ def test_modes_keep_their_flags_apart():
     assert (cp.out, cp.smoke, cp.work_model) == ("o", False, False)
 
 
-def test_cp_mode_runs_under_its_earlier_name(tmp_path):
-    """``python -m benchmarks.bench_ag_attention ARGS`` is ``bench_attention cp ARGS``."""
+def test_work_model_from_the_command_line(tmp_path):
     root = Path(__file__).resolve().parent.parent
-    cmd = [sys.executable, "-m", "benchmarks.bench_ag_attention", "--work-model", "--out", str(tmp_path)]
+    cmd = [sys.executable, "-m", "benchmarks.bench_attention", "cp", "--work-model", "--out", str(tmp_path)]
     subprocess.run(cmd, cwd=root, check=True, capture_output=True)
     assert load(tmp_path / "ag-attention-work-model.json").rows == work_model().rows
