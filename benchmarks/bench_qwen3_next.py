@@ -20,6 +20,7 @@ import torch
 
 from benchmarks.runner import Result, add_out_argument, emit, environment
 from benchmarks.timing import median_ms_counted
+from custom_ops.testing import rel_error
 
 SIZES = {
     "full": dict(
@@ -138,11 +139,6 @@ def mixer_gradients(model) -> dict[str, torch.Tensor]:
         name = f"layer {i} {'GDN' if hasattr(layer, 'linear_attn') else 'attention'} grads"
         out[name] = torch.cat([p.grad.float().flatten() for p in mixer.parameters()])
     return out
-
-
-def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm())
 
 
 def errors(logits, loss, grads, ref) -> dict[str, float]:
