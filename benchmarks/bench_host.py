@@ -265,7 +265,7 @@ def run_child(args) -> dict:
         if case.make_bwd is not None:
             bwd = host_us(case.make_bwd, calls, cuda, reps=5)
             row["bwd host us"], row["bwd host us min"], row["bwd gpu waited"] = bwd["us"], bwd["min"], bwd["gpu_waited"]
-        if cuda and not args.host_only:
+        if cuda:
             with torch.no_grad():
                 row["call ms"] = median_ms(case.fwd, 25, 100)
                 row["kernels ms"] = kernel_ms(case.fwd, warmup=1)
@@ -274,7 +274,7 @@ def run_child(args) -> dict:
                     row["clone ms"] = median_ms(lambda: main.clone(), 25, 100)
         result["rows"].append(row)
         print(json.dumps(row), flush=True)
-    if args.layout_sweep and cuda and not args.host_only:
+    if args.layout_sweep and cuda:
         result["layout_sweep"] = layout_sweep()
     return result
 
@@ -316,7 +316,7 @@ def spawn(form: str, args, tmp: str) -> dict:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
     env.pop("TRITON_INTERPRET", None)
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--child-out", out]
-    cmd += ["--smoke"] * args.smoke + ["--layout-sweep"] * args.layout_sweep + ["--host-only"] * args.host_only
+    cmd += ["--smoke"] * args.smoke + ["--layout-sweep"] * args.layout_sweep
     if args.ops:
         cmd += ["--ops", *args.ops]
     print(f"===== {FORMS[form]} form", flush=True)
@@ -589,31 +589,32 @@ def runs_and_environments(args, part: str):
 
 def demo_rows(runs: dict[str, dict]) -> list[list]:
     """Table rows of the demo's runs (``{"cold": figures, "warm": figures, "unseeded": figures}``)."""
-    cold, warm, unseeded = runs.get("cold", {}), runs.get("warm", {}), runs.get("unseeded", {})
-    step1 = cold.get("to_step1_s")
+    step1 = runs.get("cold", {}).get("to_step1_s")
     verdict = "-" if step1 is None else ("yes" if step1 <= STEP1_TARGET_S else "no")
-    figures = [
+    return _rows("demo", runs, [
         ("process start to end of step 1, s", "to_step1_s", f"<= {STEP1_TARGET_S:.0f} s cold: {verdict}"),
         ("process start to training start, s", "to_training_s", ""),
         ("compile time (the demo's), s", "compile_s", ""),
         ("steady step (the demo's), ms", "step_ms", ""),
         ("process start to exit, s", "total_s", ""),
-    ]
-    return [["demo", label, cold.get(key), warm.get(key), unseeded.get(key), target] for label, key, target in figures]
+    ])  # fmt: skip
 
 
 def layer_rows(mode: str, runs: dict[str, dict]) -> list[list]:
-    cold, warm, unseeded = runs.get("cold", {}), runs.get("warm", {}), runs.get("unseeded", {})
     if mode == "eager":
-        figures = [("process start to cp_ops imported, s", "import_s"), ("first forward, s", "first_fwd_s"),
-                   ("first backward, s", "first_bwd_s"), ("process start to end of first fwd+bwd, s",
-                   "to_first_step_s"), ("steady fwd+bwd, ms", "steady_ms")]  # fmt: skip
+        first = [("first forward, s", "first_fwd_s", ""), ("first backward, s", "first_bwd_s", "")]
     else:
-        figures = [("process start to cp_ops imported, s", "import_s"), ("first fwd+bwd (compiles), s",
-                   "first_step_s"), ("process start to end of first fwd+bwd, s", "to_first_step_s"),
-                   ("steady fwd+bwd, ms", "steady_ms")]  # fmt: skip
-    return [[f"GatedDeltaNet {mode}", label, cold.get(key), warm.get(key), unseeded.get(key), ""]
-            for label, key in figures]  # fmt: skip
+        first = [("first fwd+bwd (compiles), s", "first_step_s", "")]
+    return _rows(f"GatedDeltaNet {mode}", runs, [
+        ("process start to cp_ops imported, s", "import_s", ""), *first,
+        ("process start to end of first fwd+bwd, s", "to_first_step_s", ""), ("steady fwd+bwd, ms", "steady_ms", ""),
+    ])  # fmt: skip
+
+
+def _rows(part: str, runs: dict[str, dict], figures) -> list[list]:
+    """A row per ``(label, key, target)`` of ``figures``: the figure in the cold, warm and unseeded runs."""
+    return [[part, label, *(runs.get(which, {}).get(key) for which in ("cold", "warm", "unseeded")), target]
+            for label, key, target in figures]  # fmt: skip
 
 
 def cold_start_result(rows: list[list], notes: list[str], args):
@@ -697,7 +698,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layout-sweep", action="store_true", help="the THD layout ops against a clone, W = 2, 4, 8")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes on the CPU (--cold-start: a tiny layer, and a short demo with --parts)")
-    parser.add_argument("--host-only", action="store_true", help="host times only")
     parser.add_argument("--forms", nargs="+", choices=list(FORMS), default=list(FORMS),
                         help="CP_OPS_OPAQUE_KERNELS values to run (default: 0 1)")
     parser.add_argument("--cold-start", action="store_true", help="the demo's and a layer's first steps, cold and warm")
