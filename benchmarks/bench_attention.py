@@ -257,67 +257,49 @@ def bench(gqa: int = 1, head_dims=HEAD_DIMS, settings: AttentionSettings = DEFAU
 
 # --- tune ---------------------------------------------------------------------------------------
 
-FWD_CANDIDATES = [
-    dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s, K_ROWS=kr)
-    for kr in (True, False)
-    for bm, bn, w, s in [
-        (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3),
-        (64, 64, 4, 4), (128, 64, 8, 2),
-    ]
-]  # fmt: skip
-DKDV_CANDIDATES = [
-    dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)
-    for bm, bn, w, s in [
-        (64, 128, 8, 2), (32, 128, 8, 2), (32, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 2),
-        (64, 64, 4, 3), (64, 64, 8, 3), (32, 64, 4, 3), (64, 128, 8, 3), (16, 128, 4, 3),
-    ]
-] + [
-    # one program for dv and one for dk per tile (PARTS = 2)
-    dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s, PARTS=2)
-    for bm, bn, w, s in [(64, 64, 4, 2), (64, 128, 8, 2), (64, 128, 8, 3), (32, 64, 4, 3)]
-]  # fmt: skip
-DQ_CANDIDATES = [
-    dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)
-    for bm, bn, w, s in [
-        (128, 64, 8, 2), (128, 32, 8, 2), (128, 32, 8, 3), (128, 32, 4, 3), (64, 64, 4, 2),
-        (64, 64, 4, 3), (64, 32, 4, 3), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2),
-    ]
-]  # fmt: skip
-# D = 256 (Qwen3-Next's attention heads): the tiles above do not fit an SM's shared memory or
-# registers at this width; smaller tiles and fewer stages
-WIDE_HEAD_CANDIDATES = {
-    "fwd": [
-        dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s, K_ROWS=kr)
-        for kr in (True, False)
-        for bm, bn, w, s in [
+# The tiles ``tune`` tries for each kernel, as (BLOCK_M, BLOCK_N, num_warps, num_stages[, PARTS]):
+# the forward tries each with K_ROWS True, then False; PARTS = 2 computes a key tile's dk and dv in
+# two programs. "wide" is D = 256 (Qwen3-Next's attention heads), where the other tiles do not fit
+# an SM's shared memory or registers: smaller tiles and fewer stages.
+CANDIDATE_TILES = {
+    "default": {
+        "fwd": [
+            (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3),
+            (64, 64, 4, 4), (128, 64, 8, 2),
+        ],
+        "bwd_dkdv": [
+            (64, 128, 8, 2), (32, 128, 8, 2), (32, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 2),
+            (64, 64, 4, 3), (64, 64, 8, 3), (32, 64, 4, 3), (64, 128, 8, 3), (16, 128, 4, 3),
+            (64, 64, 4, 2, 2), (64, 128, 8, 2, 2), (64, 128, 8, 3, 2), (32, 64, 4, 3, 2),
+        ],
+        "bwd_dq": [
+            (128, 64, 8, 2), (128, 32, 8, 2), (128, 32, 8, 3), (128, 32, 4, 3), (64, 64, 4, 2),
+            (64, 64, 4, 3), (64, 32, 4, 3), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2),
+        ],
+    },
+    "wide": {
+        "fwd": [
             (64, 32, 4, 2), (64, 32, 8, 2), (64, 64, 4, 2), (64, 64, 8, 2), (128, 32, 8, 2),
             (128, 64, 8, 2), (64, 32, 4, 3), (128, 32, 8, 3), (64, 64, 8, 3),
-        ]
-    ],
-    # dk/dv: one program per key tile, and two (PARTS = 2: one for dv, one for dk)
-    "bwd_dkdv": [
-        dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s, PARTS=parts)
-        for bm, bn, w, s, parts in [
+        ],
+        "bwd_dkdv": [
             (64, 64, 8, 1, 1), (32, 32, 4, 2, 1), (32, 64, 8, 2, 1), (64, 64, 8, 1, 2), (64, 128, 8, 1, 2),
             (32, 64, 8, 2, 2), (32, 128, 8, 2, 2), (64, 64, 8, 2, 2), (64, 64, 4, 2, 2), (32, 64, 4, 2, 2),
             (16, 128, 8, 2, 2), (16, 128, 8, 3, 2), (32, 128, 8, 1, 2),
-        ]
-    ],
-    "bwd_dq": [
-        dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)
-        for bm, bn, w, s in [
+        ],
+        "bwd_dq": [
             (64, 32, 8, 1), (64, 32, 8, 2), (64, 64, 8, 2), (128, 32, 8, 2), (32, 64, 4, 2),
             (64, 32, 4, 2), (128, 64, 8, 1),
-        ]
-    ],
+        ],
+    },
 }  # fmt: skip
 
 
 def candidates_for(kind: str, d: int) -> list[dict]:
-    """The configs ``--tune`` tries for ``kind`` at head dim ``d``."""
-    if d > 128:
-        return WIDE_HEAD_CANDIDATES[kind]
-    return {"fwd": FWD_CANDIDATES, "bwd_dkdv": DKDV_CANDIDATES, "bwd_dq": DQ_CANDIDATES}[kind]
+    """The configs ``tune`` tries for ``kind`` at head dim ``d`` (:data:`CANDIDATE_TILES`)."""
+    names = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "PARTS")
+    configs = [dict(zip(names, tile)) for tile in CANDIDATE_TILES["wide" if d > 128 else "default"][kind]]
+    return [{**c, "K_ROWS": k_rows} for k_rows in (True, False) for c in configs] if kind == "fwd" else configs
 
 
 def _table_in_use(kind: str, d: int, q, k, v, settings: AttentionSettings) -> str:
