@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from benchmarks.timing import host_issue_ms, kernel_breakdown, kernel_ms, median_ms, median_ms_counted
+from benchmarks.timing import host_issue_ms, kernel_breakdown, kernel_ms, median_ms, median_ms_counted, repeat
 
 __all__ = ["host_issue_ms", "kernel_breakdown", "kernel_ms", "median_ms", "median_ms_counted"]
 
@@ -88,13 +88,9 @@ def profile_kernels(fn, runs: int = 5, warmup: int = 2) -> list[tuple[str, float
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
+    repeat(fn, warmup)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(runs):
-            fn()
-        torch.cuda.synchronize()
+        repeat(fn, runs)
     return [
         (e.name, e.time_range.start, e.time_range.end)
         for e in prof.events()
