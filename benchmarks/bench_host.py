@@ -2,7 +2,7 @@
 (a subprocess each), and with --cold-start the demo's and a GatedDeltaNet layer's first steps in
 fresh processes on empty caches (cold), then on the caches they left (warm).
 
-    python -m benchmarks.bench_host [--ops NAME ...] [--forms 0 1] [--layout-sweep] [--raw FILE.json] [--out DIR]
+    python -m benchmarks.bench_host [--ops NAME ...] [--layout-sweep] [--raw FILE.json] [--out DIR]
     python -m benchmarks.bench_host --cold-start [--parts demo layer] [--keep-autotuning] [--unseeded] [--timeout S]
     python -m benchmarks.bench_host [--cold-start] --smoke     # the CPU: tiny shapes, the torch references
 
@@ -698,8 +698,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layout-sweep", action="store_true", help="the THD layout ops against a clone, W = 2, 4, 8")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes on the CPU (--cold-start: a tiny layer, and a short demo with --parts)")
-    parser.add_argument("--forms", nargs="+", choices=list(FORMS), default=list(FORMS),
-                        help="CP_OPS_OPAQUE_KERNELS values to run (default: 0 1)")
     parser.add_argument("--cold-start", action="store_true", help="the demo's and a layer's first steps, cold and warm")
     parser.add_argument("--parts", nargs="+", choices=["demo", "layer"], default=None,
                         help="--cold-start: what to run (default: both; the layer alone with --smoke)")
@@ -728,7 +726,7 @@ def main(argv: list[str] | None = None) -> None:
     env = environment()
     print(env_line(env), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        runs = {FORMS[form]: spawn(form, args, tmp) for form in args.forms}
+        runs = {FORMS[form]: spawn(form, args, tmp) for form in FORMS}
     command = "python -m benchmarks.bench_host " + " ".join(sys.argv[1:])
     name = "host" + "-smoke" * args.smoke
     results = [Result("host", "Host time per op call, both registration forms", *table(runs, args.smoke),
