@@ -279,8 +279,9 @@ def run_child(args) -> dict:
     return result
 
 
-def layout_sweep() -> list[dict]:
-    """The four THD layout ops against a clone, do_bench, at bench_thd_layout.py's row widths."""
+def layout_sweep() -> list[list]:
+    """The four THD layout ops against a clone, do_bench, at bench_thd_layout.py's row widths: a
+    row of shape, W, clone ms and each op's time over the clone's per (shape, W)."""
     import torch
 
     import custom_ops
@@ -294,16 +295,13 @@ def layout_sweep() -> list[dict]:
             x = torch.randn((seqs * seq_len,) + trailing, device="cuda", dtype=torch.bfloat16)
             src, dst = torch.randn_like(x), x.clone()
             clone = median_ms(lambda: x.clone(), 25, 100)
-            row = {"shape": f"{seqs}x{seq_len} tok, {trailing[0]}x{trailing[1]}", "W": w, "clone ms": clone}
-            for name, fn in (
-                ("seq_to_rank", lambda: custom_ops.thd_seq_to_rank_order(x, cup, w)),
-                ("rank_to_seq", lambda: custom_ops.thd_rank_to_seq_order(x, cup, w)),
-                ("copy_valid", lambda: custom_ops.thd_copy_valid_tokens(x, src, cup, cur)),
-                ("copy_valid_", lambda: custom_ops.thd_copy_valid_tokens_(dst, src, cup, cur)),
-            ):
-                row[f"{name} / clone"] = median_ms(fn, 25, 100) / clone
-            out.append(row)
-            print(json.dumps(row), flush=True)
+            ops = (lambda: custom_ops.thd_seq_to_rank_order(x, cup, w),
+                   lambda: custom_ops.thd_rank_to_seq_order(x, cup, w),
+                   lambda: custom_ops.thd_copy_valid_tokens(x, src, cup, cur),
+                   lambda: custom_ops.thd_copy_valid_tokens_(dst, src, cup, cur))  # fmt: skip
+            row = [f"{seqs}x{seq_len} tok, {trailing[0]}x{trailing[1]}", w, clone]
+            out.append(row + [median_ms(fn, 25, 100) / clone for fn in ops])
+            print(json.dumps(out[-1]), flush=True)
     return out
 
 
@@ -351,17 +349,6 @@ def _fmt_us(row: dict, which: str) -> str:
     if us is None:
         return ""
     return f"{us:.1f}" + (" (GPU waited)" if row.get(f"{which} gpu waited") else "")
-
-
-def sweep_table(runs: dict) -> tuple[list[str], list[list]]:
-    header = ["form", "shape", "W", "clone ms", "seq_to_rank", "rank_to_seq", "copy_valid", "copy_valid_"]
-    rows = []
-    for form in ("triton_op", "opaque"):
-        for r in runs.get(form, {}).get("layout_sweep", []):
-            cells = [form, r["shape"], str(r["W"]), f"{r['clone ms']:.3f}"]
-            cells += [f"{r[f'{n} / clone']:.2f}x" for n in ("seq_to_rank", "rank_to_seq", "copy_valid", "copy_valid_")]
-            rows.append(cells)
-    return header, rows
 
 
 # --- cold start: a fresh process's first steps ----------------------------------------------------
@@ -732,8 +719,12 @@ def main(argv: list[str] | None = None) -> None:
     results = [Result("host", "Host time per op call, both registration forms", *table(runs, args.smoke),
                       notes=f"`{command}`", env=env, name=name)]  # fmt: skip
     if args.layout_sweep and not args.smoke:
-        results.append(Result("host", "The four THD layout ops against a clone, both forms", *sweep_table(runs),
-                              notes=f"`{command}`", env=env, name=f"{name}-layout-sweep"))  # fmt: skip
+        ops = ["seq_to_rank", "rank_to_seq", "copy_valid", "copy_valid_"]
+        rows = [[form, *row] for form, run in runs.items() for row in run.get("layout_sweep", [])]
+        formats = {"clone ms": "{:.3f}", **dict.fromkeys(ops, "{:.2f}x")}
+        results.append(Result("host", "The four THD layout ops against a clone, both forms",
+                              ["form", "shape", "W", "clone ms", *ops], rows, f"`{command}`", env,
+                              name=f"{name}-layout-sweep", formats=formats))  # fmt: skip
     if args.raw:
         with open(args.raw, "w") as f:
             json.dump({"environment": env, "command": command, "runs": {"this tree": runs}}, f, indent=1)
