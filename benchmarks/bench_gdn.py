@@ -256,7 +256,6 @@ def bench_conv_gather(total: int, num_seqs: int, channels: int = 4096, extra: in
     return out
 
 
-
 # --- context parallelism: the per-sequence all-to-all baseline and the section-layout form --------
 
 

@@ -673,7 +673,6 @@ def cold_start(args) -> None:
         raise SystemExit("some runs failed: " + "; ".join(notes))
 
 
-
 def main(argv: list[str] | None = None) -> None:
     # the parent's only: the checkout comparison loads this file in a child with another checkout's packages
     from benchmarks.runner import Result, add_out_argument, emit, env_line, environment
@@ -729,7 +728,6 @@ def main(argv: list[str] | None = None) -> None:
         with open(args.raw, "w") as f:
             json.dump({"environment": env, "command": command, "runs": {"this tree": runs}}, f, indent=1)
     emit(results, args.out)
-
 
 
 if __name__ == "__main__":
