@@ -48,10 +48,10 @@ def report(suite: str, case: dict, metric: str, ms: float | None) -> None:
     print("RESULT " + json.dumps({"suite": suite, "case": case, "metric": metric, "ms": ms}), flush=True)
 
 
-def attention(timing, cases, head_dims) -> None:
+def attention(timing, cases) -> None:
     import torch
 
-    for d in head_dims:
+    for d in cases.ATTENTION_HEAD_DIMS:
         for name, lens in cases.attention_cases():
             q, k, v, seg, out, lse, dout, dlse = cases.attention_op_inputs(lens, d, 1, torch.device("cuda"))
 
@@ -140,7 +140,6 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkout", required=True, help="the checkout whose library this process must import")
     parser.add_argument("--suites", nargs="+", choices=SUITES, default=list(DEFAULT_SUITES))
-    parser.add_argument("--head-dims", type=int, nargs="+", default=[128, 64])
     parser.add_argument("--imports-only", action="store_true", help="check where the library comes from, and exit")
     args = parser.parse_args(argv)
     files = check_imports(args.checkout)
@@ -155,10 +154,7 @@ def main(argv: list[str] | None = None) -> None:
     failed = []
     for suite in args.suites:
         try:
-            if suite == "attention":
-                attention(timing, cases, args.head_dims)
-            else:
-                {"layout": layout, "gdn": gdn, "host": host}[suite](timing, cases)
+            {"attention": attention, "layout": layout, "gdn": gdn, "host": host}[suite](timing, cases)
         except Exception:  # one suite's failure (a missing dependency, an API a checkout lacks) spares the others
             traceback.print_exc()
             print("FAILED " + json.dumps({"suite": suite}), flush=True)

@@ -31,7 +31,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("new", help="the checkout to time against it")
     parser.add_argument("--suites", nargs="+", choices=SUITES, default=list(DEFAULT_SUITES),
                         help=f"default: {' '.join(DEFAULT_SUITES)}")
-    parser.add_argument("--head-dims", type=int, nargs="+", default=[128, 64], help="attention's head dims")
     parser.add_argument("--rounds", type=int, default=3, help="processes per checkout, in alternation")
     parser.add_argument("--threshold", type=float, default=THRESHOLD,
                         help="flag a case whose new / base exceeds 1 + this (default 0.02)")  # fmt: skip
@@ -46,9 +45,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def child_command(checkout: str, suites, head_dims) -> list[str]:
-    return [sys.executable, str(CHILD), "--checkout", str(checkout), "--suites", *suites,
-            "--head-dims", *map(str, head_dims)]  # fmt: skip
+def child_command(checkout: str, suites) -> list[str]:
+    return [sys.executable, str(CHILD), "--checkout", str(checkout), "--suites", *suites]
 
 
 def child_env(checkout: str) -> dict[str, str]:
@@ -70,8 +68,8 @@ def tagged(stdout: str, tag: str) -> list:
     return [json.loads(line[len(tag) + 1 :]) for line in stdout.splitlines() if line.startswith(tag + " ")]
 
 
-def run_child(checkout: str, suites, head_dims) -> list[dict]:
-    run = subprocess.run(child_command(checkout, suites, head_dims), env=child_env(checkout), cwd=checkout,
+def run_child(checkout: str, suites) -> list[dict]:
+    run = subprocess.run(child_command(checkout, suites), env=child_env(checkout), cwd=checkout,
                          capture_output=True, text=True)  # fmt: skip
     if run.returncode:
         raise SystemExit(f"{checkout}: exit {run.returncode}\n{run.stdout[-2000:]}\n{run.stderr[-4000:]}")
@@ -136,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     times: dict = {}
     for r in range(args.rounds):
         for i in round_order(r):
-            collect(run_child(trees[i], args.suites, args.head_dims), times, i)
+            collect(run_child(trees[i], args.suites), times, i)
     env = environment(base=f"{trees[0]} ({git_commit(trees[0])})", new=f"{trees[1]} ({git_commit(trees[1])})")
     results = tables(times, args.threshold, env, args.rounds)
     emit(results, args.out)

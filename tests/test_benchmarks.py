@@ -171,7 +171,7 @@ def _fake_checkout(root: Path) -> Path:
 
 
 def _child(checkout: Path, env_checkout: Path, cwd: Path):
-    cmd = cc.child_command(str(checkout), ["layout"], [128]) + ["--imports-only"]
+    cmd = cc.child_command(str(checkout), ["layout"]) + ["--imports-only"]
     env = cc.child_env(str(env_checkout))
     env.pop("TRITON_INTERPRET", None)
     return subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=300)
