@@ -35,9 +35,8 @@ def _worker(rank: int, world: int, device, out: str | None, smoke: bool, profile
     warmup, runs, seq_warmup, seq_runs = (1, 3, 1, 2) if smoke else (5, 30, 2, 10)
 
     def timed(fn, per_sequence=False):
-        if per_sequence:
-            return max_over_ranks(median_ms_counted(fn, seq_warmup, seq_runs, device))
-        return max_over_ranks(median_ms_counted(fn, warmup, runs, device))
+        counts = (seq_warmup, seq_runs) if per_sequence else (warmup, runs)
+        return max_over_ranks(median_ms_counted(fn, *counts, device))
 
     rows, kernels = [], []
     features = sum(sections)
@@ -102,9 +101,7 @@ def _worker(rank: int, world: int, device, out: str | None, smoke: bool, profile
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--world", type=int, default=None, help="ranks, one GPU each (default: every visible GPU, at least 2)"
-    )
+    parser.add_argument("--world", type=int, help="ranks, one GPU each (default: every visible GPU, at least 2)")
     parser.add_argument("--smoke", action="store_true", help="2 gloo ranks on the CPU, tiny shapes, few runs")
     add_out_argument(parser)
     parser.add_argument("--profile", action="store_true", help="also list the kernels of each op per shape")
