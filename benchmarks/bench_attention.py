@@ -35,17 +35,11 @@ from benchmarks.cases import ATTENTION_HEAD_DIMS as HEAD_DIMS
 from benchmarks.cases import ATTENTION_HEADS as HEADS
 from benchmarks.cases import attention_cases, attention_op_inputs, packed_lengths, segments_for, tflops, visible_pairs
 from benchmarks.cases import attention_inputs as make_inputs
-from benchmarks.common import (
-    default_world,
-    max_over_ranks,
-    median_ms_counted,
-    profile_step,
-    spawn_ranks,
-)
+from benchmarks.common import default_world, max_over_ranks, profile_step, spawn_ranks
 from benchmarks.internals import CONFIGS, DEFAULT_SETTINGS, AttentionSettings, resolve_scale
 from benchmarks.internals import attention_launch as launch
 from benchmarks.runner import Result, add_out_argument, emit, environment
-from benchmarks.timing import kernel_breakdown, median_ms
+from benchmarks.timing import kernel_breakdown, median_ms, median_ms_counted
 from cp_ops import COMPILE_OPTIONS, ag_thd_attention, all_gather_rows, pad_cu_seqlens, resolve_group, shard_thd
 from custom_ops.testing import TOLERANCE, rel_error
 

@@ -18,8 +18,9 @@ import torch.distributed as dist
 
 import cp_ops
 from benchmarks.baselines import cp2hp_per_sequence, hp2cp_per_sequence
-from benchmarks.common import default_world, kernel_breakdown, max_over_ranks, median_ms_counted, spawn_ranks
+from benchmarks.common import default_world, max_over_ranks, spawn_ranks
 from benchmarks.runner import Result, add_out_argument, emit, environment
+from benchmarks.timing import kernel_breakdown, median_ms_counted
 from cp_ops import pad_cu_seqlens
 
 SECTIONS = [2048, 2048, 4096, 4096, 32, 32]  # Qwen3-Next GDN: q, k, v, z, b, a

@@ -28,15 +28,13 @@ from benchmarks.cases import random_lengths as _lengths
 from benchmarks.common import (
     KERNEL_CLASSES,
     RANK_WAIT_KEYS,
-    kernel_ms,
     max_over_ranks,
-    median_ms,
-    median_ms_counted,
     profile_step,
     spawn_ranks,
 )
 from benchmarks.internals import fla_varlen_indices, valid_token_mask
 from benchmarks.runner import Result, add_out_argument, emit, environment, fla_environment
+from benchmarks.timing import kernel_ms, median_ms, median_ms_counted
 from cp_ops import (
     COMPILE_OPTIONS,
     GatedDeltaNet,

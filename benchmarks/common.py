@@ -1,5 +1,5 @@
-"""Shared pieces of the GPU benchmarks: step timelines, spawning ranks, compile
-settings (timing: :mod:`benchmarks.timing`, re-exported; results: :mod:`benchmarks.runner`)."""
+"""Shared pieces of the GPU benchmarks: step timelines, spawning ranks, compile settings
+(timing: :mod:`benchmarks.timing`; results: :mod:`benchmarks.runner`)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,7 @@ import os
 
 import torch
 
-from benchmarks.timing import host_issue_ms, kernel_breakdown, kernel_ms, median_ms, median_ms_counted, repeat
-
-__all__ = ["host_issue_ms", "kernel_breakdown", "kernel_ms", "median_ms", "median_ms_counted"]
+from benchmarks.timing import host_issue_ms, repeat
 
 
 # Kernel classes of a training step, by kernel name (first match wins); the rest is "other".

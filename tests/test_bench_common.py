@@ -1,9 +1,11 @@
-"""benchmarks.common: the profiler's op times on the CPU (self CPU time), and the step-timeline arithmetic."""
+"""benchmarks.timing and benchmarks.common: the profiler's op times on the CPU (self CPU time), and the
+step-timeline arithmetic."""
 
 import pytest
 import torch
 
-from benchmarks.common import covered_us, kernel_breakdown, kernel_class, kernel_ms, kernel_totals, timeline_summary
+from benchmarks.common import covered_us, kernel_class, kernel_totals, timeline_summary
+from benchmarks.timing import kernel_breakdown, kernel_ms
 
 
 def test_kernel_ms_counts_the_work_of_one_call():
