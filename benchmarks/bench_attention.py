@@ -2,18 +2,17 @@
 FlexAttention (``kernel``), its kernel-config tuner (``tune``), and all-gather CP attention
 on W GPUs (NCCL) against segment attention on one GPU (``cp``).
 
-    python -m benchmarks.bench_attention kernel [--gqa G] [--head-dims D ...] [--configs FILE] [--pointer-loads]
+    python -m benchmarks.bench_attention kernel [--gqa G] [--head-dims D ...] [--pointer-loads]
     python -m benchmarks.bench_attention kernel --profile  # CUDA time per kernel of one forward and one backward
-    python -m benchmarks.bench_attention tune [--kinds fwd bwd_dkdv bwd_dq] [--rounds N] [--save FILE]
+    python -m benchmarks.bench_attention tune [--kinds fwd bwd_dkdv bwd_dq] [--rounds N]
     python -m benchmarks.bench_attention cp [--world W] [--tokens T ...] [--gqa G] [--head-dim D]
-        [--head-groups G ...] [--cudagraphs] [--profile] [--nccl-max-ctas N ...]
+        [--head-groups G ...] [--cudagraphs] [--profile]
     python -m benchmarks.bench_attention cp --smoke        # 2 gloo ranks on the CPU, tiny shapes
     python -m benchmarks.bench_attention cp --work-model   # CPU only: kernel tiles per rank against one GPU
 
-``python -m benchmarks.bench_ag_attention ARGS`` runs ``cp ARGS``. Results (benchmarks/runner.py):
-``attention`` (``attention-gqaG-dD..`` at other heads; ``-pointer-loads``, ``-tuned`` with those
-flags), ``attention-profile...``; ``ag-attention-wW`` (``-gqaG-dD`` at other heads,
-``-cudagraphs``; ``ag-attention-smoke-wW``), ``...-profile``, ``ag-attention-work-model``.
+Results (benchmarks/runner.py): ``attention`` (``attention-gqaG-dD..`` at other heads;
+``-pointer-loads`` with that flag), ``attention-profile...``; ``ag-attention-wW`` (``-gqaG-dD`` at
+other heads, ``-cudagraphs``; ``ag-attention-smoke-wW``), ``...-profile``, ``ag-attention-work-model``.
 docs/benchmarks.md gives the cases, the FLOP count and what each column measures.
 """
 
@@ -22,7 +21,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
-import json
 import statistics
 
 import torch
@@ -37,29 +35,12 @@ from benchmarks.cases import ATTENTION_HEAD_DIMS as HEAD_DIMS
 from benchmarks.cases import ATTENTION_HEADS as HEADS
 from benchmarks.cases import attention_cases, attention_op_inputs, packed_lengths, segments_for, tflops, visible_pairs
 from benchmarks.cases import attention_inputs as make_inputs
-from benchmarks.common import (
-    add_nccl_cta_argument,
-    check_nccl_cta_argument,
-    cta_label,
-    default_world,
-    host_issue_ms,
-    kernel_class,
-    kernel_totals,
-    max_over_ranks,
-    median_ms_counted,
-    nccl_cta_groups,
-    profile_kernels,
-    rank_waits,
-    recompile_limit,
-    spawn_ranks,
-    timeline_summary,
-)
-from benchmarks.internals import CONFIGS, DEFAULT_SETTINGS, KERNELS, AttentionSettings, resolve_scale
+from benchmarks.common import default_world, max_over_ranks, profile_step, spawn_ranks
+from benchmarks.internals import CONFIGS, DEFAULT_SETTINGS, AttentionSettings, resolve_scale
 from benchmarks.internals import attention_launch as launch
 from benchmarks.runner import Result, add_out_argument, emit, environment
-from benchmarks.timing import kernel_breakdown, median_ms
+from benchmarks.timing import kernel_breakdown, median_ms, median_ms_counted
 from cp_ops import COMPILE_OPTIONS, ag_thd_attention, all_gather_rows, pad_cu_seqlens, resolve_group, shard_thd
-from cp_ops.local_ranks import init_local_rank
 from custom_ops.testing import TOLERANCE, rel_error
 
 # --- shared: the op, its forward and fwd+bwd closures, the compiled form -------------------------
@@ -96,18 +77,9 @@ def _compiled(fn, cudagraphs: bool, options: dict | None = None):
 
 
 # --- kernel and tune: launch settings ------------------------------------------------------------------------------
-# The ops launch with the library's DEFAULT_SETTINGS. The tuner, the sweeps and the runs with
-# other settings (--pointer-loads, --configs) call the launchers of
-# custom_ops.varlen_attention.launch with an AttentionSettings instead.
-
-
-def settings_for(base: AttentionSettings, tuned: dict | None, d: int) -> AttentionSettings:
-    """``base`` with the configs a ``--tune --save`` file (:func:`load_configs`) holds for head dim ``d``."""
-    settings = base
-    for kind, by_dim in (tuned or {}).items():
-        if d in by_dim:
-            settings = settings.with_kernel(kind, config=by_dim[d])
-    return settings
+# The ops launch with the library's DEFAULT_SETTINGS. The tuner and the runs with other settings
+# (--pointer-loads) call the launchers of custom_ops.varlen_attention.launch with an
+# AttentionSettings instead.
 
 
 def launchers(settings: AttentionSettings, q, k, v, seg, out=None, lse=None, dout=None, dlse=None):
@@ -231,19 +203,18 @@ def _suffix(gqa: int, head_dims) -> str:
     return f"-gqa{gqa}-d" + "-".join(str(d) for d in head_dims)
 
 
-def bench(gqa: int = 1, head_dims=HEAD_DIMS, base: AttentionSettings = DEFAULT_SETTINGS, tuned: dict | None = None,
+def bench(gqa: int = 1, head_dims=HEAD_DIMS, settings: AttentionSettings = DEFAULT_SETTINGS,
           label: str = "") -> list[Result]:  # fmt: skip
     device = torch.device("cuda")
     rows = []
     cases = attention_cases()
+    ours = varlen_fn if settings == DEFAULT_SETTINGS else settings_fn(settings)
     for d in head_dims:
         for case, lens in cases:
             dense = len(set(lens)) == 1
             q, k, v = make_inputs(sum(lens), HEADS, HEADS // gqa, d, device)
             seg = segments_for(lens, device)
             pairs = visible_pairs(lens)
-            settings = settings_for(base, tuned, d)
-            ours = varlen_fn if settings == DEFAULT_SETTINGS else settings_fn(settings)
             impls = [("varlen_attention" + label, ours)]
             if dense:
                 impls += [
@@ -280,67 +251,49 @@ def bench(gqa: int = 1, head_dims=HEAD_DIMS, base: AttentionSettings = DEFAULT_S
 
 # --- tune ---------------------------------------------------------------------------------------
 
-FWD_CANDIDATES = [
-    dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s, K_ROWS=kr)
-    for kr in (True, False)
-    for bm, bn, w, s in [
-        (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3),
-        (64, 64, 4, 4), (128, 64, 8, 2),
-    ]
-]  # fmt: skip
-DKDV_CANDIDATES = [
-    dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)
-    for bm, bn, w, s in [
-        (64, 128, 8, 2), (32, 128, 8, 2), (32, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 2),
-        (64, 64, 4, 3), (64, 64, 8, 3), (32, 64, 4, 3), (64, 128, 8, 3), (16, 128, 4, 3),
-    ]
-] + [
-    # one program for dv and one for dk per tile (PARTS = 2)
-    dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s, PARTS=2)
-    for bm, bn, w, s in [(64, 64, 4, 2), (64, 128, 8, 2), (64, 128, 8, 3), (32, 64, 4, 3)]
-]  # fmt: skip
-DQ_CANDIDATES = [
-    dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)
-    for bm, bn, w, s in [
-        (128, 64, 8, 2), (128, 32, 8, 2), (128, 32, 8, 3), (128, 32, 4, 3), (64, 64, 4, 2),
-        (64, 64, 4, 3), (64, 32, 4, 3), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2),
-    ]
-]  # fmt: skip
-# D = 256 (Qwen3-Next's attention heads): the tiles above do not fit an SM's shared memory or
-# registers at this width; smaller tiles and fewer stages
-WIDE_HEAD_CANDIDATES = {
-    "fwd": [
-        dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s, K_ROWS=kr)
-        for kr in (True, False)
-        for bm, bn, w, s in [
+# The tiles ``tune`` tries for each kernel, as (BLOCK_M, BLOCK_N, num_warps, num_stages[, PARTS]):
+# the forward tries each with K_ROWS True, then False; PARTS = 2 computes a key tile's dk and dv in
+# two programs. "wide" is D = 256 (Qwen3-Next's attention heads), where the other tiles do not fit
+# an SM's shared memory or registers: smaller tiles and fewer stages.
+CANDIDATE_TILES = {
+    "default": {
+        "fwd": [
+            (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3),
+            (64, 64, 4, 4), (128, 64, 8, 2),
+        ],
+        "bwd_dkdv": [
+            (64, 128, 8, 2), (32, 128, 8, 2), (32, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 2),
+            (64, 64, 4, 3), (64, 64, 8, 3), (32, 64, 4, 3), (64, 128, 8, 3), (16, 128, 4, 3),
+            (64, 64, 4, 2, 2), (64, 128, 8, 2, 2), (64, 128, 8, 3, 2), (32, 64, 4, 3, 2),
+        ],
+        "bwd_dq": [
+            (128, 64, 8, 2), (128, 32, 8, 2), (128, 32, 8, 3), (128, 32, 4, 3), (64, 64, 4, 2),
+            (64, 64, 4, 3), (64, 32, 4, 3), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2),
+        ],
+    },
+    "wide": {
+        "fwd": [
             (64, 32, 4, 2), (64, 32, 8, 2), (64, 64, 4, 2), (64, 64, 8, 2), (128, 32, 8, 2),
             (128, 64, 8, 2), (64, 32, 4, 3), (128, 32, 8, 3), (64, 64, 8, 3),
-        ]
-    ],
-    # dk/dv: one program per key tile, and two (PARTS = 2: one for dv, one for dk)
-    "bwd_dkdv": [
-        dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s, PARTS=parts)
-        for bm, bn, w, s, parts in [
+        ],
+        "bwd_dkdv": [
             (64, 64, 8, 1, 1), (32, 32, 4, 2, 1), (32, 64, 8, 2, 1), (64, 64, 8, 1, 2), (64, 128, 8, 1, 2),
             (32, 64, 8, 2, 2), (32, 128, 8, 2, 2), (64, 64, 8, 2, 2), (64, 64, 4, 2, 2), (32, 64, 4, 2, 2),
             (16, 128, 8, 2, 2), (16, 128, 8, 3, 2), (32, 128, 8, 1, 2),
-        ]
-    ],
-    "bwd_dq": [
-        dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s)
-        for bm, bn, w, s in [
+        ],
+        "bwd_dq": [
             (64, 32, 8, 1), (64, 32, 8, 2), (64, 64, 8, 2), (128, 32, 8, 2), (32, 64, 4, 2),
             (64, 32, 4, 2), (128, 64, 8, 1),
-        ]
-    ],
+        ],
+    },
 }  # fmt: skip
 
 
 def candidates_for(kind: str, d: int) -> list[dict]:
-    """The configs ``--tune`` tries for ``kind`` at head dim ``d``."""
-    if d > 128:
-        return WIDE_HEAD_CANDIDATES[kind]
-    return {"fwd": FWD_CANDIDATES, "bwd_dkdv": DKDV_CANDIDATES, "bwd_dq": DQ_CANDIDATES}[kind]
+    """The configs ``tune`` tries for ``kind`` at head dim ``d`` (:data:`CANDIDATE_TILES`)."""
+    names = ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "PARTS")
+    configs = [dict(zip(names, tile)) for tile in CANDIDATE_TILES["wide" if d > 128 else "default"][kind]]
+    return [{**c, "K_ROWS": k_rows} for k_rows in (True, False) for c in configs] if kind == "fwd" else configs
 
 
 def _table_in_use(kind: str, d: int, q, k, v, settings: AttentionSettings) -> str:
@@ -363,11 +316,11 @@ def _time_kernel(kind, cfg, settings, q, k, v, seg, out, lse, dout, dlse):
 
 
 def tune(
-    gqa: int = 1, kinds=("fwd", "bwd_dkdv", "bwd_dq"), save: str | None = None, head_dims=HEAD_DIMS, rounds: int = 1,
+    gqa: int = 1, kinds=("fwd", "bwd_dkdv", "bwd_dq"), head_dims=HEAD_DIMS, rounds: int = 1,
     base: AttentionSettings = DEFAULT_SETTINGS,
 ) -> None:
     """Time the candidate configs of each kernel on both cases at each of ``head_dims``; print
-    the best (and write them to ``save`` as JSON, for ``--configs``).
+    the best, as entries of the config tables.
 
     Each kernel is tuned for the table the launcher takes it from on this GPU (TMA_CONFIGS
     where the TMA loads serve it, else CONFIGS; ``--pointer-loads`` tunes CONFIGS), each
@@ -411,38 +364,16 @@ def tune(
     for kind in kinds:
         entries = ", ".join(f"{d}: dict({_fmt(best[(kind, d)])})" for d in sorted(head_dims))
         print(f'{tables[kind]} "{kind}": {{{entries}}},')
-    if save:
-        with open(save, "w") as f:
-            json.dump(
-                {kind: {"table": tables[kind], **{str(d): best[(kind, d)] for d in sorted(head_dims)}} for kind in kinds},
-                f, indent=1,
-            )  # fmt: skip
 
 
-def load_configs(path: str) -> dict[str, dict[int, dict]]:
-    """``{kernel: {head dim: config}}`` of a ``--tune --save`` file (:func:`settings_for` passes
-    them to the launchers)."""
-    with open(path) as f:
-        saved = json.load(f)
-    tuned = {}
-    for kind, entries in saved.items():
-        if kind not in KERNELS:
-            raise SystemExit(f"{path}: unknown kernel {kind!r}; the kernels are {KERNELS}")
-        tuned[kind] = {int(d): cfg for d, cfg in entries.items() if d != "table"}
-        for d, cfg in tuned[kind].items():
-            print(f"config {kind} D={d}: {_fmt(cfg)}")
-    return tuned
-
-
-def profile(gqa: int = 1, head_dims=HEAD_DIMS, base: AttentionSettings = DEFAULT_SETTINGS,
-            tuned: dict | None = None) -> list[Result]:  # fmt: skip
+def profile(gqa: int = 1, head_dims=HEAD_DIMS, settings: AttentionSettings = DEFAULT_SETTINGS) -> list[Result]:
     """CUDA time per kernel of the forward and backward launches (torch.profiler, mean over 5 calls)."""
     device = torch.device("cuda")
     rows = []
     for case, lens in attention_cases()[::-1]:
         for d in head_dims:
             q, k, v, seg, out, lse, dout, dlse = attention_op_inputs(lens, d, gqa, device)
-            fwd, bwd = launchers(settings_for(base, tuned, d), q, k, v, seg, out, lse, dout, dlse)
+            fwd, bwd = launchers(settings, q, k, v, seg, out, lse, dout, dlse)
 
             def step():
                 fwd()
@@ -467,36 +398,15 @@ HEAD_DIM = HEAD_DIMS[0]
 SMOKE_TOTALS, SMOKE_HEADS, SMOKE_HEAD_DIM = (1024,), 4, 16  # two documents: 1008 and 16 tokens
 
 
+# --profile: besides the timeline, the kernel time of each attention kernel and of NCCL (common.profile_step)
+PROFILED_KERNELS = ("varlen_attn_fwd", "varlen_attn_bwd_dq", "varlen_attn_bwd_dkdv", "nccl")
 PROFILE_RUNS = 5
 
 
-def _profile_rows(step) -> dict[str, float]:
-    """Where one fwd+bwd step's GPU time goes: :func:`benchmarks.common.timeline_summary` of
-    its kernels, and the kernel time of each attention kernel and of NCCL, per step (ms)."""
-    kernels = profile_kernels(step, PROFILE_RUNS)
-    out = timeline_summary(kernels, PROFILE_RUNS)
-    for name in ("varlen_attn_fwd", "varlen_attn_bwd_dq", "varlen_attn_bwd_dkdv", "nccl"):
-        out[f"{name} kernels"] = sum(e - s for n, s, e in kernels if name in n.lower()) / PROFILE_RUNS / 1e3
-    top = [(n, t) for n, t in kernel_totals(kernels, PROFILE_RUNS).items() if kernel_class(n) == "other"][:6]
-    print("  largest 'other' kernels (ms per step): " + "; ".join(f"{n[:70]} {t:.3f}" for n, t in top), flush=True)
-    out["host issue"] = host_issue_ms(step)
-    return out
-
-
-def _worker(*args) -> None:
-    # the compiled forms are closures of one function: one graph per form, group, total and grad mode
-    with recompile_limit(64):
-        _rank(*args)
-
-
 def _rank(
-    rank: int, world: int, init_method: str, gqa: int, out: str | None, smoke: bool, profile: bool, cudagraphs: bool,
-    head_groups: tuple[int, ...] = (), max_ctas: tuple[int, ...] = (0,), head_dim: int = HEAD_DIM,
-    tokens: tuple[int, ...] = TOTALS,
+    rank: int, world: int, device, gqa: int, out: str | None, smoke: bool, profile: bool, cudagraphs: bool,
+    head_groups: tuple[int, ...] = (), head_dim: int = HEAD_DIM, tokens: tuple[int, ...] = TOTALS,
 ) -> None:
-    device = init_local_rank(rank, world, init_method, "cpu" if smoke else "cuda")
-    groups = nccl_cta_groups(max_ctas)  # {cap: group}: the CP forms are timed on each
-    name_cap = len(groups) > 1
     totals, heads, head_dim = (SMOKE_TOTALS, SMOKE_HEADS, SMOKE_HEAD_DIM) if smoke else (tokens, HEADS, head_dim)
     warmup, runs = (1, 3) if smoke else (5, 40)
 
@@ -506,88 +416,73 @@ def _rank(
     kv_heads = heads // gqa
     rows = []
     profiles = {}
-    try:
-        for total in totals:
-            lens = packed_lengths(total)
-            cu, cup = pad_cu_seqlens(lens, world, device=device)
-            num_rows = int(cup[-1])
-            gen = torch.Generator(device=device).manual_seed(0)  # one global batch on every rank
+    for total in totals:
+        lens = packed_lengths(total)
+        cu, cup = pad_cu_seqlens(lens, world, device=device)
+        num_rows = int(cup[-1])
+        gen = torch.Generator(device=device).manual_seed(0)  # one global batch on every rank
 
-            def rand(h):
-                return torch.randn(num_rows, h, head_dim, device=device, generator=gen).to(DTYPE)
+        def rand(h):
+            return torch.randn(num_rows, h, head_dim, device=device, generator=gen).to(DTYPE)
 
-            q, k, v, dout = rand(heads), rand(kv_heads), rand(kv_heads), rand(heads)
-            lengths, starts = cu[1:] - cu[:-1], cup[:-1]
-            seg = (starts, lengths, torch.zeros_like(lengths), starts, lengths)
+        q, k, v, dout = rand(heads), rand(kv_heads), rand(kv_heads), rand(heads)
+        lengths, starts = cu[1:] - cu[:-1], cup[:-1]
+        seg = (starts, lengths, torch.zeros_like(lengths), starts, lengths)
 
-            def one_gpu(q_, k_, v_):
-                return varlen_fn(q_, k_, v_, seg)
+        def one_gpu(q_, k_, v_):
+            return varlen_fn(q_, k_, v_, seg)
 
-            local = [shard_thd(t, cup, world, rank) for t in (q, k, v, dout)]
-            with torch.no_grad():
-                want = shard_thd(one_gpu(q, k, v), cup, world, rank)
+        local = [shard_thd(t, cup, world, rank) for t in (q, k, v, dout)]
+        with torch.no_grad():
+            want = shard_thd(one_gpu(q, k, v), cup, world, rank)
 
-            # one GPU: rank 0 alone; the other ranks wait at the barrier. The op as called, and
-            # compiled as the CP forms are (with CUDA graphs under --cudagraphs): the baseline
-            # of the compiled CP forms, like for like
-            t1, t1c = [0.0, 0.0], [0.0, 0.0]
-            if rank == 0:
-                fwd, step = _fwd_and_step(one_gpu, q, k, v, dout)
-                t1 = [timed(fwd), timed(step)]
-                fwd_c, step_c = _fwd_and_step(_compiled(one_gpu, cudagraphs), q, k, v, dout)
-                t1c = [timed(fwd_c), timed(step_c)]
-                if profile:
-                    profiles[(total, "1 GPU")] = _profile_rows(step)
-                    profiles[(total, "1 GPU compiled")] = _profile_rows(step_c)
-            dist.barrier()
-            del q, k, v, dout
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-            for cap, group in groups.items():
-                named = f", {cta_label(cap)}" if name_cap else ""  # the cap in row and column labels
-                times, t_ag = _time_cp_forms(group, cu, cup, local, want, head_groups, cudagraphs, timed)
-                # every rank runs the profiled steps (they meet in the all-gathers); rank 0's figures
-                profiled = {"compiled": f"W={world} compiled, rank 0"}
-                if head_groups:
-                    g = max(head_groups)
-                    profiled[f"G={g}"] = f"W={world} compiled, {g} head groups, rank 0"
-                for form, label in profiled.items() if profile else ():
-                    prof = _profile_rows(_fwd_and_step(times[form]["fn"], *local)[1])
-                    for r, figures in enumerate(rank_waits(prof, device)):
-                        prof.update({f"rank {r}: {k}": v for k, v in figures.items()})
-                    profiles[(total, label + named)] = prof
-                for label, idx in (("fwd", 0), ("fwd+bwd", 1)):
-                    w1, w2, wc = (times[form]["ms"][idx] for form in (1, 2, "compiled"))
-                    row = [total, len(lens), label + named, t1[idx], w1, w2,
-                           t1[idx] / (world * w1), t1[idx] / (world * w2), w2 / w1,
-                           t_ag if idx == 0 else "", wc, t1[idx] / (world * wc),
-                           t1c[idx], t1c[idx] / (world * wc)]  # fmt: skip
-                    for g in head_groups:  # compiled: against the compiled one-GPU step
-                        tg = times[f"G={g}"]["ms"][idx]
-                        row += [tg, t1c[idx] / (world * tg)]
-                    rows.append(row)
-                if rank == 0:  # a line per total and cap, so a run cut short by a time limit still reports
-                    print(f"T={total} {cta_label(cap)}: " + ", ".join(
-                        f"{form} {t['ms'][0]:.3f}/{t['ms'][1]:.3f}" for form, t in times.items()), flush=True)
-                del times
-            del local
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-
+        # one GPU: rank 0 alone; the other ranks wait at the barrier. The op as called, and
+        # compiled as the CP forms are (with CUDA graphs under --cudagraphs): the baseline
+        # of the compiled CP forms, like for like
+        t1, t1c = [0.0, 0.0], [0.0, 0.0]
         if rank == 0:
-            emit(_tables(rows, profiles, world, heads, kv_heads, head_dim, runs, gqa, smoke, cudagraphs, head_groups,
-                         name_cap), out)  # fmt: skip
-        # no rank tears down before all are done (gloo can abort a rank whose peer left first), as in tests/_dist.py
+            fwd, step = _fwd_and_step(one_gpu, q, k, v, dout)
+            t1 = [timed(fwd), timed(step)]
+            fwd_c, step_c = _fwd_and_step(_compiled(one_gpu, cudagraphs), q, k, v, dout)
+            t1c = [timed(fwd_c), timed(step_c)]
+            if profile:
+                profiles[(total, "1 GPU")] = profile_step(step, named=PROFILED_KERNELS, runs=PROFILE_RUNS)
+                profiles[(total, "1 GPU compiled")] = profile_step(step_c, named=PROFILED_KERNELS, runs=PROFILE_RUNS)
         dist.barrier()
-    finally:
-        # with CUDA graphs that captured NCCL work, a run hung after its table at the end
-        # (barrier or teardown, not narrowed down); the process ends with os._exit either way
-        if not cudagraphs:
-            dist.destroy_process_group()
+        del q, k, v, dout
+        torch.cuda.empty_cache()
+        times, t_ag = _time_cp_forms(dist.group.WORLD, cu, cup, local, want, head_groups, cudagraphs, timed)
+        # every rank runs the profiled steps (they meet in the all-gathers); rank 0's figures
+        profiled = {"compiled": f"W={world} compiled, rank 0"}
+        if head_groups:
+            g = max(head_groups)
+            profiled[f"G={g}"] = f"W={world} compiled, {g} head groups, rank 0"
+        for form, label in profiled.items() if profile else ():
+            step = _fwd_and_step(times[form]["fn"], *local)[1]
+            profiles[(total, label)] = profile_step(step, device, PROFILED_KERNELS, PROFILE_RUNS)
+        for label, idx in (("fwd", 0), ("fwd+bwd", 1)):
+            w1, w2, wc = (times[form]["ms"][idx] for form in (1, 2, "compiled"))
+            row = [total, len(lens), label, t1[idx], w1, w2,
+                   t1[idx] / (world * w1), t1[idx] / (world * w2), w2 / w1,
+                   t_ag if idx == 0 else "", wc, t1[idx] / (world * wc),
+                   t1c[idx], t1c[idx] / (world * wc)]  # fmt: skip
+            for g in head_groups:  # compiled: against the compiled one-GPU step
+                tg = times[f"G={g}"]["ms"][idx]
+                row += [tg, t1c[idx] / (world * tg)]
+            rows.append(row)
+        if rank == 0:  # a line per total, so a run cut short by a time limit still reports
+            print(f"T={total}: " + ", ".join(
+                f"{form} {t['ms'][0]:.3f}/{t['ms'][1]:.3f}" for form, t in times.items()), flush=True)
+        del times, local
+        torch.cuda.empty_cache()
+
+    if rank == 0:
+        emit(_tables(rows, profiles, world, heads, kv_heads, head_dim, runs, gqa, smoke, cudagraphs, head_groups),
+             out)
 
 
-def _tables(rows, profiles, world, heads, kv_heads, head_dim, runs, gqa, smoke, cudagraphs, head_groups,
-            name_cap) -> list[Result]:  # fmt: skip
+def _tables(rows, profiles, world, heads, kv_heads, head_dim, runs, gqa, smoke, cudagraphs,
+            head_groups) -> list[Result]:  # fmt: skip
     """The timing table and, with --profile, the profile table, as results."""
     env = environment(world)
     name = f"ag-attention{'-smoke' if smoke else ''}-w{world}"
@@ -599,7 +494,6 @@ def _tables(rows, profiles, world, heads, kv_heads, head_dim, runs, gqa, smoke, 
         f"D = {head_dim}; T = real tokens of the global batch (packed documents); times in ms, median "
         f"over {runs} runs, max over ranks; eff = T_1 / (W * T_W)"
         + ("; the compiled forms, one GPU's too, with CUDA graphs (--cudagraphs)" if cudagraphs else "")
-        + ("; a row per cap on NCCL's CTAs (--nccl-max-ctas), the 1 GPU times shared" if name_cap else "")
     )
     ms, eff = "{:.3f}", "{:.2f}"
     columns = {"T": None, "docs": None, "pass": None, "1 GPU": ms, f"W={world} 1 launch": ms,
@@ -703,16 +597,14 @@ def _run_kernel(args) -> None:
     if args.mode == "tune":
         if set(args.head_dims) - set(CONFIGS["fwd"]):
             raise SystemExit(f"tune tunes the config table's head dims {sorted(CONFIGS['fwd'])}, got {args.head_dims}")
-        tune(args.gqa, args.kinds, args.save, args.head_dims, args.rounds, base)
+        tune(args.gqa, args.kinds, args.head_dims, args.rounds, base)
         return
-    tuned = load_configs(args.configs) if args.configs else None
     if args.profile:
-        results = profile(args.gqa, args.head_dims, base, tuned)
+        results = profile(args.gqa, args.head_dims, base)
     else:  # other settings than the ops': their own row label and result names
-        label = ", pointer loads" * args.pointer_loads + ", tuned configs" * bool(tuned)
-        results = bench(args.gqa, args.head_dims, base, tuned, label)
+        results = bench(args.gqa, args.head_dims, base, ", pointer loads" * args.pointer_loads)
     for r in results:
-        r.name += "-pointer-loads" * args.pointer_loads + "-tuned" * bool(tuned)
+        r.name += "-pointer-loads" * args.pointer_loads
     emit(results, args.out)
 
 
@@ -733,10 +625,9 @@ def _run_cp(args) -> None:
         raise SystemExit(f"--head-groups must be divisors of Hkv = {heads // args.gqa} above 1, got {bad}")
     if args.smoke and args.head_dim != HEAD_DIM:
         raise SystemExit(f"--smoke runs D = {SMOKE_HEAD_DIM}; --head-dim is for the GPU runs")
-    check_nccl_cta_argument(args.nccl_max_ctas, args.smoke)
-    spawn_ranks(_worker, world, args.gqa, args.out, args.smoke, args.profile, args.cudagraphs,
-                tuple(args.head_groups), tuple(args.nccl_max_ctas), args.head_dim, tuple(args.tokens),
-                device="cpu" if args.smoke else "cuda")  # fmt: skip
+    spawn_ranks(_rank, world, args.gqa, args.out, args.smoke, args.profile, args.cudagraphs,
+                tuple(args.head_groups), args.head_dim, tuple(args.tokens),
+                device="cpu" if args.smoke else "cuda", keep_group=args.cudagraphs)  # fmt: skip
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -752,13 +643,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
     kernel = modes.add_parser("kernel", parents=[one_gpu], help="segment attention against SDPA, FlexAttention")
     kernel.add_argument("--profile", action="store_true", help="CUDA time per kernel instead of the table")
-    kernel.add_argument("--configs", help="JSON from tune --save: use these configs instead of the table's")
     add_out_argument(kernel)
 
     tuner = modes.add_parser("tune", parents=[one_gpu], help="time the kernels' candidate configs")
     tuner.add_argument("--kinds", nargs="+", default=["fwd", "bwd_dkdv", "bwd_dq"], help="kernels to tune")
     tuner.add_argument("--rounds", type=int, default=1, help="rounds of timing every candidate in turn")
-    tuner.add_argument("--save", help="write the best configs to this JSON file")
 
     cp = modes.add_parser("cp", parents=[shared], help="all-gather CP attention on W GPUs against one GPU")
     cp.add_argument("--world", type=int, help="ranks, one GPU each (default: every visible GPU, at least 2)")
@@ -773,7 +662,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     "overlapped by cp_ops.COMPILE_OPTIONS); each G must divide Hkv (default 2 4)")  # fmt: skip
     cp.add_argument("--cudagraphs", action="store_true",
                     help="compile the CP form with CUDA graphs (Inductor's triton.cudagraphs)")  # fmt: skip
-    add_nccl_cta_argument(cp)
     add_out_argument(cp)
     return parser.parse_args(argv)
 

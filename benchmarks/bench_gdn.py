@@ -3,13 +3,13 @@ kernels, and the layer with CP on W GPUs.
 
     python -m benchmarks.bench_gdn [--tokens T ...] [--seqs B ...] [--kernel-time] [--rank-share W ...]
     python -m benchmarks.bench_gdn --conv [--gather]    # our conv kernels against FLA's (--gather: permuted rows)
-    python -m benchmarks.bench_gdn --cp W [--profile [--kernels N]] [--compiled-only | --eager-only]
-                                   [--cudagraphs] [--nccl-max-ctas N ...]    # spawns W NCCL ranks
+    python -m benchmarks.bench_gdn --cp W [--profile] [--compiled-only]
+                                   [--cudagraphs]    # spawns W NCCL ranks
     python -m benchmarks.bench_gdn --cp 2 --smoke       # 2 gloo ranks on the CPU, a tiny layer
 
 Results (benchmarks/runner.py): ``gdn``; ``conv`` or ``conv-gather``; ``gdn-cp-wW`` (``-compiled``,
-``-cudagraphs`` added with those flags; ``gdn-cp-smoke-wW``), with --kernels also one
-``...-kernels-T..-B..`` per shape. docs/benchmarks.md says what each row measures.
+``-cudagraphs`` added with those flags; ``gdn-cp-smoke-wW``). docs/benchmarks.md says what each row
+measures.
 """
 
 from __future__ import annotations
@@ -28,23 +28,13 @@ from benchmarks.cases import random_lengths as _lengths
 from benchmarks.common import (
     KERNEL_CLASSES,
     RANK_WAIT_KEYS,
-    add_nccl_cta_argument,
-    check_nccl_cta_argument,
-    cta_label,
-    host_issue_ms,
-    kernel_class,
-    kernel_ms,
     max_over_ranks,
-    median_ms,
-    median_ms_counted,
-    nccl_cta_groups,
-    profile_timeline,
-    rank_waits,
-    recompile_limit,
+    profile_step,
     spawn_ranks,
 )
 from benchmarks.internals import fla_varlen_indices, valid_token_mask
-from benchmarks.runner import Result, add_out_argument, emit, environment
+from benchmarks.runner import Result, add_out_argument, emit, environment, fla_environment
+from benchmarks.timing import kernel_ms, median_ms, median_ms_counted
 from cp_ops import (
     COMPILE_OPTIONS,
     GatedDeltaNet,
@@ -55,7 +45,6 @@ from cp_ops import (
     thd_cp2hp,
     thd_hp2cp,
 )
-from cp_ops.local_ranks import init_local_rank
 from custom_ops.testing import rel_error
 
 HIDDEN, HK, HV, DK, DV = 2048, 16, 32, 128, 128
@@ -224,23 +213,18 @@ def bench_conv(total: int, num_seqs: int, channels: int) -> dict[str, float]:
     return out
 
 
-def bench_conv_gather(
-    total: int, num_seqs: int, channels: int = 4096, extra: int = 32, world: int = 2, device: str = "cuda"
-) -> dict[str, float]:
-    """ms of the two forms of the conv on permuted rows (docs/benchmarks.md), compiled; on
-    a CPU device only their agreement (the ms entries left out)."""
-    from cp_ops.layout import pad_cu_seqlens
+def bench_conv_gather(total: int, num_seqs: int, channels: int = 4096, extra: int = 32, world: int = 2) -> dict:
+    """ms of the two forms of the conv on permuted rows (docs/benchmarks.md), compiled."""
     from custom_ops.thd_index import rank_to_seq_index
 
     lens = _lengths(total, num_seqs, torch.Generator().manual_seed(total + num_seqs))
-    _, cup = pad_cu_seqlens(lens, world)
-    cup = cup.to(torch.int32).to(device)
+    _, cup = pad_cu_seqlens(lens, world, device="cuda")
     rows_total = int(cup[-1])
-    recv = torch.randn(rows_total, channels + extra, device=device, dtype=torch.bfloat16, requires_grad=True)
-    w = (torch.randn(channels, CONV_KERNEL, device=device) / CONV_KERNEL**0.5).to(torch.bfloat16).requires_grad_()
+    recv = torch.randn(rows_total, channels + extra, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(channels, CONV_KERNEL, device="cuda") / CONV_KERNEL**0.5).to(torch.bfloat16).requires_grad_()
     rows = rank_to_seq_index(cup, world, rows_total)
-    dy = torch.randn(rows_total, channels, device=device, dtype=torch.bfloat16)
-    dtail = torch.randn(rows_total, extra, device=device, dtype=torch.bfloat16)
+    dy = torch.randn(rows_total, channels, device="cuda", dtype=torch.bfloat16)
+    dtail = torch.randn(rows_total, extra, device="cuda", dtype=torch.bfloat16)
 
     def reorder_then_conv(recv, w):
         xs = custom_ops.thd_rank_to_seq_order(recv, cup, world)
@@ -258,20 +242,16 @@ def bench_conv_gather(
             return (y.detach(), *torch.autograd.grad([y, tail], [recv, w], [dy, dtail]))
 
         grads[name] = step()
-        if device == "cuda":
-            out[f"{name} fwd+bwd"] = median_ms(step)
-            out[f"{name} fwd+bwd, kernel time"] = kernel_ms(step)
+        out[f"{name} fwd+bwd"] = median_ms(step)
+        out[f"{name} fwd+bwd, kernel time"] = kernel_ms(step)
     for label, a, b in zip(("y", "dx", "dw"), *grads.values()):
         out[f"err {label}"] = rel_error(a, b)
     if not max(v for k, v in out.items() if k.startswith("err")) < CONV_TOLERANCE:
         raise AssertionError(f"T={total} B={num_seqs}: the two forms disagree: {out}")
-    if device == "cuda":
-        for suffix in ("", ", kernel time"):
-            out[f"reorder + conv / gather conv{suffix}"] = (
-                out[f"reorder + conv fwd+bwd{suffix}"] / out[f"gather conv fwd+bwd{suffix}"]
-            )
+    for suffix in ("", ", kernel time"):
+        ratio = out[f"reorder + conv fwd+bwd{suffix}"] / out[f"gather conv fwd+bwd{suffix}"]
+        out[f"reorder + conv / gather conv{suffix}"] = ratio
     return out
-
 
 
 # --- context parallelism: the per-sequence all-to-all baseline and the section-layout form --------
@@ -348,19 +328,11 @@ def a2a_steps(layer: GatedDeltaNet, x_cp: torch.Tensor, cup: torch.Tensor, group
     }
 
 
-def _cp_worker(*args) -> None:
-    # one graph per (CP group, one device) and grad mode, a second for a new packing if specialised
-    with recompile_limit(64):
-        _cp_rank(*args)
-
-
-def _cp_rank(rank, world, init_method, tokens, seqs, out, smoke, opts: dict) -> None:
-    """One CP rank of the multi-rank benchmark; ``opts``: the flags ``eager_only``, ``compiled_only``,
-    ``cudagraphs``, ``profile`` and ``nccl_max_ctas`` of the command line."""
-    eager_only, profile, full = opts["eager_only"], opts["profile"], not opts["compiled_only"]
-    device = init_local_rank(rank, world, init_method, "cpu" if smoke else "cuda")
-    groups = nccl_cta_groups(opts["nccl_max_ctas"])  # {cap: group}; one column per cap and shape
-    caps = list(groups)
+def _cp_rank(rank, world, device, tokens, seqs, out, smoke, opts: dict) -> None:
+    """One CP rank of the multi-rank benchmark; ``opts``: the flags ``compiled_only``, ``cudagraphs``
+    and ``profile`` of the command line."""
+    profile, full = opts["profile"], not opts["compiled_only"]
+    group = dist.group.WORLD
     hidden, hk, hv, dk, dv = SMOKE_DIMS if smoke else (HIDDEN, HK, HV, DK, DV)
     dtype = torch.float32 if smoke else torch.bfloat16
     warmup, runs, seq_warmup, seq_runs = (1, 2, 1, 2) if smoke else (3, 20, 2, 10)
@@ -386,161 +358,112 @@ def _cp_rank(rank, world, init_method, tokens, seqs, out, smoke, opts: dict) -> 
 
     compiled, compiled_unfused = compile_layer(dynamic=True)
     notes = ["the compiled layer with CUDA graphs (--cudagraphs), on W GPUs and on one"] if opts["cudagraphs"] else []
-    if len(caps) > 1:
-        notes.append("a column per cap on NCCL's CTAs (--nccl-max-ctas; benchmarks.common.nccl_cta_groups), "
-                     "the 1 GPU rows shared")  # fmt: skip
     shapes = [(t, b) for t in tokens for b in seqs]
     results = {}
-    # --profile: ms per kernel name and step, rank 0's compiled CP step per column, the one-GPU step per shape
-    kernel_steps, one_kernels = {}, {}
-    try:
-        for total, num_seqs in shapes:
-            lens = _lengths(total, num_seqs, torch.Generator().manual_seed(total + num_seqs))
-            cu, cup = pad_cu_seqlens(lens, world, device=device)
-            rows = int(cup[-1])
-            gen = torch.Generator(device=device).manual_seed(total + num_seqs)  # one global batch on every rank
-            x = torch.randn(rows, hidden, device=device, generator=gen).to(dtype)
-            grad = torch.randn(rows, hidden, device=device, generator=gen).to(dtype)
-            real = valid_token_mask(cup, cu, rows)
-            with torch.no_grad():
-                ref = layer(x, cup)  # one device, eager, the whole batch
-            x_cp = shard_thd(x, cup, world, rank).requires_grad_()
-            grad_cp = shard_thd(grad, cup, world, rank)
-            real_cp = shard_thd(real, cup, world, rank)
-            ref_cp = shard_thd(ref, cup, world, rank)[real_cp]
-            del ref
+    for total, num_seqs in shapes:
+        lens = _lengths(total, num_seqs, torch.Generator().manual_seed(total + num_seqs))
+        cu, cup = pad_cu_seqlens(lens, world, device=device)
+        rows = int(cup[-1])
+        gen = torch.Generator(device=device).manual_seed(total + num_seqs)  # one global batch on every rank
+        x = torch.randn(rows, hidden, device=device, generator=gen).to(dtype)
+        grad = torch.randn(rows, hidden, device=device, generator=gen).to(dtype)
+        real = valid_token_mask(cup, cu, rows)
+        with torch.no_grad():
+            ref = layer(x, cup)  # one device, eager, the whole batch
+        x_cp = shard_thd(x, cup, world, rank).requires_grad_()
+        grad_cp = shard_thd(grad, cup, world, rank)
+        real_cp = shard_thd(real, cup, world, rank)
+        ref_cp = shard_thd(ref, cup, world, rank)[real_cp]
+        del ref
 
-            def cp_step(fn, group):
-                return _fwd_bwd(lambda: fn(x_cp, cup, group=group), [x_cp] + params, grad_cp)
+        def cp_step(fn):
+            return _fwd_bwd(lambda: fn(x_cp, cup, group=group), [x_cp] + params, grad_cp)
 
-            def check(fn, group):
-                """One fwd+bwd step of the CP layer; the output's rel_error on real tokens, max over ranks."""
-                for t in [x_cp] + params:
-                    t.grad = None
-                out_cp = fn(x_cp, cup, group=group)
-                err = max_over_ranks(rel_error(out_cp.detach()[real_cp], ref_cp))
-                out_cp.backward(grad_cp)
-                return err
+        def check(fn):
+            """One fwd+bwd step of the CP layer; the output's rel_error on real tokens, max over ranks."""
+            for t in [x_cp] + params:
+                t.grad = None
+            out_cp = fn(x_cp, cup, group=group)
+            err = max_over_ranks(rel_error(out_cp.detach()[real_cp], ref_cp))
+            out_cp.backward(grad_cp)
+            return err
 
-            shape_results = {cap: {} for cap in caps}
-            for cap, cap_group in groups.items():
-                res = shape_results[cap]
-                res["err eager"] = check(layer, cap_group)
-                try:
-                    res["err compiled"] = math.nan if eager_only else check(compiled["fn"], cap_group)
-                except Exception as e:  # noqa: BLE001  (a compile failure: retry with static shapes)
-                    if not compiled["dynamic"]:
-                        raise
-                    msg = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-                    print(f"rank {rank}: torch.compile(dynamic=True) failed ({msg}); using dynamic=False", flush=True)
-                    torch._dynamo.reset()
-                    compiled, compiled_unfused = compile_layer(dynamic=False)
-                    notes.append(f"compiled with dynamic=False (dynamic=True failed: {msg[:200]})")
-                    res["err compiled"] = check(compiled["fn"], cap_group)
-                res["W compiled"] = math.nan if eager_only else timed(cp_step(compiled["fn"], cap_group))
-            res, group = shape_results[caps[0]], groups[caps[0]]  # the rows timed on one group only
-            if full:
-                res["err per-seq"] = check(per_sequence, group)
-                res["W per-seq eager"] = timed(cp_step(per_sequence, group), per_sequence=True)
-                res["W eager"] = timed(cp_step(layer, group))
-                res["W eager unfused"] = timed(cp_step(unfused, group))
-                res["err compiled unfused"] = math.nan if eager_only else check(compiled_unfused, group)
-                res["W compiled unfused"] = math.nan if eager_only else timed(cp_step(compiled_unfused, group))
-            if profile:  # every rank runs the profiled steps (they meet in the all-to-alls)
-                for cap, cap_group in groups.items():
-                    per_kernel = kernel_steps[(total, num_seqs, cap)] = {}
-                    shape_results[cap].update(_profile_ranks(cp_step(compiled["fn"], cap_group), device, per_kernel))
+        res = {"err eager": check(layer)}
+        try:
+            res["err compiled"] = check(compiled["fn"])
+        except Exception as e:  # noqa: BLE001  (a compile failure: retry with static shapes)
+            if not compiled["dynamic"]:
+                raise
+            msg = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            print(f"rank {rank}: torch.compile(dynamic=True) failed ({msg}); using dynamic=False", flush=True)
+            torch._dynamo.reset()
+            compiled, compiled_unfused = compile_layer(dynamic=False)
+            notes.append(f"compiled with dynamic=False (dynamic=True failed: {msg[:200]})")
+            res["err compiled"] = check(compiled["fn"])
+        res["W compiled"] = timed(cp_step(compiled["fn"]))
+        if full:
+            res["err per-seq"] = check(per_sequence)
+            res["W per-seq eager"] = timed(cp_step(per_sequence), per_sequence=True)
+            res["W eager"] = timed(cp_step(layer))
+            res["W eager unfused"] = timed(cp_step(unfused))
+            res["err compiled unfused"] = check(compiled_unfused)
+            res["W compiled unfused"] = timed(cp_step(compiled_unfused))
+        if profile:  # every rank runs the profiled steps (they meet in the all-to-alls)
+            res.update({f"prof W {k}": v for k, v in profile_step(cp_step(compiled["fn"]), device).items()})
 
-            # one device: rank 0 alone, the whole batch, the same (compiled) layer; the others wait
-            one = {"1 compiled": math.nan, "1 eager": math.nan}
-            if rank == 0:
-                x_all = x.detach().requires_grad_()
-                if not eager_only:
-                    one["1 compiled"] = median_ms_counted(
-                        _fwd_bwd(lambda: compiled["fn"](x_all, cup), [x_all] + params, grad), warmup, runs, device
-                    )
-                if full:
-                    one["1 eager"] = median_ms_counted(
-                        _fwd_bwd(lambda: layer(x_all, cup), [x_all] + params, grad), warmup, runs, device
-                    )
-                if profile:
-                    step = _fwd_bwd(lambda: compiled["fn"](x_all, cup), [x_all] + params, grad)
-                    one_kernels[(total, num_seqs)] = per_kernel = {}
-                    one.update({f"prof 1 {k}": v for k, v in profile_timeline(step, per_kernel=per_kernel).items()})
-                    one["prof 1 host issue"] = host_issue_ms(step)
-                del x_all
-            dist.barrier()
-            del x, grad
-            _empty_cache(device)
-
-            if full:  # where one rank's step goes
-                for name, fn in piece_steps(layer, x_cp, cup, world).items():
-                    res[name] = timed(fn)
-                fused = a2a_steps(layer, x_cp, cup, group, thd_cp2hp, thd_hp2cp)
-                per_seq = a2a_steps(layer, x_cp, cup, group, per_sequence_cp2hp, per_sequence_hp2cp)
-                for name in ("cp2hp", "hp2cp"):
-                    res[f"{name} fwd+bwd"] = timed(fused[name])
-                    res[f"per-seq {name} fwd+bwd"] = timed(per_seq[name], per_sequence=True)
-                del fused, per_seq
-            for cap, res in shape_results.items():
-                results[(total, num_seqs, cap)] = {**one, **res}
-                if rank == 0:  # a line per column, so a run cut short by a time limit still reports
-                    done = ", ".join(f"{k} {v:.4g}" for k, v in results[(total, num_seqs, cap)].items()
-                                     if k.startswith(("err", "W ", "1 ")))  # fmt: skip
-                    print(f"T={total} B={num_seqs} {cta_label(cap)}: {done}", flush=True)
-            del x_cp, grad_cp
-            _empty_cache(device)
-
+        # one device: rank 0 alone, the whole batch, the same (compiled) layer; the others wait
+        one = {"1 compiled": math.nan, "1 eager": math.nan}
         if rank == 0:
-            cases = list(results)
-            name = f"gdn-cp{'-smoke' if smoke else ''}-w{world}"
-            name += "-compiled" * opts["compiled_only"] + "-cudagraphs" * opts["cudagraphs"]
-            env = _fla_environment(world)
-            table = _cp_table(results, cases, world, (hidden, hk, hv, dk, dv), dtype, runs, seq_runs, notes)
-            tables = [Result("gdn", table[0], table[1], table[2], table[3], env, name=name)]
-            for case in cases if opts["profile"] and opts["kernels"] else []:
-                tables.append(_kernel_table(case, one_kernels[case[:2]], kernel_steps[case], world, opts["kernels"],
-                                            env, name))  # fmt: skip
-            emit(tables, out)
-        # no rank tears down before all are done (gloo can abort a rank whose peer left first), as in tests/_dist.py
+            x_all = x.detach().requires_grad_()
+            one["1 compiled"] = median_ms_counted(
+                _fwd_bwd(lambda: compiled["fn"](x_all, cup), [x_all] + params, grad), warmup, runs, device
+            )
+            if full:
+                one["1 eager"] = median_ms_counted(
+                    _fwd_bwd(lambda: layer(x_all, cup), [x_all] + params, grad), warmup, runs, device
+                )
+            if profile:
+                step = _fwd_bwd(lambda: compiled["fn"](x_all, cup), [x_all] + params, grad)
+                one.update({f"prof 1 {k}": v for k, v in profile_step(step).items()})
+            del x_all
         dist.barrier()
-    finally:
-        # with CUDA graphs that captured NCCL work, a run hung after its table at the end
-        # (barrier or teardown, not narrowed down); the process ends with os._exit either way
-        if not opts["cudagraphs"]:
-            dist.destroy_process_group()
-    errors = [
-        r.get(k, math.nan)
-        for r in results.values()
-        for k in ("err eager", "err compiled", "err per-seq", "err compiled unfused")
-    ]
-    worst = max(e for e in errors if not math.isnan(e))  # nan: a row the flags skipped
+        del x, grad
+        torch.cuda.empty_cache()
+
+        if full:  # where one rank's step goes
+            for name, fn in piece_steps(layer, x_cp, cup, world).items():
+                res[name] = timed(fn)
+            fused = a2a_steps(layer, x_cp, cup, group, thd_cp2hp, thd_hp2cp)
+            per_seq = a2a_steps(layer, x_cp, cup, group, per_sequence_cp2hp, per_sequence_hp2cp)
+            for name in ("cp2hp", "hp2cp"):
+                res[f"{name} fwd+bwd"] = timed(fused[name])
+                res[f"per-seq {name} fwd+bwd"] = timed(per_seq[name], per_sequence=True)
+            del fused, per_seq
+        results[(total, num_seqs)] = {**one, **res}
+        if rank == 0:  # a line per column, so a run cut short by a time limit still reports
+            done = ", ".join(f"{k} {v:.4g}" for k, v in results[(total, num_seqs)].items()
+                             if k.startswith(("err", "W ", "1 ")))  # fmt: skip
+            print(f"T={total} B={num_seqs}: {done}", flush=True)
+        del x_cp, grad_cp
+        torch.cuda.empty_cache()
+
+    if rank == 0:
+        cases = list(results)
+        name = f"gdn-cp{'-smoke' if smoke else ''}-w{world}"
+        name += "-compiled" * opts["compiled_only"] + "-cudagraphs" * opts["cudagraphs"]
+        env = fla_environment(world)
+        table = _cp_table(results, cases, world, (hidden, hk, hv, dk, dv), dtype, runs, seq_runs, notes)
+        emit([Result("gdn", table[0], table[1], table[2], table[3], env, name=name)], out)
+    worst = max(v for r in results.values() for k, v in r.items() if k.startswith("err ") and not math.isnan(v))
     if not worst < CP_TOLERANCE:
         raise AssertionError(f"CP output off by rel_error {worst:.3g} >= {CP_TOLERANCE} against one device")
-
-
-def _profile_ranks(step, device, per_kernel: dict) -> dict[str, float]:
-    """Rank 0's :func:`profile_timeline` of the compiled CP step (``prof W *``; its time per
-    kernel name into ``per_kernel``), and every rank's :data:`benchmarks.common.RANK_WAIT_KEYS`
-    (``prof W rank r *``). Every rank must call it."""
-    prof = profile_timeline(step, per_kernel=per_kernel)
-    prof["host issue"] = host_issue_ms(step)
-    out = {f"prof W {k}": v for k, v in prof.items()}
-    for r, figures in enumerate(rank_waits(prof, device)):
-        out.update({f"prof W rank {r} {k}": v for k, v in figures.items()})
-    return out
-
-
-def _empty_cache(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def _cp_table(results, cases, world, dims, dtype, runs, seq_runs, notes) -> tuple[str, list, list, str]:
     """``(title, columns, rows, notes)`` of the CP table: a row per quantity, a column per case."""
     hidden, hk, hv, dk, dv = dims
     w = f"W={world}"
-    for case in cases:  # rows a run skipped (--eager-only, --compiled-only) read nan
+    for case in cases:  # rows a run skipped (--compiled-only) read nan
         r = results[case] = collections.defaultdict(lambda: math.nan, results[case])
         r["eff compiled"] = r["1 compiled"] / (world * r["W compiled"])
         r["eff eager"] = r["1 eager"] / (world * r["W eager"])
@@ -581,7 +504,7 @@ def _cp_table(results, cases, world, dims, dtype, runs, seq_runs, notes) -> tupl
         f"core on T rows, 1/W of the heads)"
     ]
     text += [f"- {n}" for n in notes]
-    columns = [""] + [_column(case, len({c for _, _, c in cases}) > 1) for case in cases]
+    columns = [""] + [f"T={t} B={b}" for t, b in cases]
     rows = []
     if "prof W wall" in results[cases[0]]:  # --profile: rank 0's compiled steps by kernel class
         for who, label in (("1", "1 GPU"), ("W", w)):
@@ -590,48 +513,13 @@ def _cp_table(results, cases, world, dims, dtype, runs, seq_runs, notes) -> tupl
         table.append(("profile, compiled 1 GPU: host issue", "prof 1 host issue", t))
         for r in range(world):
             for k in RANK_WAIT_KEYS:
-                table.append((f"profile, compiled {w} rank {r}: {k}", f"prof W rank {r} {k}", t))
+                table.append((f"profile, compiled {w} rank {r}: {k}", f"prof W rank {r}: {k}", t))
     for label, key, fmt in table:
         values = [results[c].get(key, math.nan) for c in cases]
         if all(math.isnan(v) for v in values):
             continue  # a row the flags skipped
         rows.append([label] + [fmt.format(v) for v in values])  # each row its own format: kept as text
     return title, columns, rows, "\n".join(text)
-
-
-def _kernel_table(case, one: dict[str, float], cp: dict[str, float], world: int, top: int, env: dict,
-                  name: str) -> Result:  # fmt: skip
-    """The ``top`` kernels of rank 0's compiled CP step by time, beside the one-GPU step's time in
-    the same kernel (same name; Inductor names its fused kernels per graph, so those rarely
-    match), then the rest of both steps summed."""
-    names = list(cp)[:top]
-    rest_cp = sum(v for k, v in cp.items() if k not in names)
-    rest_one = sum(v for k, v in one.items() if k not in names)
-    rows = [
-        [name.replace("|", "/")[:90], kernel_class(name), one.get(name, 0.0), one.get(name, 0.0) / world, cp[name]]
-        for name in names
-    ]
-    rows.append(["(every other kernel)", "", rest_one, rest_one / world, rest_cp])
-    rows.append(["(all)", "", sum(one.values()), sum(one.values()) / world, sum(cp.values())])
-    header = ["kernel", "class", "1 GPU", f"1 GPU / {world}", f"W={world} rank 0"]
-    total, num_seqs, cap = case
-    return Result("gdn", f"{_column(case, False)}: rank 0's top {top} kernels, ms per compiled step (--profile's steps)",
-                  header, rows, env=env, name=f"{name}-kernels-T{total}-B{num_seqs}" + (f"-ctas{cap}" if cap else ""))  # fmt: skip
-
-
-def _column(case, name_cap: bool) -> str:
-    total, num_seqs, cap = case
-    return f"T={total} B={num_seqs}" + (f", {cta_label(cap)}" if name_cap else "")
-
-
-def _fla_environment(world: int | None = None) -> dict:
-    try:
-        import fla
-
-        version = getattr(fla, "__version__", "?")
-    except ImportError:
-        version = "absent"
-    return environment(world, fla=version)
 
 
 def conv_main(tokens, seqs, gather: bool, out) -> None:
@@ -659,7 +547,6 @@ def main() -> None:
     parser.add_argument("--seqs", type=int, nargs="+", help=f"sequences per batch (default {SEQS})")
     parser.add_argument("--cp", type=int, default=0, help="W: run the CP layer on W ranks (one GPU each, NCCL)")
     parser.add_argument("--smoke", action="store_true", help="with --cp: gloo ranks on the CPU, tiny layer, few runs")
-    parser.add_argument("--eager-only", action="store_true", help="with --cp: skip the compiled layer (eager rows only)")
     parser.add_argument("--compiled-only", action="store_true",
                         help="with --cp: only the compiled layer's rows (and --profile's); no eager, unfused, "
                         "per-seq or piece rows")
@@ -674,25 +561,13 @@ def main() -> None:
                         "and GPU idle time (torch.profiler)")
     parser.add_argument("--rank-share", type=int, nargs="+", default=[], metavar="W",
                         help="one GPU: also time one rank's pieces of a W-rank CP layer, no collectives")
-    parser.add_argument("--kernels", type=int, default=0, metavar="N",
-                        help="with --profile: also list the N kernels of rank 0's CP step by time, "
-                        "beside the one-GPU step's time in each")
     parser.add_argument("--conv", action="store_true", help="one GPU: the conv kernels against FLA's, not the layer")
     parser.add_argument("--gather", action="store_true",
                         help="with --conv: the conv on rows in rank order, reorder + conv against the gathered conv")
-    add_nccl_cta_argument(parser)
     args = parser.parse_args()
     if args.gather and not args.conv:
         raise SystemExit("--gather needs --conv")
-    opts = {k: getattr(args, k) for k in ("eager_only", "compiled_only", "cudagraphs", "profile", "nccl_max_ctas",
-                                          "kernels")}  # fmt: skip
-    if args.kernels and not args.profile:
-        raise SystemExit("--kernels needs --profile")
-    check_nccl_cta_argument(args.nccl_max_ctas, args.smoke)
-    if len(args.nccl_max_ctas) > 1 and not args.compiled_only:
-        raise SystemExit("more than one --nccl-max-ctas needs --compiled-only (the other rows run on one group)")
-    if args.eager_only and (args.compiled_only or args.cudagraphs):
-        raise SystemExit("--eager-only excludes --compiled-only and --cudagraphs")
+    opts = {k: getattr(args, k) for k in ("compiled_only", "cudagraphs", "profile")}
     if args.smoke and args.cudagraphs:
         raise SystemExit("--cudagraphs needs GPUs, not --smoke")
     if args.smoke:
@@ -700,13 +575,13 @@ def main() -> None:
         tokens, seqs = args.tokens or SMOKE_TOKENS, args.seqs or SMOKE_SEQS
         if SMOKE_DIMS[1] % world:
             raise SystemExit(f"--smoke runs a layer with Hk = {SMOKE_DIMS[1]}; --cp must divide it")
-        spawn_ranks(_cp_worker, world, tokens, seqs, args.out, True, {**opts, "profile": False}, device="cpu")
+        spawn_ranks(_cp_rank, world, tokens, seqs, args.out, True, {**opts, "profile": False}, device="cpu")
         return
     tokens, seqs = args.tokens or TOKENS, args.seqs or SEQS
     if args.cp:
         if args.cp < 2 or HK % args.cp:
             raise SystemExit(f"--cp must be at least 2 and divide Hk = {HK}, got {args.cp}")
-        spawn_ranks(_cp_worker, args.cp, tokens, seqs, args.out, False, opts, device="cuda")
+        spawn_ranks(_cp_rank, args.cp, tokens, seqs, args.out, False, opts, device="cuda", keep_group=args.cudagraphs)
         return
     if not torch.cuda.is_available():
         raise SystemExit("bench_gdn needs a CUDA device (or --cp 2 --smoke on the CPU)")
@@ -722,7 +597,7 @@ def main() -> None:
         columns = [""] + [f"T={t} B={b}" for t, b in results]
         rows = [[name] + [r[name] for r in results.values()] for name in results[case]]
         title = f"GatedDeltaNet (hidden {HIDDEN}, Hk {HK}, Hv {HV}, dk = dv = {DK}), bf16, median ms"
-        emit([Result("gdn", title, columns, rows, env=_fla_environment(), name="gdn")], args.out)
+        emit([Result("gdn", title, columns, rows, env=fla_environment(), name="gdn")], args.out)
 
 
 if __name__ == "__main__":

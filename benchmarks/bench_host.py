@@ -2,7 +2,7 @@
 (a subprocess each), and with --cold-start the demo's and a GatedDeltaNet layer's first steps in
 fresh processes on empty caches (cold), then on the caches they left (warm).
 
-    python -m benchmarks.bench_host [--ops NAME ...] [--forms 0 1] [--layout-sweep] [--raw FILE.json] [--out DIR]
+    python -m benchmarks.bench_host [--ops NAME ...] [--layout-sweep] [--raw FILE.json] [--out DIR]
     python -m benchmarks.bench_host --cold-start [--parts demo layer] [--keep-autotuning] [--unseeded] [--timeout S]
     python -m benchmarks.bench_host [--cold-start] --smoke     # the CPU: tiny shapes, the torch references
 
@@ -15,6 +15,8 @@ docs/benchmarks.md says what each figure measures.
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import itertools
 import json
 import os
 import re
@@ -35,30 +37,29 @@ FORMS = {"0": "triton_op", "1": "opaque"}
 
 
 class Case:
-    """One op: ``fwd()`` is one eager call; ``make_bwd()`` returns a function that runs one
-    backward through autograd from a fresh forward's output (the forward issued beforehand,
-    not timed), or None where the op is not differentiable. ``main`` is the input a clone of
-    which moves the same bytes (None: no clone row). ``calls`` is N per timed batch."""
+    """One op ``fn(*inputs)``: ``fwd()`` is one eager call; ``make_bwd()`` (None where the op is not
+    differentiable) runs one forward with the inputs requiring grad, not timed, and returns a
+    function that runs its backward (``torch.autograd.grad``, so no gradient accumulates between
+    calls) from ``grads(outputs that require grad)``, ones by default. ``main`` is the input a clone
+    of which moves the same bytes (None: no clone row). ``calls`` is N per timed batch."""
 
-    def __init__(self, name, group, fwd, make_bwd=None, main=None, calls=50, reference=None):
-        self.name, self.group, self.fwd, self.make_bwd, self.main, self.calls = name, group, fwd, make_bwd, main, calls
-        self.reference = reference  # what fwd() must return, bit for bit (the layout ops)
+    def __init__(self, name, group, fn, inputs, main=None, calls=50, grads=None, differentiable=True):
+        self.name, self.group, self.main, self.calls = name, group, main, calls
+        self.fwd = lambda: fn(*inputs)
+        self.make_bwd = _backward_factory(fn, inputs, grads) if differentiable else None
+        self.reference = None  # what fwd() must return, bit for bit (the layout ops)
 
 
-def _grad_case(fn, inputs, grads_like):
-    """``make_bwd`` for ``fn(*inputs)``: each call of the returned factory runs one forward with
-    ``inputs`` requiring grad and returns a closure that runs its backward
-    (``torch.autograd.grad``, so no gradient accumulates between calls)."""
+def _backward_factory(fn, inputs, grads):
     import torch
 
-    leaves = [t.detach().requires_grad_(True) if req else t for t, req in inputs]
-    wanted = [t for t, (_, req) in zip(leaves, inputs) if req]
+    leaves = [t.detach().requires_grad_() for t in inputs]
 
     def make():
         out = fn(*leaves)
         outs = [o for o in (out if isinstance(out, tuple) else (out,)) if o.requires_grad]
-        grads = grads_like(outs)
-        return lambda: torch.autograd.grad(outs, wanted, grads)
+        dout = grads(outs) if grads else [torch.ones_like(o) for o in outs]
+        return lambda: torch.autograd.grad(outs, leaves, dout)
 
     return make
 
@@ -78,11 +79,8 @@ def build_cases(device, smoke: bool, only=None):
         """Whether ``--ops`` asks for the group or one of its ops (everything without ``--ops``)."""
         return not only or group in only or any(name in only for name in names)
 
-    def same_grads(outs):
-        return [torch.ones_like(o) for o in outs]
-
     def cu(lengths):
-        return torch.tensor([0] + list(_cumsum(lengths)), dtype=torch.int32, device=device)
+        return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
 
     w = 4
     seqs, seq_len = (4, 16) if smoke else (16, 4096)
@@ -98,24 +96,19 @@ def build_cases(device, smoke: bool, only=None):
     xf = rand(rows, feats)
     blocks = rand(w, rows, feats // w)
     cases = [
-        Case("clone (floor)", "floor", lambda: x.clone(), _grad_case(lambda a: a.clone(), [(x, True)], same_grads), x),
-        Case("thd_seq_to_rank_order", "layout", lambda: custom_ops.thd_seq_to_rank_order(x, cup, w),
-             _grad_case(lambda a: custom_ops.thd_seq_to_rank_order(a, cup, w), [(x, True)], same_grads), x),
-        Case("thd_rank_to_seq_order", "layout", lambda: custom_ops.thd_rank_to_seq_order(x, cup, w),
-             _grad_case(lambda a: custom_ops.thd_rank_to_seq_order(a, cup, w), [(x, True)], same_grads), x),
-        Case("thd_copy_valid_tokens", "layout", lambda: custom_ops.thd_copy_valid_tokens(dst, src, cup, cur),
-             _grad_case(lambda a, b: custom_ops.thd_copy_valid_tokens(a, b, cup, cur), [(dst, True), (src, True)],
-                        same_grads), x),
-        Case("thd_copy_valid_tokens_", "layout", lambda: custom_ops.thd_copy_valid_tokens_(dst, src, cup, cur), None, x),
-        Case("permute_sections", "layout", lambda: custom_ops.permute_sections(xf, sections, w),
-             _grad_case(lambda a: custom_ops.permute_sections(a, sections, w), [(xf, True)], same_grads), xf),
-        Case("unpermute_sections", "layout", lambda: custom_ops.unpermute_sections(xf, sections, w),
-             _grad_case(lambda a: custom_ops.unpermute_sections(a, sections, w), [(xf, True)], same_grads), xf),
-        Case("sections_to_rank_blocks", "layout", lambda: custom_ops.sections_to_rank_blocks(xf, sections, w),
-             _grad_case(lambda a: custom_ops.sections_to_rank_blocks(a, sections, w), [(xf, True)], same_grads), xf),
-        Case("rank_blocks_to_sections", "layout", lambda: custom_ops.rank_blocks_to_sections(blocks, sections, w),
-             _grad_case(lambda a: custom_ops.rank_blocks_to_sections(a, sections, w), [(blocks, True)], same_grads),
-             blocks),
+        Case("clone (floor)", "floor", lambda a: a.clone(), [x], x),
+        Case("thd_seq_to_rank_order", "layout", lambda a: custom_ops.thd_seq_to_rank_order(a, cup, w), [x], x),
+        Case("thd_rank_to_seq_order", "layout", lambda a: custom_ops.thd_rank_to_seq_order(a, cup, w), [x], x),
+        Case("thd_copy_valid_tokens", "layout", lambda a, b: custom_ops.thd_copy_valid_tokens(a, b, cup, cur),
+             [dst, src], x),
+        Case("thd_copy_valid_tokens_", "layout", lambda a, b: custom_ops.thd_copy_valid_tokens_(a, b, cup, cur),
+             [dst, src], x, differentiable=False),
+        Case("permute_sections", "layout", lambda a: custom_ops.permute_sections(a, sections, w), [xf], xf),
+        Case("unpermute_sections", "layout", lambda a: custom_ops.unpermute_sections(a, sections, w), [xf], xf),
+        Case("sections_to_rank_blocks", "layout", lambda a: custom_ops.sections_to_rank_blocks(a, sections, w),
+             [xf], xf),
+        Case("rank_blocks_to_sections", "layout", lambda a: custom_ops.rank_blocks_to_sections(a, sections, w),
+             [blocks], blocks),
     ]  # fmt: skip
 
     references = {
@@ -142,13 +135,12 @@ def build_cases(device, smoke: bool, only=None):
     lens = torch.full((a_seqs,), a_len, dtype=torch.int32, device=device)
     seg = (starts, lens, torch.zeros_like(starts), starts, lens)
 
-    def attn(q_, k_, v_):
-        return custom_ops.varlen_attention(q_, k_, v_, *seg, causal=True)
+    def out_grad_only(outs):  # ones for the output, zeros for the log-sum-exp
+        return [torch.ones_like(outs[0])] + [torch.zeros_like(o) for o in outs[1:]]
 
-    cases.append(Case("varlen_attention", "attention", lambda: attn(q, k, v),
-                      _grad_case(attn, [(q, True), (k, True), (v, True)],
-                                 lambda outs: [torch.ones_like(outs[0])] + [torch.zeros_like(o) for o in outs[1:]]),
-                      None, calls=30))  # fmt: skip
+    cases.append(Case("varlen_attention", "attention",
+                      lambda q_, k_, v_: custom_ops.varlen_attention(q_, k_, v_, *seg, causal=True), [q, k, v],
+                      calls=30, grads=out_grad_only))  # fmt: skip
 
     if not (wanted("conv", "causal_conv1d", "causal_conv1d_gather") or wanted("gdn", "chunk_gated_delta_rule")):
         return _select(cases, only)
@@ -159,19 +151,14 @@ def build_cases(device, smoke: bool, only=None):
     xg = rand(rows, channels + channels // 4)
     perm = custom_ops.thd_seq_to_rank_order(torch.arange(rows, device=device), cup, w)
 
-    def conv(a, wt):
-        return custom_ops.causal_conv1d(a, wt, None, cup, "silu")
-
-    def conv_gather(a, wt):
-        return custom_ops.causal_conv1d_gather(a, perm, wt, None, cup, "silu")
-
-    cases.append(Case("causal_conv1d", "conv", lambda: conv(xc, weight),
-                      _grad_case(conv, [(xc, True), (weight, True)], same_grads), None, calls=30))
-    cases.append(Case("causal_conv1d_gather", "conv", lambda: conv_gather(xg, weight),
-                      _grad_case(conv_gather, [(xg, True), (weight, True)], same_grads), None, calls=30))  # fmt: skip
+    cases.append(Case("causal_conv1d", "conv", lambda a, wt: custom_ops.causal_conv1d(a, wt, None, cup, "silu"),
+                      [xc, weight], calls=30))
+    cases.append(Case("causal_conv1d_gather", "conv",
+                      lambda a, wt: custom_ops.causal_conv1d_gather(a, perm, wt, None, cup, "silu"), [xg, weight],
+                      calls=30))  # fmt: skip
 
     # gated delta rule: Hk = 4, Hv = 8, d = 128 over 4 sequences of 4096 (FLA's kernels on CUDA)
-    if device == "cpu" or _has_fla():
+    if device == "cpu" or importlib.util.find_spec("fla") is not None:
         g_seqs, g_len, hk, hv, dk = (2, 8, 1, 2, 8) if smoke else (4, 4096, 4, 8, 128)
         g_rows = g_seqs * g_len
         gq, gk = rand(g_rows, hk, dk), rand(g_rows, hk, dk)
@@ -181,12 +168,9 @@ def build_cases(device, smoke: bool, only=None):
         gb = torch.sigmoid(rand(g_rows, hv, dtype=torch.float32)).to(bf16)
         gcu = cu([g_len] * g_seqs)
 
-        def gdn(q_, k_, v_, g_, b_):
-            return custom_ops.chunk_gated_delta_rule(q_, k_, v_, g_, b_, gcu)
-
-        cases.append(Case("chunk_gated_delta_rule", "gdn", lambda: gdn(gq, gk, gv, gg, gb),
-                          _grad_case(gdn, [(gq, True), (gk, True), (gv, True), (gg, True), (gb, True)], same_grads),
-                          None, calls=10))  # fmt: skip
+        cases.append(Case("chunk_gated_delta_rule", "gdn",
+                          lambda *qkvgb: custom_ops.chunk_gated_delta_rule(*qkvgb, gcu), [gq, gk, gv, gg, gb],
+                          calls=10))  # fmt: skip
     return _select(cases, only)
 
 
@@ -194,66 +178,48 @@ def _select(cases, only):
     return [c for c in cases if not only or c.name in only or c.group in only or c.group == "floor"]
 
 
-def _cumsum(values):
-    total = 0
-    for v in values:
-        total += v
-        yield total
-
-
-def _has_fla() -> bool:
-    try:
-        import fla  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 # --- host time per call: timing -------------------------------------------------------------------
 
 
-def host_us(fn, calls: int, cuda: bool, reps: int = 7) -> dict:
-    """Host microseconds per call of ``fn``: ``{"us": median over reps, "min": best rep,
-    "gpu_waited": whether the sleep ran out in any rep}``. On the CPU, plain wall time."""
+def host_us(prepare, calls: int, cuda: bool, reps: int = 7) -> dict:
+    """Host microseconds per call of what ``prepare()`` returns (a case's ``lambda: fwd``, or its
+    ``make_bwd``: the N calls of a batch are prepared before it, not timed): ``{"us": median over
+    reps, "min": best rep, "gpu_waited": whether the sleep ran out in any rep}``. On CUDA each
+    batch is issued behind a GPU sleep, so that the GPU never waits (a batch whose sleep ran out
+    is issued again behind a 4x longer one, twice at most); on the CPU, plain wall time."""
     import torch
 
-    fn()  # compiles, allocates
-    if not cuda:
-        times = []
-        for _ in range(calls):
-            fn()
-        for _ in range(reps):
-            start = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            times.append((time.perf_counter() - start) / calls * 1e6)
-        return {"us": statistics.median(times), "min": min(times), "gpu_waited": False}
-    torch.cuda.synchronize()
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    prepare()()  # compiles, allocates
+    sync()
     start = time.perf_counter()
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    estimate = (time.perf_counter() - start) / 3  # seconds per call, GPU time included: an upper bound
-    cycles = _sleep_cycles(calls, estimate)
+    prepare()()
+    sync()
+    cycles = _sleep_cycles(calls, time.perf_counter() - start)  # GPU time included: an upper bound
     times, waited = [], False
     for rep in range(reps + 1):  # the first round warms the allocator for N live results
         for _attempt in range(3):
-            torch.cuda.synchronize()
-            torch.cuda._sleep(cycles)
-            slept = torch.cuda.Event()
-            slept.record()
+            batch = [prepare() for _ in range(calls)]
+            sync()
+            if cuda:
+                torch.cuda._sleep(cycles)
+                slept = torch.cuda.Event()
+                slept.record()
             start = time.perf_counter()
-            keep = [fn() for _ in range(calls)]
+            keep = [call() for call in batch]
             elapsed = time.perf_counter() - start
-            pending = not slept.query()
-            del keep
+            pending = not cuda or not slept.query()
+            del keep, batch
             if pending:
                 break
             cycles *= 4
         waited |= not pending
         if rep:
             times.append(elapsed / calls * 1e6)
-    torch.cuda.synchronize()
+    sync()
     return {"us": statistics.median(times), "min": min(times), "gpu_waited": waited}
 
 
@@ -261,42 +227,6 @@ def _sleep_cycles(calls: int, seconds_per_call: float) -> int:
     """GPU clock cycles (at most 2 GHz) that outlast issuing ``calls`` calls twice over, capped at
     2 s: a row whose sleep still runs out says so."""
     return int(min(2 * calls * seconds_per_call, 2.0) * 2e9) + 2_000_000
-
-
-def host_us_backward(make_bwd, calls: int, cuda: bool, reps: int = 5) -> dict:
-    """:func:`host_us` of backward calls alone: N forwards are issued first (not timed)."""
-    import torch
-
-    results = []
-    estimate = 0.0
-    if cuda:
-        make_bwd()()  # compiles the backward's kernels
-        first = make_bwd()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        first()
-        torch.cuda.synchronize()
-        estimate = time.perf_counter() - start  # seconds per call, GPU time included: an upper bound
-    for rep in range(reps + 1):
-        backwards = [make_bwd() for _ in range(calls)]
-        if cuda:
-            torch.cuda.synchronize()
-        pending = True
-        if cuda:
-            torch.cuda._sleep(_sleep_cycles(calls, estimate))
-            slept = torch.cuda.Event()
-            slept.record()
-        start = time.perf_counter()
-        keep = [b() for b in backwards]
-        elapsed = time.perf_counter() - start
-        if cuda:
-            pending = not slept.query()
-            torch.cuda.synchronize()
-        del keep, backwards
-        if rep:
-            results.append((elapsed / calls * 1e6, pending))
-    times = [t for t, _ in results]
-    return {"us": statistics.median(times), "min": min(times), "gpu_waited": not all(p for _, p in results)}
 
 
 def consistent(fn) -> bool | None:
@@ -330,12 +260,12 @@ def run_child(args) -> dict:
             row["same bits twice"] = consistent(case.fwd) if cuda else None
             if case.reference is not None:
                 row["matches reference"] = bool(torch.equal(case.fwd(), case.reference()))
-            fwd = host_us(case.fwd, calls, cuda)
+            fwd = host_us(lambda: case.fwd, calls, cuda)
         row["fwd host us"], row["fwd host us min"], row["fwd gpu waited"] = fwd["us"], fwd["min"], fwd["gpu_waited"]
         if case.make_bwd is not None:
-            bwd = host_us_backward(case.make_bwd, calls, cuda)
+            bwd = host_us(case.make_bwd, calls, cuda, reps=5)
             row["bwd host us"], row["bwd host us min"], row["bwd gpu waited"] = bwd["us"], bwd["min"], bwd["gpu_waited"]
-        if cuda and not args.host_only:
+        if cuda:
             with torch.no_grad():
                 row["call ms"] = median_ms(case.fwd, 25, 100)
                 row["kernels ms"] = kernel_ms(case.fwd, warmup=1)
@@ -344,13 +274,14 @@ def run_child(args) -> dict:
                     row["clone ms"] = median_ms(lambda: main.clone(), 25, 100)
         result["rows"].append(row)
         print(json.dumps(row), flush=True)
-    if args.layout_sweep and cuda and not args.host_only:
+    if args.layout_sweep and cuda:
         result["layout_sweep"] = layout_sweep()
     return result
 
 
-def layout_sweep() -> list[dict]:
-    """The four THD layout ops against a clone, do_bench, at bench_thd_layout.py's row widths."""
+def layout_sweep() -> list[list]:
+    """The four THD layout ops against a clone, do_bench, at bench_thd_layout.py's row widths: a
+    row of shape, W, clone ms and each op's time over the clone's per (shape, W)."""
     import torch
 
     import custom_ops
@@ -364,16 +295,13 @@ def layout_sweep() -> list[dict]:
             x = torch.randn((seqs * seq_len,) + trailing, device="cuda", dtype=torch.bfloat16)
             src, dst = torch.randn_like(x), x.clone()
             clone = median_ms(lambda: x.clone(), 25, 100)
-            row = {"shape": f"{seqs}x{seq_len} tok, {trailing[0]}x{trailing[1]}", "W": w, "clone ms": clone}
-            for name, fn in (
-                ("seq_to_rank", lambda: custom_ops.thd_seq_to_rank_order(x, cup, w)),
-                ("rank_to_seq", lambda: custom_ops.thd_rank_to_seq_order(x, cup, w)),
-                ("copy_valid", lambda: custom_ops.thd_copy_valid_tokens(x, src, cup, cur)),
-                ("copy_valid_", lambda: custom_ops.thd_copy_valid_tokens_(dst, src, cup, cur)),
-            ):
-                row[f"{name} / clone"] = median_ms(fn, 25, 100) / clone
-            out.append(row)
-            print(json.dumps(row), flush=True)
+            ops = (lambda: custom_ops.thd_seq_to_rank_order(x, cup, w),
+                   lambda: custom_ops.thd_rank_to_seq_order(x, cup, w),
+                   lambda: custom_ops.thd_copy_valid_tokens(x, src, cup, cur),
+                   lambda: custom_ops.thd_copy_valid_tokens_(dst, src, cup, cur))  # fmt: skip
+            row = [f"{seqs}x{seq_len} tok, {trailing[0]}x{trailing[1]}", w, clone]
+            out.append(row + [median_ms(fn, 25, 100) / clone for fn in ops])
+            print(json.dumps(out[-1]), flush=True)
     return out
 
 
@@ -386,7 +314,7 @@ def spawn(form: str, args, tmp: str) -> dict:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
     env.pop("TRITON_INTERPRET", None)
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--child-out", out]
-    cmd += ["--smoke"] * args.smoke + ["--layout-sweep"] * args.layout_sweep + ["--host-only"] * args.host_only
+    cmd += ["--smoke"] * args.smoke + ["--layout-sweep"] * args.layout_sweep
     if args.ops:
         cmd += ["--ops", *args.ops]
     print(f"===== {FORMS[form]} form", flush=True)
@@ -421,17 +349,6 @@ def _fmt_us(row: dict, which: str) -> str:
     if us is None:
         return ""
     return f"{us:.1f}" + (" (GPU waited)" if row.get(f"{which} gpu waited") else "")
-
-
-def sweep_table(runs: dict) -> tuple[list[str], list[list]]:
-    header = ["form", "shape", "W", "clone ms", "seq_to_rank", "rank_to_seq", "copy_valid", "copy_valid_"]
-    rows = []
-    for form in ("triton_op", "opaque"):
-        for r in runs.get(form, {}).get("layout_sweep", []):
-            cells = [form, r["shape"], str(r["W"]), f"{r['clone ms']:.3f}"]
-            cells += [f"{r[f'{n} / clone']:.2f}x" for n in ("seq_to_rank", "rank_to_seq", "copy_valid", "copy_valid_")]
-            rows.append(cells)
-    return header, rows
 
 
 # --- cold start: a fresh process's first steps ----------------------------------------------------
@@ -615,8 +532,13 @@ def run_layer_child(mode: str, env: dict, smoke: bool, timeout: float) -> tuple[
             figures = json.loads(text[len(RESULT_PREFIX) :])
             figures["total_s"] = run["total_s"]
             return figures, ""
+    return None, failure(run)
+
+
+def failure(run: dict) -> str:
+    """Why a run of :func:`stamp_output` failed, and the end of its output."""
     tail = " | ".join(text for _, text in run["pieces"][-3:])
-    return None, ("ran past the time limit" if run["rc"] is None else f"rc={run['rc']}") + f": {tail[-300:]}"
+    return ("ran past the time limit" if run["rc"] is None else f"exited with rc={run['rc']}") + f": {tail[-300:]}"
 
 
 # --- cold start: the parent -----------------------------------------------------------------------
@@ -654,31 +576,32 @@ def runs_and_environments(args, part: str):
 
 def demo_rows(runs: dict[str, dict]) -> list[list]:
     """Table rows of the demo's runs (``{"cold": figures, "warm": figures, "unseeded": figures}``)."""
-    cold, warm, unseeded = runs.get("cold", {}), runs.get("warm", {}), runs.get("unseeded", {})
-    step1 = cold.get("to_step1_s")
+    step1 = runs.get("cold", {}).get("to_step1_s")
     verdict = "-" if step1 is None else ("yes" if step1 <= STEP1_TARGET_S else "no")
-    figures = [
+    return _rows("demo", runs, [
         ("process start to end of step 1, s", "to_step1_s", f"<= {STEP1_TARGET_S:.0f} s cold: {verdict}"),
         ("process start to training start, s", "to_training_s", ""),
         ("compile time (the demo's), s", "compile_s", ""),
         ("steady step (the demo's), ms", "step_ms", ""),
         ("process start to exit, s", "total_s", ""),
-    ]
-    return [["demo", label, cold.get(key), warm.get(key), unseeded.get(key), target] for label, key, target in figures]
+    ])  # fmt: skip
 
 
 def layer_rows(mode: str, runs: dict[str, dict]) -> list[list]:
-    cold, warm, unseeded = runs.get("cold", {}), runs.get("warm", {}), runs.get("unseeded", {})
     if mode == "eager":
-        figures = [("process start to cp_ops imported, s", "import_s"), ("first forward, s", "first_fwd_s"),
-                   ("first backward, s", "first_bwd_s"), ("process start to end of first fwd+bwd, s",
-                   "to_first_step_s"), ("steady fwd+bwd, ms", "steady_ms")]  # fmt: skip
+        first = [("first forward, s", "first_fwd_s", ""), ("first backward, s", "first_bwd_s", "")]
     else:
-        figures = [("process start to cp_ops imported, s", "import_s"), ("first fwd+bwd (compiles), s",
-                   "first_step_s"), ("process start to end of first fwd+bwd, s", "to_first_step_s"),
-                   ("steady fwd+bwd, ms", "steady_ms")]  # fmt: skip
-    return [[f"GatedDeltaNet {mode}", label, cold.get(key), warm.get(key), unseeded.get(key), ""]
-            for label, key in figures]  # fmt: skip
+        first = [("first fwd+bwd (compiles), s", "first_step_s", "")]
+    return _rows(f"GatedDeltaNet {mode}", runs, [
+        ("process start to cp_ops imported, s", "import_s", ""), *first,
+        ("process start to end of first fwd+bwd, s", "to_first_step_s", ""), ("steady fwd+bwd, ms", "steady_ms", ""),
+    ])  # fmt: skip
+
+
+def _rows(part: str, runs: dict[str, dict], figures) -> list[list]:
+    """A row per ``(label, key, target)`` of ``figures``: the figure in the cold, warm and unseeded runs."""
+    return [[part, label, *(runs.get(which, {}).get(key) for which in ("cold", "warm", "unseeded")), target]
+            for label, key, target in figures]  # fmt: skip
 
 
 def cold_start_result(rows: list[list], notes: list[str], args):
@@ -728,9 +651,7 @@ def cold_start(args) -> None:
             run = stamp_output(cmd, env, timeout)
             runs[which] = {**parse_demo(run["pieces"]), "total_s": run["total_s"]}
             if run["rc"] != 0:
-                why = "ran past the time limit" if run["rc"] is None else f"exited with rc={run['rc']}"
-                tail = " | ".join(text for _, text in run["pieces"][-3:])
-                notes.append(f"demo, {which}: {why}: {tail[-300:]}")
+                notes.append(f"demo, {which}: {failure(run)}")
             print(f"demo {which}: " + ", ".join(f"{k} {v}" for k, v in runs[which].items()), flush=True)
         rows += demo_rows(runs)
         write()
@@ -752,7 +673,6 @@ def cold_start(args) -> None:
         raise SystemExit("some runs failed: " + "; ".join(notes))
 
 
-
 def main(argv: list[str] | None = None) -> None:
     # the parent's only: the checkout comparison loads this file in a child with another checkout's packages
     from benchmarks.runner import Result, add_out_argument, emit, env_line, environment
@@ -764,9 +684,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layout-sweep", action="store_true", help="the THD layout ops against a clone, W = 2, 4, 8")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes on the CPU (--cold-start: a tiny layer, and a short demo with --parts)")
-    parser.add_argument("--host-only", action="store_true", help="host times only")
-    parser.add_argument("--forms", nargs="+", choices=list(FORMS), default=list(FORMS),
-                        help="CP_OPS_OPAQUE_KERNELS values to run (default: 0 1)")
     parser.add_argument("--cold-start", action="store_true", help="the demo's and a layer's first steps, cold and warm")
     parser.add_argument("--parts", nargs="+", choices=["demo", "layer"], default=None,
                         help="--cold-start: what to run (default: both; the layer alone with --smoke)")
@@ -795,19 +712,22 @@ def main(argv: list[str] | None = None) -> None:
     env = environment()
     print(env_line(env), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        runs = {FORMS[form]: spawn(form, args, tmp) for form in args.forms}
+        runs = {FORMS[form]: spawn(form, args, tmp) for form in FORMS}
     command = "python -m benchmarks.bench_host " + " ".join(sys.argv[1:])
     name = "host" + "-smoke" * args.smoke
     results = [Result("host", "Host time per op call, both registration forms", *table(runs, args.smoke),
                       notes=f"`{command}`", env=env, name=name)]  # fmt: skip
     if args.layout_sweep and not args.smoke:
-        results.append(Result("host", "The four THD layout ops against a clone, both forms", *sweep_table(runs),
-                              notes=f"`{command}`", env=env, name=f"{name}-layout-sweep"))  # fmt: skip
+        ops = ["seq_to_rank", "rank_to_seq", "copy_valid", "copy_valid_"]
+        rows = [[form, *row] for form, run in runs.items() for row in run.get("layout_sweep", [])]
+        formats = {"clone ms": "{:.3f}", **dict.fromkeys(ops, "{:.2f}x")}
+        results.append(Result("host", "The four THD layout ops against a clone, both forms",
+                              ["form", "shape", "W", "clone ms", *ops], rows, f"`{command}`", env,
+                              name=f"{name}-layout-sweep", formats=formats))  # fmt: skip
     if args.raw:
         with open(args.raw, "w") as f:
             json.dump({"environment": env, "command": command, "runs": {"this tree": runs}}, f, indent=1)
     emit(results, args.out)
-
 
 
 if __name__ == "__main__":

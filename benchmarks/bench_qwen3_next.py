@@ -18,8 +18,10 @@ from unittest import mock
 
 import torch
 
+from benchmarks.cases import random_lengths
 from benchmarks.runner import Result, add_out_argument, emit, environment
 from benchmarks.timing import median_ms_counted
+from custom_ops.testing import rel_error
 
 SIZES = {
     "full": dict(
@@ -45,15 +47,6 @@ def make_config(sizes: dict):
         rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
         attn_implementation="sdpa", use_cache=False,
     )  # fmt: skip
-
-
-def sequence_lengths(tokens: int, seqs: int, seed: int = 0) -> list[int]:
-    """``seqs`` mixed lengths summing to ``tokens`` (random proportions, fixed seed)."""
-    gen = torch.Generator().manual_seed(seed)
-    weights = torch.rand(seqs, generator=gen) + 0.2
-    lengths = (weights / weights.sum() * tokens).floor().long()
-    lengths[0] += tokens - int(lengths.sum())
-    return lengths.tolist()
 
 
 def build_model(config, seed: int = 0):
@@ -140,11 +133,6 @@ def mixer_gradients(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm())
-
-
 def errors(logits, loss, grads, ref) -> dict[str, float]:
     ref_logits, ref_loss, ref_grads = ref
     out = {"logits": rel_error(logits, ref_logits), "loss": rel_error(loss, ref_loss)}
@@ -175,7 +163,7 @@ def main() -> None:
         runs, warmup = args.runs, 3
     cpu = device.type == "cpu"
     config = make_config(sizes)
-    lengths = sequence_lengths(tokens, seqs)
+    lengths = random_lengths(tokens, seqs, torch.Generator().manual_seed(0))
     gen = torch.Generator().manual_seed(1)
     sequences = [torch.randint(0, config.vocab_size, (n,), generator=gen).to(device) for n in lengths]
     count = sum(n - 1 for n in lengths)

@@ -55,20 +55,12 @@ def run() -> Result:
                 return d
 
             compiled_inplace = torch.compile(compiled_inplace, fullgraph=True)
-            t["seq_to_rank (compiled)"] = median_ms(lambda: compiled_fn(x))
-            t["copy_valid (compiled)"] = median_ms(lambda: compiled_copy(x, src))
-            t["copy_valid_ (compiled)"] = median_ms(lambda: compiled_inplace(dst_inplace, src))
-            rows.append(
-                [name, w, t["clone"], t["index_select"], t["loop"], t["seq_to_rank"], t["rank_to_seq"],
-                 t["copy_valid"], t["copy_valid_"], t["seq_to_rank (compiled)"], t["copy_valid (compiled)"],
-                 t["copy_valid_ (compiled)"],
-                 max(t["seq_to_rank"], t["rank_to_seq"], t["copy_valid"]) / t["clone"],
-                 gbytes / t["seq_to_rank"]]
-            )
-    header = ["shape (bf16)", "W", "clone ms", "index_select ms", "loop ms", "seq_to_rank ms", "rank_to_seq ms",
-              "copy_valid ms", "copy_valid_ ms", "seq_to_rank compiled ms", "copy_valid compiled ms",
-              "copy_valid_ compiled ms",
-              "worst op / clone", "seq_to_rank TB/s"]
+            t["seq_to_rank compiled"] = median_ms(lambda: compiled_fn(x))
+            t["copy_valid compiled"] = median_ms(lambda: compiled_copy(x, src))
+            t["copy_valid_ compiled"] = median_ms(lambda: compiled_inplace(dst_inplace, src))
+            worst = max(t["seq_to_rank"], t["rank_to_seq"], t["copy_valid"]) / t["clone"]
+            rows.append([name, w, *t.values(), worst, gbytes / t["seq_to_rank"]])
+    header = ["shape (bf16)", "W", *(f"{k} ms" for k in t), "worst op / clone", "seq_to_rank TB/s"]
     return Result("thd_layout", "THD layout ops against the copy floor", header, rows, env=environment(),
                   name="layout", formats={"W": "{:d}", "worst op / clone": "{:.2f}x", "seq_to_rank TB/s": "{:.2f}"})
 

@@ -1,31 +1,16 @@
 """Training-step benchmark of examples/train_qwen3_next.py (slice4: four Qwen3-Next-80B-width
-layers), CP over W = 1, 2, 4 GPUs of one host at fixed global tokens (strong scaling).
+layers): every run is the recipe itself under torchrun, under a timeout, read back from its
+``--log-json``; CP over W = 1, 2, 4 GPUs of one host at fixed global tokens (strong scaling).
 
-    python -m benchmarks.bench_train                          # W = 1, 2, 4; 32768 and 131072 tokens; graphs off / on
+    python -m benchmarks.bench_train [--worlds 1,2,4] [--tokens 32768,131072] [--graphs off|on|both]
+                                     [--steps N] [--warmup N] [--timeout S] [--out DIR] [--extra ARGS ...]
     python -m benchmarks.bench_train --smoke                  # tiny preset, CPU, W = 1, 2, 3 steps
-    python -m benchmarks.bench_train --curves                 # loss curves: 1 GPU, (dp 1, cp 4), (dp 2, cp 2)
-    python -m benchmarks.bench_train --fit 20,18,16,12,8      # the 80B config's largest layer count at cp 4
+    python -m benchmarks.bench_train --curves                 # loss curves: 1 GPU, (dp 1, cp 4), (dp 2, cp 2); resume
+    python -m benchmarks.bench_train --fit 20,18,16           # the 80B config's largest layer count at cp 4
 
-``--curves`` trains the same model from the same seed for ``--steps`` (default 50) steps on one
-GPU, at (dp 1, cp 4) and at (dp 2, cp 2), on a token file with learnable structure that it
-writes first (:func:`markov_tokens`), saves a checkpoint at step ``--steps // 2`` of the
-(dp 1, cp 4) run and resumes from it for one step; the result ``train-curves-<preset>`` has
-every run's loss per step, its largest difference from the one-GPU curve, the resumed step's
-loss against the uninterrupted one, and each run's peak memory.
-
-``--fit`` runs the real Qwen3-Next-80B-A3B config (``--preset qwen3-next-80b``) at (dp 1, cp 4)
-with activation checkpointing, eager, for a few steps at each of the given layer counts in
-turn, and stops at the first that runs; the result ``train-qwen3-next-80b`` has a row per
-attempt (out of memory or the run's numbers).
-
-Every run is the recipe itself, started with torchrun (``--dp 1 --cp W --compile``, one run
-with ``--cuda-graphs`` and one without), under a timeout, and read back from its ``--log-json``:
-the median over the steps after ``--warmup`` of step time (wall, synchronised), host time (until
-the step is issued) and GPU time (CUDA events), tokens/s, MFU; the peak memory (max over ranks),
-the first step's time (compilation included) and the recompiles after it. Scaling efficiency
-is T1 / (W x TW), with T1 measured in the same invocation. The table goes to
-``benchmarks/results/train-<preset>.json`` (``--out``); a run that fails or times out is a row
-with its status and no numbers.
+Results (benchmarks/runner.py): ``train-<preset>`` (``-smoke``); with --curves ``train-curves-<preset>``
+and ``train-losses-<preset>``; with --fit ``train-qwen3-next-80b``. A run that fails or times out
+is a row with its status and no numbers. docs/benchmarks.md says what each figure measures.
 """
 
 from __future__ import annotations
@@ -41,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.runner import RESULTS_DIR, ROOT, Result, environment
+from benchmarks.runner import ROOT, Result, add_out_argument, emit, fla_environment
 
 SCRIPT = ROOT / "examples" / "train_qwen3_next.py"
 COLUMNS = ["tokens", "graphs", "W", "dp", "cp", "step ms", "tokens/s", "scaling", "host ms", "GPU ms",
@@ -123,8 +108,11 @@ def markov_tokens(path: Path, vocab_size: int, count: int = 1 << 21, seed: int =
     return path
 
 
-def curves(args: argparse.Namespace) -> Result:
-    """The ``--curves`` runs (module docstring) as one result."""
+def curves(args: argparse.Namespace) -> list[Result]:
+    """The ``--curves`` runs: the same model from the same seed for ``--steps`` steps on one GPU,
+    at (dp 1, cp 4) and at (dp 2, cp 2), on a token file with learnable structure
+    (:func:`markov_tokens`); the (dp 1, cp 4) run saves a checkpoint at step ``--steps // 2``, from
+    which one step is resumed. A summary of the runs and every run's loss per step."""
     tmp = Path(tempfile.mkdtemp())
     spec = importlib.util.spec_from_file_location("train_qwen3_next", SCRIPT)  # a script, not a package module
     recipe = importlib.util.module_from_spec(spec)
@@ -164,9 +152,7 @@ def curves(args: argparse.Namespace) -> Result:
     notes = (f"{args.steps} steps, {tokens} tokens a step, the same seed and token file; max rel diff = "
              f"largest |loss - loss on 1 GPU| / loss on 1 GPU over the steps; resumed from the step-{half} checkpoint "
              f"of (dp 1, cp 4): step {half + 1} loss {resumed_loss} against {uninterrupted} uninterrupted")
-    import fla
-
-    env = environment(world=4, fla=fla.__version__)
+    env = fla_environment(world=4)
     summary = Result(
         benchmark="train", name=f"train-curves-{args.preset}",
         title=f"Loss curves of examples/train_qwen3_next.py, preset {args.preset}: one GPU, (dp 1, cp 4), (dp 2, cp 2)",
@@ -181,11 +167,13 @@ def curves(args: argparse.Namespace) -> Result:
         columns=["step", *curves_], env=env, notes=notes,
         rows=[[i + 1, *(v[i] if i < len(v) else None for v in curves_.values())] for i in range(steps)],
     )  # fmt: skip
-    return summary, per_step
+    return [summary, per_step]
 
 
 def fit(args: argparse.Namespace) -> Result:
-    """The ``--fit`` attempts (module docstring) as one result."""
+    """The ``--fit`` attempts: the real Qwen3-Next-80B-A3B config at (dp 1, cp 4) with activation
+    checkpointing, eager, for a few steps at each layer count in turn, largest first, up to the
+    first that runs; a row per attempt (out of memory or the run's numbers)."""
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for layers in sorted({int(n) for n in args.fit.split(",")}, reverse=True):
@@ -201,8 +189,6 @@ def fit(args: argparse.Namespace) -> Result:
             rows.append(row)
             if status == "ok":
                 break
-    import fla
-
     columns = ["layers", "tokens", "step ms", "tokens/s", "MFU", "peak GiB", "first step s", "status"]
     return Result(
         benchmark="train", name="train-qwen3-next-80b",
@@ -210,12 +196,12 @@ def fit(args: argparse.Namespace) -> Result:
               "activation checkpointing: layer counts tried, largest first",
         columns=columns, rows=[[r.get(c) for c in columns] for r in rows],
         formats={c: f for c, f in FORMATS.items() if c in columns},
-        env=environment(world=4, fla=fla.__version__),
+        env=fla_environment(world=4),
         notes="4 steps each, medians of steps 2-4; the first run that fits ends the search",
     )  # fmt: skip
 
 
-def main(argv: list[str] | None = None) -> Result:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--worlds", default="1,2,4", help="CP sizes W (one GPU per rank)")
     p.add_argument("--tokens", default="32768,131072", help="global real tokens per step")
@@ -225,7 +211,7 @@ def main(argv: list[str] | None = None) -> Result:
     p.add_argument("--warmup", type=int, default=5, help="steps left out of the medians")
     p.add_argument("--max-seqs", type=int, default=8)
     p.add_argument("--timeout", type=int, default=1200, help="seconds per run")
-    p.add_argument("--out", default=str(RESULTS_DIR))
+    add_out_argument(p)
     p.add_argument("--smoke", action="store_true", help="tiny preset on the CPU, W = 1, 2, eager, 3 steps")
     p.add_argument("--curves", action="store_true", help="loss curves on 1 GPU, (dp 1, cp 4), (dp 2, cp 2); resume")
     p.add_argument("--fit", metavar="N,N,...", help="the 80B config at cp 4: the largest of these layer counts that "
@@ -240,16 +226,11 @@ def main(argv: list[str] | None = None) -> Result:
     if args.curves:
         if args.steps == 15:
             args.steps = 50
-        summary, per_step = curves(args)
-        print(summary.markdown())
-        for result in (summary, per_step):
-            print(f"[bench_train] wrote {result.write(args.out)}")
-        return summary
+        emit(curves(args), args.out)
+        return
     if args.fit:
-        result = fit(args)
-        print(result.markdown())
-        print(f"[bench_train] wrote {result.write(args.out)}")
-        return result
+        emit([fit(args)], args.out)
+        return
     modes = {"off": [False], "on": [True], "both": [False, True]}[args.graphs]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -260,19 +241,15 @@ def main(argv: list[str] | None = None) -> Result:
                 for r in group:
                     r["scaling"] = base / (r["W"] * r["step ms"]) if base and r.get("step ms") else None
                 rows += group
-    import fla
-
     result = Result(
         benchmark="train", name=f"train-{args.preset}" + ("-smoke" if args.smoke else ""),
         title=f"Training step of examples/train_qwen3_next.py, preset {args.preset}, CP over W ranks (dp 1)",
         columns=COLUMNS, rows=[[r.get(c) for c in COLUMNS] for r in rows], formats=FORMATS,
-        env=environment(world=max(worlds), fla=fla.__version__, torch_threads=os.environ.get("OMP_NUM_THREADS")),
+        env=fla_environment(world=max(worlds), torch_threads=os.environ.get("OMP_NUM_THREADS")),
         notes=f"{args.steps} steps, medians after {args.warmup}; scaling = T1 / (W x TW) at the same global "
               f"tokens; host ms = issuing the step, GPU ms = CUDA events around it; first step includes compilation",
     )  # fmt: skip
-    print(result.markdown())
-    print(f"[bench_train] wrote {result.write(args.out)}")
-    return result
+    emit([result], args.out)
 
 
 if __name__ == "__main__":

@@ -31,18 +31,13 @@ def _sibling(name: str):
     return module
 
 
-def library_files() -> dict[str, str]:
-    """The files the library packages were imported from."""
+def check_imports(checkout: str) -> dict[str, str]:
+    """The files the library packages were imported from, refusing any that lies outside ``checkout``."""
     import cp_ops
     import custom_ops
 
-    return {"cp_ops": cp_ops.__file__, "custom_ops": custom_ops.__file__}
-
-
-def check_imports(checkout: str) -> dict[str, str]:
-    """:func:`library_files`, refusing any that lies outside ``checkout``."""
     root = Path(checkout).resolve()
-    files = library_files()
+    files = {"cp_ops": cp_ops.__file__, "custom_ops": custom_ops.__file__}
     outside = {k: f for k, f in files.items() if not Path(f).resolve().is_relative_to(root)}
     if outside:
         raise SystemExit(f"imported {outside}, not from the checkout {root}")
@@ -53,10 +48,10 @@ def report(suite: str, case: dict, metric: str, ms: float | None) -> None:
     print("RESULT " + json.dumps({"suite": suite, "case": case, "metric": metric, "ms": ms}), flush=True)
 
 
-def attention(timing, cases, head_dims) -> None:
+def attention(timing, cases) -> None:
     import torch
 
-    for d in head_dims:
+    for d in cases.ATTENTION_HEAD_DIMS:
         for name, lens in cases.attention_cases():
             q, k, v, seg, out, lse, dout, dlse = cases.attention_op_inputs(lens, d, 1, torch.device("cuda"))
 
@@ -74,9 +69,6 @@ def attention(timing, cases, head_dims) -> None:
             for kind in ("dq", "dkdv"):
                 found = [ms for kernel, ms in kernels if f"bwd_{kind}_kernel" in kernel]
                 report("attention", case, kind, sum(found) if found else None)
-
-
-LAYOUT_OPS = ("seq_to_rank", "rank_to_seq", "copy_valid", "copy_valid_")
 
 
 def layout(timing, cases) -> None:
@@ -137,9 +129,10 @@ def host(timing, cases) -> None:
     bench_host = _sibling("bench_host")
     for case in bench_host.build_cases("cuda", smoke=False):
         with torch.no_grad():
-            report("host", {"op": case.name}, "fwd host", bench_host.host_us(case.fwd, case.calls, True)["us"] / 1e3)
+            fwd = bench_host.host_us(lambda: case.fwd, case.calls, True)
+        report("host", {"op": case.name}, "fwd host", fwd["us"] / 1e3)
         if case.make_bwd is not None:
-            bwd = bench_host.host_us_backward(case.make_bwd, case.calls, True)
+            bwd = bench_host.host_us(case.make_bwd, case.calls, True, reps=5)
             report("host", {"op": case.name}, "bwd host", bwd["us"] / 1e3)
 
 
@@ -147,7 +140,6 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkout", required=True, help="the checkout whose library this process must import")
     parser.add_argument("--suites", nargs="+", choices=SUITES, default=list(DEFAULT_SUITES))
-    parser.add_argument("--head-dims", type=int, nargs="+", default=[128, 64])
     parser.add_argument("--imports-only", action="store_true", help="check where the library comes from, and exit")
     args = parser.parse_args(argv)
     files = check_imports(args.checkout)
@@ -162,10 +154,7 @@ def main(argv: list[str] | None = None) -> None:
     failed = []
     for suite in args.suites:
         try:
-            if suite == "attention":
-                attention(timing, cases, args.head_dims)
-            else:
-                {"layout": layout, "gdn": gdn, "host": host}[suite](timing, cases)
+            {"attention": attention, "layout": layout, "gdn": gdn, "host": host}[suite](timing, cases)
         except Exception:  # one suite's failure (a missing dependency, an API a checkout lacks) spares the others
             traceback.print_exc()
             print("FAILED " + json.dumps({"suite": suite}), flush=True)

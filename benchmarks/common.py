@@ -1,5 +1,5 @@
-"""Shared pieces of the GPU benchmarks: step timelines, spawning ranks, NCCL groups, compile
-settings (timing: :mod:`benchmarks.timing`, re-exported; results: :mod:`benchmarks.runner`)."""
+"""Shared pieces of the GPU benchmarks: step timelines, spawning ranks, compile settings
+(timing: :mod:`benchmarks.timing`; results: :mod:`benchmarks.runner`)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,7 @@ import os
 
 import torch
 
-from benchmarks.timing import host_issue_ms, kernel_breakdown, kernel_ms, median_ms, median_ms_counted
-
-__all__ = ["host_issue_ms", "kernel_breakdown", "kernel_ms", "median_ms", "median_ms_counted"]
+from benchmarks.timing import host_issue_ms, repeat
 
 
 # Kernel classes of a training step, by kernel name (first match wins); the rest is "other".
@@ -88,13 +86,9 @@ def profile_kernels(fn, runs: int = 5, warmup: int = 2) -> list[tuple[str, float
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
+    repeat(fn, warmup)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(runs):
-            fn()
-        torch.cuda.synchronize()
+        repeat(fn, runs)
     return [
         (e.name, e.time_range.start, e.time_range.end)
         for e in prof.events()
@@ -103,13 +97,23 @@ def profile_kernels(fn, runs: int = 5, warmup: int = 2) -> list[tuple[str, float
     ]
 
 
-def profile_timeline(fn, runs: int = 5, warmup: int = 2, per_kernel: dict | None = None) -> dict[str, float]:
-    """:func:`timeline_summary` of :func:`profile_kernels` (``runs`` calls of ``fn()``); with
-    ``per_kernel`` (a dict), also fills it with the same steps' :func:`kernel_totals`."""
-    kernels = profile_kernels(fn, runs, warmup)
-    if per_kernel is not None:
-        per_kernel.update(kernel_totals(kernels, runs))
-    return timeline_summary(kernels, runs)
+def profile_step(step, device=None, named=(), runs: int = 5) -> dict[str, float]:
+    """Where a step's time goes, in ms per step: :func:`timeline_summary` of ``runs`` calls of
+    ``step()``, the summed time of the kernels whose name holds each of ``named`` (``NAME kernels``),
+    the host's time to issue it (``host issue``, :func:`host_issue_ms`) and, with ``device`` (a
+    multi-rank step: every rank must call it), every rank's :data:`RANK_WAIT_KEYS` (``rank R: KEY``).
+    Prints the largest kernels of the class "other"."""
+    kernels = profile_kernels(step, runs)
+    out = timeline_summary(kernels, runs)
+    for name in named:
+        out[f"{name} kernels"] = sum(e - s for n, s, e in kernels if name in n.lower()) / runs / 1e3
+    top = [(n, t) for n, t in kernel_totals(kernels, runs).items() if kernel_class(n) == "other"][:6]
+    print("  largest 'other' kernels (ms per step): " + "; ".join(f"{n[:70]} {t:.3f}" for n, t in top), flush=True)
+    out["host issue"] = host_issue_ms(step)
+    if device is not None:
+        for r, figures in enumerate(rank_waits(out, device)):
+            out.update({f"rank {r}: {k}": v for k, v in figures.items()})
+    return out
 
 
 def max_over_ranks(value: float) -> float:
@@ -138,33 +142,6 @@ def rank_waits(profile: dict[str, float], device) -> list[dict[str, float]]:
     return [dict(zip(RANK_WAIT_KEYS, t.tolist())) for t in gathered]
 
 
-def nccl_cta_groups(max_ctas) -> dict:
-    """A group of every rank of the default group per cap on NCCL's CTAs, ``{cap: group}``:
-    cap 0 is the default group, a cap n > 0 a new group whose communicator has ``maxCTAs = n``
-    (fewer SMs held by a collective, more for the kernels it overlaps). Every rank must call
-    it, with the same caps."""
-    import torch.distributed as dist
-
-    groups = {}
-    for cap in max_ctas:
-        if cap < 0:
-            raise ValueError(f"an NCCL CTA cap is 0 (NCCL's default) or positive, got {cap}")
-        if cap == 0:
-            groups[cap] = dist.group.WORLD
-            continue
-        if dist.get_backend() != "nccl":
-            raise ValueError(f"a CTA cap needs NCCL, the default group runs {dist.get_backend()}")
-        options = dist.ProcessGroupNCCL.Options()
-        options.config.max_ctas = cap
-        groups[cap] = dist.new_group(pg_options=options)
-    return groups
-
-
-def cta_label(cap: int) -> str:
-    """How tables name an NCCL CTA cap of :func:`nccl_cta_groups`."""
-    return "NCCL CTAs: default" if cap == 0 else f"NCCL CTAs <= {cap}"
-
-
 def recompile_limit(n: int):
     """A context in which torch.compile keeps at least ``n`` graphs per function, as a benchmark
     compiles one function for several forms and shapes (each known name of the option, which
@@ -181,11 +158,13 @@ def default_world() -> int:
     return max(2, torch.cuda.device_count())
 
 
-def spawn_ranks(worker, world: int, *args, device: str = "cuda") -> None:
-    """Run ``worker(rank, world, init_method, *args)`` in ``world`` processes and wait for all.
+def spawn_ranks(worker, world: int, *args, device: str = "cuda", keep_group: bool = False) -> None:
+    """Run ``worker(rank, world, device, *args)`` in ``world`` processes and wait for all; each
+    rank has joined the group (:func:`cp_ops.local_ranks.init_local_rank`) and computes on ``device``.
 
     ``device="cuda"`` needs ``world`` visible GPUs (one per rank, NCCL); ``"cpu"`` runs gloo.
-    A worker that returns ends its process with :func:`cp_ops.local_ranks.leave_local_rank`.
+    After the worker returns, every rank waits for the others, leaves the group (not with
+    ``keep_group``) and ends its process with :func:`cp_ops.local_ranks.leave_local_rank`.
     """
     if device == "cuda" and torch.cuda.device_count() < world:
         raise SystemExit(f"needs {world} GPUs, found {torch.cuda.device_count()}")
@@ -197,27 +176,25 @@ def spawn_ranks(worker, world: int, *args, device: str = "cuda") -> None:
     from cp_ops.local_ranks import local_rendezvous
 
     with local_rendezvous() as init_method:
-        torch.multiprocessing.spawn(_run_worker, args=(worker, world, init_method, *args), nprocs=world, join=True)
+        torch.multiprocessing.spawn(_run_worker, args=(worker, world, init_method, device, keep_group, *args),
+                                    nprocs=world, join=True)  # fmt: skip
 
 
-def add_nccl_cta_argument(parser) -> None:
-    """The ``--nccl-max-ctas`` option of the multi-rank benchmarks (:func:`nccl_cta_groups`);
-    check what it parsed with :func:`check_nccl_cta_argument`."""
-    parser.add_argument("--nccl-max-ctas", type=int, nargs="+", default=[0], metavar="N",
-                        help="time the compiled CP forms on a group per cap on NCCL's CTAs (0: NCCL's default; "
-                        "default: 0 only), in the same run")  # fmt: skip
+def _run_worker(rank: int, worker, world: int, init_method: str, device: str, keep_group: bool, *args) -> None:
+    import torch.distributed as dist
 
+    from cp_ops.local_ranks import init_local_rank, leave_local_rank
 
-def check_nccl_cta_argument(caps: list[int], smoke: bool) -> None:
-    """Refuse repeated caps, and caps in a ``--smoke`` run (gloo has no CTAs), before any rank starts."""
-    if len(set(caps)) != len(caps):
-        raise SystemExit(f"--nccl-max-ctas repeats a cap: {caps}")
-    if smoke and caps != [0]:
-        raise SystemExit("--nccl-max-ctas needs NCCL, not --smoke")
-
-
-def _run_worker(rank: int, worker, *args) -> None:
-    from cp_ops.local_ranks import leave_local_rank
-
-    worker(rank, *args)
+    dev = init_local_rank(rank, world, init_method, device)
+    try:
+        # the compiled forms are closures of one function: one graph per form, group, shape and grad mode
+        with recompile_limit(64):
+            worker(rank, world, dev, *args)
+        # no rank tears down before all are done (gloo can abort a rank whose peer left first), as in tests/_dist.py
+        dist.barrier()
+    finally:
+        # with CUDA graphs that captured NCCL work, a run hung after its table at the end
+        # (barrier or teardown, not narrowed down); the process ends with os._exit either way
+        if not keep_group:
+            dist.destroy_process_group()
     leave_local_rank()  # reached only when the worker succeeded (it has left its group)

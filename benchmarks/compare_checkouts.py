@@ -31,7 +31,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("new", help="the checkout to time against it")
     parser.add_argument("--suites", nargs="+", choices=SUITES, default=list(DEFAULT_SUITES),
                         help=f"default: {' '.join(DEFAULT_SUITES)}")
-    parser.add_argument("--head-dims", type=int, nargs="+", default=[128, 64], help="attention's head dims")
     parser.add_argument("--rounds", type=int, default=3, help="processes per checkout, in alternation")
     parser.add_argument("--threshold", type=float, default=THRESHOLD,
                         help="flag a case whose new / base exceeds 1 + this (default 0.02)")  # fmt: skip
@@ -46,9 +45,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def child_command(checkout: str, suites, head_dims) -> list[str]:
-    return [sys.executable, str(CHILD), "--checkout", str(checkout), "--suites", *suites,
-            "--head-dims", *map(str, head_dims)]  # fmt: skip
+def child_command(checkout: str, suites) -> list[str]:
+    return [sys.executable, str(CHILD), "--checkout", str(checkout), "--suites", *suites]
 
 
 def child_env(checkout: str) -> dict[str, str]:
@@ -65,24 +63,21 @@ def round_order(round_index: int) -> tuple[int, int]:
     return (0, 1) if round_index % 2 == 0 else (1, 0)
 
 
-def parse_child_output(stdout: str) -> list[dict]:
-    return [json.loads(line[len("RESULT ") :]) for line in stdout.splitlines() if line.startswith("RESULT ")]
+def tagged(stdout: str, tag: str) -> list:
+    """What a child printed as ``TAG <json>`` lines (``IMPORTS``, ``RESULT``, ``FAILED``), decoded."""
+    return [json.loads(line[len(tag) + 1 :]) for line in stdout.splitlines() if line.startswith(tag + " ")]
 
 
-def failed_suites(stdout: str) -> list[str]:
-    return [json.loads(line[len("FAILED ") :])["suite"] for line in stdout.splitlines() if line.startswith("FAILED ")]
-
-
-def run_child(checkout: str, suites, head_dims) -> list[dict]:
-    run = subprocess.run(child_command(checkout, suites, head_dims), env=child_env(checkout), cwd=checkout,
+def run_child(checkout: str, suites) -> list[dict]:
+    run = subprocess.run(child_command(checkout, suites), env=child_env(checkout), cwd=checkout,
                          capture_output=True, text=True)  # fmt: skip
     if run.returncode:
         raise SystemExit(f"{checkout}: exit {run.returncode}\n{run.stdout[-2000:]}\n{run.stderr[-4000:]}")
-    imports = [line for line in run.stdout.splitlines() if line.startswith("IMPORTS ")]
-    print(f"{checkout}: {imports[0][len('IMPORTS '):] if imports else 'no import line'}", flush=True)
-    for suite in failed_suites(run.stdout):
-        print(f"{checkout}: suite {suite} failed\n{run.stderr[-3000:]}", flush=True)
-    return parse_child_output(run.stdout)
+    imports = tagged(run.stdout, "IMPORTS")
+    print(f"{checkout}: {imports[0] if imports else 'no import line'}", flush=True)
+    for failed in tagged(run.stdout, "FAILED"):
+        print(f"{checkout}: suite {failed['suite']} failed\n{run.stderr[-3000:]}", flush=True)
+    return tagged(run.stdout, "RESULT")
 
 
 def collect(records_by_checkout: list[list[dict]], times: dict, index: int) -> None:
@@ -139,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     times: dict = {}
     for r in range(args.rounds):
         for i in round_order(r):
-            collect(run_child(trees[i], args.suites, args.head_dims), times, i)
+            collect(run_child(trees[i], args.suites), times, i)
     env = environment(base=f"{trees[0]} ({git_commit(trees[0])})", new=f"{trees[1]} ({git_commit(trees[1])})")
     results = tables(times, args.threshold, env, args.rounds)
     emit(results, args.out)

@@ -56,7 +56,6 @@ PARTS = {
          "W{world}", "-q", "-p", "no:cacheprovider"],
     ),  # fmt: skip
 }
-ALIASES = {"tests-2gpu": "tests-dist"}
 # parts that need longer than the default --timeout: seconds, used where --timeout is shorter
 PART_TIMEOUTS = {"cold-start": 1800, "train": 1800, "train-curves": 900}
 TEST_WORLDS = (2, 4, 8)
@@ -86,7 +85,7 @@ def main() -> None:
     parser.add_argument("--out", default=os.environ.get("OUT", os.path.join(ROOT, "gpu-results")))
     parser.add_argument("--timeout", type=int, default=420, help="seconds per part (per run of a multi-rank part)")
     args = parser.parse_args()
-    parts = [ALIASES.get(p, p) for p in args.parts]
+    parts = args.parts
     unknown = [p for p in parts if p not in PARTS]
     if unknown:
         parser.error(f"unknown parts {unknown}; choose from {list(PARTS)}")

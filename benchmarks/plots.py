@@ -44,6 +44,12 @@ def result(results: dict[str, Result], name: str) -> Result:
     return results[name]
 
 
+def _save(fig, out: str, name: str) -> None:
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, name), dpi=110)
+    plt.close(fig)
+
+
 def _ordered(results: dict[str, Result], benchmark: str) -> list[Result]:
     chosen = [r for r in results.values() if r.benchmark == benchmark]
     rank = {name: i for i, name in enumerate(SCALING_ORDER)}
@@ -66,9 +72,7 @@ def plot_layout(results, out):
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(rows))], labels, fontsize=7)
     ax.set_title("THD layout ops on one H100: time over the copy floor")
     ax.legend(fontsize=7, ncol=4)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out, "layout.png"), dpi=110)
-    plt.close(fig)
+    _save(fig, out, "layout.png")
 
 
 def plot_a2a(results, out):
@@ -90,9 +94,7 @@ def plot_a2a(results, out):
         ax.legend(fontsize=8)
         ax.tick_params(labelsize=8)
     fig.suptitle("Qwen3-Next GDN sections, bf16, H200s (NCCL)")
-    fig.tight_layout()
-    fig.savefig(os.path.join(out, "a2a.png"), dpi=110)
-    plt.close(fig)
+    _save(fig, out, "a2a.png")
 
 
 def plot_attention(results, out):
@@ -110,9 +112,7 @@ def plot_attention(results, out):
         ax.legend(fontsize=7)
     axes[0].set_ylabel("TFLOP/s on visible pairs")
     fig.suptitle("Segment attention on one H100, bf16 (same run)")
-    fig.tight_layout()
-    fig.savefig(os.path.join(out, "attention.png"), dpi=110)
-    plt.close(fig)
+    _save(fig, out, "attention.png")
 
 
 def _short(case: str) -> str:
@@ -152,9 +152,7 @@ def plot_scaling(results, out):
     ax.set_ylabel("T_1 / (W * T_W)")
     ax.set_title("Scaling efficiency of the CP layers against one GPU on the same global batch (H200s)")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out, "scaling.png"), dpi=110)
-    plt.close(fig)
+    _save(fig, out, "scaling.png")
 
 
 def plot_train_curves(results, out):
@@ -167,9 +165,7 @@ def plot_train_curves(results, out):
     ax.set_ylabel("loss")
     ax.set_title(f"examples/train_qwen3_next.py, slice4, bf16 ({res.env.get('device', '')})")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out, "train_curves.png"), dpi=110)
-    plt.close(fig)
+    _save(fig, out, "train_curves.png")
 
 
 def main() -> None:

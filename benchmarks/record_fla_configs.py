@@ -1,22 +1,18 @@
 """Record the configurations FLA's autotuner picks for the GDN layer's kernels on this GPU.
 
     python -m benchmarks.record_fla_configs [--heads 16,32 8,16 4,8 2,4] [--head-dim 128]
-                                            [--tokens 32768] [--seqs 8] [--write FILE]
+                                            [--tokens 32768] [--seqs 8] [--write FILE] [--out DIR]
 
-For each ``Hk,Hv`` pair, one eager forward and backward of ``cp_ops.GatedDeltaNet`` (head dims
-``--head-dim``, bf16, one GPU, ``--tokens`` tokens in ``--seqs`` sequences of random lengths)
-lets FLA autotune every kernel the layer launches; then every FLA autotuner's cache (key ->
-chosen configuration) is written as JSON in the form :mod:`custom_ops.gated_delta_rule.fla_configs` reads:
+One eager forward and backward of ``cp_ops.GatedDeltaNet`` per ``Hk,Hv`` pair (bf16, one GPU; the
+default pairs are Qwen3-Next-80B's heads per rank at W = 1, 2, 4, 8, the demo's among them; FLA's
+autotuning keys hold no token count, so one run covers every packing) lets FLA autotune every kernel
+the layer launches. Every FLA autotuner's cache is then written, as the JSON that
+:mod:`custom_ops.gated_delta_rule.fla_configs` reads, to ``--write`` (default: the package's
+``custom_ops/gated_delta_rule/fla_configs_sm<major><minor>.json`` for this GPU), and copied to ``--out``:
 
     {"fla": "0.6.0", "capability": [9, 0], "recorded_with": {device, torch, triton, ...},
      "entries": [{"kernel": "fla.ops.common.chunk_o.chunk_fwd_kernel_o",
                   "key": [...], "config": {"num_warps": 4, "num_stages": 2, "BV": 64, ...}}]}
-
-The default heads are Qwen3-Next-80B's per rank at W = 1, 2, 4, 8 (Hk 16, Hv 32 over W); the
-demo's default (8, 16) is among them. FLA's autotuning keys hold head counts, head dims, the
-chunk size and dtypes, not the number of tokens, so one run per head pair covers every packing.
-``--write`` (default: ``custom_ops/gated_delta_rule/fla_configs_sm<major><minor>.json`` for this GPU, the
-file the package reads) replaces the file; ``--out DIR`` also copies it there.
 """
 
 from __future__ import annotations

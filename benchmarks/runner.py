@@ -59,6 +59,17 @@ def environment(world: int | None = None, **extra) -> dict:
     return env
 
 
+def fla_environment(world: int | None = None, **extra) -> dict:
+    """:func:`environment` with FLA's version (``absent`` where FLA is not installed)."""
+    try:
+        import fla
+
+        version = getattr(fla, "__version__", "?")
+    except ImportError:
+        version = "absent"
+    return environment(world, fla=version, **extra)
+
+
 def env_line(env: dict) -> str:
     """The one-line form of an environment for the head of a table. A result converted from an
     older document keeps the line that document stated (``env["stated"]``)."""

@@ -18,6 +18,14 @@ def median_ms(fn, warmup_ms: int = 50, rep_ms: int = 300) -> float:
     return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 
+def repeat(fn, calls: int, cuda: bool = True) -> None:
+    """``calls`` calls of ``fn()``, then (on CUDA) a wait for the GPU: warm-up, or the calls a profile records."""
+    for _ in range(calls):
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+
+
 def median_ms_counted(fn, warmup: int = 5, runs: int = 30, device: torch.device | str = "cuda") -> float:
     """Median of exactly ``runs`` timings of ``fn()`` in ms, after ``warmup`` calls.
 
@@ -27,10 +35,7 @@ def median_ms_counted(fn, warmup: int = 5, runs: int = 30, device: torch.device 
     being synchronous there.
     """
     cuda = torch.device(device).type == "cuda"
-    for _ in range(warmup):
-        fn()
-    if cuda:
-        torch.cuda.synchronize()
+    repeat(fn, warmup, cuda)
     times = []
     for _ in range(runs):
         if not cuda:
@@ -56,15 +61,9 @@ def kernel_breakdown(
     from torch.profiler import ProfilerActivity, profile
 
     cuda = torch.device(device).type == "cuda"
-    for _ in range(warmup):
-        fn()
-    if cuda:
-        torch.cuda.synchronize()
+    repeat(fn, warmup, cuda)
     with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
-        for _ in range(runs):
-            fn()
-        if cuda:
-            torch.cuda.synchronize()
+        repeat(fn, runs, cuda)
     rows = [
         (e.key, (e.self_device_time_total if cuda else e.self_cpu_time_total) / runs / 1e3) for e in prof.key_averages()
     ]
@@ -86,8 +85,7 @@ def host_issue_ms(fn, runs: int = 10, warmup: int = 2) -> float:
     the timed span). A step whose host time reaches its GPU time is limited by the host.
 
     With collectives every rank of the group must call it (the same number of calls)."""
-    for _ in range(warmup):
-        fn()
+    repeat(fn, warmup)
     times = []
     for _ in range(runs):
         torch.cuda.synchronize()

@@ -1,9 +1,11 @@
-"""benchmarks.common: the profiler's op times on the CPU (self CPU time), and the step-timeline arithmetic."""
+"""benchmarks.timing and benchmarks.common: the profiler's op times on the CPU (self CPU time), and the
+step-timeline arithmetic."""
 
 import pytest
 import torch
 
-from benchmarks.common import covered_us, kernel_breakdown, kernel_class, kernel_ms, kernel_totals, timeline_summary
+from benchmarks.common import covered_us, kernel_class, kernel_totals, timeline_summary
+from benchmarks.timing import kernel_breakdown, kernel_ms
 
 
 def test_kernel_ms_counts_the_work_of_one_call():
@@ -73,50 +75,15 @@ def test_kernel_totals_sums_each_name_per_step_slowest_first():
 
 
 @pytest.mark.gpu
-def test_profile_timeline_on_the_gpu():
-    from benchmarks.common import KERNEL_CLASSES, profile_timeline
+def test_profile_step_on_the_gpu():
+    from benchmarks.common import KERNEL_CLASSES, profile_step
 
     a = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
-    out = profile_timeline(lambda: (a @ a).relu_(), runs=3, warmup=1)
+    out = profile_step(lambda: (a @ a).relu_(), named=["nccl"], runs=3)
+    assert out["host issue"] > 0 and out["nccl kernels"] == 0
     assert out["GEMMs"] > 0 and out["collectives"] == 0 and out["collectives only"] == 0
     assert 0 < out["GPU busy"] <= out["wall"] and out["idle"] >= 0
     assert out["compute busy"] == pytest.approx(out["GPU busy"])
     # nothing overlaps on one stream: the classes add up to the busy time
     classes = sum(out[c] for c, _ in KERNEL_CLASSES) + out["other"]
     assert classes == pytest.approx(out["GPU busy"], rel=1e-6)
-
-
-def _cta_groups_rank(rank, world_size, backend):
-    import torch.distributed as dist
-
-    from benchmarks.common import cta_label, nccl_cta_groups
-
-    assert nccl_cta_groups([0]) == {0: dist.group.WORLD}
-    assert cta_label(0) == "NCCL CTAs: default" and cta_label(8) == "NCCL CTAs <= 8"
-    with pytest.raises(ValueError, match="0 .NCCL's default. or positive"):
-        nccl_cta_groups([-1])
-    if backend == "gloo":
-        with pytest.raises(ValueError, match="needs NCCL"):
-            nccl_cta_groups([0, 8])
-        return
-    groups = nccl_cta_groups([0, 8])
-    x = torch.full((4,), float(rank + 1), device="cuda")
-    dist.all_reduce(x, group=groups[8])  # the capped group runs collectives like the default one
-    assert groups[8] is not dist.group.WORLD and x.tolist() == [world_size * (world_size + 1) / 2] * 4
-
-
-@pytest.mark.dist
-def test_nccl_cta_groups_on_gloo():
-    from tests._dist import run_ranks
-
-    run_ranks(2, _cta_groups_rank, "gloo")
-
-
-@pytest.mark.gpu
-@pytest.mark.dist
-def test_nccl_cta_groups_on_nccl():
-    from tests._dist import run_ranks
-
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 GPUs")
-    run_ranks(2, _cta_groups_rank, "nccl", backend="nccl")

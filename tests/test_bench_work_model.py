@@ -44,19 +44,18 @@ def test_modes_keep_their_flags_apart():
     assert (kernel.mode, kernel.profile, kernel.head_dims, kernel.gqa, kernel.pointer_loads) == (
         "kernel", True, [256], 8, True
     )
-    tune = parse_args(["tune", "--kinds", "fwd", "--rounds", "3", "--save", "best.json"])
-    assert (tune.kinds, tune.rounds, tune.save, tune.head_dims) == (["fwd"], 3, "best.json", [128, 64])
+    tune = parse_args(["tune", "--kinds", "fwd", "--rounds", "3"])
+    assert (tune.kinds, tune.rounds, tune.head_dims) == (["fwd"], 3, [128, 64])
     cp = parse_args(["cp", "--world", "4", "--tokens", "32768", "131072", "--gqa", "8", "--head-dim", "256",
-                     "--head-groups", "--cudagraphs", "--profile", "--nccl-max-ctas", "0", "8", "--out", "o"])  # fmt: skip
+                     "--head-groups", "--cudagraphs", "--profile", "--out", "o"])  # fmt: skip
     assert (cp.world, cp.tokens, cp.gqa, cp.head_dim, cp.head_groups, cp.cudagraphs, cp.profile) == (
         4, [32768, 131072], 8, 256, [], True, True
     )
-    assert (cp.nccl_max_ctas, cp.out, cp.smoke, cp.work_model) == ([0, 8], "o", False, False)
+    assert (cp.out, cp.smoke, cp.work_model) == ("o", False, False)
 
 
-def test_cp_mode_runs_under_its_earlier_name(tmp_path):
-    """``python -m benchmarks.bench_ag_attention ARGS`` is ``bench_attention cp ARGS``."""
+def test_work_model_from_the_command_line(tmp_path):
     root = Path(__file__).resolve().parent.parent
-    cmd = [sys.executable, "-m", "benchmarks.bench_ag_attention", "--work-model", "--out", str(tmp_path)]
+    cmd = [sys.executable, "-m", "benchmarks.bench_attention", "cp", "--work-model", "--out", str(tmp_path)]
     subprocess.run(cmd, cwd=root, check=True, capture_output=True)
     assert load(tmp_path / "ag-attention-work-model.json").rows == work_model().rows

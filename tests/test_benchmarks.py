@@ -130,7 +130,7 @@ def test_compare_ratio_and_flag():
 
 def test_compare_reads_failed_suites():
     out = 'RESULT {"suite": "layout", "case": {}, "metric": "m", "ms": 1.0}\nFAILED {"suite": "gdn"}\n'
-    assert cc.failed_suites(out) == ["gdn"] and len(cc.parse_child_output(out)) == 1
+    assert cc.tagged(out, "FAILED") == [{"suite": "gdn"}] and len(cc.tagged(out, "RESULT")) == 1
 
 
 def test_git_commit_only_of_a_checkout_top(tmp_path):
@@ -151,8 +151,8 @@ def test_compare_tables_and_flags():
         'RESULT {"suite": "layout", "case": {"shape": "s", "W": 2}, "metric": "copy_valid", "ms": 2.0}',
     ])  # fmt: skip
     times: dict = {}
-    cc.collect(cc.parse_child_output(out), times, 0)
-    cc.collect(cc.parse_child_output(out.replace('"ms": 2.0', '"ms": 2.2')), times, 1)
+    cc.collect(cc.tagged(out, "RESULT"), times, 0)
+    cc.collect(cc.tagged(out.replace('"ms": 2.0', '"ms": 2.2'), "RESULT"), times, 1)
     results = cc.tables(times, 0.02, {"base": "b", "new": "n"}, rounds=1)
     assert [r.name for r in results] == ["compare-layout"]
     r = results[0]
@@ -171,7 +171,7 @@ def _fake_checkout(root: Path) -> Path:
 
 
 def _child(checkout: Path, env_checkout: Path, cwd: Path):
-    cmd = cc.child_command(str(checkout), ["layout"], [128]) + ["--imports-only"]
+    cmd = cc.child_command(str(checkout), ["layout"]) + ["--imports-only"]
     env = cc.child_env(str(env_checkout))
     env.pop("TRITON_INTERPRET", None)
     return subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=300)
@@ -181,7 +181,7 @@ def test_compare_children_import_the_library_of_their_checkout(tmp_path):
     fake = _fake_checkout(tmp_path / "checkout")
     run = _child(fake, fake, fake)
     assert run.returncode == 0, run.stderr[-3000:]
-    files = json.loads(next(line for line in run.stdout.splitlines() if line.startswith("IMPORTS "))[8:])
+    [files] = cc.tagged(run.stdout, "IMPORTS")
     assert {k: Path(v).resolve() for k, v in files.items()} == {
         "cp_ops": (fake / "cp_ops" / "__init__.py").resolve(),
         "custom_ops": (fake / "custom_ops" / "__init__.py").resolve(),
@@ -200,7 +200,7 @@ def test_compare_children_refuse_a_library_from_elsewhere(tmp_path):
 def test_compare_child_imports_this_repository_when_asked():
     run = _child(ROOT, ROOT, ROOT)
     assert run.returncode == 0, run.stderr[-3000:]
-    files = json.loads(next(line for line in run.stdout.splitlines() if line.startswith("IMPORTS "))[8:])
+    [files] = cc.tagged(run.stdout, "IMPORTS")
     assert all(Path(f).resolve().is_relative_to(ROOT) for f in files.values()), files
 
 
