@@ -71,7 +71,7 @@ def _module_file(template: list[str]) -> str | None:
 def runs_of(part: str, worlds: list[int] | None, gpus: int) -> list[tuple[str, int, int | None]]:
     """``(name, GPUs needed, W)`` for each run of ``part``: one for a one-GPU part, one per W otherwise."""
     need, template = PARTS[part]
-    if need < 2 or "{world}" not in template:  # a fixed number of GPUs
+    if need < 2 or not any("{world}" in arg for arg in template):  # a fixed number of GPUs
         return [(part, need, None)]
     if worlds is None:
         worlds = ([w for w in TEST_WORLDS if w <= gpus] or [2]) if part == "tests-dist" else [max(2, gpus)]

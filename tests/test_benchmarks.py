@@ -217,6 +217,10 @@ def test_gpu_suite_parts_run_existing_benchmark_modules():
         assert "{out}" in " ".join(template) or not module or "tune" in template, part
     assert gpu_suite.runs_of("a2a", [2, 4], 8) == [("a2a-w2", 2, 2), ("a2a-w4", 4, 4)]
     assert gpu_suite.runs_of("layout", None, 0) == [("layout", 1, None)]
+    # {world} inside an argument ("-k W{world}") makes a part multi-rank too
+    assert gpu_suite.runs_of("tests-dist", [2], 4) == [("tests-dist-w2", 2, 2)]
+    assert gpu_suite.runs_of("tests-dist", None, 4) == [("tests-dist-w2", 2, 2), ("tests-dist-w4", 4, 4)]
+    assert gpu_suite.runs_of("train-curves", [2], 4) == [("train-curves", 4, None)]
 
 
 def test_compare_children_keep_other_packages_on_the_path(tmp_path, monkeypatch):
