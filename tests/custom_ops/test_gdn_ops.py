@@ -811,7 +811,10 @@ def test_cuda_kernels_match_reference_bf16(seqlens):
 def test_cuda_delta_rule_with_state_matches_reference_bf16(seqlens):
     """FLA's kernels from initial states in bf16 (states float32) against the float64 reference:
     outputs, final states and every gradient, the initial states' included, from a loss over
-    both outputs. Tolerances as for the stateless op."""
+    both outputs. Tolerances as for the stateless op, except the gates' and betas' gradients:
+    through a final state's gradient they sum products of bf16-stored states over dk x dv
+    entries, and FLA's own tests of this kernel bound them at 2e-2 (measured up to 3e-2 for a
+    one-token sequence's gate alone, 8e-3 over this case's tokens)."""
     dev, bf16 = "cuda", torch.bfloat16
     q, k, v, g, beta, cu = _gdn_case(seqlens, 2, 2, 128, 128, bf16, dev)
     h0 = _states(len(seqlens), 4, 128, 128, torch.float32, dev)
@@ -827,7 +830,7 @@ def test_cuda_delta_rule_with_state_matches_reference_bf16(seqlens):
     assert rel_error(o.cpu(), o_ref) < 5e-3
     assert rel_error(final.cpu(), final_ref) < 5e-3
     for name, a, e in zip(("q", "k", "v", "g", "beta", "h0"), leaves, ref):
-        assert rel_error(a.grad.cpu(), e.grad) < 1e-2, name
+        assert rel_error(a.grad.cpu(), e.grad) < (2e-2 if name in ("g", "beta") else 1e-2), name
 
 
 @pytest.mark.gpu
