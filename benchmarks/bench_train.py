@@ -7,9 +7,10 @@ layers): every run is the recipe itself under torchrun, under a timeout, read ba
     python -m benchmarks.bench_train --smoke                  # tiny preset, CPU, W = 1, 2, 3 steps
     python -m benchmarks.bench_train --curves                 # loss curves: 1 GPU, (dp 1, cp 4), (dp 2, cp 2); resume
     python -m benchmarks.bench_train --fit 20,18,16           # the 80B config's largest layer count at cp 4
+    python -m benchmarks.bench_train --replay 2 [--steps 20]  # CUDA graphs replayed across packings at cp 2
 
 Results (benchmarks/runner.py): ``train-<preset>`` (``-smoke``); with --curves ``train-curves-<preset>``
-and ``train-losses-<preset>``; with --fit ``train-qwen3-next-80b``. A run that fails or times out
+and ``train-losses-<preset>``; with --fit ``train-qwen3-next-80b``; with --replay ``train-replay-<preset>-wW``. A run that fails or times out
 is a row with its status and no numbers. docs/benchmarks.md says what each figure measures.
 """
 
@@ -201,6 +202,48 @@ def fit(args: argparse.Namespace) -> Result:
     )  # fmt: skip
 
 
+def replay(args: argparse.Namespace) -> Result:
+    """The ``--replay W`` runs: the same seeded steps at (dp 1, cp W), compiled, with and without
+    CUDA graphs, each step a new packing of one static shape."""
+    world, tokens = args.replay, args.tokens.split(",")[0]
+    logs = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for graphs in (True, False):
+            log = Path(tmp) / f"graphs-{graphs}.json"
+            recipe_args = ["--preset", args.preset, "--dp", "1", "--cp", str(world), "--tokens-per-step", tokens,
+                           "--steps", str(args.steps), "--max-seqs", str(args.max_seqs), "--log-json", str(log),
+                           "--compile", *(["--cuda-graphs"] if graphs else []), *args.extra]  # fmt: skip
+            ok = torchrun(world, recipe_args, args.timeout) == "ok" and log.exists()
+            logs[graphs] = json.loads(log.read_text()) if ok else None
+    return replay_result(logs[True], logs[False], args.preset, fla_environment(world=world))
+
+
+def replay_result(graphs: dict | None, eager: dict | None, preset: str, env: dict) -> Result:
+    """One row per step of the ``--replay`` runs' logs: its packing, the CUDA graphs recorded in it,
+    both runs' losses and step times."""
+    if graphs is None or eager is None:
+        raise SystemExit("a --replay run failed: no result")
+    rows = [[g["step"], sum(n > 0 for shard in g["lengths"] for n in shard), str(g["lengths"]),
+             g["cudagraph_recordings"], g["loss"], e["loss"], g["loss"] - e["loss"], g["step_ms"], e["step_ms"]]
+            for g, e in zip(graphs["steps"], eager["steps"])]  # fmt: skip
+    packings = len({r[2] for r in rows})
+    world = graphs["world"]
+    return Result(
+        benchmark="train", name=f"train-replay-{preset}-w{world}",
+        title=f"CUDA graphs replayed across packings: preset {preset}, (dp 1, cp {world}), "
+              f"{graphs['settings']['tokens_per_step']} tokens a step",
+        columns=["step", "sequences", "packing", "graphs recorded", "loss, graphs", "loss, no graphs",
+                 "difference", "step ms, graphs", "step ms, no graphs"],
+        rows=rows, formats={"loss, graphs": "{:.6f}", "loss, no graphs": "{:.6f}", "difference": "{:.1e}",
+                            "step ms, graphs": "{:.1f}", "step ms, no graphs": "{:.1f}"},
+        env=env,
+        notes=f"{len(rows)} steps, {packings} distinct packings of one static shape ({graphs['num_tokens']} rows a "
+              f"rank); recompiles after the first step: {graphs['recompiles']} with graphs, {eager['recompiles']} "
+              f"without; graphs that ran without CUDA graphs: {graphs['cudagraph_skips']}; step 1 compiles, step 2 "
+              f"records (Inductor warms a graph up before recording it)",
+    )  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--worlds", default="1,2,4", help="CP sizes W (one GPU per rank)")
@@ -216,6 +259,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--curves", action="store_true", help="loss curves on 1 GPU, (dp 1, cp 4), (dp 2, cp 2); resume")
     p.add_argument("--fit", metavar="N,N,...", help="the 80B config at cp 4: the largest of these layer counts that "
                                                     "runs")
+    p.add_argument("--replay", type=int, metavar="W", help="CUDA graphs against none over --steps packings at cp W")
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="further recipe arguments, last")
     args = p.parse_args(argv)
     args.compile = not args.smoke
@@ -230,6 +274,11 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.fit:
         emit([fit(args)], args.out)
+        return
+    if args.replay:
+        if args.steps == 15:
+            args.steps = 20
+        emit([replay(args)], args.out)
         return
     modes = {"off": [False], "on": [True], "both": [False, True]}[args.graphs]
     rows = []

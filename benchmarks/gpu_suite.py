@@ -50,6 +50,7 @@ PARTS = {
     "demo-cp": (2, [sys.executable, "-m", "cp_ops", "demo", "--cp-size", "{world}"]),
     "train": (2, _bench("bench_train", "--worlds", "1,{world}")),
     "train-curves": (4, _bench("bench_train", "--curves")),
+    "train-replay": (2, _bench("bench_train", "--replay", "{world}")),
     "tests-dist": (
         2,
         [sys.executable, "-m", "pytest", "tests/cp_ops/test_gpu_multi_rank.py", "-m", "gpu and dist", "-k",

@@ -231,3 +231,29 @@ def test_compare_children_keep_other_packages_on_the_path(tmp_path, monkeypatch)
     checkout = tmp_path / "checkout"
     path = cc.child_env(str(checkout))["PYTHONPATH"].split(os.pathsep)
     assert path == [str(checkout.resolve()), str(site)]
+
+
+# --- bench_train ----------------------------------------------------------------------------------
+
+
+def _train_log(losses, recordings, lengths):
+    steps = [{"step": i + 1, "loss": loss, "step_ms": 100.0 + i, "cudagraph_recordings": r, "lengths": [n]}
+             for i, (loss, r, n) in enumerate(zip(losses, recordings, lengths))]  # fmt: skip
+    return {"world": 2, "num_tokens": 24, "settings": {"tokens_per_step": 40}, "recompiles": 0,
+            "cudagraph_skips": 0, "steps": steps}  # fmt: skip
+
+
+def test_replay_result_pairs_the_runs_steps():
+    from benchmarks.bench_train import replay_result
+
+    lengths = [[30, 10, 0], [40, 0, 0], [30, 10, 0]]
+    graphs = _train_log([3.0, 2.5, 2.0], [0, 8, 0], lengths)
+    eager = _train_log([3.0, 2.5, 2.25], [0, 0, 0], lengths)
+    r = replay_result(graphs, eager, "tiny", {"device": "cpu"})
+    assert r.name == "train-replay-tiny-w2"
+    col = {c: [row[i] for row in r.rows] for i, c in enumerate(r.columns)}
+    assert col["sequences"] == [2, 1, 2] and col["graphs recorded"] == [0, 8, 0]
+    assert col["difference"] == [0.0, 0.0, -0.25]
+    assert "2 distinct packings" in r.notes
+    with pytest.raises(SystemExit, match="failed"):
+        replay_result(graphs, None, "tiny", {})
