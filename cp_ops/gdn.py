@@ -151,43 +151,54 @@ class GatedDeltaNet(nn.Module):
         sequence order. Raises ``ValueError`` when F_r does not fit the head range.
         """
         num_rows = proj_hp.shape[0]
-        v_per_k = self.num_v_heads // self.num_k_heads
-        dk, dv = self.head_k_dim, self.head_v_dim
-        hk, hv = num_k_heads, num_k_heads * v_per_k
-        v_start = k_head_start * v_per_k
-        qk_w, v_w = hk * dk, hv * dv
-        conv_w = 2 * qk_w + v_w
+        hk, hv = num_k_heads, num_k_heads * (self.num_v_heads // self.num_k_heads)
+        conv_w = 2 * hk * self.head_k_dim + hv * self.head_v_dim
         if proj_hp.shape[-1] != conv_w + 2 * hv:
             raise ValueError(f"proj_hp has {proj_hp.shape[-1]} features, expected {conv_w + 2 * hv} for {hk} key heads")
-
-        # the conv channels of this head range: q, k and v blocks of the full conv weight
-        weight = self.conv1d.weight[:, 0, :]
-        k0, v0 = k_head_start * dk, v_start * dv
-        conv_weight = torch.cat(
-            [
-                weight[k0 : k0 + qk_w],
-                weight[self.key_dim + k0 : self.key_dim + k0 + qk_w],
-                weight[2 * self.key_dim + v0 : 2 * self.key_dim + v0 + v_w],
-            ]
-        )
+        conv_weight = self.conv_weight(k_head_start, num_k_heads)
         if rows is None:
             # a column slice of proj: the conv reads it strided, no copy
             mixed = causal_conv1d(proj_hp[:, :conv_w], conv_weight, None, cu_seqlens, "silu")
             ba = proj_hp[:, conv_w:]
         else:
             mixed, ba = causal_conv1d_gather(proj_hp, rows, conv_weight, None, cu_seqlens, "silu")
+        q, k, v, g, beta = self.delta_rule_inputs(mixed, ba, k_head_start, num_k_heads)
+        return chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens).reshape(num_rows, hv * self.head_v_dim)
+
+    def conv_weight(self, k_head_start: int, num_k_heads: int) -> torch.Tensor:
+        """The conv's ``[C, K]`` weight rows of key heads ``[k_head_start, +num_k_heads)`` and
+        their value heads: their q, k and v channels, in that order."""
+        weight = self.conv1d.weight[:, 0, :]
+        dk, dv, v_per_k = self.head_k_dim, self.head_v_dim, self.num_v_heads // self.num_k_heads
+        k0, qk_w = k_head_start * dk, num_k_heads * dk
+        v0, v_w = k_head_start * v_per_k * dv, num_k_heads * v_per_k * dv
+        return torch.cat(
+            [
+                weight[k0 : k0 + qk_w],
+                weight[self.key_dim + k0 : self.key_dim + k0 + qk_w],
+                weight[2 * self.key_dim + v0 : 2 * self.key_dim + v0 + v_w],
+            ]
+        )
+
+    def delta_rule_inputs(
+        self, mixed: torch.Tensor, ba: torch.Tensor, k_head_start: int, num_k_heads: int
+    ) -> tuple[torch.Tensor, ...]:
+        """``(q, k, v, g, beta)`` of :func:`custom_ops.chunk_gated_delta_rule` from the conv's
+        output ``mixed [T, C]`` and the b, a sections ``ba [T, 2*Hv_r]`` of key heads
+        ``[k_head_start, +num_k_heads)``: q, k l2-normalised, the gates in float32 (or wider)."""
+        num_rows, dk, dv = mixed.shape[0], self.head_k_dim, self.head_v_dim
+        v_per_k = self.num_v_heads // self.num_k_heads
+        hk, hv, v_start = num_k_heads, num_k_heads * v_per_k, k_head_start * v_per_k
+        qk_w = hk * dk
         q = l2norm(mixed[:, :qk_w].reshape(num_rows, hk, dk))
         k = l2norm(mixed[:, qk_w : 2 * qk_w].reshape(num_rows, hk, dk))
         v = mixed[:, 2 * qk_w :].reshape(num_rows, hv, dv)
         b, a = ba[:, :hv], ba[:, hv:]
-
-        wide = torch.promote_types(proj_hp.dtype, torch.float32)
+        wide = torch.promote_types(ba.dtype, torch.float32)
         a_log = self.A_log[v_start : v_start + hv].to(wide)
         dt_bias = self.dt_bias[v_start : v_start + hv].to(wide)
         g = -a_log.exp() * F.softplus(a.to(wide) + dt_bias)
-        beta = torch.sigmoid(b.to(wide))
-
-        return chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens).reshape(num_rows, v_w)
+        return q, k, v, g, torch.sigmoid(b.to(wide))
 
 
 class GDNContextParallel:
