@@ -23,6 +23,7 @@ from custom_ops.gated_delta_rule.op import chunk_gated_delta_rule, chunk_gated_d
 from custom_ops.gated_delta_rule.reference import (
     chunk_gated_delta_rule_reference,
     chunk_gated_delta_rule_with_state_reference,
+    state_dtype,
 )
 from custom_ops.permute_sections.op import (
     permute_sections,
@@ -65,6 +66,7 @@ __all__ = [
     "causal_conv1d_gather",
     "chunk_gated_delta_rule",
     "chunk_gated_delta_rule_with_state",
+    "state_dtype",
     # references
     "thd_seq_to_rank_order_reference",
     "thd_rank_to_seq_order_reference",
