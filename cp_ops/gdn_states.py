@@ -1,0 +1,159 @@
+"""Gated DeltaNet CP by state passing on the dual-chunk layout (docs/design.md section 4.3):
+each rank runs the delta rule on its own chunks and the ranks exchange per-chunk state maps,
+not activations, so W is not bound to the key heads."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from cp_ops.gdn import GatedDeltaNet, GDNContextParallel
+from custom_ops import (
+    all_gather_rows,
+    causal_conv1d,
+    chunk_gated_delta_rule_with_state,
+    group_rank,
+    resolve_group,
+    state_dtype,
+)
+from custom_ops.thd_index import chunk_rows
+
+__all__ = ["StatePassing", "chunk_gated_delta_rule_cp_states", "state_maps"]
+
+# FLA's chunked kernels take head dims up to 256: wider state maps run as two passes
+_FLA_MAX_HEAD_DIM = 256
+
+
+class StatePassing(GDNContextParallel):
+    """Chunk-state passing: the conv and the delta rule on this rank's own rows, for every head.
+
+    ``exchange_in``: in_proj, and each chunk's conv halo (the ``K-1`` rows before it, from the
+    ranks that hold them: one all-gather of every chunk's last ``K-1`` rows). ``mix``: the conv
+    on the rows with their halos, then :func:`chunk_gated_delta_rule_cp_states`. ``exchange_out``:
+    out_proj on the local rows. Any W; per rank and layer it gathers ``W * 2B`` state maps of
+    ``Hv * dk * (dk + dv)`` floats (docs/design.md section 4.3 compares the modes).
+    """
+
+    def exchange_in(self, layer: GatedDeltaNet, x, cu_seqlens_padded, group):
+        qkvba, z = layer.project(x)
+        name, world = resolve_group(group)
+        chunks = _Chunks.of(cu_seqlens_padded, world, group_rank(group), x.shape[0], layer.conv_kernel_size - 1)
+        conv_in = qkvba[:, : layer.conv_dim]
+        return (_with_halos(conv_in, chunks, name, world), qkvba[:, layer.conv_dim :], chunks), z
+
+    def mix(self, layer: GatedDeltaNet, h, cu_seqlens_padded, group):
+        extended, ba, chunks = h
+        weight = layer.conv_weight(0, layer.num_k_heads)
+        mixed = causal_conv1d(extended, weight, None, chunks.extended_cu, "silu").index_select(0, chunks.rows)
+        q, k, v, g, beta = layer.delta_rule_inputs(mixed, ba, 0, layer.num_k_heads)
+        o = chunk_gated_delta_rule_cp_states(q, k, v, g, beta, cu_seqlens_padded, group)
+        return o.reshape(o.shape[0], -1)
+
+    def exchange_out(self, layer: GatedDeltaNet, o, z, cu_seqlens_padded, group):
+        return layer.project_out(o, z)
+
+
+class _Chunks(NamedTuple):
+    """Index maps of this rank's rows: ``local_cu [2B+1]`` bounds its chunks (chunk ``r``, then
+    ``2W-1-r``, of each sequence); with halos of ``K-1`` rows before each chunk, the chunk rows
+    sit at ``rows [R]`` and the halos at ``halo_rows [2B*(K-1)]`` of ``extended_cu[-1]`` rows,
+    the halo rows read the all-gathered chunk tails at ``halo_source`` where ``halo_valid``."""
+
+    local_cu: torch.Tensor
+    extended_cu: torch.Tensor
+    rows: torch.Tensor
+    halo_rows: torch.Tensor
+    halo_source: torch.Tensor
+    halo_valid: torch.Tensor
+    taps: int
+
+    @staticmethod
+    def of(cu_seqlens_padded: torch.Tensor, world: int, rank: int, num_rows: int, halo: int) -> _Chunks:
+        cup = cu_seqlens_padded
+        chunk = chunk_rows(cup, world).long()  # [B]
+        num_seqs = chunk.shape[0]
+        local_cu = _local_cu(cup, world).long()
+        ids = torch.arange(2 * num_seqs + 1, device=cup.device)
+        extended_cu = local_cu + ids * halo
+        row = torch.arange(num_rows, device=cup.device)
+        rows = row + (torch.searchsorted(local_cu[1:], row, right=True) + 1) * halo
+        offset = torch.arange(halo, device=cup.device)
+        halo_rows = (extended_cu[:-1, None] + offset).reshape(-1)
+        # halo row i of chunk c of sequence b is its sequence's row p = c*len - halo + i, which sits
+        # in an earlier chunk c2 within its last `halo` rows: tail row halo - (c2 + 1)*len + p
+        own = torch.tensor([rank, 2 * world - 1 - rank], device=cup.device).repeat(num_seqs)  # [2B]
+        length = chunk.repeat_interleave(2)[:, None]
+        p = own[:, None] * length - halo + offset
+        valid = p >= 0
+        c2 = torch.div(p.clamp(min=0), length.clamp(min=1), rounding_mode="floor")
+        tail = halo - (c2 + 1) * length + p
+        owner, slot = torch.minimum(c2, 2 * world - 1 - c2), (c2 >= world).long()
+        seq = torch.arange(num_seqs, device=cup.device).repeat_interleave(2)[:, None]
+        source = ((owner * 2 * num_seqs + 2 * seq + slot) * halo + tail).clamp(min=0)
+        return _Chunks(local_cu.to(cup.dtype), extended_cu.to(cup.dtype), rows, halo_rows, source.reshape(-1),
+                       valid.reshape(-1, 1), halo)  # fmt: skip
+
+
+def _local_cu(cu_seqlens_padded: torch.Tensor, world: int) -> torch.Tensor:
+    """``[2B+1]`` bounds of a rank's chunks among its rows, in cup's dtype: chunk ``r``, then
+    ``2W-1-r``, of each sequence, ``P_i / 2W`` rows each."""
+    chunk = chunk_rows(cu_seqlens_padded, world).repeat_interleave(2)
+    return F.pad(torch.cumsum(chunk, 0), (1, 0)).to(cu_seqlens_padded.dtype)
+
+
+def _with_halos(conv_in: torch.Tensor, chunks: _Chunks, group_name: str | None, world: int) -> torch.Tensor:
+    """``conv_in [R, C]`` with each chunk's ``K-1`` preceding rows of its sequence (zeros before
+    its start) inserted before it: ``[R + 2B*(K-1), C]``, laid out by ``chunks.extended_cu``."""
+    halo, num_rows = chunks.taps, conv_in.shape[0]
+    ends = chunks.local_cu[1:].long()[:, None]
+    tail_rows = ends - halo + torch.arange(halo, device=conv_in.device)  # each chunk's last `halo` rows
+    in_chunk = (tail_rows >= chunks.local_cu[:-1].long()[:, None]).reshape(-1, 1)
+    picked = conv_in.index_select(0, tail_rows.reshape(-1).clamp(0, max(num_rows - 1, 0)))
+    tails = torch.where(in_chunk, picked, torch.zeros_like(picked))
+    gathered = all_gather_rows(tails, group_name) if world > 1 else tails
+    halos = torch.where(chunks.halo_valid, gathered.index_select(0, chunks.halo_source), torch.zeros_like(tails))
+    extended = conv_in.new_zeros(num_rows + halos.shape[0], conv_in.shape[1])
+    return extended.index_copy(0, torch.cat([chunks.rows, chunks.halo_rows]), torch.cat([conv_in, halos]))
+
+
+def state_maps(q, k, v, g, beta, cu_seqlens, scale=None) -> torch.Tensor:
+    """Each sequence's state map ``S_out = M S_in + S``, as ``[B, Hv, dk, dv + dk]`` = ``[S | M]``
+    (:func:`custom_ops.state_dtype`): S runs the sequence from a zero
+    state, M (``dk x dk``, the product of its rows' ``exp(g) (I - beta k k^T)``) from the
+    identity with v = 0. Arguments as :func:`custom_ops.chunk_gated_delta_rule`; differentiable."""
+    num_seqs, (num_rows, hv, dv), dk = cu_seqlens.shape[0] - 1, v.shape, q.shape[-1]
+    dtype = state_dtype(q)
+    zeros, eye = v.new_zeros(num_rows, hv, dk), torch.eye(dk, dtype=dtype, device=q.device)
+    identity = eye.expand(num_seqs, hv, dk, dk)
+    if q.is_cuda and dv + dk > _FLA_MAX_HEAD_DIM:
+        _, s = chunk_gated_delta_rule_with_state(q, k, v, g, beta, cu_seqlens, scale)
+        _, m = chunk_gated_delta_rule_with_state(q, k, zeros, g, beta, cu_seqlens, scale, identity.contiguous())
+        return torch.cat([s, m], dim=-1)
+    start = torch.cat([identity.new_zeros(num_seqs, hv, dk, dv), identity], dim=-1)
+    return chunk_gated_delta_rule_with_state(q, k, torch.cat([v, zeros], -1), g, beta, cu_seqlens, scale, start)[1]
+
+
+def chunk_gated_delta_rule_cp_states(q, k, v, g, beta, cu_seqlens_padded, group, scale=None) -> torch.Tensor:
+    """:func:`custom_ops.chunk_gated_delta_rule` of this rank's rows in the dual-chunk layout
+    (``[T/W, ...]``; ``cu_seqlens_padded`` global): each chunk's :func:`state_maps` are
+    all-gathered, every rank composes each sequence's states over its chunks in order and runs
+    its own chunks from theirs. Returns o ``[T/W, Hv, dv]``, equal to the sequence-order
+    result's rows of this rank; differentiable in q, k, v, g, beta."""
+    name, world = resolve_group(group)
+    rank, dv = group_rank(group), v.shape[-1]
+    local_cu = _local_cu(cu_seqlens_padded, world)
+    maps = state_maps(q, k, v, g, beta, local_cu, scale)  # [2B, Hv, dk, dv+dk]
+    gathered = all_gather_rows(maps, name) if world > 1 else maps
+    per_chunk = gathered.view(world, -1, 2, *maps.shape[1:])  # [W, B, 2, Hv, dk, dv+dk]
+    state = maps.new_zeros(per_chunk.shape[1], *maps.shape[1:-1], dv)  # [B, Hv, dk, dv]
+    incoming = {}
+    for c in range(2 * world - 1):
+        if c in (rank, 2 * world - 1 - rank):
+            incoming[c] = state
+        m = per_chunk[min(c, 2 * world - 1 - c), :, int(c >= world)]
+        state = torch.matmul(m[..., dv:], state) + m[..., :dv]
+    incoming.setdefault(2 * world - 1, state)
+    initial = torch.stack([incoming[rank], incoming[2 * world - 1 - rank]], 1).flatten(0, 1)
+    return chunk_gated_delta_rule_with_state(q, k, v, g, beta, local_cu, scale, initial)[0]

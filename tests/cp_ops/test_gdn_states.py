@@ -1,0 +1,113 @@
+"""GatedDeltaNet CP by state passing (cp_ops.gdn_states) against the one-rank layer, float64.
+
+The state maps compose exactly (a sequence split anywhere runs from the composed state of its
+head); the strategy on gloo ranks equals the layer on one rank to 1e-10 in outputs, input
+gradients and every parameter's gradient, at W = 2, 3, 4, and at W = 6 and 8 with 4 key heads
+(more ranks than key heads), on packings with sequences of length 0 and 1, shorter than a
+chunk and longer than a rank's share, so that conv halos and states cross several ranks.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+
+from cp_ops import COMPILE_OPTIONS, GatedDeltaNet, pad_cu_seqlens, shard_thd
+from cp_ops.gdn_states import StatePassing, chunk_gated_delta_rule_cp_states, state_maps
+from custom_ops import chunk_gated_delta_rule, chunk_gated_delta_rule_with_state
+from custom_ops.testing import rel_error
+from custom_ops.thd_copy_valid_tokens.reference import valid_token_mask
+from tests._dist import run_ranks
+
+TOL = 1e-10
+HIDDEN, DK, DV = 12, 4, 3
+LAYOUTS = ([37, 0, 1, 3, 20], [1, 64], [0, 5, 2, 9, 1, 0])
+
+
+def _delta_rule_inputs(num_rows, hk, hv, dk, dv, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q, k = (F.normalize(torch.randn(num_rows, hk, dk, generator=gen, dtype=torch.float64), dim=-1) for _ in "qk")
+    v = torch.randn(num_rows, hv, dv, generator=gen, dtype=torch.float64)
+    g = -torch.rand(num_rows, hv, generator=gen, dtype=torch.float64)
+    beta = torch.rand(num_rows, hv, generator=gen, dtype=torch.float64)
+    return q, k, v, g, beta
+
+
+def test_state_maps_compose_a_split_sequence():
+    """Rows [0, n) then [n, L): the second part from ``M S_head + S`` of its own map equals the
+    whole sequence run at once, outputs and final state."""
+    length, hk, hv, dk, dv = 23, 2, 4, 5, 3
+    q, k, v, g, beta = _delta_rule_inputs(length, hk, hv, dk, dv)
+    whole_o, whole_final = chunk_gated_delta_rule_with_state(q, k, v, g, beta, torch.tensor([0, length]))
+    for n in (0, 1, 9, length):
+        head_o, head_final = chunk_gated_delta_rule_with_state(*(t[:n] for t in (q, k, v, g, beta)),
+                                                               torch.tensor([0, n]))  # fmt: skip
+        tail = [t[n:] for t in (q, k, v, g, beta)]
+        maps = state_maps(*tail, torch.tensor([0, length - n]))
+        composed = maps[..., dv:] @ head_final + maps[..., :dv]
+        tail_o, tail_final = chunk_gated_delta_rule_with_state(*tail, torch.tensor([0, length - n]), None, head_final)
+        assert rel_error(composed, whole_final) < TOL and rel_error(tail_final, whole_final) < TOL
+        assert rel_error(torch.cat([head_o, tail_o]), whole_o) < TOL
+
+
+def test_one_rank_runs_both_chunks_in_order():
+    """W = 1: chunks 0 and 1 of each sequence, the second from the first's composed state."""
+    cu, cup = pad_cu_seqlens(LAYOUTS[0], 1)
+    inputs = _delta_rule_inputs(int(cup[-1]), 2, 4, DK, DV)
+    got = chunk_gated_delta_rule_cp_states(*inputs, cup, None)
+    assert rel_error(got, chunk_gated_delta_rule(*inputs, cup)) < TOL
+
+
+def _compare_rank(rank, world, heads, layouts, compiled=False):
+    """The layer with :class:`StatePassing` on this rank's rows against the same layer on one
+    rank (the whole batch), for each packing: output, x gradient, summed parameter gradients."""
+    torch.manual_seed(0)
+    hk, hv = heads
+    layer = GatedDeltaNet(HIDDEN, hk, hv, DK, DV, context_parallel=StatePassing()).double()
+    fn = torch.compile(layer, fullgraph=True, options=COMPILE_OPTIONS) if compiled else layer
+    graphs = None
+    for seqlens in layouts:
+        cu, cup = pad_cu_seqlens(seqlens, world)
+        num_rows = int(cup[-1])
+        x = torch.randn(num_rows, HIDDEN, dtype=torch.float64)
+        grad_out = torch.randn(num_rows, HIDDEN, dtype=torch.float64) * valid_token_mask(cup, cu, num_rows)[:, None]
+        layer.zero_grad()
+        x_ref = x.clone().requires_grad_()
+        layer(x_ref, cup).backward(grad_out)
+        want = {n: p.grad.clone() for n, p in layer.named_parameters()}
+        layer.zero_grad()
+        x_cp = shard_thd(x, cup, world, rank).requires_grad_()
+        out = fn(x_cp, cup, group=dist.group.WORLD)
+        out.backward(shard_thd(grad_out, cup, world, rank))
+        with torch.no_grad():
+            out_ref = layer(x, cup)
+        assert rel_error(out, shard_thd(out_ref, cup, world, rank)) < TOL, seqlens
+        assert rel_error(x_cp.grad, shard_thd(x_ref.grad, cup, world, rank)) < TOL, seqlens
+        for name, p in layer.named_parameters():
+            dist.all_reduce(p.grad)
+            assert rel_error(p.grad, want[name]) < TOL, (seqlens, name)
+        graphs = graphs if graphs is not None else counters["stats"]["unique_graphs"]
+    if compiled:
+        assert counters["stats"]["unique_graphs"] == graphs, "a new packing recompiled"
+        assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world,heads", [(2, (2, 4)), (3, (1, 2)), pytest.param(4, (4, 8), marks=pytest.mark.slow)])
+def test_state_passing_matches_one_rank(world, heads):
+    run_ranks(world, _compare_rank, heads, LAYOUTS)
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.parametrize("world", [6, 8])
+def test_state_passing_with_more_ranks_than_key_heads(world):
+    run_ranks(world, _compare_rank, (4, 8), LAYOUTS[:2])
+
+
+@pytest.mark.dist
+def test_state_passing_compiles_whole_and_once():
+    """fullgraph=True on 2 ranks, equal to one rank; a second packing of the same size reuses
+    the graph: no graph break, no recompile."""
+    run_ranks(2, _compare_rank, (2, 4), ([37, 0, 1, 3, 20], [20, 0, 1, 3, 37]), True)
