@@ -20,7 +20,7 @@ import torch.nn as nn
 
 from cp_ops.attention import Attention
 from custom_ops import fla_module, resolve_group
-from cp_ops.gdn import GatedDeltaNet, from_qwen3_next_state_dict
+from cp_ops.gdn import GatedDeltaNet, GDNContextParallel, from_qwen3_next_state_dict
 from cp_ops.layout import pack, shard_thd, static_seqlens
 
 try:  # transformers' module imports FLA when it is installed: loaded here first, without its CPU notice
@@ -189,9 +189,14 @@ def _patched_class(cls: type) -> type:
     return patched
 
 
-def _check_gdn(name: str, layer: Qwen3NextGatedDeltaNet, world: int) -> None:
+def _check_gdn(name: str, layer: Qwen3NextGatedDeltaNet, world: int, strategy: GDNContextParallel | None) -> None:
     hk, hv = layer.num_k_heads, layer.num_v_heads
-    if hk % world or hv % world:
+    if strategy is not None and world > 1:
+        try:
+            strategy.check(layer, world)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
+    elif hk % world or hv % world:
         raise ValueError(
             f"{name}: linear_num_key_heads = {hk} and linear_num_value_heads = {hv} must be divisible by the "
             f"CP size {world} (each rank runs 1/W of the Gated DeltaNet heads)"
@@ -316,18 +321,22 @@ def _replace_hook(module: nn.Module, attr: str, hook) -> None:
     module.__dict__[attr] = module.register_forward_pre_hook(hook, with_kwargs=True)
 
 
-def apply_context_parallel(model: nn.Module, group=None) -> nn.Module:
+def apply_context_parallel(
+    model: nn.Module, group=None, gdn_context_parallel: GDNContextParallel | None = None
+) -> nn.Module:
     """Run every ``Qwen3NextGatedDeltaNet`` and ``Qwen3NextAttention`` of ``model`` through this
     package's layers with context parallelism over ``group``; in place, returns ``model``.
 
     ``group``: a ``ProcessGroup``, a 1-D ``DeviceMesh`` (``mesh["cp"]``) or None (W = 1: one device,
     still through this package's layers). ``model``: any module built from those
-    transformers classes (``Qwen3NextForCausalLM``, ``Qwen3NextModel``, ...). Parameters stay
+    transformers classes (``Qwen3NextForCausalLM``, ``Qwen3NextModel``, ...).
+    ``gdn_context_parallel``: how the Gated DeltaNet layers run over the group (e.g.
+    :class:`cp_ops.StatePassing`; None: by heads, the layer's default). Parameters stay
     the same objects under the same names and shapes (checkpoints interchangeable, layouts
     converted inside the forward); docs/transformers.md says what else changes. Calling it
     again re-targets the model to another group.
 
-    Raises ``ValueError`` for a model without those layers, GDN heads not divisible by W, or
+    Raises ``ValueError`` for a model without those layers, GDN heads not divisible by W (by heads), or
     settings the CP layers do not implement (a non-default rotary type, attention dropout,
     biases on the GDN projections), before changing anything.
     """
@@ -345,12 +354,14 @@ def apply_context_parallel(model: nn.Module, group=None) -> nn.Module:
     settings = {}
     for name, layer in layers:
         if isinstance(layer, Qwen3NextGatedDeltaNet):
-            _check_gdn(name or "model", layer, world)
+            _check_gdn(name or "model", layer, world, gdn_context_parallel)
         else:
             settings[name] = _attention_settings(name or "model", layer)
     for name, layer in layers:
         layer.__class__ = _patched_class(type(layer))
         layer._cp, layer.cp_size = _Group(group), world
+        if isinstance(layer, GatedDeltaNet):
+            layer.context_parallel = gdn_context_parallel
         for key, value in settings.get(name, {}).items():
             setattr(layer, key, value)
     for module in model.modules():

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from hypothesis import given
 
-from cp_ops import pad_cu_seqlens, shard_thd, unshard_thd
+from cp_ops import StatePassing, pad_cu_seqlens, shard_thd, unshard_thd
 from custom_ops.testing import rel_error, thd_layouts
 from tests._dist import run_ranks
 
@@ -167,10 +167,10 @@ def _check_equivalence(model, reference, sequences, group, rank, world, what="")
         assert rel_error(grad, want_grads[name]) < TOL, f"{what}: gradient of {name}"
 
 
-def _patched_pair(config, group, seed=0):
+def _patched_pair(config, group, seed=0, gdn_context_parallel=None):
     """(patched model, its unpatched copy)."""
     model = _model(config, seed)
-    return apply_context_parallel(copy.deepcopy(model), group), model
+    return apply_context_parallel(copy.deepcopy(model), group, gdn_context_parallel), model
 
 
 # --- one process (W = 1) ------------------------------------------------------------------------
@@ -362,6 +362,9 @@ def _rank(rank, world, compiled):
         with pytest.raises(ValueError, match="linear_num_key_heads = 2 and linear_num_value_heads = 4 must be "
                                              "divisible by the CP size 3"):  # fmt: skip
             apply_context_parallel(_model(_config(num_k_heads=2)), group)
+        # by chunk states, W is not bound to the key heads: 2 key heads on 3 ranks
+        model, reference_model = _patched_pair(_config(num_k_heads=2), group, gdn_context_parallel=StatePassing())
+        _check_equivalence(model, _reference(reference_model, sequences), sequences, group, rank, world, ", states")
         inputs = shard_batch(sequences, world, rank).model_inputs()
         with pytest.raises(ValueError, match="num_items_in_batch is missing: with 3 CP ranks"):
             model(**{k: v for k, v in inputs.items() if k != "num_items_in_batch"})
