@@ -65,6 +65,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", action="store_true", help="torch.compile(fullgraph=True) every decoder layer")
     p.add_argument("--ac", action="store_true", help="activation checkpointing per decoder layer")
     p.add_argument("--cuda-graphs", action="store_true", help="CUDA graphs in the compiled layers (needs --compile)")
+    p.add_argument("--gdn-cp", choices=("heads", "states"), default="heads",
+                   help="Gated DeltaNet CP: by heads (all-to-all; cp must divide the key heads) or by chunk states")
     p.add_argument("--data", help="a .npy file of one 1-D integer array of token ids (default: synthetic)")
     p.add_argument("--checkpoint-dir")
     p.add_argument("--save-every", type=int, default=0, help="save a checkpoint every N steps (0: never)")
@@ -319,6 +321,7 @@ def setup(args: argparse.Namespace, rank: int, world: int, device: torch.device)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    from cp_ops import StatePassing
     from cp_ops.integrations.transformers import apply_context_parallel
 
     mesh = init_device_mesh(device.type, (args.dp, args.cp), mesh_dim_names=("dp", "cp"))
@@ -327,7 +330,7 @@ def setup(args: argparse.Namespace, rank: int, world: int, device: torch.device)
     model = build_model(config, args.seed, "meta" if on_meta else "cpu")
     # the patch changes no parameter and the CP layers read their weights inside the forward,
     # where FSDP2 has unsharded them; either order works, the patch comes first here
-    apply_context_parallel(model, mesh["cp"] if args.cp > 1 else None)
+    apply_context_parallel(model, mesh["cp"] if args.cp > 1 else None, StatePassing() if args.gdn_cp == "states" else None)
     for layer in model.model.layers:
         wrap_layer(layer, args)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

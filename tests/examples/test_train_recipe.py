@@ -90,10 +90,12 @@ def _check_steps(log: dict, want: list[tuple[float, float]], first: int = 1) -> 
 
 def _more_runs(rank: int, world: int, ckpt: str, out: str) -> None:
     """In one spawn of 2 ranks (the ranks' imports are the cost of a run): a run resumed from the
-    checkpoint of step 2, then a run at (dp 2, cp 1), through the recipe's own train()."""
+    checkpoint of step 2, a run at (dp 2, cp 1) and one at cp 2 with the Gated DeltaNet layers
+    by chunk states, through the recipe's own train()."""
     resume = ["--cp", "2", "--steps", "3", "--checkpoint-dir", ckpt, "--resume", f"{ckpt}/step-00000002"]
     dp2 = ["--dp", "2", "--steps", str(STEPS), *CLIP]
-    for name, argv in (("resumed", resume), ("dp2", dp2)):
+    states = ["--cp", "2", "--gdn-cp", "states", "--steps", str(STEPS)]
+    for name, argv in (("resumed", resume), ("dp2", dp2), ("states", states)):
         recipe.train(_args(*argv, "--log-json", f"{out}/{name}.json"), rank, world, torch.device("cpu"))
 
 
@@ -102,7 +104,8 @@ def test_recipe_equals_one_process_and_resumes_exactly(tmp_path):
     ckpt = tmp_path / "ckpt"
     run = _torchrun(tmp_path, "cp2", "--cp", "2", "--steps", str(STEPS), "--checkpoint-dir", str(ckpt),
                     "--save-every", "2")  # fmt: skip
-    _check_steps(run, _one_process(1))
+    one = _one_process(1)
+    _check_steps(run, one)
     assert run["num_tokens"] == 280 and run["recompiles"] == 0
     assert all(r["tokens"] == 256 and r["step_ms"] > 0 for r in run["steps"])
     assert sorted(p.name for p in ckpt.iterdir()) == ["step-00000002", "step-00000004"]
@@ -111,6 +114,7 @@ def test_recipe_equals_one_process_and_resumes_exactly(tmp_path):
     assert resumed["resumed_from"] == 2
     _check_steps(resumed, [(r["loss"], r["grad_norm"]) for r in run["steps"][2:3]], first=3)
     _check_steps(json.loads((tmp_path / "dp2.json").read_text()), _one_process(2, *CLIP))
+    _check_steps(json.loads((tmp_path / "states.json").read_text()), one)
     # --resume without a path takes the latest complete checkpoint; other settings are refused
     latest = _args("--cp", "2", "--checkpoint-dir", str(ckpt), "--resume")
     assert recipe.find_checkpoint(latest) == ckpt / "step-00000004"
