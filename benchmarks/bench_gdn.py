@@ -4,11 +4,12 @@ kernels, and the layer with CP on W GPUs.
     python -m benchmarks.bench_gdn [--tokens T ...] [--seqs B ...] [--kernel-time] [--rank-share W ...]
     python -m benchmarks.bench_gdn --conv [--gather]    # our conv kernels against FLA's (--gather: permuted rows)
     python -m benchmarks.bench_gdn --cp W [--profile] [--compiled-only]
-                                   [--cudagraphs]    # spawns W NCCL ranks
+                                   [--cudagraphs] [--states]    # spawns W NCCL ranks
     python -m benchmarks.bench_gdn --cp 2 --smoke       # 2 gloo ranks on the CPU, a tiny layer
 
 Results (benchmarks/runner.py): ``gdn``; ``conv`` or ``conv-gather``; ``gdn-cp-wW`` (``-compiled``,
-``-cudagraphs`` added with those flags; ``gdn-cp-smoke-wW``). docs/benchmarks.md says what each row
+``-cudagraphs``, ``-states`` added with those flags, ``-slow-link`` with NCCL_P2P_DISABLE=1;
+``gdn-cp-smoke-wW``). docs/benchmarks.md says what each row
 measures.
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import collections
 import math
+import os
 
 import torch
 import torch.distributed as dist
@@ -38,6 +40,7 @@ from benchmarks.timing import kernel_ms, median_ms, median_ms_counted
 from cp_ops import (
     COMPILE_OPTIONS,
     GatedDeltaNet,
+    StatePassing,
     group_rank,
     pad_cu_seqlens,
     resolve_group,
@@ -328,9 +331,25 @@ def a2a_steps(layer: GatedDeltaNet, x_cp: torch.Tensor, cup: torch.Tensor, group
     }
 
 
+def compiled_options(opts: dict) -> dict:
+    return {**COMPILE_OPTIONS, "triton.cudagraphs": True} if opts["cudagraphs"] else COMPILE_OPTIONS
+
+
+def sent_mib(world: int, rows: int, num_seqs: int, heads: tuple, dtype, taps: int) -> tuple[float, float]:
+    """MiB one rank sends in a fwd+bwd step (the backward sends as much again), by heads and by
+    chunk states (docs/design.md section 4.3): the all-to-alls' (W-1)/W of its rows' q, k, v, b, a
+    and o; the all-gathered state maps and conv halos of its 2B chunks, to each of W-1 ranks."""
+    hk, hv, dk, dv = heads
+    size = torch.finfo(dtype).bits // 8
+    heads_bytes = (world - 1) / world * rows / world * (2 * hk * dk + 2 * hv * dv + 2 * hv) * size
+    maps = 2 * num_seqs * hv * dk * (dk + dv) * 4  # float32 states
+    halos = 2 * num_seqs * (taps - 1) * (2 * hk * dk + hv * dv) * size
+    return 2 * heads_bytes / 2**20, 2 * (world - 1) * (maps + halos) / 2**20
+
+
 def _cp_rank(rank, world, device, tokens, seqs, out, smoke, opts: dict) -> None:
-    """One CP rank of the multi-rank benchmark; ``opts``: the flags ``compiled_only``, ``cudagraphs``
-    and ``profile`` of the command line."""
+    """One CP rank of the multi-rank benchmark; ``opts``: the flags ``compiled_only``, ``cudagraphs``,
+    ``states`` and ``profile`` of the command line."""
     profile, full = opts["profile"], not opts["compiled_only"]
     group = dist.group.WORLD
     hidden, hk, hv, dk, dv = SMOKE_DIMS if smoke else (HIDDEN, HK, HV, DK, DV)
@@ -352,11 +371,15 @@ def _cp_rank(rank, world, device, tokens, seqs, out, smoke, opts: dict) -> None:
         """The layer compiled as recommended, and its section-layout form compiled as the layer
         was compiled before the fused layouts (thd_cp2hp / thd_hp2cp as one op each, the z
         projection after the exchange, default options)."""
-        options = {**COMPILE_OPTIONS, "triton.cudagraphs": True} if opts["cudagraphs"] else COMPILE_OPTIONS
-        fn = torch.compile(layer, fullgraph=True, dynamic=dynamic, options=options)
+        fn = torch.compile(layer, fullgraph=True, dynamic=dynamic, options=compiled_options(opts))
         return {"fn": fn, "dynamic": dynamic}, torch.compile(unfused, fullgraph=True, dynamic=dynamic)
 
     compiled, compiled_unfused = compile_layer(dynamic=True)
+    states = None
+    if opts["states"]:  # the same weights by chunk states, compiled as the layer is
+        states_layer = GatedDeltaNet(hidden, hk, hv, dk, dv, context_parallel=StatePassing()).to(device, dtype)
+        states_layer.load_state_dict(layer.state_dict())
+        states = torch.compile(states_layer, fullgraph=True, options=compiled_options(opts))
     notes = ["the compiled layer with CUDA graphs (--cudagraphs), on W GPUs and on one"] if opts["cudagraphs"] else []
     shapes = [(t, b) for t in tokens for b in seqs]
     results = {}
@@ -401,6 +424,10 @@ def _cp_rank(rank, world, device, tokens, seqs, out, smoke, opts: dict) -> None:
             notes.append(f"compiled with dynamic=False (dynamic=True failed: {msg[:200]})")
             res["err compiled"] = check(compiled["fn"])
         res["W compiled"] = timed(cp_step(compiled["fn"]))
+        res["MiB heads"], res["MiB states"] = sent_mib(world, rows, num_seqs, (hk, hv, dk, dv), dtype, 4)
+        if states is not None:
+            res["err compiled states"] = check(states)
+            res["W compiled states"] = timed(cp_step(states))
         if full:
             res["err per-seq"] = check(per_sequence)
             res["W per-seq eager"] = timed(cp_step(per_sequence), per_sequence=True)
@@ -450,7 +477,11 @@ def _cp_rank(rank, world, device, tokens, seqs, out, smoke, opts: dict) -> None:
     if rank == 0:
         cases = list(results)
         name = f"gdn-cp{'-smoke' if smoke else ''}-w{world}"
-        name += "-compiled" * opts["compiled_only"] + "-cudagraphs" * opts["cudagraphs"]
+        name += "-compiled" * opts["compiled_only"] + "-cudagraphs" * opts["cudagraphs"] + "-states" * opts["states"]
+        if os.environ.get("NCCL_P2P_DISABLE") == "1":  # NVLink and shared memory off: traffic on the network path
+            name += "-slow-link"
+            notes.append("NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=%s: no NVLink or shared-memory transport"
+                         % os.environ.get("NCCL_SHM_DISABLE", "0"))  # fmt: skip
         env = fla_environment(world)
         table = _cp_table(results, cases, world, (hidden, hk, hv, dk, dv), dtype, runs, seq_runs, notes)
         emit([Result("gdn", table[0], table[1], table[2], table[3], env, name=name)], out)
@@ -466,6 +497,7 @@ def _cp_table(results, cases, world, dims, dtype, runs, seq_runs, notes) -> tupl
     for case in cases:  # rows a run skipped (--compiled-only) read nan
         r = results[case] = collections.defaultdict(lambda: math.nan, results[case])
         r["eff compiled"] = r["1 compiled"] / (world * r["W compiled"])
+        r["eff compiled states"] = r["1 compiled"] / (world * r["W compiled states"])
         r["eff eager"] = r["1 eager"] / (world * r["W eager"])
         r["eff compiled unfused"] = r["1 compiled"] / (world * r["W compiled unfused"])
         r["eff eager unfused"] = r["1 eager"] / (world * r["W eager unfused"])
@@ -479,13 +511,17 @@ def _cp_table(results, cases, world, dims, dtype, runs, seq_runs, notes) -> tupl
         )  # fmt: skip
     e, t, x = "{:.2e}", "{:.3f}", "{:.2f}"
     errors = {"eager": "err eager", "compiled": "err compiled", "eager, per-seq a2a": "err per-seq",
-              "compiled, unfused": "err compiled unfused"}  # fmt: skip
+              "compiled, unfused": "err compiled unfused", "compiled, chunk states": "err compiled states"}  # fmt: skip
     table = [(f"rel error vs 1 GPU: CP {label}", key, e) for label, key in errors.items()]
     for mode in ("compiled", "eager"):
         table += [(f"1 GPU fwd+bwd {mode}", f"1 {mode}", t), (f"{w} fwd+bwd {mode}", f"W {mode}", t),
                   (f"scaling efficiency, {mode}", f"eff {mode}", x),
                   (f"{w} fwd+bwd {mode}, unfused", f"W {mode} unfused", t),
                   (f"scaling efficiency, {mode}, unfused", f"eff {mode} unfused", x)]  # fmt: skip
+    table += [(f"{w} fwd+bwd compiled, chunk states", "W compiled states", t),
+              ("scaling efficiency, compiled, chunk states", "eff compiled states", x),
+              ("MiB one rank sends per fwd+bwd, by heads", "MiB heads", "{:.1f}"),
+              ("MiB one rank sends per fwd+bwd, by chunk states", "MiB states", "{:.1f}")]  # fmt: skip
     table += [(f"{w} fwd+bwd eager, per-seq a2a", "W per-seq eager", t),
               ("per-seq a2a / fused a2a (eager layer)", "per-seq / fused", x)]  # fmt: skip
     table += [(k, k, t) for k in ("in_proj fwd+bwd", "cp2hp fwd+bwd", "conv fwd+bwd", "core fwd", "core fwd+bwd",
@@ -550,6 +586,8 @@ def main() -> None:
     parser.add_argument("--compiled-only", action="store_true",
                         help="with --cp: only the compiled layer's rows (and --profile's); no eager, unfused, "
                         "per-seq or piece rows")
+    parser.add_argument("--states", action="store_true",
+                        help="with --cp: also the layer by chunk states (cp_ops.StatePassing), compiled")
     parser.add_argument("--cudagraphs", action="store_true",
                         help="with --cp: compile the layer with CUDA graphs (Inductor's triton.cudagraphs), "
                         "on W GPUs and on one")
@@ -567,7 +605,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.gather and not args.conv:
         raise SystemExit("--gather needs --conv")
-    opts = {k: getattr(args, k) for k in ("compiled_only", "cudagraphs", "profile")}
+    opts = {k: getattr(args, k) for k in ("compiled_only", "cudagraphs", "profile", "states")}
     if args.smoke and args.cudagraphs:
         raise SystemExit("--cudagraphs needs GPUs, not --smoke")
     if args.smoke:

@@ -41,6 +41,14 @@ PARTS = {
     "ag-attention": (2, _bench("bench_attention", "cp", "--world", "{world}")),
     "gdn-cp": (2, _bench("bench_gdn", "--cp", "{world}", "--profile")),
     "gdn-cp-graphs": (2, _bench("bench_gdn", "--cp", "{world}", "--compiled-only", "--cudagraphs", "--profile")),
+    "gdn-cp-states": (2, _bench("bench_gdn", "--cp", "{world}", "--compiled-only", "--states", "--seqs", "8", "64",
+                                "--tokens", "32768", "131072")),
+    # NCCL's peer-to-peer and shared-memory transports off: a slow link between the ranks
+    "gdn-cp-states-slow-link": (
+        2,
+        ["env", "NCCL_P2P_DISABLE=1", "NCCL_SHM_DISABLE=1",
+         *_bench("bench_gdn", "--cp", "{world}", "--compiled-only", "--states", "--seqs", "8", "64")],
+    ),  # fmt: skip
     "ag-attention-graphs": (2, _bench("bench_attention", "cp", "--world", "{world}", "--cudagraphs", "--profile")),
     "ag-attention-qwen": (
         2,
