@@ -37,6 +37,7 @@ from hypothesis import strategies as st
 import cp_ops
 from cp_ops import Attention, GatedDeltaNet, ag_thd_attention, shard_thd
 from cp_ops.gdn import FusedExchange, SectionExchange
+from cp_ops.gdn_states import StatePassing
 from custom_ops.testing import (
     MEMORY_LAYOUTS,
     TOLERANCE,
@@ -56,6 +57,7 @@ from tests._dist import run_ranks
 
 TOL = TOLERANCE[torch.float64]
 LAYER_TOL = 1e-7
+GDN_MODES = {"sections": SectionExchange, "fused": FusedExchange, "states": StatePassing}
 
 
 def dense_attention(q, k, v, cu_seqlens, cu_seqlens_padded, causal=True, window=(-1, -1), scale=None):
@@ -232,9 +234,11 @@ def layer_cases(draw, cp_sizes):
             head_groups=draw(st.sampled_from([g for g in range(1, hkv + 1) if hkv % g == 0])),
         )  # fmt: skip
         return LayerCase("attention", cp_size, seqlens, config, seed)
-    hk = cp_size * draw(st.integers(1, 2))  # the heads split over the ranks
+    mode = draw(st.sampled_from(sorted(GDN_MODES)))
+    # by heads, the heads split over the ranks; by chunk states, any number of them
+    hk = draw(st.integers(1, 3)) if mode == "states" else cp_size * draw(st.integers(1, 2))
     config = dict(num_k_heads=hk, num_v_heads=hk * draw(st.integers(1, 2)),
-                  conv_kernel_size=draw(st.sampled_from([2, 4])), fused=draw(st.booleans()))  # fmt: skip
+                  conv_kernel_size=draw(st.sampled_from([2, 4])), mode=mode)  # fmt: skip
     return LayerCase("gdn", cp_size, seqlens, config, seed)
 
 
@@ -344,12 +348,12 @@ def _layer(case: LayerCase, hidden=12):
     config = dict(case.config)
     if case.kind == "attention":
         return _random_parameters(Attention(hidden, head_dim=4, **config).double())
-    fused = config.pop("fused")
+    mode = config.pop("mode")
     layer = GatedDeltaNet(hidden, head_k_dim=4, head_v_dim=3, **config).double()
     with torch.no_grad():  # A_log as initialised (decays in (0, 1)); the others random
         a_log = layer.A_log.clone()
         _random_parameters(layer).A_log.copy_(a_log)
-    layer.context_parallel = FusedExchange() if fused else SectionExchange()
+    layer.context_parallel = GDN_MODES[mode]()
     return layer
 
 
@@ -556,7 +560,7 @@ def test_float32_kernels_inside_cp_match_float64_oracles():
 # a case a wide run once failed on (its input gradient at 1.2e-5), kept in the default tier
 FOUND_FLOAT32 = [
     LayerCase("gdn", 2, [1, 15, 15], {"num_k_heads": 4, "num_v_heads": 4, "conv_kernel_size": 2,
-                                      "fused": False}, seed=0),
+                                      "mode": "sections"}, seed=0),
 ]  # fmt: skip
 
 
