@@ -19,7 +19,16 @@ from torch._inductor.utils import run_and_get_code
 
 import cp_ops
 import custom_ops
-from cp_ops import Attention, GatedDeltaNet, ag_thd_attention, local_cu_seqlens, pad_cu_seqlens, shard_thd, unshard_thd
+from cp_ops import (
+    Attention,
+    GatedDeltaNet,
+    StatePassing,
+    ag_thd_attention,
+    local_cu_seqlens,
+    pad_cu_seqlens,
+    shard_thd,
+    unshard_thd,
+)
 from custom_ops.testing import TOLERANCE, rel_error
 from tests._dist import check_gdn_overlap, run_ranks
 
@@ -111,9 +120,11 @@ def test_cp2hp_nccl(world):
     run_ranks(world, _cp2hp_rank, backend="nccl")
 
 
-def _gdn_rank(rank, world, compiled):
+def _gdn_rank(rank, world, compiled, states=False):
     torch.manual_seed(0)
-    layer = GatedDeltaNet(256, 8, 16, 64, 64).to("cuda", torch.bfloat16)  # Hk = 8: W = 8 gets one key head
+    strategy = StatePassing() if states else None
+    # Hk = 8: W = 8 gets one key head by heads
+    layer = GatedDeltaNet(256, 8, 16, 64, 64, context_parallel=strategy).to("cuda", torch.bfloat16)
     cu, cup = pad_cu_seqlens([700, 0, 1, 2000, 300], world, device="cuda")
     num_rows = int(cup[-1])
     x = torch.randn(num_rows, 256, device="cuda", dtype=torch.bfloat16)
@@ -137,7 +148,7 @@ def _gdn_rank(rank, world, compiled):
         out.backward(shard_thd(grad_out, cup, world, rank))
         return out
 
-    if compiled:  # GEMMs run while the all-to-alls are in flight
+    if compiled and not states:  # GEMMs run while the all-to-alls are in flight
         out_cp, codes = run_and_get_code(step)
         check_gdn_overlap(codes)
     else:
@@ -157,6 +168,13 @@ def _gdn_rank(rank, world, compiled):
 @pytest.mark.parametrize("world", WORLDS)
 def test_gdn_cp_layer_nccl(world, compiled):
     run_ranks(world, _gdn_rank, compiled, backend="nccl")
+
+
+@pytest.mark.parametrize("compiled", COMPILED)
+@pytest.mark.parametrize("world", WORLDS)
+def test_gdn_cp_layer_by_chunk_states_nccl(world, compiled):
+    """The layer by chunk states (FLA's kernels from composed states) against one GPU, bf16."""
+    run_ranks(world, _gdn_rank, compiled, True, backend="nccl")
 
 
 def _ag_attention_rank(rank, world, compiled):
