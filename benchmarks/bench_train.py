@@ -10,7 +10,8 @@ layers): every run is the recipe itself under torchrun, under a timeout, read ba
     python -m benchmarks.bench_train --replay 2 [--steps 20]  # CUDA graphs replayed across packings at cp 2
 
 Results (benchmarks/runner.py): ``train-<preset>`` (``-smoke``); with --curves ``train-curves-<preset>``
-and ``train-losses-<preset>``; with --fit ``train-qwen3-next-80b``; with --replay ``train-replay-<preset>-wW``. A run that fails or times out
+and ``train-losses-<preset>``; with --fit ``train-qwen3-next-80b``; with --replay
+``train-replay-<preset>-wW``. A run that fails or times out
 is a row with its status and no numbers. docs/benchmarks.md says what each figure measures.
 """
 
