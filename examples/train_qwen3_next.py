@@ -14,6 +14,7 @@ the mesh, the gradient scaling, the checkpoint and data formats, static shapes a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -22,7 +23,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -330,7 +331,8 @@ def setup(args: argparse.Namespace, rank: int, world: int, device: torch.device)
     model = build_model(config, args.seed, "meta" if on_meta else "cpu")
     # the patch changes no parameter and the CP layers read their weights inside the forward,
     # where FSDP2 has unsharded them; either order works, the patch comes first here
-    apply_context_parallel(model, mesh["cp"] if args.cp > 1 else None, StatePassing() if args.gdn_cp == "states" else None)
+    gdn_cp = StatePassing() if args.gdn_cp == "states" else None
+    apply_context_parallel(model, mesh["cp"] if args.cp > 1 else None, gdn_cp)
     for layer in model.model.layers:
         wrap_layer(layer, args)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -559,36 +561,37 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
         bar = tqdm(total=args.steps, initial=start, desc=f"train dp={args.dp} cp={args.cp}", file=sys.stdout)
     graphs_after_first = None
     profiler = None
-    recordings = cudagraph_recordings()
-    for step in range(start + 1, args.steps + 1):
-        if args.profile and step - start == PROFILE_STEPS.start:
-            profiler = start_profiler()
-        recorded = recordings()
-        rec = train_step(run, step)
-        rec["cudagraph_recordings"] = recordings() - recorded
-        if profiler and step - start == PROFILE_STEPS.stop - 1:
-            write_profile(profiler, args.profile, rank)
-            profiler = None
-        rec["tokens_per_s"] = rec["tokens"] / (rec["step_ms"] / 1e3)
-        rec["lengths"] = [run.batches.lengths(step, k) for k in range(args.batch_shards)]  # the step's packing
-        flops = count_flops_per_step(run.config, rec["lengths"])
-        rec["mfu"] = flops / (rec["step_ms"] / 1e3) / (world * peak * 1e12) if peak else None
-        if device.type == "cuda":
-            mem = torch.tensor([torch.cuda.max_memory_allocated(device) / 2**30], device=device)
-            dist.all_reduce(mem, op=dist.ReduceOp.MAX)
-            rec["peak_mem_gib"] = mem.item()
-        else:
-            rec["peak_mem_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # host RSS
-        if graphs_after_first is None:
-            graphs_after_first = counters["stats"]["unique_graphs"]
-        log["steps"].append(rec)
-        if bar:
-            bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}", ms=f"{rec['step_ms']:.0f}")
-            bar.update()
-        if args.save_every and step % args.save_every == 0:
-            save_checkpoint(run, step)
-        if rank == 0 and args.log_json:
-            write_log(log, args.log_json)
+    with cudagraph_recordings() as recordings:
+        for step in range(start + 1, args.steps + 1):
+            if args.profile and step - start == PROFILE_STEPS.start:
+                profiler = start_profiler()
+            recorded = recordings()
+            rec = train_step(run, step)
+            rec["cudagraph_recordings"] = recordings() - recorded
+            if profiler and step - start == PROFILE_STEPS.stop - 1:
+                write_profile(profiler, args.profile, rank)
+                profiler = None
+            rec["tokens_per_s"] = rec["tokens"] / (rec["step_ms"] / 1e3)
+            rec["lengths"] = [run.batches.lengths(step, k) for k in range(args.batch_shards)]  # the step's packing
+            flops = count_flops_per_step(run.config, rec["lengths"])
+            rec["mfu"] = flops / (rec["step_ms"] / 1e3) / (world * peak * 1e12) if peak else None
+            if device.type == "cuda":
+                mem = torch.tensor([torch.cuda.max_memory_allocated(device) / 2**30], device=device)
+                dist.all_reduce(mem, op=dist.ReduceOp.MAX)
+                rec["peak_mem_gib"] = mem.item()
+            else:
+                rec["peak_mem_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # host RSS
+            if graphs_after_first is None:
+                graphs_after_first = counters["stats"]["unique_graphs"]
+            log["steps"].append(rec)
+            if bar:
+                tok_s, ms = f"{rec['tokens_per_s']:.0f}", f"{rec['step_ms']:.0f}"
+                bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=tok_s, ms=ms)
+                bar.update()
+            if args.save_every and step % args.save_every == 0:
+                save_checkpoint(run, step)
+            if rank == 0 and args.log_json:
+                write_log(log, args.log_json)
     if bar:
         bar.close()
     log["graphs"] = counters["stats"]["unique_graphs"]
@@ -613,8 +616,10 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
     return log
 
 
-def cudagraph_recordings() -> Callable[[], int]:
-    """A count of the CUDA graphs Inductor records from now on (a replay for a new packing records none)."""
+@contextlib.contextmanager
+def cudagraph_recordings() -> Iterator[Callable[[], int]]:
+    """A count of the CUDA graphs Inductor records inside the block (a replay for a new packing
+    records none)."""
     from torch._dynamo.callback import CallbackTrigger, callback_handler
 
     count = [0]
@@ -623,7 +628,10 @@ def cudagraph_recordings() -> Callable[[], int]:
         count[0] += event.callback_trigger == CallbackTrigger.CUDAGRAPH_RECORDING
 
     callback_handler.register_start_callback(on_start)
-    return lambda: count[0]
+    try:
+        yield lambda: count[0]
+    finally:
+        callback_handler.remove_start_callback(on_start)
 
 
 def start_profiler():

@@ -168,10 +168,12 @@ def test_cudagraph_recordings_counts_inductors_recording_events():
     """The per-step count of recorded CUDA graphs listens to Inductor's recording trigger only."""
     from torch._dynamo.callback import CallbackTrigger, callback_handler
 
-    recordings = recipe.cudagraph_recordings()
-    for trigger in (CallbackTrigger.CUDAGRAPH_RECORDING, CallbackTrigger.DYNAMO, CallbackTrigger.CUDAGRAPH_RECORDING):
-        with callback_handler.install_callbacks(trigger, "0/0"):
-            pass
+    with recipe.cudagraph_recordings() as recordings:
+        for trigger in ("CUDAGRAPH_RECORDING", "DYNAMO", "CUDAGRAPH_RECORDING"):
+            with callback_handler.install_callbacks(CallbackTrigger[trigger], "0/0"):
+                pass
+    with callback_handler.install_callbacks(CallbackTrigger.CUDAGRAPH_RECORDING, "0/1"):
+        pass  # after the block: not counted
     assert recordings() == 2
 
 
