@@ -208,7 +208,7 @@ class GDNContextParallel:
     ``[T/W, hidden]``; ``h`` and ``o`` are in whatever layout the strategy's mix reads and
     writes; ``z`` is the gate projection, which stays on its rank. Every step is
     differentiable. Subclasses: :class:`SingleDevice`, :class:`SectionExchange`,
-    :class:`FusedExchange`.
+    :class:`FusedExchange` (by heads), :class:`cp_ops.StatePassing` (by chunk states).
     """
 
     def check(self, layer: GatedDeltaNet, world: int) -> None:
