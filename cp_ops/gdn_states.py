@@ -83,7 +83,8 @@ class _Chunks(NamedTuple):
         halo_rows = (extended_cu[:-1, None] + offset).reshape(-1)
         # halo row i of chunk c of sequence b is its sequence's row p = c*len - halo + i, which sits
         # in an earlier chunk c2 within its last `halo` rows: tail row halo - (c2 + 1)*len + p
-        own = torch.tensor([rank, 2 * world - 1 - rank], device=cup.device).repeat(num_seqs)  # [2B]
+        slot = torch.arange(2 * num_seqs, device=cup.device) % 2
+        own = rank + slot * (2 * world - 1 - 2 * rank)  # [2B]: chunk r, then 2W-1-r
         length = chunk.repeat_interleave(2)[:, None]
         p = own[:, None] * length - halo + offset
         valid = p >= 0
