@@ -74,15 +74,19 @@ def torchrun(world: int, recipe_args: list[str], timeout: int) -> str:
     return status
 
 
+def cp_run_args(args: argparse.Namespace, world: int, tokens, graphs: bool, log: Path) -> list[str]:
+    """The recipe's arguments for ``--steps`` steps at (dp 1, cp ``world``), logging to ``log``."""
+    return ["--preset", args.preset, "--dp", "1", "--cp", str(world), "--tokens-per-step", str(tokens),
+            "--steps", str(args.steps), "--max-seqs", str(args.max_seqs), "--log-json", str(log),
+            *(["--compile"] if args.compile else []), *(["--cuda-graphs"] if graphs else []), *args.extra]  # fmt: skip
+
+
 def run_one(world: int, tokens: int, graphs: bool, args: argparse.Namespace, tmp: Path) -> dict:
     """One torchrun of the recipe; its row (``status`` "ok", "failed (...)" or "timeout")."""
     log = tmp / f"w{world}-t{tokens}-g{int(graphs)}.json"
-    recipe_args = ["--preset", args.preset, "--dp", "1", "--cp", str(world), "--tokens-per-step", str(tokens),
-                   "--steps", str(args.steps), "--max-seqs", str(args.max_seqs), "--log-json", str(log),
-                   *(["--compile"] if args.compile else []), *(["--cuda-graphs"] if graphs else []), *args.extra]
     row = {"tokens": tokens, "graphs": "on" if graphs else "off", "W": world, "dp": 1, "cp": world}
     print(f"[bench_train] W={world} tokens={tokens} graphs={row['graphs']}", flush=True)
-    status = torchrun(world, recipe_args, args.timeout)
+    status = torchrun(world, cp_run_args(args, world, tokens, graphs, log), args.timeout)
     if status == "ok" and not log.exists():
         status = "failed (no log)"
     if status == "ok":
@@ -211,10 +215,7 @@ def replay(args: argparse.Namespace) -> Result:
     with tempfile.TemporaryDirectory() as tmp:
         for graphs in (True, False):
             log = Path(tmp) / f"graphs-{graphs}.json"
-            recipe_args = ["--preset", args.preset, "--dp", "1", "--cp", str(world), "--tokens-per-step", tokens,
-                           "--steps", str(args.steps), "--max-seqs", str(args.max_seqs), "--log-json", str(log),
-                           "--compile", *(["--cuda-graphs"] if graphs else []), *args.extra]  # fmt: skip
-            ok = torchrun(world, recipe_args, args.timeout) == "ok" and log.exists()
+            ok = torchrun(world, cp_run_args(args, world, tokens, graphs, log), args.timeout) == "ok" and log.exists()
             logs[graphs] = json.loads(log.read_text()) if ok else None
     return replay_result(logs[True], logs[False], args.preset, fla_environment(world=world))
 
