@@ -48,7 +48,7 @@ class StatePassing(GDNContextParallel):
         weight = layer.conv_weight(0, layer.num_k_heads)
         mixed = causal_conv1d(extended, weight, None, chunks.extended_cu, "silu").index_select(0, chunks.rows)
         q, k, v, g, beta = layer.delta_rule_inputs(mixed, ba, 0, layer.num_k_heads)
-        o = chunk_gated_delta_rule_cp_states(q, k, v, g, beta, cu_seqlens_padded, group)
+        o = _run_from_composed_states(q, k, v, g, beta, chunks.local_cu, group)
         return o.reshape(o.shape[0], -1)
 
     def exchange_out(self, layer: GatedDeltaNet, o, z, cu_seqlens_padded, group):
@@ -142,9 +142,14 @@ def chunk_gated_delta_rule_cp_states(q, k, v, g, beta, cu_seqlens_padded, group,
     all-gathered, every rank composes each sequence's states over its chunks in order and runs
     its own chunks from theirs. Returns o ``[T/W, Hv, dv]``, equal to the sequence-order
     result's rows of this rank; differentiable in q, k, v, g, beta."""
+    return _run_from_composed_states(q, k, v, g, beta, _local_cu(cu_seqlens_padded, resolve_group(group)[1]), group,
+                                     scale)  # fmt: skip
+
+
+def _run_from_composed_states(q, k, v, g, beta, local_cu, group, scale=None) -> torch.Tensor:
+    """:func:`chunk_gated_delta_rule_cp_states` given this rank's chunk bounds ``local_cu``."""
     name, world = resolve_group(group)
     rank, dv = group_rank(group), v.shape[-1]
-    local_cu = _local_cu(cu_seqlens_padded, world)
     maps = state_maps(q, k, v, g, beta, local_cu, scale)  # [2B, Hv, dk, dv+dk]
     gathered = all_gather_rows(maps, name) if world > 1 else maps
     per_chunk = gathered.view(world, -1, 2, *maps.shape[1:])  # [W, B, 2, Hv, dk, dv+dk]
