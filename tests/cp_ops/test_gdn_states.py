@@ -10,7 +10,6 @@ chunk and longer than a rank's share, so that conv halos and states cross severa
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 from cp_ops import COMPILE_OPTIONS, GatedDeltaNet, pad_cu_seqlens, shard_thd
@@ -19,27 +18,19 @@ from custom_ops import chunk_gated_delta_rule, chunk_gated_delta_rule_with_state
 from custom_ops.testing import rel_error
 from custom_ops.thd_copy_valid_tokens.reference import valid_token_mask
 from tests._dist import run_ranks
+from tests.custom_ops.test_gdn_ops import _gdn_case
 
 TOL = 1e-10
 HIDDEN, DK, DV = 12, 4, 3
 LAYOUTS = ([37, 0, 1, 3, 20], [1, 64], [0, 5, 2, 9, 1, 0])
 
 
-def _delta_rule_inputs(num_rows, hk, hv, dk, dv, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    q, k = (F.normalize(torch.randn(num_rows, hk, dk, generator=gen, dtype=torch.float64), dim=-1) for _ in "qk")
-    v = torch.randn(num_rows, hv, dv, generator=gen, dtype=torch.float64)
-    g = -torch.rand(num_rows, hv, generator=gen, dtype=torch.float64)
-    beta = torch.rand(num_rows, hv, generator=gen, dtype=torch.float64)
-    return q, k, v, g, beta
-
-
 def test_state_maps_compose_a_split_sequence():
     """Rows [0, n) then [n, L): the second part from ``M S_head + S`` of its own map equals the
     whole sequence run at once, outputs and final state."""
-    length, hk, hv, dk, dv = 23, 2, 4, 5, 3
-    q, k, v, g, beta = _delta_rule_inputs(length, hk, hv, dk, dv)
-    whole_o, whole_final = chunk_gated_delta_rule_with_state(q, k, v, g, beta, torch.tensor([0, length]))
+    length, dv = 23, 3
+    q, k, v, g, beta, cu = _gdn_case([length], 2, 2, 5, dv, torch.float64)
+    whole_o, whole_final = chunk_gated_delta_rule_with_state(q, k, v, g, beta, cu)
     for n in (0, 1, 9, length):
         head_o, head_final = chunk_gated_delta_rule_with_state(*(t[:n] for t in (q, k, v, g, beta)),
                                                                torch.tensor([0, n]))  # fmt: skip
@@ -54,7 +45,8 @@ def test_state_maps_compose_a_split_sequence():
 def test_one_rank_runs_both_chunks_in_order():
     """W = 1: chunks 0 and 1 of each sequence, the second from the first's composed state."""
     cu, cup = pad_cu_seqlens(LAYOUTS[0], 1)
-    inputs = _delta_rule_inputs(int(cup[-1]), 2, 4, DK, DV)
+    *inputs, cu_padded = _gdn_case((cup[1:] - cup[:-1]).tolist(), 2, 2, DK, DV, torch.float64)
+    assert torch.equal(cu_padded, cup.to(cu_padded.dtype))
     got = chunk_gated_delta_rule_cp_states(*inputs, cup, None)
     assert rel_error(got, chunk_gated_delta_rule(*inputs, cup)) < TOL
 
