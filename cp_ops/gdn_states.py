@@ -49,7 +49,7 @@ class StatePassing(GDNContextParallel):
         mixed = causal_conv1d(extended, weight, None, chunks.extended_cu, "silu").index_select(0, chunks.rows)
         q, k, v, g, beta = layer.delta_rule_inputs(mixed, ba, 0, layer.num_k_heads)
         o = _run_from_composed_states(q, k, v, g, beta, chunks.local_cu, group)
-        return o.reshape(o.shape[0], -1)
+        return o.flatten(1)
 
     def exchange_out(self, layer: GatedDeltaNet, o, z, cu_seqlens_padded, group):
         return layer.project_out(o, z)
