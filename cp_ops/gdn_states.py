@@ -78,7 +78,9 @@ class _Chunks(NamedTuple):
         ids = torch.arange(2 * num_seqs + 1, device=cup.device)
         extended_cu = local_cu + ids * halo
         row = torch.arange(num_rows, device=cup.device)
-        rows = row + (torch.searchsorted(local_cu[1:], row, right=True) + 1) * halo
+        # local_cu[0] = 0 <= row: the chunks ending at or before row, plus one. Searched whole,
+        # not as local_cu[1:]: Inductor 2.11 cannot lower searchsorted over a slice
+        rows = row + torch.searchsorted(local_cu, row, right=True) * halo
         offset = torch.arange(halo, device=cup.device)
         halo_rows = (extended_cu[:-1, None] + offset).reshape(-1)
         # halo row i of chunk c of sequence b is its sequence's row p = c*len - halo + i, which sits
