@@ -394,6 +394,7 @@ def _fmt(cfg):
 
 TOTALS = (32768, 65536)
 HEAD_DIM = HEAD_DIMS[0]
+DEFAULT_HEAD_GROUPS = (2, 4)  # --head-groups without the flag, where they divide Hkv
 # --smoke: the same code path on 2 gloo ranks, at sizes a CPU runs in seconds
 SMOKE_TOTALS, SMOKE_HEADS, SMOKE_HEAD_DIM = (1024,), 4, 16  # two documents: 1008 and 16 tokens
 
@@ -620,6 +621,8 @@ def _run_cp(args) -> None:
         raise SystemExit("--profile needs GPUs")
     if args.smoke and args.cudagraphs:
         raise SystemExit("--cudagraphs needs GPUs, not --smoke")
+    if args.head_groups is None:  # the default: those of 2 and 4 that divide Hkv
+        args.head_groups = [g for g in DEFAULT_HEAD_GROUPS if (heads // args.gqa) % g == 0]
     bad = [g for g in args.head_groups if g < 2 or (heads // args.gqa) % g]
     if bad:
         raise SystemExit(f"--head-groups must be divisors of Hkv = {heads // args.gqa} above 1, got {bad}")
@@ -657,9 +660,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     cp.add_argument("--smoke", action="store_true", help="2 gloo ranks on the CPU, tiny shapes, few runs")
     cp.add_argument("--work-model", action="store_true", help="print the kernel-tile work model (CPU) and exit")
     cp.add_argument("--profile", action="store_true", help="also profile one fwd+bwd step: one GPU, compiled CP")
-    cp.add_argument("--head-groups", type=int, nargs="*", default=[2, 4], metavar="G",
+    cp.add_argument("--head-groups", type=int, nargs="*", default=None, metavar="G",
                     help="also time the compiled one-launch form with head_groups=G (the KV heads in G all-gathers, "
-                    "overlapped by cp_ops.COMPILE_OPTIONS); each G must divide Hkv (default 2 4)")  # fmt: skip
+                    "overlapped by cp_ops.COMPILE_OPTIONS); each G must divide Hkv (default: those of 2 and 4 that "
+                    "do; none given: none)")  # fmt: skip
     cp.add_argument("--cudagraphs", action="store_true",
                     help="compile the CP form with CUDA graphs (Inductor's triton.cudagraphs)")  # fmt: skip
     add_out_argument(cp)
