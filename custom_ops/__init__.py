@@ -7,7 +7,8 @@ section 6). This module is the public API: the op wrappers, their references and
 the layers in ``cp_ops`` build on. Public modules beside it: :mod:`custom_ops.thd_index`
 (index maps), :mod:`custom_ops.validation` (value checks, the checked mode),
 :mod:`custom_ops.env` (environment variables, docs/environment.md) and :mod:`custom_ops.testing`.
-``NAMESPACE`` is the ops' namespace, ``"cp_ops"``.
+``NAMESPACE`` is the ops' namespace, ``"cp_ops"``. Importing it also tags torch.compile's
+caches with the library's source (:mod:`custom_ops.runtime.compile_cache`).
 """
 
 from custom_ops import env, thd_index
@@ -34,6 +35,7 @@ from custom_ops.permute_sections.op import (
 from custom_ops.permute_sections.reference import permute_sections_reference, unpermute_sections_reference
 from custom_ops.runtime.checks import check_cp_size, check_index_tensor
 from custom_ops.runtime.collectives import all_gather_rows, all_to_all_rows, overlapped_exchange, reduce_scatter_rows
+from custom_ops.runtime.compile_cache import tag_compile_caches
 from custom_ops.runtime.groups import group_rank, group_size, resolve_group
 from custom_ops.runtime.registration import NAMESPACE, kernels_visible_to_compiler
 from custom_ops.runtime.validation import validate_varlen_segments
@@ -43,6 +45,8 @@ from custom_ops.thd_reorder.op import thd_rank_to_seq_order, thd_seq_to_rank_ord
 from custom_ops.thd_reorder.reference import thd_rank_to_seq_order_reference, thd_seq_to_rank_order_reference
 from custom_ops.varlen_attention.op import check_gqa_heads, varlen_attention
 from custom_ops.varlen_attention.reference import varlen_attention_reference
+
+tag_compile_caches()  # compiled graphs cached by another version of these ops are not loaded
 
 __all__ = [
     "fla_module",
