@@ -530,8 +530,10 @@ def _time_cp_forms(group, cu, cup, local, want, head_groups, cudagraphs, timed) 
 
         return fn
 
-    forms = {1: cp_fn(1), 2: cp_fn(2), "compiled": _compiled(cp_fn(1), cudagraphs)}
-    for g in head_groups:  # pipelined: the scheduling pass of COMPILE_OPTIONS overlaps the groups
+    # compiled as the layers and the recipe compile: with COMPILE_OPTIONS, whose scheduling pass
+    # overlaps the exchanges with independent work (and, with head groups, one group's with the next)
+    forms = {1: cp_fn(1), 2: cp_fn(2), "compiled": _compiled(cp_fn(1), cudagraphs, COMPILE_OPTIONS)}
+    for g in head_groups:
         forms[f"G={g}"] = _compiled(cp_fn(1, g), cudagraphs, COMPILE_OPTIONS)
     with torch.no_grad():
         for form, fn in forms.items():
