@@ -66,7 +66,8 @@ PARTS = {
     ),  # fmt: skip
 }
 # parts that need longer than the default --timeout: seconds, used where --timeout is shorter
-PART_TIMEOUTS = {"cold-start": 1800, "train": 1800, "train-curves": 900}
+# (tests-dist: a dozen NCCL tests, each spawning its ranks, about 100 s apiece on cold caches)
+PART_TIMEOUTS = {"cold-start": 1800, "train": 1800, "train-curves": 900, "tests-dist": 1800}
 TEST_WORLDS = (2, 4, 8)
 
 
