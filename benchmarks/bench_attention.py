@@ -12,7 +12,7 @@ on W GPUs (NCCL) against segment attention on one GPU (``cp``).
 
 Results (benchmarks/runner.py): ``attention`` (``attention-gqaG-dD..`` at other heads;
 ``-pointer-loads`` with that flag), ``attention-profile...``; ``ag-attention-wW`` (``-gqaG-dD`` at
-other heads, ``-cudagraphs``; ``ag-attention-smoke-wW``), ``...-profile``, ``ag-attention-work-model``.
+other heads, ``-cudagraphs``; ``ag-attention-smoke-wW``), ``...-profile``, ``ag-attention-work-model-dD``.
 docs/benchmarks.md gives the cases, the FLOP count and what each column measures.
 """
 
@@ -569,30 +569,32 @@ def tile_pairs(q_len, q_pos, k_len, block_m: int, block_n: int) -> int:
     return int(((keys + block_n - 1) // block_n).sum())
 
 
-def work_model() -> Result:
-    """The --work-model table (CPU only, no kernels run)."""
+def work_model(head_dim: int = HEAD_DIM) -> Result:
+    """The --work-model table (CPU only, no kernels run): at the forward's query tile for
+    ``head_dim`` and at half of it, the same key tile."""
     from cp_ops import ag_thd_segments
     from benchmarks.internals import kernel_config
 
-    cfg = kernel_config("fwd", HEAD_DIM, interpreting=False)
-    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    notes = (f"causal forward, BLOCK_M = {bm}, BLOCK_N = {bn} (D = {HEAD_DIM} config); tile pairs visited; "
-             "ratio = W * (most loaded rank) / (one GPU): the kernel work CP adds, 1.00 = none")  # fmt: skip
+    cfg = kernel_config("fwd", head_dim, interpreting=False)
+    bn = cfg["BLOCK_N"]
+    notes = (f"causal forward, BLOCK_N = {bn}, BLOCK_M the D = {head_dim} config's ({cfg['BLOCK_M']}) and half of it; "
+             "tile pairs visited; ratio = W * (most loaded rank) / (one GPU): the kernel work CP adds, 1.00 = none")  # fmt: skip
     rows = []
-    for total in TOTALS:
-        lens = packed_lengths(total)
-        lt = torch.tensor(lens)
-        one = tile_pairs(lt, torch.zeros_like(lt), lt, bm, bn)
-        for world in (2, 4, 8):
-            cu, cup = pad_cu_seqlens(lens, world)
-            per = []
-            for rank in range(world):
-                _, ql, qp, _, kl = ag_thd_segments(cu, cup, world, rank, causal=True)
-                per.append(tile_pairs(ql, qp, kl, bm, bn))
-            rows.append([total, len(lens), one, world, f"{min(per)}-{max(per)}", world * max(per) / one])
-    columns = ["T", "docs", "one GPU", "W", "per rank (min-max)", "ratio"]
+    for bm in (cfg["BLOCK_M"], cfg["BLOCK_M"] // 2):
+        for total in TOTALS:
+            lens = packed_lengths(total)
+            lt = torch.tensor(lens)
+            one = tile_pairs(lt, torch.zeros_like(lt), lt, bm, bn)
+            for world in (2, 4, 8):
+                cu, cup = pad_cu_seqlens(lens, world)
+                per = []
+                for rank in range(world):
+                    _, ql, qp, _, kl = ag_thd_segments(cu, cup, world, rank, causal=True)
+                    per.append(tile_pairs(ql, qp, kl, bm, bn))
+                rows.append([bm, total, len(lens), one, world, f"{min(per)}-{max(per)}", world * max(per) / one])
+    columns = ["BLOCK_M", "T", "docs", "one GPU", "W", "per rank (min-max)", "ratio"]
     return Result("ag_attention", "Kernel tiles per rank against one GPU (work model)", columns, rows, notes,
-                  environment(), name="ag-attention-work-model", formats={"ratio": "{:.2f}"})  # fmt: skip
+                  environment(), name=f"ag-attention-work-model-d{head_dim}", formats={"ratio": "{:.3f}"})  # fmt: skip
 
 
 def _run_kernel(args) -> None:
@@ -613,7 +615,7 @@ def _run_kernel(args) -> None:
 
 def _run_cp(args) -> None:
     if args.work_model:
-        emit([work_model()], args.out)
+        emit([work_model(args.head_dim)], args.out)
         return
     heads = SMOKE_HEADS if args.smoke else HEADS
     if heads % args.gqa:

@@ -9,6 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from benchmarks.bench_attention import parse_args, tile_pairs, work_model
+from benchmarks.internals import kernel_config
 from benchmarks.runner import load
 
 
@@ -31,10 +32,15 @@ def test_tile_pairs_matches_a_loop(segments, blocks):
 
 
 def test_work_model_table():
-    result = work_model()
-    assert result.name == "ag-attention-work-model"
-    assert [(r["T"], r["W"]) for r in result.records()] == [(t, w) for t in (32768, 65536) for w in (2, 4, 8)]
+    result = work_model(256)
+    assert result.name == "ag-attention-work-model-d256"
+    bm = kernel_config("fwd", 256, interpreting=False)["BLOCK_M"]
+    assert [(r["BLOCK_M"], r["T"], r["W"]) for r in result.records()] == [
+        (m, t, w) for m in (bm, bm // 2) for t in (32768, 65536) for w in (2, 4, 8)
+    ]
     assert all(r["ratio"] >= 1.0 for r in result.records())  # for these batches CP adds tiles, never removes them
+    ratio = {(r["BLOCK_M"], r["T"], r["W"]): r["ratio"] for r in result.records()}
+    assert all(ratio[bm // 2, t, w] < ratio[bm, t, w] for t in (32768, 65536) for w in (2, 4, 8))  # fewer partial tiles
     assert "| 32768 |" in result.markdown()
 
 
@@ -56,6 +62,7 @@ def test_modes_keep_their_flags_apart():
 
 def test_work_model_from_the_command_line(tmp_path):
     root = Path(__file__).resolve().parent.parent
-    cmd = [sys.executable, "-m", "benchmarks.bench_attention", "cp", "--work-model", "--out", str(tmp_path)]
+    cmd = [sys.executable, "-m", "benchmarks.bench_attention", "cp", "--work-model", "--head-dim", "256",
+           "--out", str(tmp_path)]  # fmt: skip
     subprocess.run(cmd, cwd=root, check=True, capture_output=True)
-    assert load(tmp_path / "ag-attention-work-model.json").rows == work_model().rows
+    assert load(tmp_path / "ag-attention-work-model-d256.json").rows == work_model(256).rows
