@@ -39,6 +39,8 @@ from custom_ops.runtime.compile_cache import tag_compile_caches
 from custom_ops.runtime.groups import group_rank, group_size, resolve_group
 from custom_ops.runtime.registration import NAMESPACE, kernels_visible_to_compiler
 from custom_ops.runtime.validation import validate_varlen_segments
+from custom_ops.segment_matmul.op import segment_matmul
+from custom_ops.segment_matmul.reference import segment_matmul_reference
 from custom_ops.thd_copy_valid_tokens.op import thd_copy_valid_tokens, thd_copy_valid_tokens_
 from custom_ops.thd_copy_valid_tokens.reference import thd_copy_valid_tokens_reference
 from custom_ops.thd_reorder.op import thd_rank_to_seq_order, thd_seq_to_rank_order
@@ -71,6 +73,7 @@ __all__ = [
     "chunk_gated_delta_rule",
     "chunk_gated_delta_rule_with_state",
     "state_dtype",
+    "segment_matmul",
     # references
     "thd_seq_to_rank_order_reference",
     "thd_rank_to_seq_order_reference",
@@ -85,6 +88,7 @@ __all__ = [
     "causal_conv1d_gather_reference",
     "chunk_gated_delta_rule_reference",
     "chunk_gated_delta_rule_with_state_reference",
+    "segment_matmul_reference",
     # helpers: groups, collectives, checks, the index maps
     "resolve_group",
     "group_size",

@@ -1,0 +1,107 @@
+"""custom_ops.segment_matmul: rows grouped by segment bounds, each times its segment's matrix.
+
+The reference against a Python loop (the definition), gradcheck in float64, the Triton kernels
+under the interpreter against the reference (hypothesis-drawn bounds: empty segments, rows
+before the first and after the last, one tile spanning many segments), opcheck, bad input."""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from custom_ops.segment_matmul.op import segment_matmul
+from custom_ops.segment_matmul.reference import segment_matmul_reference, segment_matmul_weight_grad_reference
+from custom_ops.testing import TOLERANCE, rel_error
+
+
+def _loop(x, w, cu):
+    y = torch.zeros(*x.shape[:2], w.shape[-1], dtype=torch.float64)
+    bounds = cu.tolist()
+    for s in range(len(bounds) - 1):
+        for r in range(max(bounds[s], 0), min(bounds[s + 1], x.shape[0])):
+            y[r] = torch.einsum("hk,hkn->hn", x[r].double(), w[s].double())
+    return y
+
+
+@st.composite
+def cases(draw, max_rows=70):
+    """``(rows, lengths, start)``: segments of the drawn lengths from row ``start`` (0 allowed:
+    empty segments), inside ``rows`` rows."""
+    lengths = draw(st.lists(st.integers(0, 30), min_size=1, max_size=6))
+    start = draw(st.integers(0, 5))
+    rows = start + sum(lengths) + draw(st.integers(0, 5))
+    return min(rows, max_rows), lengths, start
+
+
+def _tensors(case, heads, k, n, dtype, index_dtype=torch.int64):
+    rows, lengths, start = case
+    cu = torch.tensor([start] + lengths, dtype=torch.int64).cumsum(0).clamp(max=rows).to(index_dtype)
+    x = torch.randn(rows, heads, k, dtype=dtype)
+    w = torch.randn(len(lengths), heads, k, n, dtype=torch.float32 if dtype != torch.float64 else dtype)
+    return x, w, cu
+
+
+@given(cases())
+def test_reference_is_the_definition(case):
+    x, w, cu = _tensors(case, 2, 5, 3, torch.float64)
+    assert rel_error(segment_matmul_reference(x, w, cu), _loop(x, w, cu)) < 1e-12
+
+
+def test_gradcheck():
+    x, w, cu = _tensors((30, [4, 0, 9, 11], 3), 2, 4, 3, torch.float64)
+    assert torch.autograd.gradcheck(segment_matmul, (x.requires_grad_(), w.requires_grad_(), cu))
+
+
+def test_weight_grad_reference_is_the_gradient():
+    x, w, cu = _tensors((25, [6, 1, 0, 12], 2), 3, 4, 5, torch.float64)
+    w.requires_grad_()
+    dy = torch.randn(25, 3, 5, dtype=torch.float64)
+    (segment_matmul_reference(x, w, cu) * dy).sum().backward()
+    assert rel_error(segment_matmul_weight_grad_reference(x, dy, cu), w.grad) < 1e-12
+
+
+@pytest.mark.interpret
+@given(cases(), st.sampled_from([(1, 16, 16), (2, 20, 40), (3, 128, 72)]),
+       st.sampled_from([torch.float32, torch.bfloat16]), st.sampled_from([torch.int32, torch.int64]))  # fmt: skip
+def test_kernels_match_the_reference(case, dims, dtype, index_dtype):
+    heads, k, n = dims
+    x, w, cu = _tensors(case, heads, k, n, dtype, index_dtype)
+    x.requires_grad_()
+    w.requires_grad_()
+    y = segment_matmul(x, w, cu)
+    want = segment_matmul_reference(x.detach(), w.detach(), cu)
+    tol = TOLERANCE[dtype]
+    assert y.dtype == dtype and rel_error(y, want) < tol
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    assert rel_error(w.grad, segment_matmul_weight_grad_reference(x.detach(), dy, cu)) < tol
+    want_dx = segment_matmul_reference(dy, w.detach().transpose(-1, -2), cu)
+    assert rel_error(x.grad, want_dx) < tol
+
+
+def test_opcheck():
+    x, w, cu = _tensors((20, [5, 0, 9], 1), 2, 4, 3, torch.float32)
+    torch.library.opcheck(torch.ops.cp_ops.segment_matmul.default, (x, w, cu))
+    torch.library.opcheck(torch.ops.cp_ops.segment_matmul_weight_grad.default, (x, torch.randn(20, 2, 3), cu))
+
+
+@pytest.mark.parametrize(
+    "shapes, message",
+    [
+        (((4, 2, 3), (2, 2, 3, 5), 3), None),
+        (((4, 2, 3), (2, 2, 3, 5), 4), "S = len\\(cu\\) - 1"),
+        (((4, 2, 3), (2, 2, 4, 5), 3), "x's \\[H, K\\]"),
+        (((4, 3), (2, 2, 3, 5), 3), "x must be 3-D"),
+        (((4, 2, 3), (2, 3, 5), 3), "w must be 4-D"),
+    ],
+)
+def test_bad_input(shapes, message):
+    (xs, ws, n_cu) = shapes
+    x, w, cu = torch.randn(xs), torch.randn(ws), torch.arange(n_cu)
+    if message is None:
+        assert segment_matmul(x, w, cu).shape == (4, 2, 5)
+        return
+    with pytest.raises(ValueError, match=message):
+        segment_matmul(x, w, cu)
+    with pytest.raises(TypeError, match="int32 or int64"):
+        segment_matmul(torch.randn(4, 2, 3), torch.randn(2, 2, 3, 5), torch.arange(3.0))
