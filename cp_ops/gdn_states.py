@@ -16,6 +16,7 @@ from custom_ops import (
     chunk_gated_delta_rule_with_state,
     group_rank,
     resolve_group,
+    segment_matmul,
     state_dtype,
 )
 from custom_ops.thd_index import chunk_rows
@@ -126,23 +127,32 @@ def state_maps(q, k, v, g, beta, cu_seqlens, scale=None) -> torch.Tensor:
     (:func:`custom_ops.state_dtype`): S runs the sequence from a zero
     state, M (``dk x dk``, the product of its rows' ``exp(g) (I - beta k k^T)``) from the
     identity with v = 0. Arguments as :func:`custom_ops.chunk_gated_delta_rule`; differentiable."""
+    return _map_pass(q, k, v, g, beta, cu_seqlens, scale)[1]
+
+
+def _map_pass(q, k, v, g, beta, cu_seqlens, scale=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(o [T, Hv, dv + dk], maps)``: :func:`state_maps` and the outputs of the same pass,
+    ``[o^0 | scale P_t^T q_t]`` per row (``o^0`` from a zero state, ``P_t`` the product of the
+    sequence's ``exp(g) (I - beta k k^T)`` up to row t), so that a row's output from an incoming
+    state H is ``o^0 + H^T (scale P_t^T q_t)`` (docs/design.md section 4.3)."""
     num_seqs, (num_rows, hv, dv), dk = cu_seqlens.shape[0] - 1, v.shape, q.shape[-1]
     dtype = state_dtype(q)
     zeros, eye = v.new_zeros(num_rows, hv, dk), torch.eye(dk, dtype=dtype, device=q.device)
     identity = eye.expand(num_seqs, hv, dk, dk)
     if q.is_cuda and dv + dk > _FLA_MAX_HEAD_DIM:
-        _, s = chunk_gated_delta_rule_with_state(q, k, v, g, beta, cu_seqlens, scale)
-        _, m = chunk_gated_delta_rule_with_state(q, k, zeros, g, beta, cu_seqlens, scale, identity.contiguous())
-        return torch.cat([s, m], dim=-1)
+        o_zero, s = chunk_gated_delta_rule_with_state(q, k, v, g, beta, cu_seqlens, scale)
+        o_map, m = chunk_gated_delta_rule_with_state(q, k, zeros, g, beta, cu_seqlens, scale, identity.contiguous())
+        return torch.cat([o_zero, o_map], dim=-1), torch.cat([s, m], dim=-1)
     start = torch.cat([identity.new_zeros(num_seqs, hv, dk, dv), identity], dim=-1)
-    return chunk_gated_delta_rule_with_state(q, k, torch.cat([v, zeros], -1), g, beta, cu_seqlens, scale, start)[1]
+    return chunk_gated_delta_rule_with_state(q, k, torch.cat([v, zeros], -1), g, beta, cu_seqlens, scale, start)
 
 
 def chunk_gated_delta_rule_cp_states(q, k, v, g, beta, cu_seqlens_padded, group, scale=None) -> torch.Tensor:
     """:func:`custom_ops.chunk_gated_delta_rule` of this rank's rows in the dual-chunk layout
     (``[T/W, ...]``; ``cu_seqlens_padded`` global): each chunk's :func:`state_maps` are
-    all-gathered, every rank composes each sequence's states over its chunks in order and runs
-    its own chunks from theirs. Returns o ``[T/W, Hv, dv]``, equal to the sequence-order
+    all-gathered, every rank composes each sequence's states over its chunks in order and
+    corrects the outputs of its own chunks' map pass by their incoming states (one segment
+    matmul, no second pass). Returns o ``[T/W, Hv, dv]``, equal to the sequence-order
     result's rows of this rank; differentiable in q, k, v, g, beta."""
     return _run_from_composed_states(q, k, v, g, beta, _local_cu(cu_seqlens_padded, resolve_group(group)[1]), group,
                                      scale)  # fmt: skip
@@ -152,7 +162,7 @@ def _run_from_composed_states(q, k, v, g, beta, local_cu, group, scale=None) -> 
     """:func:`chunk_gated_delta_rule_cp_states` given this rank's chunk bounds ``local_cu``."""
     name, world = resolve_group(group)
     rank, dv = group_rank(group), v.shape[-1]
-    maps = state_maps(q, k, v, g, beta, local_cu, scale)  # [2B, Hv, dk, dv+dk]
+    o_map, maps = _map_pass(q, k, v, g, beta, local_cu, scale)  # [T/W, Hv, dv+dk], [2B, Hv, dk, dv+dk]
     gathered = all_gather_rows(maps, name) if world > 1 else maps
     per_chunk = gathered.view(world, -1, 2, *maps.shape[1:])  # [W, B, 2, Hv, dk, dv+dk]
     state = maps.new_zeros(per_chunk.shape[1], *maps.shape[1:-1], dv)  # [B, Hv, dk, dv]
@@ -164,4 +174,5 @@ def _run_from_composed_states(q, k, v, g, beta, local_cu, group, scale=None) -> 
         state = torch.matmul(m[..., dv:], state) + m[..., :dv]
     incoming.setdefault(2 * world - 1, state)
     initial = torch.stack([incoming[rank], incoming[2 * world - 1 - rank]], 1).flatten(0, 1)
-    return chunk_gated_delta_rule_with_state(q, k, v, g, beta, local_cu, scale, initial)[0]
+    # each row from its chunk's incoming state: o = o^0 + H^T (scale P_t^T q_t), no second pass
+    return o_map[..., :dv] + segment_matmul(o_map[..., dv:], initial, local_cu)
