@@ -34,9 +34,11 @@ def _tile(n: int, cap: int) -> int:
     return block
 
 
-def _blocks() -> tuple[int, int]:
-    """(BLOCK_M, the BLOCK_N cap): small under the interpreter, which runs tiles in numpy."""
-    return (16, 32) if triton_interpreting() else (64, 64)
+def _tiles(k: int, n: int) -> dict:
+    """The kernels' shape constexprs: K and N, whole K per program, BLOCK_M rows and BLOCK_N
+    columns a program (smaller under the interpreter, which runs tiles in numpy)."""
+    block_m, cap_n = (16, 32) if triton_interpreting() else (64, 64)
+    return dict(K=k, N=n, BLOCK_M=block_m, BLOCK_K=_tile(k, _MAX_KERNEL_DIM), BLOCK_N=_tile(n, cap_n))
 
 
 def _check(x: torch.Tensor, w: torch.Tensor, cu: torch.Tensor, w_name: str = "w") -> None:
@@ -81,14 +83,11 @@ def _segment_matmul(x: torch.Tensor, w: torch.Tensor, cu: torch.Tensor) -> torch
     y = torch.empty(rows, heads, n, dtype=x.dtype, device=x.device)
     if y.numel() == 0:
         return y
-    x, w = x.contiguous(), w.contiguous()
-    block_m, cap_n = _blocks()
-    block_n = _tile(n, cap_n)
+    x, w, tiles = x.contiguous(), w.contiguous(), _tiles(k, n)
     launch_direct(
-        segment_matmul_kernel, (cdiv(rows, block_m), heads, cdiv(n, block_n)),
+        segment_matmul_kernel, (cdiv(rows, tiles["BLOCK_M"]), heads, cdiv(n, tiles["BLOCK_N"])),
         x, w, cu, y, rows, w.shape[0], x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2),
-        y.stride(0), y.stride(1),
-        K=k, N=n, BLOCK_M=block_m, BLOCK_K=_tile(k, _MAX_KERNEL_DIM), BLOCK_N=block_n,
+        y.stride(0), y.stride(1), **tiles,
     )  # fmt: skip
     return y
 
@@ -114,14 +113,11 @@ def _segment_matmul_weight_grad(x: torch.Tensor, dy: torch.Tensor, cu: torch.Ten
     dw = torch.zeros(segments, heads, k, n, dtype=torch.float32, device=x.device)
     if dw.numel() == 0:
         return dw
-    x, dy = x.contiguous(), dy.contiguous()
-    block_m, cap_n = _blocks()
-    block_n = _tile(n, cap_n)
+    x, dy, tiles = x.contiguous(), dy.contiguous(), _tiles(k, n)
     launch_direct(
-        segment_matmul_weight_grad_kernel, (segments, heads, cdiv(n, block_n)),
+        segment_matmul_weight_grad_kernel, (segments, heads, cdiv(n, tiles["BLOCK_N"])),
         x, dy, cu, dw, rows, x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), dw.stride(0), dw.stride(1),
-        dw.stride(2),
-        K=k, N=n, BLOCK_M=block_m, BLOCK_K=_tile(k, _MAX_KERNEL_DIM), BLOCK_N=block_n,
+        dw.stride(2), **tiles,
     )  # fmt: skip
     return dw
 
