@@ -41,25 +41,35 @@ def _tiles(k: int, n: int) -> dict:
     return dict(K=k, N=n, BLOCK_M=block_m, BLOCK_K=_tile(k, _MAX_KERNEL_DIM), BLOCK_N=_tile(n, cap_n))
 
 
-def _check(x: torch.Tensor, w: torch.Tensor, cu: torch.Tensor, w_name: str = "w") -> None:
-    for name, t, dims in (("x", x, 3), (w_name, w, 3 if w_name == "dy" else 4)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != dims:
-            raise ValueError(f"{name} must be {dims}-D, got shape {tuple(t.shape)}")
-        if t.dtype not in _FLOAT_DTYPES:
-            raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
-    if w.device != x.device:
-        raise ValueError(f"x is on {x.device} but {w_name} is on {w.device}")
+def _check_operand(name: str, t: torch.Tensor, dims: int, x: torch.Tensor) -> None:
+    """``t`` a floating tensor of ``dims`` dimensions on x's device."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != dims:
+        raise ValueError(f"{name} must be {dims}-D, got shape {tuple(t.shape)}")
+    if t.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
+    if t.device != x.device:
+        raise ValueError(f"x is on {x.device} but {name} is on {t.device}")
+
+
+def _check(x: torch.Tensor, w: torch.Tensor, cu: torch.Tensor) -> None:
+    _check_operand("x", x, 3, x)
+    _check_operand("w", w, 4, x)
     check_index_tensor("cu", cu, x.device)
-    if w_name == "dy":
-        if w.shape[:2] != x.shape[:2]:
-            raise ValueError(f"dy [R, H, N] must match x [R, H, K] in R and H, got {tuple(w.shape)} and {tuple(x.shape)}")
-    elif w.shape[0] != cu.shape[0] - 1 or w.shape[1:3] != x.shape[1:]:
+    if w.shape[0] != cu.shape[0] - 1 or w.shape[1:3] != x.shape[1:]:
         raise ValueError(
             f"w must be [S, H, K, N] with S = len(cu) - 1 = {cu.shape[0] - 1} and x's [H, K] = {tuple(x.shape[1:])}, "
             f"got {tuple(w.shape)}"
         )
+
+
+def _check_grad(x: torch.Tensor, dy: torch.Tensor, cu: torch.Tensor) -> None:
+    _check_operand("x", x, 3, x)
+    _check_operand("dy", dy, 3, x)
+    check_index_tensor("cu", cu, x.device)
+    if dy.shape[:2] != x.shape[:2]:
+        raise ValueError(f"dy [R, H, N] must match x [R, H, K] in R and H, got {tuple(dy.shape)} and {tuple(x.shape)}")
 
 
 def _use_kernel(*tensors: torch.Tensor) -> bool:
@@ -106,7 +116,7 @@ def _grad_dtype(*tensors: torch.Tensor) -> torch.dtype:
 def _segment_matmul_weight_grad(x: torch.Tensor, dy: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
     """``dw [S, H, K, N]``, the sum over each segment's rows of ``x[r, h]^T dy[r, h]``, in float32
     (float64 for float64 inputs). Not differentiable itself."""
-    _check(x, dy, cu, "dy")
+    _check_grad(x, dy, cu)
     if not _use_kernel(x, dy):
         return segment_matmul_weight_grad_reference(x, dy, cu).contiguous()
     (rows, heads, k), n, segments = x.shape, dy.shape[-1], cu.shape[0] - 1
@@ -124,7 +134,7 @@ def _segment_matmul_weight_grad(x: torch.Tensor, dy: torch.Tensor, cu: torch.Ten
 
 @_segment_matmul_weight_grad.register_fake
 def _(x, dy, cu):
-    _check(x, dy, cu, "dy")
+    _check_grad(x, dy, cu)
     return x.new_empty(cu.shape[0] - 1, x.shape[1], x.shape[2], dy.shape[-1], dtype=_grad_dtype(x, dy))
 
 
