@@ -105,3 +105,22 @@ def test_bad_input(shapes, message):
         segment_matmul(x, w, cu)
     with pytest.raises(TypeError, match="int32 or int64"):
         segment_matmul(torch.randn(4, 2, 3), torch.randn(2, 2, 3, 5), torch.arange(3.0))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lengths", [[300, 0, 1, 200, 64, 7], [4096, 1000, 3]])
+def test_cuda_kernels_match_the_reference(lengths, dtype):
+    """The compiled kernels at the state mode's widths (32 heads, 128 x 128 matrices) against
+    the float64 reference: output and both gradients."""
+    x, w, cu = _tensors((sum(lengths) + 5, lengths, 2), 32, 128, 128, dtype)
+    leaves = [t.cuda().requires_grad_() for t in (x, w)]
+    y = segment_matmul(*leaves, cu.cuda())
+    dy = torch.randn(y.shape, dtype=torch.float64)
+    y.backward(dy.to("cuda", dtype))
+    xd, wd = x.double(), w.double()
+    tol = TOLERANCE[dtype]
+    assert rel_error(y.cpu(), segment_matmul_reference(xd, wd, cu)) < tol
+    dy = dy.to(dtype).double()
+    assert rel_error(leaves[1].grad.cpu(), segment_matmul_weight_grad_reference(xd, dy, cu)) < tol
+    assert rel_error(leaves[0].grad.cpu(), segment_matmul_reference(dy, wd.transpose(-1, -2), cu)) < tol
