@@ -82,9 +82,9 @@ def random_lengths(total: int, num_seqs: int, generator: torch.Generator) -> lis
 
 
 def attention_op_inputs(lens, d, gqa, device, heads=ATTENTION_HEADS):
-    """``(q, k, v, seg, out, lse, dout, dlse)`` for calling the forward and backward ops
-    (``torch.ops.cp_ops.varlen_attention`` and ``..._backward``, registered by whichever
-    library the caller imported) directly on documents of lengths ``lens``: detached inputs,
+    """``(q, k, v, seg, out, lse, dout, dlse)`` for calling the forward op
+    (``torch.ops.cp_ops.varlen_attention``, registered by whichever library the caller
+    imported) and the backward's launcher directly on documents of lengths ``lens``: detached inputs,
     the forward's outputs, random ``dout``, zero ``dlse``."""
     q, k, v = (t.detach() for t in attention_inputs(sum(lens), heads, heads // gqa, d, device))
     seg = segments_for(lens, device)

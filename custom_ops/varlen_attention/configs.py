@@ -109,6 +109,10 @@ INTERPRET_CONFIGS = _frozen({
 TABLE_BLOCK = 256
 TABLE_WARPS = 8
 
+# Query rows per program of the backward's delta pass and its warps: a streaming row reduction.
+DELTA_BLOCK = 64
+DELTA_WARPS = 4
+
 # Segments and key tiles per program of key_tile_segments_kernel (its comparisons are BLOCK x BLOCK).
 KEY_TILE_BLOCK = 64
 

@@ -1,6 +1,7 @@
 """Launchers of the segment-attention kernels (docs/design.md section 5): the tables a launch
 needs, its configuration and descriptors, and the kernel launches of the forward
-(:func:`forward`) and the backward (:func:`backward`).
+(:func:`forward`) and the backward (:func:`backward`: :func:`backward_dkdv`, then
+:func:`backward_dq`).
 
 Both launchers take an :class:`~custom_ops.varlen_attention.configs.AttentionSettings` as
 ``settings``: the ops pass :data:`~custom_ops.varlen_attention.configs.ATTENTION_SETTINGS`,
@@ -23,6 +24,8 @@ from custom_ops.runtime.validation import Segments
 from custom_ops.runtime.words import unit_last_stride
 from custom_ops.varlen_attention.configs import (
     ATTENTION_SETTINGS,
+    DELTA_BLOCK,
+    DELTA_WARPS,
     KEY_TILE_BLOCK,
     TABLE_BLOCK,
     TABLE_WARPS,
@@ -32,6 +35,7 @@ from custom_ops.varlen_attention.configs import (
     kernel_config,
 )
 from custom_ops.varlen_attention.kernels.backward import (
+    varlen_attn_bwd_delta_kernel,
     varlen_attn_bwd_dkdv_kernel,
     varlen_attn_bwd_dq_kernel,
 )
@@ -202,41 +206,38 @@ def forward(q, k, v, seg: Segments, causal, left, right, scale, settings: Attent
     return out, lse
 
 
-def backward(
+def clamped_segments(seg: Segments, num_q_rows: int, num_k_rows: int, causal, left: int, right: int, by_work) -> tuple:
+    """The five segment columns clamped into the tensors, int32: :func:`segment_tables` for a
+    launch that needs no query-tile order (one launch of the table kernel; ``by_work`` as
+    another launch's, so that no other variant of it compiles)."""
+    tab, _, _ = segment_tables(seg, num_q_rows, num_k_rows, 1, 1, 1, causal, left, right, by_work)
+    return tab
+
+
+def backward_dkdv(
     dout, dlse, q, k, v, out, lse, seg: Segments, causal, left, right, scale, settings: AttentionSettings = ATTENTION_SETTINGS
 ):
-    """``(dq, dk, dv)`` by the dq and dk/dv kernels under ``settings``, given ``dout [Tq, Hq, D]``
-    and ``dlse [Hq, Tq]`` and the forward's ``out`` and ``lse``; the other arguments as
+    """``(dk, dv, delta)`` by the delta pass and the dk/dv kernel under ``settings``, given
+    ``dout [Tq, Hq, D]`` and ``dlse [Hq, Tq]`` and the forward's ``out`` and ``lse``; ``delta
+    [Hq, Tq]`` float32 is what :func:`backward_dq` takes. The other arguments as
     :func:`forward`'s."""
     tq, hq, d = q.shape
     tk, hkv, _ = k.shape
     n_seg = seg[0].shape[0]
-    dq = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    delta = torch.zeros((hq, tq), dtype=torch.float32, device=q.device)
     if n_seg == 0 or tq == 0 or hq == 0 or tk == 0:
-        return dq, torch.zeros_like(k), torch.zeros_like(v)
+        return torch.zeros_like(k), torch.zeros_like(v), delta
     q, k, v, out, dout = (unit_last_stride(t) for t in (q, k, v, out, dout))
     lse = lse.contiguous()
     dlse = dlse.to(torch.float32).contiguous()
     block_d = _block_d(d)
-
-    # written by the dq kernel for the rows of every segment, read by the dk/dv kernel after it
-    delta = torch.empty((hq, tq), dtype=torch.float32, device=q.device)
-    cfg, descriptors = _launch_config("bwd_dq", settings, d, block_d, k, v)
-    num_tiles = cdiv(tq, cfg["BLOCK_M"]) + n_seg
-    (qs, ql, qp, ks, kl), tile_seg, tile_row = segment_tables(
-        seg, tq, tk, cfg["BLOCK_M"], cfg["BLOCK_N"], num_tiles, causal, left, right, settings.bwd_dq.by_work
-    )
     launch_direct(
-        varlen_attn_bwd_dq_kernel, (num_tiles * hq,),
-        q, k, v, out, dout, lse, dlse, delta, dq, *descriptors,
-        qs, ql, qp, ks, kl, tile_seg, tile_row, n_seg,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        out.stride(0), out.stride(1), dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), lse.stride(0),
-        hq // hkv, hq, scale, scale * _LOG2E, left, right,
-        CAUSAL=causal, WINDOW=_has_window(left, right, settings), HEAD_DIM=d, BLOCK_D=block_d,
-        HEAD_GROUP=_head_group("bwd_dq", settings, hkv, hq // hkv), **cfg,
+        varlen_attn_bwd_delta_kernel, (cdiv(tq, DELTA_BLOCK), hq),
+        out, dout, dlse, delta, tq, out.stride(0), out.stride(1), dout.stride(0), dout.stride(1), delta.stride(0),
+        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=DELTA_BLOCK, num_warps=DELTA_WARPS,
     )  # fmt: skip
 
+    qs, ql, qp, ks, kl = clamped_segments(seg, tq, tk, causal, left, right, settings.bwd_dq.by_work)
     cfg, descriptors = _launch_config("bwd_dkdv", settings, d, block_d, q, dout)
     # one program per key tile of the key tensor: it writes every row, so no zero fill
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
@@ -254,4 +255,45 @@ def backward(
         HEAD_GROUP=_head_group("bwd_dkdv", settings, hkv, cfg.get("PARTS", 1)),
         **cfg,
     )  # fmt: skip
+    return dk, dv, delta
+
+
+def backward_dq(
+    dout, q, k, v, lse, delta, seg: Segments, causal, left, right, scale, settings: AttentionSettings = ATTENTION_SETTINGS
+):
+    """``dq`` by the dq kernel under ``settings``, given ``dout``, the forward's ``lse`` and
+    :func:`backward_dkdv`'s ``delta``; the other arguments as :func:`forward`'s."""
+    tq, hq, d = q.shape
+    tk, hkv, _ = k.shape
+    n_seg = seg[0].shape[0]
+    dq = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    if n_seg == 0 or tq == 0 or hq == 0 or tk == 0:
+        return dq
+    q, k, v, dout = (unit_last_stride(t) for t in (q, k, v, dout))
+    lse, delta = lse.contiguous(), delta.contiguous()
+    block_d = _block_d(d)
+    cfg, descriptors = _launch_config("bwd_dq", settings, d, block_d, k, v)
+    num_tiles = cdiv(tq, cfg["BLOCK_M"]) + n_seg
+    (qs, ql, qp, ks, kl), tile_seg, tile_row = segment_tables(
+        seg, tq, tk, cfg["BLOCK_M"], cfg["BLOCK_N"], num_tiles, causal, left, right, settings.bwd_dq.by_work
+    )
+    launch_direct(
+        varlen_attn_bwd_dq_kernel, (num_tiles * hq,),
+        q, k, v, dout, lse, delta, dq, *descriptors,
+        qs, ql, qp, ks, kl, tile_seg, tile_row, n_seg,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1), lse.stride(0),
+        hq // hkv, hq, scale, scale * _LOG2E, left, right,
+        CAUSAL=causal, WINDOW=_has_window(left, right, settings), HEAD_DIM=d, BLOCK_D=block_d,
+        HEAD_GROUP=_head_group("bwd_dq", settings, hkv, hq // hkv), **cfg,
+    )  # fmt: skip
+    return dq
+
+
+def backward(
+    dout, dlse, q, k, v, out, lse, seg: Segments, causal, left, right, scale, settings: AttentionSettings = ATTENTION_SETTINGS
+):
+    """``(dq, dk, dv)``: :func:`backward_dkdv` then :func:`backward_dq`, the arguments as theirs."""
+    dk, dv, delta = backward_dkdv(dout, dlse, q, k, v, out, lse, seg, causal, left, right, scale, settings)
+    dq = backward_dq(dout, q, k, v, lse, delta, seg, causal, left, right, scale, settings)
     return dq, dk, dv

@@ -2,7 +2,9 @@
 
 ``torch.ops.cp_ops.varlen_attention`` returns ``(out, lse)`` and takes the window as two ints;
 ``custom_ops.varlen_attention`` is the same op with ``window=(left, right)``. The backward is
-its own op, ``torch.ops.cp_ops.varlen_attention_backward``. Both are opaque custom ops
+two ops, ``torch.ops.cp_ops.varlen_attention_backward_dkdv`` (dk, dv and the rows' delta) and
+``varlen_attention_backward_dq``, in that order, so that a collective on dk and dv can overlap
+the dq kernel (docs/design.md section 4.2). All are opaque custom ops
 (``kernel_op(opaque=True)``, docs/design.md section 2) launching through launch.py with
 :data:`~custom_ops.varlen_attention.configs.ATTENTION_SETTINGS`.
 """
@@ -17,9 +19,10 @@ from custom_ops.runtime.launch import use_triton
 from custom_ops.runtime.registration import NAMESPACE, kernel_op
 from custom_ops.runtime.validation import Segments, checked
 from custom_ops.varlen_attention.configs import ATTENTION_SETTINGS
-from custom_ops.varlen_attention.launch import backward, forward
+from custom_ops.varlen_attention.launch import backward, backward_dkdv, backward_dq, forward
 from custom_ops.varlen_attention.reference import (
     _attention,
+    backward_delta_reference,
     lse_dtype,
     resolve_scale,
     varlen_attention_backward_reference,
@@ -132,8 +135,8 @@ def _(q, k, v, q_start, q_len, q_pos, k_start, k_len, causal=True, window_left=-
     return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=lse_dtype(q.dtype))
 
 
-@kernel_op(f"{NAMESPACE}::varlen_attention_backward", mutates_args=(), opaque=True)
-def _varlen_attention_backward(
+@kernel_op(f"{NAMESPACE}::varlen_attention_backward_dkdv", mutates_args=(), opaque=True)
+def _varlen_attention_backward_dkdv(
     dout: torch.Tensor,
     dlse: torch.Tensor,
     q: torch.Tensor,
@@ -151,22 +154,64 @@ def _varlen_attention_backward(
     window_right: int = -1,
     scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv)`` of :func:`varlen_attention` given ``dout [Tq, Hq, D]`` and
-    ``dlse [Hq, Tq]`` and the saved ``out`` and ``lse``. Not differentiable itself."""
+    """``(dk, dv, delta)`` of :func:`varlen_attention` given ``dout [Tq, Hq, D]`` and
+    ``dlse [Hq, Tq]`` and the saved ``out`` and ``lse``; ``delta [Hq, Tq]`` (lse's dtype) is
+    what ``varlen_attention_backward_dq`` takes. Not differentiable itself."""
     seg = Segments(q_start, q_len, q_pos, k_start, k_len)
     _check(q, k, v, seg, causal, window_left, window_right)
     scale = resolve_scale(scale, q.shape[2])
     if not _use_kernel(q):
-        grads = varlen_attention_backward_reference(dout, dlse, q, k, v, out, lse, seg, causal, window_left, window_right, scale)
-        return tuple(g.contiguous() for g in grads)
-    return backward(dout, dlse, q, k, v, out, lse, seg, causal, window_left, window_right, scale, ATTENTION_SETTINGS)
+        delta = backward_delta_reference(dout, out, dlse)
+        _, dk, dv = varlen_attention_backward_reference(
+            dout, dlse, q, k, v, out, lse, seg, causal, window_left, window_right, scale, delta
+        )
+        return dk.contiguous(), dv.contiguous(), delta.contiguous()
+    return backward_dkdv(dout, dlse, q, k, v, out, lse, seg, causal, window_left, window_right, scale, ATTENTION_SETTINGS)
 
 
-@_varlen_attention_backward.register_fake
+@_varlen_attention_backward_dkdv.register_fake
 def _(dout, dlse, q, k, v, out, lse, q_start, q_len, q_pos, k_start, k_len, causal=True, window_left=-1,
       window_right=-1, scale=None):  # fmt: skip
     _check(q, k, v, Segments(q_start, q_len, q_pos, k_start, k_len), causal, window_left, window_right)
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    return k.new_empty(k.shape), v.new_empty(v.shape), lse.new_empty(lse.shape)
+
+
+@kernel_op(f"{NAMESPACE}::varlen_attention_backward_dq", mutates_args=(), opaque=True)
+def _varlen_attention_backward_dq(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    q_start: torch.Tensor,
+    q_len: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_start: torch.Tensor,
+    k_len: torch.Tensor,
+    causal: bool = True,
+    window_left: int = -1,
+    window_right: int = -1,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """``dq`` of :func:`varlen_attention` given ``dout``, the saved ``lse`` and
+    ``varlen_attention_backward_dkdv``'s ``delta``. Not differentiable itself."""
+    seg = Segments(q_start, q_len, q_pos, k_start, k_len)
+    _check(q, k, v, seg, causal, window_left, window_right)
+    scale = resolve_scale(scale, q.shape[2])
+    if not _use_kernel(q):
+        dq, _, _ = varlen_attention_backward_reference(
+            dout, None, q, k, v, None, lse, seg, causal, window_left, window_right, scale, delta
+        )
+        return dq.contiguous()
+    return backward_dq(dout, q, k, v, lse, delta, seg, causal, window_left, window_right, scale, ATTENTION_SETTINGS)
+
+
+@_varlen_attention_backward_dq.register_fake
+def _(dout, q, k, v, lse, delta, q_start, q_len, q_pos, k_start, k_len, causal=True, window_left=-1, window_right=-1,
+      scale=None):  # fmt: skip
+    _check(q, k, v, Segments(q_start, q_len, q_pos, k_start, k_len), causal, window_left, window_right)
+    return q.new_empty(q.shape)
 
 
 def _setup_context(ctx, inputs, output):
@@ -182,7 +227,9 @@ def _backward(ctx, dout, dlse):
         dlse = torch.zeros_like(lse)
     if dout is None:
         dout = torch.zeros_like(out)
-    dq, dk, dv = _varlen_attention_backward(dout, dlse, q, k, v, out, lse, *seg, *ctx.args)
+    # dk and dv first: a collective on them (CP's reduce-scatter) can then run beside the dq kernel
+    dk, dv, delta = _varlen_attention_backward_dkdv(dout, dlse, q, k, v, out, lse, *seg, *ctx.args)
+    dq = _varlen_attention_backward_dq(dout, q, k, v, lse, delta, *seg, *ctx.args)
     return (dq, dk, dv) + (None,) * (len(Segments._fields) + len(ctx.args))
 
 

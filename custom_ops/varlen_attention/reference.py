@@ -127,6 +127,13 @@ def varlen_attention_reference(
     return _attention(q, k, v, Segments(q_start, q_len, q_pos, k_start, k_len), causal, window[0], window[1], scale)
 
 
+def backward_delta_reference(dout: torch.Tensor, out: torch.Tensor, dlse: torch.Tensor) -> torch.Tensor:
+    """``delta [Hq, Tq] = <dout, out> - dlse`` per row and head, in lse's dtype: the term both
+    gradients subtract from dP."""
+    dt = lse_dtype(out.dtype)
+    return (dout.to(dt) * out.to(dt)).sum(-1).transpose(0, 1) - dlse.to(dt)
+
+
 def varlen_attention_backward_reference(
     dout: torch.Tensor,
     dlse: torch.Tensor,
@@ -140,8 +147,10 @@ def varlen_attention_backward_reference(
     window_left: int,
     window_right: int,
     scale: float | None,
+    delta: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Closed-form gradients ``(dq, dk, dv)`` from the saved ``out`` and ``lse``.
+    """Closed-form gradients ``(dq, dk, dv)`` from the saved ``out`` and ``lse``; ``delta``
+    (:func:`backward_delta_reference`) in place of ``dout``, ``out`` and ``dlse``'s where given.
 
     With ``P_ab = exp(s_ab - lse_a)`` on visible pairs (0 elsewhere) and
     ``delta_a = <dout_a, out_a> - dlse_a``:
@@ -162,7 +171,8 @@ def varlen_attention_backward_reference(
     lse_safe = torch.where(torch.isfinite(lse_c), lse_c, 0.0)
     p = torch.exp(torch.where(visible[None], s, float("-inf")) - lse_safe[..., None])  # [Hq, Tq, Tk]
     do = dout.to(dt).permute(1, 0, 2)  # [Hq, Tq, D]
-    delta = (do * out.to(dt).permute(1, 0, 2)).sum(-1) - dlse.to(dt)
+    delta = backward_delta_reference(dout, out, dlse) if delta is None else delta
+    delta = delta.to(dt)
     ke, ve = _expand_kv(k.to(dt), hq), _expand_kv(v.to(dt), hq)  # [Hq, Tk, D]
     dv = _group_sum(p.transpose(1, 2) @ do, hkv)
     ds = p * (do @ ve.transpose(1, 2) - delta[..., None])

@@ -64,8 +64,8 @@ def test_attention_fake_compiles_forward_and_backward_kernels(recorded):
     precompile.wait_all()
     assert out.shape == q.shape and lse.shape == (8, 256)
     assert set(_names(recorded)) == {
-        "segment_tables_kernel", "varlen_attn_fwd_kernel", "varlen_attn_bwd_dq_kernel", "key_tile_segments_kernel",
-        "varlen_attn_bwd_dkdv_kernel",
+        "segment_tables_kernel", "varlen_attn_fwd_kernel", "varlen_attn_bwd_delta_kernel", "varlen_attn_bwd_dq_kernel",
+        "key_tile_segments_kernel", "varlen_attn_bwd_dkdv_kernel",
     }  # fmt: skip
     # the forward's and dq's table launches (their tiles differ) are one compiled variant
     tables = [kwargs for name, _, kwargs, _ in recorded if name == "segment_tables_kernel"]
@@ -165,16 +165,20 @@ def test_symbolic_shapes_and_the_switch_schedule_nothing(recorded, monkeypatch):
 
 @pytest.mark.gpu
 def test_compiled_attention_compiles_its_kernels_in_the_workers(monkeypatch):
-    """torch.compile of an attention fwd+bwd: the five kernels compile in the precompile
+    """torch.compile of an attention fwd+bwd: the six kernels compile in the precompile
     workers while the graph is traced, none at launch, and the results are eager's."""
     from collections import defaultdict
 
-    from custom_ops.varlen_attention.kernels.backward import varlen_attn_bwd_dkdv_kernel, varlen_attn_bwd_dq_kernel
+    from custom_ops.varlen_attention.kernels.backward import (
+        varlen_attn_bwd_delta_kernel,
+        varlen_attn_bwd_dkdv_kernel,
+        varlen_attn_bwd_dq_kernel,
+    )
     from custom_ops.varlen_attention.kernels.forward import varlen_attn_fwd_kernel
     from custom_ops.varlen_attention.kernels.schedule import key_tile_segments_kernel, segment_tables_kernel
 
-    kernels = [segment_tables_kernel, varlen_attn_fwd_kernel, varlen_attn_bwd_dq_kernel, key_tile_segments_kernel,
-               varlen_attn_bwd_dkdv_kernel]  # fmt: skip
+    kernels = [segment_tables_kernel, varlen_attn_fwd_kernel, varlen_attn_bwd_delta_kernel, varlen_attn_bwd_dq_kernel,
+               key_tile_segments_kernel, varlen_attn_bwd_dkdv_kernel]  # fmt: skip
     if not hasattr(JITFunction, "_do_compile") or not all(isinstance(k.device_caches, defaultdict) for k in kernels):
         pytest.skip(f"triton {triton.__version__} keeps its compiled kernels in another form")
     compiles = []

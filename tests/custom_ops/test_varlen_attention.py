@@ -242,7 +242,11 @@ def test_opcheck_backward():
         out, lse = torch.ops.cp_ops.varlen_attention(q, k, v, *seg, **kwargs)
         dout, dlse = torch.randn_like(out), torch.randn_like(lse)
         torch.library.opcheck(
-            torch.ops.cp_ops.varlen_attention_backward.default, (dout, dlse, q, k, v, out, lse, *seg), kwargs
+            torch.ops.cp_ops.varlen_attention_backward_dkdv.default, (dout, dlse, q, k, v, out, lse, *seg), kwargs
+        )
+        delta = torch.ops.cp_ops.varlen_attention_backward_dkdv(dout, dlse, q, k, v, out, lse, *seg, **kwargs)[2]
+        torch.library.opcheck(
+            torch.ops.cp_ops.varlen_attention_backward_dq.default, (dout, q, k, v, lse, delta, *seg), kwargs
         )
 
 

@@ -1,8 +1,10 @@
-"""The segment-attention backward kernels (docs/design.md section 5): the FA2 split, a dq kernel
-(one program per query tile and query head, over the forward's key phases) and a dk/dv kernel
-(one program per BLOCK_N-row tile of the key tensor and kv head, two at D = 256, over the
-segments whose key ranges reach it: a slice of the segments sorted by key start, built on the
-device). Deterministic: no atomics, every tile summed in one program.
+"""The segment-attention backward kernels (docs/design.md section 5): the FA2 split, a delta
+pass (``<dout, out> - dlse`` per row), a dk/dv kernel (one program per BLOCK_N-row tile of the
+key tensor and kv head, two at D = 256, over the segments whose key ranges reach it: a slice of
+the segments sorted by key start, built on the device) and a dq kernel (one program per query
+tile and query head, over the forward's key phases). dk/dv before dq, so that a collective on
+dk and dv (CP's reduce-scatter) can run beside the dq kernel. Deterministic: no atomics, every
+tile summed in one program.
 """
 
 import triton
@@ -58,16 +60,45 @@ def _dq_inner(
     return dq
 
 
+@triton.jit(do_not_specialize=["num_rows"])
+def varlen_attn_bwd_delta_kernel(
+    O,
+    DO,
+    DLSE,  # [Hq, Tq] fp32, as LSE
+    DELTA,  # [Hq, Tq] fp32 out
+    num_rows,
+    stride_ot,
+    stride_oh,
+    stride_dot,
+    stride_doh,
+    stride_lh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """``delta = <dout, out> - dlse`` for one tile of BLOCK_M query rows x one query head: the
+    term both backward kernels subtract from dP. Every row, in a segment or not (a row in none
+    has out = 0); its own pass so that the dk/dv kernel can run before the dq kernel."""
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    h = tl.program_id(1)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = rows < num_rows
+    mask = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+    o = tl.load(O + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :], mask=mask, other=0.0)
+    do = tl.load(DO + rows[:, None] * stride_dot + h * stride_doh + offs_d[None, :], mask=mask, other=0.0)
+    dlse = tl.load(DLSE + h * stride_lh + rows, mask=row_ok, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1) - dlse
+    tl.store(DELTA + h * stride_lh + rows, delta, mask=row_ok)
+
+
 @triton.jit(do_not_specialize=["n_seg", "left", "right"])
 def varlen_attn_bwd_dq_kernel(
     Q,
     K,
     V,
-    O,
     DO,
     LSE,
-    DLSE,  # [Hq, Tq] fp32, as LSE
-    DELTA,  # [Hq, Tq] fp32, written here for the rows of every segment (the dk/dv kernel reads it)
+    DELTA,  # [Hq, Tq] fp32: varlen_attn_bwd_delta_kernel's
     DQ,
     desc_k,  # with TMA: descriptors over K and V as [rows, Hkv * HEAD_DIM], [BLOCK_N, BLOCK_D] tiles
     desc_v,
@@ -85,8 +116,6 @@ def varlen_attn_bwd_dq_kernel(
     stride_kh,
     stride_vt,
     stride_vh,
-    stride_ot,
-    stride_oh,
     stride_dot,
     stride_doh,
     stride_dqt,
@@ -108,11 +137,8 @@ def varlen_attn_bwd_dq_kernel(
     WINDOW: tl.constexpr = True,  # whether left >= 0 or right >= 0 (:func:`_visible`)
 ):
     """One query tile x one query head: ``dq = scale * sum_b P (dP - delta) k_b``,
-    P recomputed from the saved lse, over the same key phases as the forward.
-
-    ``delta = <dout, out> - dlse`` per row is computed here from the tile's out and dout
-    and stored for the dk/dv kernel, which runs after this one: no separate pass over
-    out and dout."""
+    P recomputed from the saved lse, over the same key phases as the forward, delta read
+    from :func:`varlen_attn_bwd_delta_kernel`'s output."""
     # fp32 scales, as in the forward
     sm_scale = tl.cast(sm_scale, tl.float32)
     qk_scale = tl.cast(qk_scale, tl.float32)
@@ -137,13 +163,10 @@ def varlen_attn_bwd_dq_kernel(
     mask = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
     q = tl.load(Q + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=mask, other=0.0)
     do = tl.load(DO + rows[:, None] * stride_dot + h * stride_doh + offs_d[None, :], mask=mask, other=0.0)
-    o = tl.load(O + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :], mask=mask, other=0.0)
     lse = tl.load(LSE + h * stride_lh + rows, mask=row_ok, other=float("-inf"))
     # rows with no visible key (lse = -inf) must get P = 0: shift them by +inf
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-    dlse = tl.load(DLSE + h * stride_lh + rows, mask=row_ok, other=0.0)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1) - dlse
-    tl.store(DELTA + h * stride_lh + rows, delta, mask=row_ok)
+    delta = tl.load(DELTA + h * stride_lh + rows, mask=row_ok, other=0.0)
     kvh = h // group
     k_base = K + k_start.to(tl.int64) * stride_kt + kvh * stride_kh
     v_base = V + k_start.to(tl.int64) * stride_vt + kvh * stride_vh
