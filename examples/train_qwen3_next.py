@@ -337,8 +337,12 @@ def setup(args: argparse.Namespace, rank: int, world: int, device: torch.device)
         wrap_layer(layer, args)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     shard_kw = dict(mesh=flatten(mesh), **({"mp_policy": policy} if args.dtype == "bf16" else {}))
+    # units in the order the backward finishes them: the output head's gradients are reduced
+    # while the layers' backward runs; only the embedding's (the last) wait at the end
+    fully_shard(model.model.embed_tokens, **shard_kw)
     for layer in model.model.layers:
         fully_shard(layer, **shard_kw)
+    fully_shard([model.model.norm, model.lm_head], **shard_kw)
     fully_shard(model, **shard_kw)
     if on_meta:
         init_meta_model(model, config, device, args.seed)
