@@ -114,7 +114,10 @@ def _with_halos(conv_in: torch.Tensor, chunks: _Chunks, group_name: str | None, 
     ends = chunks.local_cu[1:].long()[:, None]
     tail_rows = ends - halo + torch.arange(halo, device=conv_in.device)  # each chunk's last `halo` rows
     in_chunk = (tail_rows >= chunks.local_cu[:-1].long()[:, None]).reshape(-1, 1)
-    picked = conv_in.index_select(0, tail_rows.reshape(-1).clamp(0, max(num_rows - 1, 0)))
+    if num_rows == 0:  # only empty sequences: no row to take (index_select needs one)
+        picked = conv_in.new_zeros(tail_rows.numel(), conv_in.shape[1])
+    else:
+        picked = conv_in.index_select(0, tail_rows.reshape(-1).clamp(0, num_rows - 1))
     tails = torch.where(in_chunk, picked, torch.zeros_like(picked))
     gathered = all_gather_rows(tails, group_name) if world > 1 else tails
     halos = torch.where(chunks.halo_valid, gathered.index_select(0, chunks.halo_source), torch.zeros_like(tails))

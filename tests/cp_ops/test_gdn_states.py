@@ -88,7 +88,7 @@ def _compare_rank(rank, world, heads, layouts, compiled=False):
 @pytest.mark.dist
 @pytest.mark.parametrize("world,heads", [(2, (2, 4)), (3, (1, 2)), pytest.param(4, (4, 8), marks=pytest.mark.slow)])
 def test_state_passing_matches_one_rank(world, heads):
-    run_ranks(world, _compare_rank, heads, (*LAYOUTS, []))  # and an empty batch
+    run_ranks(world, _compare_rank, heads, (*LAYOUTS, [], [0], [0, 0]))  # and batches with no rows
 
 
 @pytest.mark.slow
