@@ -368,18 +368,38 @@ def _cp_rank(rank, world, device, tokens, seqs, out, smoke, opts: dict) -> None:
     per_sequence = SectionsForm(layer, per_sequence_cp2hp, per_sequence_hp2cp)
 
     def compile_layer(dynamic: bool):
-        """The layer compiled as recommended, and its section-layout form compiled as the layer
-        was compiled before the fused layouts (thd_cp2hp / thd_hp2cp as one op each, the z
-        projection after the exchange, default options)."""
+        """The layer compiled as recommended, and (``unfused``) its section-layout form compiled as
+        the layer was compiled before the fused layouts (thd_cp2hp / thd_hp2cp as one op each, the
+        z projection after the exchange, default options)."""
         fn = torch.compile(layer, fullgraph=True, dynamic=dynamic, options=compiled_options(opts))
-        return {"fn": fn, "dynamic": dynamic}, torch.compile(unfused, fullgraph=True, dynamic=dynamic)
+        return {"fn": fn, "dynamic": dynamic, "unfused": torch.compile(unfused, fullgraph=True, dynamic=dynamic)}
 
-    compiled, compiled_unfused = compile_layer(dynamic=True)
+    def compile_states(dynamic: bool):
+        """The same weights by chunk states, compiled as the layer is."""
+        fn = torch.compile(states_layer, fullgraph=True, dynamic=dynamic, options=compiled_options(opts))
+        return {"fn": fn, "dynamic": dynamic}
+
+    def check_compiled(form, recompile, what):
+        """``(form, check(form))``, ``form`` compiled again by ``recompile(dynamic=False)`` where
+        dynamic=True fails to compile."""
+        try:
+            return form, check(form["fn"])
+        except Exception as e:  # noqa: BLE001  (a compile failure: retry with static shapes)
+            if not form["dynamic"]:
+                raise
+            msg = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            print(f"rank {rank}: {what}: torch.compile(dynamic=True) failed ({msg}); using dynamic=False", flush=True)
+            torch._dynamo.reset()
+            notes.append(f"{what} compiled with dynamic=False (dynamic=True failed: {msg[:200]})")
+            form = recompile(dynamic=False)
+            return form, check(form["fn"])
+
+    compiled = compile_layer(dynamic=True)
     states = None
-    if opts["states"]:  # the same weights by chunk states, compiled as the layer is
+    if opts["states"]:
         states_layer = GatedDeltaNet(hidden, hk, hv, dk, dv, context_parallel=StatePassing()).to(device, dtype)
         states_layer.load_state_dict(layer.state_dict())
-        states = torch.compile(states_layer, fullgraph=True, options=compiled_options(opts))
+        states = compile_states(dynamic=True)
     notes = ["the compiled layer with CUDA graphs (--cudagraphs), on W GPUs and on one"] if opts["cudagraphs"] else []
     shapes = [(t, b) for t in tokens for b in seqs]
     results = {}
@@ -412,29 +432,19 @@ def _cp_rank(rank, world, device, tokens, seqs, out, smoke, opts: dict) -> None:
             return err
 
         res = {"err eager": check(layer)}
-        try:
-            res["err compiled"] = check(compiled["fn"])
-        except Exception as e:  # noqa: BLE001  (a compile failure: retry with static shapes)
-            if not compiled["dynamic"]:
-                raise
-            msg = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-            print(f"rank {rank}: torch.compile(dynamic=True) failed ({msg}); using dynamic=False", flush=True)
-            torch._dynamo.reset()
-            compiled, compiled_unfused = compile_layer(dynamic=False)
-            notes.append(f"compiled with dynamic=False (dynamic=True failed: {msg[:200]})")
-            res["err compiled"] = check(compiled["fn"])
+        compiled, res["err compiled"] = check_compiled(compiled, compile_layer, "the layer")
         res["W compiled"] = timed(cp_step(compiled["fn"]))
         res["MiB heads"], res["MiB states"] = sent_mib(world, rows, num_seqs, (hk, hv, dk, dv), dtype, 4)
         if states is not None:
-            res["err compiled states"] = check(states)
-            res["W compiled states"] = timed(cp_step(states))
+            states, res["err compiled states"] = check_compiled(states, compile_states, "the layer by chunk states")
+            res["W compiled states"] = timed(cp_step(states["fn"]))
         if full:
             res["err per-seq"] = check(per_sequence)
             res["W per-seq eager"] = timed(cp_step(per_sequence), per_sequence=True)
             res["W eager"] = timed(cp_step(layer))
             res["W eager unfused"] = timed(cp_step(unfused))
-            res["err compiled unfused"] = check(compiled_unfused)
-            res["W compiled unfused"] = timed(cp_step(compiled_unfused))
+            res["err compiled unfused"] = check(compiled["unfused"])
+            res["W compiled unfused"] = timed(cp_step(compiled["unfused"]))
         if profile:  # every rank runs the profiled steps (they meet in the all-to-alls)
             res.update({f"prof W {k}": v for k, v in profile_step(cp_step(compiled["fn"]), device).items()})
 
