@@ -60,23 +60,25 @@ def test_weight_grad_reference_is_the_gradient():
     assert rel_error(segment_matmul_weight_grad_reference(x, dy, cu), w.grad) < 1e-12
 
 
+def _assert_kernels_match(x, w, cu, device="cpu"):
+    """segment_matmul on ``device`` against the float64 reference: the output and both
+    gradients, to the tolerance of x's dtype."""
+    leaves = [t.to(device).requires_grad_() for t in (x, w)]
+    y = segment_matmul(*leaves, cu.to(device))
+    dy = torch.randn(y.shape).to(x.dtype)
+    y.backward(dy.to(device))
+    xd, wd, dyd = x.double(), w.double(), dy.double()
+    tol = TOLERANCE[x.dtype]
+    assert y.dtype == x.dtype and rel_error(y.cpu(), segment_matmul_reference(xd, wd, cu)) < tol
+    assert rel_error(leaves[1].grad.cpu(), segment_matmul_weight_grad_reference(xd, dyd, cu)) < tol
+    assert rel_error(leaves[0].grad.cpu(), segment_matmul_reference(dyd, wd.transpose(-1, -2), cu)) < tol
+
+
 @pytest.mark.interpret
 @given(cases(), st.sampled_from([(1, 16, 16), (2, 20, 40), (3, 128, 72)]),
        st.sampled_from([torch.float32, torch.bfloat16]), st.sampled_from([torch.int32, torch.int64]))  # fmt: skip
 def test_kernels_match_the_reference(case, dims, dtype, index_dtype):
-    heads, k, n = dims
-    x, w, cu = _tensors(case, heads, k, n, dtype, index_dtype)
-    x.requires_grad_()
-    w.requires_grad_()
-    y = segment_matmul(x, w, cu)
-    want = segment_matmul_reference(x.detach(), w.detach(), cu)
-    tol = TOLERANCE[dtype]
-    assert y.dtype == dtype and rel_error(y, want) < tol
-    dy = torch.randn_like(y)
-    y.backward(dy)
-    assert rel_error(w.grad, segment_matmul_weight_grad_reference(x.detach(), dy, cu)) < tol
-    want_dx = segment_matmul_reference(dy, w.detach().transpose(-1, -2), cu)
-    assert rel_error(x.grad, want_dx) < tol
+    _assert_kernels_match(*_tensors(case, *dims, dtype, index_dtype))
 
 
 def test_opcheck():
@@ -113,14 +115,4 @@ def test_bad_input(shapes, message):
 def test_cuda_kernels_match_the_reference(lengths, dtype):
     """The compiled kernels at the state mode's widths (32 heads, 128 x 128 matrices) against
     the float64 reference: output and both gradients."""
-    x, w, cu = _tensors((sum(lengths) + 5, lengths, 2), 32, 128, 128, dtype)
-    leaves = [t.cuda().requires_grad_() for t in (x, w)]
-    y = segment_matmul(*leaves, cu.cuda())
-    dy = torch.randn(y.shape, dtype=torch.float64)
-    y.backward(dy.to("cuda", dtype))
-    xd, wd = x.double(), w.double()
-    tol = TOLERANCE[dtype]
-    assert rel_error(y.cpu(), segment_matmul_reference(xd, wd, cu)) < tol
-    dy = dy.to(dtype).double()
-    assert rel_error(leaves[1].grad.cpu(), segment_matmul_weight_grad_reference(xd, dy, cu)) < tol
-    assert rel_error(leaves[0].grad.cpu(), segment_matmul_reference(dy, wd.transpose(-1, -2), cu)) < tol
+    _assert_kernels_match(*_tensors((sum(lengths) + 5, lengths, 2), 32, 128, 128, dtype), device="cuda")
