@@ -65,6 +65,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     p.add_argument("--compile", action="store_true", help="torch.compile(fullgraph=True) every decoder layer")
     p.add_argument("--ac", action="store_true", help="activation checkpointing per decoder layer")
+    p.add_argument("--reshard-after-forward", choices=("always", "never"), default="always",
+                   help="FSDP2: free each layer's unsharded parameters after its forward (always: all-gathered "
+                        "again for the backward) or keep them until the backward (never: one all-gather a step)")
     p.add_argument("--cuda-graphs", action="store_true", help="CUDA graphs in the compiled layers (needs --compile)")
     p.add_argument("--gdn-cp", choices=("heads", "states"), default="heads",
                    help="Gated DeltaNet CP: by heads (all-to-all; cp must divide the key heads) or by chunk states")
@@ -341,7 +344,7 @@ def setup(args: argparse.Namespace, rank: int, world: int, device: torch.device)
     # while the layers' backward runs; only the embedding's (the last) wait at the end
     fully_shard(model.model.embed_tokens, **shard_kw)
     for layer in model.model.layers:
-        fully_shard(layer, **shard_kw)
+        fully_shard(layer, reshard_after_forward=args.reshard_after_forward == "always", **shard_kw)
     fully_shard([model.model.norm, model.lm_head], **shard_kw)
     fully_shard(model, **shard_kw)
     if on_meta:

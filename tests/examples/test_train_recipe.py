@@ -90,10 +90,11 @@ def _check_steps(log: dict, want: list[tuple[float, float]], first: int = 1) -> 
 
 def _more_runs(rank: int, world: int, ckpt: str, out: str) -> None:
     """In one spawn of 2 ranks (the ranks' imports are the cost of a run): a run resumed from the
-    checkpoint of step 2, a run at (dp 2, cp 1) and one at cp 2 with the Gated DeltaNet layers
-    by chunk states, through the recipe's own train()."""
+    checkpoint of step 2, a run at (dp 2, cp 1) keeping the layers' parameters unsharded from
+    forward to backward, and one at cp 2 with the Gated DeltaNet layers by chunk states, through
+    the recipe's own train()."""
     resume = ["--cp", "2", "--steps", "3", "--checkpoint-dir", ckpt, "--resume", f"{ckpt}/step-00000002"]
-    dp2 = ["--dp", "2", "--steps", str(STEPS), *CLIP]
+    dp2 = ["--dp", "2", "--steps", str(STEPS), "--reshard-after-forward", "never", *CLIP]
     states = ["--cp", "2", "--gdn-cp", "states", "--steps", str(STEPS)]
     for name, argv in (("resumed", resume), ("dp2", dp2), ("states", states)):
         recipe.train(_args(*argv, "--log-json", f"{out}/{name}.json"), rank, world, torch.device("cpu"))
