@@ -8,8 +8,9 @@ compiled one-device run within the float32 tolerance. A one-rank run checks the
 compiled step against the eager one (``--reference eager``).
 
 The spawned compiled run takes minutes on two CPU cores: a slow test (make test-all). The fast
-tier keeps its parts: the demo's CP step on two ranks eagerly against one device (below), its
-compiled step on one rank (``--check-dtype``), and both layers compiled on two ranks
+tier keeps its parts: the demo's CP step on two ranks eagerly against one device (below, with a
+float32 check copy of a bfloat16 run), its compiled step on one rank against the eager one,
+and both layers compiled on two ranks
 (tests/cp_ops/test_gdn_cp.py, test_attention.py).
 """
 
@@ -44,10 +45,12 @@ def test_compiled_two_ranks_match_one_device():
 
 @pytest.mark.dist
 def test_eager_two_ranks_match_one_device():
-    """The CP step without the compiler: step 1's loss and gradients on 2 gloo ranks against the
-    eager one-device run."""
-    res = demo.run(TINY + ["--cp-size", "2", "--steps", "2", "--eager"])
+    """The CP step without the compiler, training in bfloat16: step 1 of a float32 copy on 2 gloo
+    ranks (--check-dtype float32) against the eager one-device run at the float32 tolerance."""
+    argv = ["--cp-size", "2", "--steps", "2", "--eager", "--dtype", "bfloat16", "--check-dtype", "float32"]
+    res = demo.run(TINY + argv)
     assert res["backend"] == "gloo" and res["ranks"] == 2 and not res["compiled"]
+    assert res["dtype"] == "bfloat16" and res["check_dtype"] == "float32"
     assert res["reference"] == "eager" and res["check_skipped"] is None
     assert res["max_rel_error"] < demo.TOLERANCE["float32"], res["errors"]
     assert set(res["errors"]) >= {"loss", "embed.weight", "blocks.0.gdn.in_proj.weight", "blocks.0.attn.q_proj.weight"}
@@ -64,17 +67,31 @@ def test_one_rank_eager_in_process():
     assert res["num_targets"] == 36 + 19 + 4 and res["num_real_tokens"] == 63
 
 
-def test_float32_check_of_a_bfloat16_run():
-    """--check-dtype float32: a float32 copy runs step 1 compiled (not counted as training's
-    compile) and is checked against the eager one-device run at the float32 tolerance;
-    training then runs in bfloat16."""
-    argv = ["--cp-size", "1", "--steps", "2", "--dtype", "bfloat16", "--check-dtype", "float32", "--reference", "eager"]
-    res = demo.run(TINY + argv)
-    assert res["dtype"] == "bfloat16" and res["check_dtype"] == "float32" and res["reference"] == "eager"
+def _assert_compiled_float32_check(res: dict) -> None:
     assert res["tol"] == demo.TOLERANCE["float32"]
     assert 0 < res["max_rel_error"] < demo.TOLERANCE["float32"], res["errors"]
     assert res["compiles"] == demo.REGIONS and res["recompiles"] == 0 and res["graph_breaks"] == 0
     assert res["ok"]
+
+
+def test_compiled_step_matches_eager():
+    """--reference eager on one rank: the compiled step 1 (float32) against the eager one-device
+    run at the float32 tolerance, each region compiled once."""
+    res = demo.run(TINY + ["--cp-size", "1", "--steps", "2", "--dtype", "float32", "--reference", "eager"])
+    assert res["dtype"] == "float32" and res["check_dtype"] == "float32" and res["reference"] == "eager"
+    _assert_compiled_float32_check(res)
+
+
+@pytest.mark.slow
+def test_float32_check_of_a_bfloat16_run():
+    """--check-dtype float32: a float32 copy runs step 1 compiled (not counted as training's
+    compile) and is checked against the eager one-device run at the float32 tolerance;
+    training then compiles afresh and runs in bfloat16. Two compiles: the slow tier; the fast
+    one covers the copy eagerly on two ranks and the compiled check in one dtype."""
+    argv = ["--cp-size", "1", "--steps", "2", "--dtype", "bfloat16", "--check-dtype", "float32", "--reference", "eager"]
+    res = demo.run(TINY + argv)
+    assert res["dtype"] == "bfloat16" and res["check_dtype"] == "float32" and res["reference"] == "eager"
+    _assert_compiled_float32_check(res)
 
 
 def test_batch_labels_and_padding():
