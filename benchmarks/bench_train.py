@@ -284,6 +284,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     modes = {"off": [False], "on": [True], "both": [False, True]}[args.graphs]
     rows = []
+    env = fla_environment(world=max(worlds), torch_threads=os.environ.get("OMP_NUM_THREADS"))
     with tempfile.TemporaryDirectory() as tmp:
         for tokens in token_counts:
             for graphs in modes:
@@ -292,15 +293,20 @@ def main(argv: list[str] | None = None) -> None:
                 for r in group:
                     r["scaling"] = base / (r["W"] * r["step ms"]) if base and r.get("step ms") else None
                 rows += group
-    result = Result(
+                # the rows so far, written after every group: a run cut short keeps what finished
+                emit([scaling_result(args, rows, env)], args.out, quiet=True)
+    emit([scaling_result(args, rows, env)], args.out)
+
+
+def scaling_result(args: argparse.Namespace, rows: list[dict], env: dict) -> Result:
+    """The strong-scaling table of ``rows`` (one dict a run)."""
+    return Result(
         benchmark="train", name=f"train-{args.preset}" + ("-smoke" if args.smoke else ""),
         title=f"Training step of examples/train_qwen3_next.py, preset {args.preset}, CP over W ranks (dp 1)",
-        columns=COLUMNS, rows=[[r.get(c) for c in COLUMNS] for r in rows], formats=FORMATS,
-        env=fla_environment(world=max(worlds), torch_threads=os.environ.get("OMP_NUM_THREADS")),
+        columns=COLUMNS, rows=[[r.get(c) for c in COLUMNS] for r in rows], formats=FORMATS, env=env,
         notes=f"{args.steps} steps, medians after {args.warmup}; scaling = T1 / (W x TW) at the same global "
               f"tokens; host ms = issuing the step, GPU ms = CUDA events around it; first step includes compilation",
     )  # fmt: skip
-    emit([result], args.out)
 
 
 if __name__ == "__main__":

@@ -257,3 +257,25 @@ def test_replay_result_pairs_the_runs_steps():
     assert "2 distinct packings" in r.notes
     with pytest.raises(SystemExit, match="failed"):
         replay_result(graphs, None, "tiny", {})
+
+
+def test_scaling_table_is_written_after_every_group(tmp_path, monkeypatch):
+    """A bench_train invocation cut short (here: its second group of runs fails) leaves the rows of
+    the groups that finished in its result file, with their scaling against W = 1."""
+    import json
+
+    from benchmarks import bench_train
+
+    def run_one(world, tokens, graphs, args, tmp):
+        if graphs:
+            raise RuntimeError("cut short")
+        return {"tokens": tokens, "graphs": "off", "W": world, "dp": 1, "cp": world, "step ms": 100.0 / world ** 0.5,
+                "status": "ok"}  # fmt: skip
+
+    monkeypatch.setattr(bench_train, "run_one", run_one)
+    with pytest.raises(RuntimeError, match="cut short"):
+        bench_train.main(["--worlds", "1,4", "--tokens", "1024", "--graphs", "both", "--out", str(tmp_path)])
+    written = json.loads((tmp_path / "train-slice4.json").read_text())
+    col = {c: [row[i] for row in written["rows"]] for i, c in enumerate(written["columns"])}
+    assert col["W"] == [1, 4] and col["graphs"] == ["off", "off"]
+    assert col["scaling"] == [1.0, 0.5]
