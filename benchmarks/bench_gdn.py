@@ -403,6 +403,18 @@ def _cp_rank(rank, world, device, tokens, seqs, out, smoke, opts: dict) -> None:
     notes = ["the compiled layer with CUDA graphs (--cudagraphs), on W GPUs and on one"] if opts["cudagraphs"] else []
     shapes = [(t, b) for t in tokens for b in seqs]
     results = {}
+    result_name = f"gdn-cp{'-smoke' if smoke else ''}-w{world}"
+    result_name += "-compiled" * opts["compiled_only"] + "-cudagraphs" * opts["cudagraphs"] + "-states" * opts["states"]
+    if os.environ.get("NCCL_P2P_DISABLE") == "1":  # NVLink and shared memory off: traffic on the network path
+        result_name += "-slow-link"
+        notes.append("NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=%s: no NVLink or shared-memory transport"
+                     % os.environ.get("NCCL_SHM_DISABLE", "0"))  # fmt: skip
+
+    def result() -> Result:
+        """The table of the cases measured so far."""
+        table = _cp_table(results, list(results), world, (hidden, hk, hv, dk, dv), dtype, runs, seq_runs, notes)
+        return Result("gdn", table[0], table[1], table[2], table[3], fla_environment(world), name=result_name)
+
     for total, num_seqs in shapes:
         lens = _lengths(total, num_seqs, torch.Generator().manual_seed(total + num_seqs))
         cu, cup = pad_cu_seqlens(lens, world, device=device)
@@ -477,24 +489,16 @@ def _cp_rank(rank, world, device, tokens, seqs, out, smoke, opts: dict) -> None:
                 res[f"per-seq {name} fwd+bwd"] = timed(per_seq[name], per_sequence=True)
             del fused, per_seq
         results[(total, num_seqs)] = {**one, **res}
-        if rank == 0:  # a line per column, so a run cut short by a time limit still reports
+        if rank == 0:  # a line and the table so far, so a run cut short by a time limit still reports
             done = ", ".join(f"{k} {v:.4g}" for k, v in results[(total, num_seqs)].items()
                              if k.startswith(("err", "W ", "1 ")))  # fmt: skip
             print(f"T={total} B={num_seqs}: {done}", flush=True)
+            emit([result()], out, quiet=True)
         del x_cp, grad_cp
         torch.cuda.empty_cache()
 
     if rank == 0:
-        cases = list(results)
-        name = f"gdn-cp{'-smoke' if smoke else ''}-w{world}"
-        name += "-compiled" * opts["compiled_only"] + "-cudagraphs" * opts["cudagraphs"] + "-states" * opts["states"]
-        if os.environ.get("NCCL_P2P_DISABLE") == "1":  # NVLink and shared memory off: traffic on the network path
-            name += "-slow-link"
-            notes.append("NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=%s: no NVLink or shared-memory transport"
-                         % os.environ.get("NCCL_SHM_DISABLE", "0"))  # fmt: skip
-        env = fla_environment(world)
-        table = _cp_table(results, cases, world, (hidden, hk, hv, dk, dv), dtype, runs, seq_runs, notes)
-        emit([Result("gdn", table[0], table[1], table[2], table[3], env, name=name)], out)
+        emit([result()], out)
     worst = max(v for r in results.values() for k, v in r.items() if k.startswith("err ") and not math.isnan(v))
     if not worst < CP_TOLERANCE:
         raise AssertionError(f"CP output off by rel_error {worst:.3g} >= {CP_TOLERANCE} against one device")
