@@ -417,6 +417,10 @@ def _rank(
     kv_heads = heads // gqa
     rows = []
     profiles = {}
+
+    def tables() -> list[Result]:
+        return _tables(rows, profiles, world, heads, kv_heads, head_dim, runs, gqa, smoke, cudagraphs, head_groups)
+
     for total in totals:
         lens = packed_lengths(total)
         cu, cup = pad_cu_seqlens(lens, world, device=device)
@@ -471,15 +475,15 @@ def _rank(
                 tg = times[f"G={g}"]["ms"][idx]
                 row += [tg, t1c[idx] / (world * tg)]
             rows.append(row)
-        if rank == 0:  # a line per total, so a run cut short by a time limit still reports
+        if rank == 0:  # a line and the tables so far, so a run cut short by a time limit still reports
             print(f"T={total}: " + ", ".join(
                 f"{form} {t['ms'][0]:.3f}/{t['ms'][1]:.3f}" for form, t in times.items()), flush=True)
+            emit(tables(), out, quiet=True)
         del times, local
         torch.cuda.empty_cache()
 
     if rank == 0:
-        emit(_tables(rows, profiles, world, heads, kv_heads, head_dim, runs, gqa, smoke, cudagraphs, head_groups),
-             out)
+        emit(tables(), out)
 
 
 def _tables(rows, profiles, world, heads, kv_heads, head_dim, runs, gqa, smoke, cudagraphs,
