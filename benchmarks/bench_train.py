@@ -8,8 +8,10 @@ layers): every run is the recipe itself under torchrun, under a timeout, read ba
     python -m benchmarks.bench_train --curves                 # loss curves: 1 GPU, (dp 1, cp 4), (dp 2, cp 2); resume
     python -m benchmarks.bench_train --fit 20,18,16           # the 80B config's largest layer count at cp 4
     python -m benchmarks.bench_train --replay 2 [--steps 20]  # CUDA graphs replayed across packings at cp 2
+    python -m benchmarks.bench_train --worlds 1,4 --tokens 32768 --graphs off --profile  # where the step's time goes
 
-Results (benchmarks/runner.py): ``train-<preset>`` (``-smoke``); with --curves ``train-curves-<preset>``
+Results (benchmarks/runner.py): ``train-<preset>`` (``-smoke``), with --profile also
+``train-<preset>-profile``; with --curves ``train-curves-<preset>``
 and ``train-losses-<preset>``; with --fit ``train-qwen3-next-80b``; with --replay
 ``train-replay-<preset>-wW``. A run that fails or times out
 is a row with its status and no numbers. docs/benchmarks.md says what each figure measures.
@@ -28,6 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.common import KERNEL_CLASSES, timeline_summary
 from benchmarks.runner import ROOT, Result, add_out_argument, emit, fla_environment
 
 SCRIPT = ROOT / "examples" / "train_qwen3_next.py"
@@ -36,6 +39,10 @@ COLUMNS = ["tokens", "graphs", "W", "dp", "cp", "step ms", "tokens/s", "scaling"
 FORMATS = {"tokens": "{:d}", "W": "{:d}", "dp": "{:d}", "cp": "{:d}", "step ms": "{:.1f}", "tokens/s": "{:.0f}",
            "scaling": "{:.2f}", "host ms": "{:.1f}", "GPU ms": "{:.1f}", "peak GiB": "{:.1f}",
            "first step s": "{:.1f}", "MFU": "{:.3f}", "recompiles": "{:d}"}  # fmt: skip
+# --profile: rank 0's device timeline of the recipe's profiled steps (benchmarks.common.timeline_summary)
+# and the most any rank waited, for its host (idle) or on a collective alone
+PROFILE_FIGURES = ["wall", "GPU busy", "idle", "compute busy", "collectives only", *(c for c, _ in KERNEL_CLASSES),
+                   "other", "idle, most of any rank", "collectives only, most of any rank"]  # fmt: skip
 
 
 def median_of(steps: list[dict], key: str):
@@ -86,15 +93,50 @@ def run_one(world: int, tokens: int, graphs: bool, args: argparse.Namespace, tmp
     log = tmp / f"w{world}-t{tokens}-g{int(graphs)}.json"
     row = {"tokens": tokens, "graphs": "on" if graphs else "off", "W": world, "dp": 1, "cp": world}
     print(f"[bench_train] W={world} tokens={tokens} graphs={row['graphs']}", flush=True)
-    status = torchrun(world, cp_run_args(args, world, tokens, graphs, log), args.timeout)
+    profile = tmp / f"profile-w{world}-t{tokens}-g{int(graphs)}"
+    recipe_args = cp_run_args(args, world, tokens, graphs, log) + (["--profile", str(profile)] if args.profile else [])
+    status = torchrun(world, recipe_args, args.timeout)
     if status == "ok" and not log.exists():
         status = "failed (no log)"
     if status == "ok":
         row.update(summarise(json.loads(log.read_text()), args.warmup))
+        if args.profile:
+            row["profile"] = profile_summary(profile)
         print(f"[bench_train]   step {row['step ms']:.1f} ms, {row['tokens/s']:.0f} tokens/s, "
               f"peak {row['peak GiB']:.1f} GiB", flush=True)  # fmt: skip
     row["status"] = status
     return row
+
+
+def profile_summary(folder: Path) -> dict[str, float]:
+    """:data:`PROFILE_FIGURES` in ms per step from the ``rank<R>.kernels.json`` files the recipe's
+    ``--profile`` writes: rank 0's timeline, and the most idle and collective-only time of any rank
+    ({} without a device timeline, as on the CPU)."""
+    ranks = {int(p.name[4:].split(".")[0]): json.loads(p.read_text()) for p in folder.glob("rank*.kernels.json")}
+    summaries = [timeline_summary([tuple(k) for k in d["kernels"]], d["steps"]) for _, d in sorted(ranks.items())
+                 if d["kernels"]]  # fmt: skip
+    if not summaries:
+        return {}
+    out = {k: v for k, v in summaries[0].items() if k in PROFILE_FIGURES}
+    out["idle, most of any rank"] = max(s["idle"] for s in summaries)
+    out["collectives only, most of any rank"] = max(s["collectives only"] for s in summaries)
+    return out
+
+
+def profile_result(args: argparse.Namespace, rows: list[dict], env: dict) -> Result:
+    """The --profile table: a row per run that recorded a device timeline."""
+    columns = ["tokens", "graphs", "W", *PROFILE_FIGURES]
+    runs = [r for r in rows if r.get("profile")]
+    return Result(
+        benchmark="train", name=f"train-{args.preset}-profile", columns=columns,
+        title=f"Where a training step's time goes, preset {args.preset}, rank 0 (torch.profiler, --profile)",
+        rows=[[r["tokens"], r["graphs"], r["W"], *(r["profile"].get(k) for k in PROFILE_FIGURES)] for r in runs],
+        formats={"tokens": "{:d}", "W": "{:d}", **{k: "{:.2f}" for k in PROFILE_FIGURES}}, env=env,
+        notes="ms per step, the recipe's profiled steps (4 and 5); wall = first kernel start to last kernel end, "
+              "GPU busy = time some kernel runs, idle = wall - busy (the GPU waits for the host), collectives only "
+              "= time a collective runs and nothing else; the classes are summed kernel times (collectives overlap "
+              "the others); the last two columns the most of any rank",
+    )  # fmt: skip
 
 
 def markov_tokens(path: Path, vocab_size: int, count: int = 1 << 21, seed: int = 0) -> Path:
@@ -262,11 +304,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--fit", metavar="N,N,...", help="the 80B config at cp 4: the largest of these layer counts that "
                                                     "runs")
     p.add_argument("--replay", type=int, metavar="W", help="CUDA graphs against none over --steps packings at cp W")
+    p.add_argument("--profile", action="store_true",
+                   help="profile each run's steps 4-5 (the recipe's --profile) and add the table of where rank 0's "
+                        "step goes (needs --steps 5 or more)")
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="further recipe arguments, last")
     args = p.parse_args(argv)
     args.compile = not args.smoke
     if args.smoke:
-        args.preset, args.worlds, args.tokens, args.graphs, args.steps, args.warmup = "tiny", "1,2", "256", "off", 3, 1
+        args.preset, args.worlds, args.tokens, args.graphs, args.warmup = "tiny", "1,2", "256", "off", 1
+        args.steps = 5 if args.profile else 3  # the recipe profiles steps 4 and 5
         args.extra = ["--device", "cpu", *args.extra]
     worlds, token_counts = [int(w) for w in args.worlds.split(",")], [int(t) for t in args.tokens.split(",")]
     if args.curves:
@@ -294,8 +340,13 @@ def main(argv: list[str] | None = None) -> None:
                     r["scaling"] = base / (r["W"] * r["step ms"]) if base and r.get("step ms") else None
                 rows += group
                 # the rows so far, written after every group: a run cut short keeps what finished
-                emit([scaling_result(args, rows, env)], args.out, quiet=True)
-    emit([scaling_result(args, rows, env)], args.out)
+                emit(tables(args, rows, env), args.out, quiet=True)
+    emit(tables(args, rows, env), args.out)
+
+
+def tables(args: argparse.Namespace, rows: list[dict], env: dict) -> list[Result]:
+    """The scaling table of ``rows`` and, with --profile, where each run's step went."""
+    return [scaling_result(args, rows, env)] + ([profile_result(args, rows, env)] if args.profile else [])
 
 
 def scaling_result(args: argparse.Namespace, rows: list[dict], env: dict) -> Result:

@@ -651,7 +651,11 @@ def start_profiler():
 
 
 def write_profile(profiler, folder: str, rank: int) -> None:
-    """Stop ``profiler`` and write its op tables, by host and by GPU time, to ``folder/rank<R>.txt``."""
+    """Stop ``profiler`` and write its op tables, by host and by GPU time, to ``folder/rank<R>.txt``
+    and its device timeline, ``[name, start us, end us]`` of every kernel, copy and memset of the
+    profiled steps, to ``folder/rank<R>.kernels.json``."""
+    from torch.autograd import DeviceType
+
     profiler.stop()
     events = profiler.key_averages()
     tables = [f"{sort}\n{events.table(sort_by=sort, row_limit=40)}"
@@ -659,6 +663,11 @@ def write_profile(profiler, folder: str, rank: int) -> None:
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, f"rank{rank}.txt"), "w") as f:
         f.write("\n\n".join(tables))
+    kernels = [[e.name, e.time_range.start, e.time_range.end] for e in profiler.events()
+               if e.device_type == DeviceType.CUDA and not e.is_user_annotation
+               and e.time_range.end > e.time_range.start]  # fmt: skip
+    with open(os.path.join(folder, f"rank{rank}.kernels.json"), "w") as f:
+        json.dump({"steps": len(PROFILE_STEPS), "kernels": kernels}, f)
 
 
 def write_log(log: dict, path: str) -> None:

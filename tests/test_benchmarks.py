@@ -279,3 +279,32 @@ def test_scaling_table_is_written_after_every_group(tmp_path, monkeypatch):
     col = {c: [row[i] for row in written["rows"]] for i, c in enumerate(written["columns"])}
     assert col["W"] == [1, 4] and col["graphs"] == ["off", "off"]
     assert col["scaling"] == [1.0, 0.5]
+
+
+def test_profile_summary_reads_every_ranks_timeline(tmp_path):
+    """bench_train --profile: rank 0's figures per step from the recipe's kernel timelines, and the
+    most idle and collective-only time of any rank; a run without a device timeline has none."""
+    import json
+
+    from benchmarks import bench_train
+
+    # two steps: rank 0 runs a GEMM 0-4 ms and an all-gather 3-6 ms, then idles to 10; rank 1
+    # runs its all-gather alone 0-8 ms
+    timelines = {0: [["ampere_gemm", 0, 4000], ["ncclDevKernel_AllGather", 3000, 6000], ["triton_poi_x", 9000, 10000]],
+                 1: [["ncclDevKernel_AllGather", 0, 8000], ["triton_poi_x", 9000, 10000]]}  # fmt: skip
+    for rank, kernels in timelines.items():
+        (tmp_path / f"rank{rank}.kernels.json").write_text(json.dumps({"steps": 2, "kernels": kernels}))
+    (tmp_path / "rank0.txt").write_text("op tables")
+    got = bench_train.profile_summary(tmp_path)
+    assert set(got) == set(bench_train.PROFILE_FIGURES)
+    assert got["wall"] == 5.0 and got["GPU busy"] == 3.5 and got["idle"] == 1.5
+    assert got["collectives only"] == 1.0 and got["GEMMs"] == 2.0 and got["collectives"] == 1.5
+    assert got["idle, most of any rank"] == 1.5 and got["collectives only, most of any rank"] == 4.0
+    args = bench_train.argparse.Namespace(preset="tiny", profile=True)
+    rows = [{"tokens": 64, "graphs": "off", "W": 2, "profile": got}, {"tokens": 64, "graphs": "off", "W": 1}]
+    table = bench_train.profile_result(args, rows, {})
+    assert table.name == "train-tiny-profile" and [r[:3] for r in table.rows] == [[64, "off", 2]]
+    empty = tmp_path / "cpu"
+    empty.mkdir()
+    (empty / "rank0.kernels.json").write_text(json.dumps({"steps": 2, "kernels": []}))
+    assert bench_train.profile_summary(empty) == {}
