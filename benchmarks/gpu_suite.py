@@ -59,6 +59,9 @@ PARTS = {
     "train": (2, _bench("bench_train", "--worlds", "1,{world}")),
     "train-curves": (4, _bench("bench_train", "--curves")),
     "train-replay": (2, _bench("bench_train", "--replay", "{world}")),
+    # where the step's time goes, one GPU against W, without CUDA graphs (the profiler sees each kernel)
+    "train-profile": (2, _bench("bench_train", "--worlds", "1,{world}", "--tokens", "32768", "--graphs", "off",
+                                "--steps", "8", "--warmup", "3", "--profile")),
     "tests-dist": (
         2,
         [sys.executable, "-m", "pytest", "tests/cp_ops/test_gpu_multi_rank.py", "-m", "gpu and dist", "-k",
