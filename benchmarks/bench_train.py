@@ -135,7 +135,8 @@ def profile_result(args: argparse.Namespace, rows: list[dict], env: dict) -> Res
         notes="ms per step, the recipe's profiled steps (4 and 5); wall = first kernel start to last kernel end, "
               "GPU busy = time some kernel runs, idle = wall - busy (the GPU waits for the host), collectives only "
               "= time a collective runs and nothing else; the classes are summed kernel times (collectives overlap "
-              "the others); the last two columns the most of any rank",
+              "the others); the last two columns the most of any rank; the scaling table of the same run "
+              "includes the profiled steps",
     )  # fmt: skip
 
 
@@ -306,7 +307,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--replay", type=int, metavar="W", help="CUDA graphs against none over --steps packings at cp W")
     p.add_argument("--profile", action="store_true",
                    help="profile each run's steps 4-5 (the recipe's --profile) and add the table of where rank 0's "
-                        "step goes (needs --steps 5 or more)")
+                        "step goes (needs --steps 5 or more; the profiled steps run slower, so take step times "
+                        "from a run without it)")
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="further recipe arguments, last")
     args = p.parse_args(argv)
     args.compile = not args.smoke
