@@ -418,8 +418,11 @@ def _rank(
     rows = []
     profiles = {}
 
+    env = environment(world) if rank == 0 else None
+
     def tables() -> list[Result]:
-        return _tables(rows, profiles, world, heads, kv_heads, head_dim, runs, gqa, smoke, cudagraphs, head_groups)
+        return _tables(rows, profiles, env, world, heads, kv_heads, head_dim, runs, gqa, smoke, cudagraphs,
+                       head_groups)  # fmt: skip
 
     for total in totals:
         lens = packed_lengths(total)
@@ -486,10 +489,10 @@ def _rank(
         emit(tables(), out)
 
 
-def _tables(rows, profiles, world, heads, kv_heads, head_dim, runs, gqa, smoke, cudagraphs,
+def _tables(rows, profiles, env, world, heads, kv_heads, head_dim, runs, gqa, smoke, cudagraphs,
             head_groups) -> list[Result]:  # fmt: skip
-    """The timing table and, with --profile, the profile table, as results."""
-    env = environment(world)
+    """The timing table and, with --profile, the profile table, as results (``env``: the run's
+    :func:`~benchmarks.runner.environment`)."""
     name = f"ag-attention{'-smoke' if smoke else ''}-w{world}"
     if not smoke and (gqa != 1 or head_dim != HEAD_DIM):
         name += f"-gqa{gqa}-d{head_dim}"

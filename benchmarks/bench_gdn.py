@@ -410,10 +410,12 @@ def _cp_rank(rank, world, device, tokens, seqs, out, smoke, opts: dict) -> None:
         notes.append("NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=%s: no NVLink or shared-memory transport"
                      % os.environ.get("NCCL_SHM_DISABLE", "0"))  # fmt: skip
 
+    env = fla_environment(world) if rank == 0 else None
+
     def result() -> Result:
         """The table of the cases measured so far."""
         table = _cp_table(results, list(results), world, (hidden, hk, hv, dk, dv), dtype, runs, seq_runs, notes)
-        return Result("gdn", table[0], table[1], table[2], table[3], fla_environment(world), name=result_name)
+        return Result("gdn", table[0], table[1], table[2], table[3], env, name=result_name)
 
     for total, num_seqs in shapes:
         lens = _lengths(total, num_seqs, torch.Generator().manual_seed(total + num_seqs))
