@@ -72,14 +72,15 @@ def _check_grad(x: torch.Tensor, dy: torch.Tensor, cu: torch.Tensor) -> None:
         raise ValueError(f"dy [R, H, N] must match x [R, H, K] in R and H, got {tuple(dy.shape)} and {tuple(x.shape)}")
 
 
-def _use_kernel(*tensors: torch.Tensor) -> bool:
-    if not use_triton(tensors[0]) or any(t.dtype == torch.float64 for t in tensors):
+def _use_kernel(x: torch.Tensor, other: torch.Tensor, other_name: str) -> bool:
+    """Whether the Triton kernels run ``x`` with ``other`` (w, or dy for the weight gradient)."""
+    if not use_triton(x) or torch.float64 in (x.dtype, other.dtype):
         return False
-    dims = (tensors[0].shape[-1], tensors[1].shape[-1])
+    dims = (x.shape[-1], other.shape[-1])
     if max(dims) > _MAX_KERNEL_DIM:
         raise ValueError(f"the Triton kernels take K and N up to {_MAX_KERNEL_DIM}, got {dims}")
-    if tensors[1].numel() >= 2**31:  # the kernels' int32 offsets into w
-        raise ValueError(f"the Triton kernels take w of fewer than 2**31 entries, got {tensors[1].numel()}")
+    if other.numel() >= 2**31:  # the kernels' int32 offsets
+        raise ValueError(f"the Triton kernels take {other_name} of fewer than 2**31 entries, got {other.numel()}")
     return True
 
 
@@ -87,7 +88,7 @@ def _use_kernel(*tensors: torch.Tensor) -> bool:
 def _segment_matmul(x: torch.Tensor, w: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
     """``torch.ops.cp_ops.segment_matmul``: see :func:`segment_matmul`."""
     _check(x, w, cu)
-    if not _use_kernel(x, w):
+    if not _use_kernel(x, w, "w"):
         return segment_matmul_reference(x, w, cu).contiguous()
     (rows, heads, k), n = x.shape, w.shape[-1]
     y = torch.empty(rows, heads, n, dtype=x.dtype, device=x.device)
@@ -117,7 +118,7 @@ def _segment_matmul_weight_grad(x: torch.Tensor, dy: torch.Tensor, cu: torch.Ten
     """``dw [S, H, K, N]``, the sum over each segment's rows of ``x[r, h]^T dy[r, h]``, in float32
     (float64 for float64 inputs). Not differentiable itself."""
     _check_grad(x, dy, cu)
-    if not _use_kernel(x, dy):
+    if not _use_kernel(x, dy, "dy"):
         return segment_matmul_weight_grad_reference(x, dy, cu).contiguous()
     (rows, heads, k), n, segments = x.shape, dy.shape[-1], cu.shape[0] - 1
     dw = torch.zeros(segments, heads, k, n, dtype=torch.float32, device=x.device)
