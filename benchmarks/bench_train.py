@@ -282,10 +282,11 @@ def replay_result(graphs: dict | None, eager: dict | None, preset: str, env: dic
         rows=rows, formats={"loss, graphs": "{:.6f}", "loss, no graphs": "{:.6f}", "difference": "{:.1e}",
                             "step ms, graphs": "{:.1f}", "step ms, no graphs": "{:.1f}"},
         env=env,
-        notes=f"{len(rows)} steps, {packings} distinct packings of one static shape ({graphs['num_tokens']} rows a "
-              f"rank); recompiles after the first step: {graphs['recompiles']} with graphs, {eager['recompiles']} "
-              f"without; graphs that ran without CUDA graphs: {graphs['cudagraph_skips']}; step 1 compiles, step 2 "
-              f"records (Inductor warms a graph up before recording it)",
+        notes=f"{len(rows)} steps, {packings} distinct packings of one static shape ({graphs['num_tokens']} rows, "
+              f"{graphs['num_tokens'] // world} a rank, dp 1); recompiles after the first step: "
+              f"{graphs['recompiles']} with graphs, {eager['recompiles']} without; graphs that ran without CUDA "
+              f"graphs: {graphs['cudagraph_skips']}; step 1 compiles, step 2 records (Inductor warms a graph up "
+              f"before recording it)",
     )  # fmt: skip
 
 
