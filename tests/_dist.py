@@ -1,4 +1,4 @@
-"""One harness for multi-rank tests: spawn W processes, each in a gloo (CPU) or NCCL (one GPU
+"""One harness for multi-rank tests: start W processes, each in a gloo (CPU) or NCCL (one GPU
 per rank) group.
 
 The rank function must be a module-level function (it is pickled by name):
@@ -6,6 +6,8 @@ The rank function must be a module-level function (it is pickled by name):
 that rank's traceback. Each run meets at its own file store (no TCP port).
 """
 
+import multiprocessing
+import os
 import re
 
 import torch.distributed as dist
@@ -13,8 +15,18 @@ import torch.multiprocessing as mp
 
 from cp_ops.local_ranks import init_local_rank, leave_local_rank, local_rendezvous
 
+# gloo ranks start from a fork server that has imported these once (a spawned rank imports
+# them anew: seconds of each multi-rank test). NCCL ranks are spawned: importing the packages
+# may initialise the CUDA driver, which a forked child cannot use.
+multiprocessing.set_forkserver_preload(
+    ["torch", "torch.distributed", "hypothesis", "transformers", "custom_ops", "cp_ops"]
+)
 
-def _entry(rank: int, world_size: int, init_method: str, backend: str, fn, args) -> None:
+
+def _entry(rank: int, world_size: int, init_method: str, backend: str, fn, args, environ: dict) -> None:
+    # a fork server's child has the server's environment: the caller's, as it is now
+    os.environ.clear()
+    os.environ.update(environ)
     init_local_rank(rank, world_size, init_method, "cuda" if backend == "nccl" else "cpu", num_threads=1)
     try:
         fn(rank, world_size, *args)
@@ -30,7 +42,8 @@ def run_ranks(world_size: int, fn, *args, backend: str = "gloo") -> None:
     ``backend="nccl"`` puts rank r on GPU r (needs ``world_size`` GPUs).
     """
     with local_rendezvous() as init_method:
-        mp.spawn(_entry, args=(world_size, init_method, backend, fn, args), nprocs=world_size, join=True)
+        mp.start_processes(_entry, args=(world_size, init_method, backend, fn, args, dict(os.environ)),
+                           nprocs=world_size, join=True, start_method="spawn" if backend == "nccl" else "forkserver")
 
 
 _WAIT = "_c10d_functional.wait_tensor.default("
