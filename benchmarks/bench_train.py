@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import KERNEL_CLASSES, timeline_summary
+from benchmarks.common import KERNEL_CLASSES, collective_waits, timeline_summary
 from benchmarks.runner import ROOT, Result, add_out_argument, emit, fla_environment
 
 SCRIPT = ROOT / "examples" / "train_qwen3_next.py"
@@ -39,10 +39,12 @@ COLUMNS = ["tokens", "graphs", "W", "dp", "cp", "step ms", "tokens/s", "scaling"
 FORMATS = {"tokens": "{:d}", "W": "{:d}", "dp": "{:d}", "cp": "{:d}", "step ms": "{:.1f}", "tokens/s": "{:.0f}",
            "scaling": "{:.2f}", "host ms": "{:.1f}", "GPU ms": "{:.1f}", "peak GiB": "{:.1f}",
            "first step s": "{:.1f}", "MFU": "{:.3f}", "recompiles": "{:d}"}  # fmt: skip
-# --profile: rank 0's device timeline of the recipe's profiled steps (benchmarks.common.timeline_summary)
-# and the most any rank waited, for its host (idle) or on a collective alone
+# --profile: rank 0's device timeline of the recipe's profiled steps (benchmarks.common.timeline_summary),
+# the most any rank waited, for its host (idle) or on a collective alone, and the time ranks spent in
+# collectives waiting for a peer (benchmarks.common.collective_waits)
 PROFILE_FIGURES = ["wall", "GPU busy", "idle", "compute busy", "collectives only", *(c for c, _ in KERNEL_CLASSES),
-                   "other", "idle, most of any rank", "collectives only, most of any rank"]  # fmt: skip
+                   "other", "idle, most of any rank", "collectives only, most of any rank", "collective wait",
+                   "collective wait, most of any rank"]  # fmt: skip
 
 
 def median_of(steps: list[dict], key: str):
@@ -110,16 +112,19 @@ def run_one(world: int, tokens: int, graphs: bool, args: argparse.Namespace, tmp
 
 def profile_summary(folder: Path) -> dict[str, float]:
     """:data:`PROFILE_FIGURES` in ms per step from the ``rank<R>.kernels.json`` files the recipe's
-    ``--profile`` writes: rank 0's timeline, and the most idle and collective-only time of any rank
-    ({} without a device timeline, as on the CPU)."""
+    ``--profile`` writes: rank 0's timeline, the most idle and collective-only time of any rank, and
+    rank 0's and the most of any rank's collective wait ({} without a device timeline, as on the CPU)."""
     ranks = {int(p.name[4:].split(".")[0]): json.loads(p.read_text()) for p in folder.glob("rank*.kernels.json")}
-    summaries = [timeline_summary([tuple(k) for k in d["kernels"]], d["steps"]) for _, d in sorted(ranks.items())
-                 if d["kernels"]]  # fmt: skip
-    if not summaries:
+    timelines = [([tuple(k) for k in d["kernels"]], d["steps"]) for _, d in sorted(ranks.items()) if d["kernels"]]
+    if not timelines:
         return {}
+    summaries = [timeline_summary(kernels, steps) for kernels, steps in timelines]
     out = {k: v for k, v in summaries[0].items() if k in PROFILE_FIGURES}
     out["idle, most of any rank"] = max(s["idle"] for s in summaries)
     out["collectives only, most of any rank"] = max(s["collectives only"] for s in summaries)
+    waits = collective_waits([kernels for kernels, _ in timelines], timelines[0][1])
+    out["collective wait"] = waits[0] if waits else None
+    out["collective wait, most of any rank"] = max(waits) if waits else None
     return out
 
 
@@ -135,8 +140,9 @@ def profile_result(args: argparse.Namespace, rows: list[dict], env: dict) -> Res
         notes="ms per step, the recipe's profiled steps (4 and 5); wall = first kernel start to last kernel end, "
               "GPU busy = time some kernel runs, idle = wall - busy (the GPU waits for the host), collectives only "
               "= time a collective runs and nothing else; the classes are summed kernel times (collectives overlap "
-              "the others); the last two columns the most of any rank; the scaling table of the same run "
-              "includes the profiled steps",
+              "the others); collective wait = time in collectives beyond the fastest rank's for the same "
+              "collective (waiting for a peer, not transfer); the columns 'most of any rank' the largest over "
+              "ranks; the scaling table of the same run includes the profiled steps",
     )  # fmt: skip
 
 

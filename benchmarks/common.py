@@ -69,6 +69,28 @@ def timeline_summary(kernels: list[tuple[str, float, float]], runs: int) -> dict
     return {k: v / runs / 1e3 for k, v in out.items()}
 
 
+def collective_waits(timelines: list[list[tuple[str, float, float]]], runs: int) -> list[float] | None:
+    """Each rank's time in its collectives beyond the fastest rank's, in ms per step, from every
+    rank's ``(name, start_us, end_us)`` timeline of ``runs`` steps: a collective's kernel runs until
+    the last rank has joined, so the excess over the fastest rank is waiting for a peer (host lag
+    or more work on another rank), not transfer. The k-th collective kernel of a name on every
+    rank is one collective; None when the ranks ran different collectives."""
+    names = sorted({n for kernels in timelines for n, _, _ in kernels if kernel_class(n) == "collectives"})
+    per_rank = [
+        [[e - s for n, s, e in sorted(kernels, key=lambda k: k[1]) if n == name] for name in names]
+        for kernels in timelines
+    ]
+    if any([len(d) for d in durations] != [len(d) for d in per_rank[0]] for durations in per_rank):
+        return None
+    waits = [0.0] * len(timelines)
+    for i in range(len(names)):
+        for calls in zip(*(durations[i] for durations in per_rank)):
+            fastest = min(calls)
+            for r, d in enumerate(calls):
+                waits[r] += d - fastest
+    return [w / runs / 1e3 for w in waits]
+
+
 def kernel_totals(kernels: list[tuple[str, float, float]], runs: int) -> dict[str, float]:
     """``{name: ms per step}`` from the ``(name, start_us, end_us)`` of every kernel of ``runs``
     steps: each kernel name's summed time, slowest first."""

@@ -282,8 +282,9 @@ def test_scaling_table_is_written_after_every_group(tmp_path, monkeypatch):
 
 
 def test_profile_summary_reads_every_ranks_timeline(tmp_path):
-    """bench_train --profile: rank 0's figures per step from the recipe's kernel timelines, and the
-    most idle and collective-only time of any rank; a run without a device timeline has none."""
+    """bench_train --profile: rank 0's figures per step from the recipe's kernel timelines, the
+    most idle and collective-only time of any rank and the time ranks wait in collectives for a
+    peer; a run without a device timeline has none."""
     import json
 
     from benchmarks import bench_train
@@ -300,10 +301,16 @@ def test_profile_summary_reads_every_ranks_timeline(tmp_path):
     assert got["wall"] == 5.0 and got["GPU busy"] == 3.5 and got["idle"] == 1.5
     assert got["collectives only"] == 1.0 and got["GEMMs"] == 2.0 and got["collectives"] == 1.5
     assert got["idle, most of any rank"] == 1.5 and got["collectives only, most of any rank"] == 4.0
+    # rank 1's all-gather lasts 5 ms longer than rank 0's: waiting for rank 0 to join
+    assert got["collective wait"] == 0.0 and got["collective wait, most of any rank"] == 2.5
     args = bench_train.argparse.Namespace(preset="tiny", profile=True)
     rows = [{"tokens": 64, "graphs": "off", "W": 2, "profile": got}, {"tokens": 64, "graphs": "off", "W": 1}]
     table = bench_train.profile_result(args, rows, {})
     assert table.name == "train-tiny-profile" and [r[:3] for r in table.rows] == [[64, "off", 2]]
+    # ranks that ran different collectives are not matched
+    (tmp_path / "rank1.kernels.json").write_text(json.dumps({"steps": 2, "kernels": [["ncclDevKernel_SendRecv", 0, 9]]}))
+    got = bench_train.profile_summary(tmp_path)
+    assert got["collective wait"] is None and got["collective wait, most of any rank"] is None
     empty = tmp_path / "cpu"
     empty.mkdir()
     (empty / "rank0.kernels.json").write_text(json.dumps({"steps": 2, "kernels": []}))
