@@ -75,18 +75,21 @@ def collective_waits(timelines: list[list[tuple[str, float, float]]], runs: int)
     the last rank has joined, so the excess over the fastest rank is waiting for a peer (host lag
     or more work on another rank), not transfer. The k-th collective kernel of a name on every
     rank is one collective; None when the ranks ran different collectives."""
-    names = sorted({n for kernels in timelines for n, _, _ in kernels if kernel_class(n) == "collectives"})
-    per_rank = [
-        [[e - s for n, s, e in sorted(kernels, key=lambda k: k[1]) if n == name] for name in names]
-        for kernels in timelines
-    ]
-    if any([len(d) for d in durations] != [len(d) for d in per_rank[0]] for durations in per_rank):
+    per_rank = []  # {collective kernel name: its calls' durations in order}, a dict per rank
+    for kernels in timelines:
+        calls: dict[str, list[float]] = {}
+        for name, start, end in sorted(kernels, key=lambda k: k[1]):
+            if kernel_class(name) == "collectives":
+                calls.setdefault(name, []).append(end - start)
+        per_rank.append(calls)
+    counts = [{name: len(d) for name, d in calls.items()} for calls in per_rank]
+    if any(c != counts[0] for c in counts):
         return None
     waits = [0.0] * len(timelines)
-    for i in range(len(names)):
-        for calls in zip(*(durations[i] for durations in per_rank)):
-            fastest = min(calls)
-            for r, d in enumerate(calls):
+    for name in counts[0]:
+        for durations in zip(*(calls[name] for calls in per_rank)):
+            fastest = min(durations)
+            for r, d in enumerate(durations):
                 waits[r] += d - fastest
     return [w / runs / 1e3 for w in waits]
 
