@@ -91,6 +91,13 @@ def runs_of(part: str, worlds: list[int] | None, gpus: int) -> list[tuple[str, i
     return [(f"{part}-w{w}", w, w) for w in worlds]
 
 
+def child_pythonpath(existing: str | None) -> str:
+    """The parts' PYTHONPATH: the repository's root and its examples/ (the demo parts import the
+    example application ``cp_ops_demo``, which an installed package would provide) before
+    ``existing``."""
+    return os.pathsep.join(p for p in (ROOT, os.path.join(ROOT, "examples"), existing) if p)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("parts", nargs="*", help=f"parts to run, of: {' '.join(PARTS)}")
@@ -108,7 +115,7 @@ def main() -> None:
     # Most of a cold run is Triton compiling and FLA autotuning the same kernels in every part
     # and every rank process; keep the autotuning results on disk so later processes reuse them.
     os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+    os.environ["PYTHONPATH"] = child_pythonpath(os.environ.get("PYTHONPATH"))
     import torch
 
     gpus = torch.cuda.device_count()

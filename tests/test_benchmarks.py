@@ -4,6 +4,7 @@ and benchmarks/compare_checkouts.py's arguments, ratios, flags and children's im
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -205,6 +206,21 @@ def test_compare_child_imports_this_repository_when_asked():
 
 
 # --- gpu_suite ------------------------------------------------------------------------------------
+
+
+def test_gpu_suite_parts_find_the_library_and_the_demo_in_the_checkout(tmp_path):
+    from benchmarks import gpu_suite
+
+    path = gpu_suite.child_pythonpath("/elsewhere")
+    assert path.split(os.pathsep) == [gpu_suite.ROOT, os.path.join(gpu_suite.ROOT, "examples"), "/elsewhere"]
+    # -I: no site-packages and no environment, so only the checkout's folders can serve the modules
+    code = (f"import sys, importlib.util as u; sys.path[:0] = {path.split(os.pathsep)!r}; "
+            "print(u.find_spec('cp_ops').origin, u.find_spec('cp_ops_demo').origin)")  # fmt: skip
+    out = subprocess.run([sys.executable, "-I", "-c", code], cwd=tmp_path, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    library, demo = out.stdout.split()
+    assert library == os.path.join(gpu_suite.ROOT, "cp_ops", "__init__.py")
+    assert demo == os.path.join(gpu_suite.ROOT, "examples", "cp_ops_demo", "__init__.py")
 
 
 def test_gpu_suite_parts_run_existing_benchmark_modules():
