@@ -415,27 +415,63 @@ def with_parameters_as_inputs(layer: torch.nn.Module, forward, options: dict):
 
 
 def replica_batch(run: Run, step: int, dp_rank: int | None = None):
-    """The sequences and this rank's static-shape shard of dp replica ``dp_rank``'s batch of ``step``."""
+    """The sequences and this rank's static-shape shard of dp replica ``dp_rank``'s batch of ``step``,
+    on its way to the device (from pinned memory, without waiting for the copy on a GPU)."""
     from cp_ops.integrations.transformers import shard_batch
 
     replica = run.dp_rank if dp_rank is None else dp_rank
     seqs = [seq for k in replica_shards(run.args, replica) for seq in run.batches(step, k)]
     shard = shard_batch(seqs, run.args.cp, run.cp_rank, num_tokens=run.num_tokens,
                         max_sequences=replica_max_seqs(run.args))  # fmt: skip
+    if run.device.type == "cuda":
+        return seqs, shard.pin_memory().to(run.device, non_blocking=True)
     return seqs, shard.to(run.device)
 
 
-def train_step(run: Run, step: int) -> dict:
-    """One optimizer step; the replica-mean loss and gradient norm, and host-side timings."""
+class Clock:
+    """Points on the device's timeline: CUDA events on a GPU, the host's clock on the CPU (whose
+    ops have run when they return)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def ms(self, begin, end) -> float:
+        """Milliseconds between two marks; waits for ``end`` on a GPU."""
+        if not self.cuda:
+            return (end - begin) * 1e3
+        end.synchronize()
+        return begin.elapsed_time(end)
+
+
+@dataclass
+class IssuedStep:
+    """A step whose work is queued and whose results are read later (:func:`read_step`), so that
+    the host issues the next step while the GPU runs this one."""
+
+    step: int
+    values: torch.Tensor  # [the replica-summed loss, the gradient norm]; on the host once `done` has passed
+    done: object  # a CUDA event after the copy of `values`, None on the CPU
+    start: object  # Clock marks around the step's work
+    end: object
+    host_ms: float
+    cudagraph_recordings: int
+
+
+def issue_step(run: Run, step: int, batch, clock: Clock, recordings: Callable[[], int]) -> IssuedStep:
+    """Queue one optimizer step on ``batch`` (this rank's shard); nothing in it waits for the GPU."""
     model, args = run.model, run.args
-    _, batch = replica_batch(run, step)
-    cuda = run.device.type == "cuda"
-    timer = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else None
+    recorded = recordings()
     if args.cuda_graphs:
         torch.compiler.cudagraph_mark_step_begin()
     t0 = time.perf_counter()
-    if timer:
-        timer[0].record()
+    start = clock.mark()
     loss = model(**batch.model_inputs()).loss  # this cp rank's share of its replica's batch loss
     # FSDP2 averages gradients over all dp x cp ranks; the cp shares must add up instead, so each
     # is scaled by cp: mean over (dp, cp) of cp x share = mean over dp of the replica gradients
@@ -443,17 +479,34 @@ def train_step(run: Run, step: int) -> dict:
     norm = clip_gradients(model, args.clip_grad_norm)
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
-    if timer:
-        timer[1].record()
+    end = clock.mark()
     host_ms = (time.perf_counter() - t0) * 1e3
     total = loss.detach().float().reshape(1)
     dist.all_reduce(total)  # the sum of every rank's share = dp x the replica-mean loss
-    if cuda:
-        torch.cuda.synchronize()
-    step_ms = (time.perf_counter() - t0) * 1e3
+    values = torch.cat([total, norm.detach().float().reshape(1)])
+    done = None
+    if clock.cuda:  # .item() would wait for everything queued after it, the next step included
+        values = values.to("cpu", non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+    return IssuedStep(step, values, done, start, end, host_ms, recordings() - recorded)
+
+
+def read_step(run: Run, issued: IssuedStep, clock: Clock, previous_end=None) -> dict:
+    """The log record of an issued step, once its work is done: the replica-mean loss, the gradient
+    norm and the timings. ``step_ms`` is the time from ``previous_end`` (the step before's end, when
+    only steps ran in between) to this step's end: the step's share of a run that keeps the device
+    busy; without ``previous_end`` from the step's own start (the first step: with compilation)."""
+    waited = time.perf_counter()
+    if issued.done is not None:
+        issued.done.synchronize()
+    wait_ms = (time.perf_counter() - waited) * 1e3  # the host's lead over the device at this point
+    loss, norm = issued.values.tolist()
+    step_ms = clock.ms(issued.start if previous_end is None else previous_end, issued.end)
     return dict(
-        step=step, loss=total.item() / args.dp, grad_norm=float(norm), tokens=args.tokens_per_step,
-        step_ms=step_ms, host_ms=host_ms, gpu_ms=timer[0].elapsed_time(timer[1]) if timer else None,
+        step=issued.step, loss=loss / run.args.dp, grad_norm=norm, tokens=run.args.tokens_per_step, step_ms=step_ms,
+        host_ms=issued.host_ms, gpu_ms=clock.ms(issued.start, issued.end) if clock.cuda else None, wait_ms=wait_ms,
+        cudagraph_recordings=issued.cudagraph_recordings,
     )  # fmt: skip
 
 
@@ -568,37 +621,66 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
         bar = tqdm(total=args.steps, initial=start, desc=f"train dp={args.dp} cp={args.cp}", file=sys.stdout)
     graphs_after_first = None
     profiler = None
+    clock = Clock(device)
+    first, last = start + 1, args.steps
+
+    def synced(step: int) -> bool:
+        """Whether ``step`` is read back before the next is issued: the first (compilation), the one
+        before the profiled steps and the last of them, a checkpoint's, the run's last."""
+        profiled = args.profile and step - start in (PROFILE_STEPS.start - 1, PROFILE_STEPS.stop - 1)
+        return step in (first, last) or bool(profiled) or bool(args.save_every and step % args.save_every == 0)
+
+    def finish(issued: IssuedStep, previous_end) -> None:
+        nonlocal graphs_after_first
+        rec = read_step(run, issued, clock, previous_end)
+        step = rec["step"]
+        rec["tokens_per_s"] = rec["tokens"] / (rec["step_ms"] / 1e3)
+        rec["lengths"] = [run.batches.lengths(step, k) for k in range(args.batch_shards)]  # the step's packing
+        flops = count_flops_per_step(run.config, rec["lengths"])
+        rec["mfu"] = flops / (rec["step_ms"] / 1e3) / (world * peak * 1e12) if peak else None
+        # this rank's peak so far; the largest over ranks replaces it at the end of the run (a
+        # collective here would wait for the step issued after this one)
+        rec["peak_mem_gib"] = (torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda"
+                               else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)  # host RSS
+        if graphs_after_first is None:
+            graphs_after_first = counters["stats"]["unique_graphs"]
+        log["steps"].append(rec)
+        if bar:
+            bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}", ms=f"{rec['step_ms']:.0f}")
+            bar.update()
+        if rank == 0 and args.log_json:
+            write_log(log, args.log_json)
+
+    # One step in flight: the host builds the next batch and issues the next step while the
+    # device runs this one, then reads this one back (a run that reads every step at once
+    # leaves the device idle while the host starts the next).
     with cudagraph_recordings() as recordings:
-        for step in range(start + 1, args.steps + 1):
+        batch = replica_batch(run, first)[1] if first <= last else None
+        pending = None  # (the issued step not read yet, the end of the step before it or None)
+        previous_end = None
+        for step in range(first, last + 1):
             if args.profile and step - start == PROFILE_STEPS.start:
                 profiler = start_profiler()
-            recorded = recordings()
-            rec = train_step(run, step)
-            rec["cudagraph_recordings"] = recordings() - recorded
-            if profiler and step - start == PROFILE_STEPS.stop - 1:
-                write_profile(profiler, args.profile, rank)
-                profiler = None
-            rec["tokens_per_s"] = rec["tokens"] / (rec["step_ms"] / 1e3)
-            rec["lengths"] = [run.batches.lengths(step, k) for k in range(args.batch_shards)]  # the step's packing
-            flops = count_flops_per_step(run.config, rec["lengths"])
-            rec["mfu"] = flops / (rec["step_ms"] / 1e3) / (world * peak * 1e12) if peak else None
-            if device.type == "cuda":
-                mem = torch.tensor([torch.cuda.max_memory_allocated(device) / 2**30], device=device)
-                dist.all_reduce(mem, op=dist.ReduceOp.MAX)
-                rec["peak_mem_gib"] = mem.item()
-            else:
-                rec["peak_mem_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # host RSS
-            if graphs_after_first is None:
-                graphs_after_first = counters["stats"]["unique_graphs"]
-            log["steps"].append(rec)
-            if bar:
-                tok_s, ms = f"{rec['tokens_per_s']:.0f}", f"{rec['step_ms']:.0f}"
-                bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=tok_s, ms=ms)
-                bar.update()
-            if args.save_every and step % args.save_every == 0:
-                save_checkpoint(run, step)
-            if rank == 0 and args.log_json:
-                write_log(log, args.log_json)
+            issued = issue_step(run, step, batch, clock, recordings)
+            if step < last:
+                batch = replica_batch(run, step + 1)[1]
+            if pending:
+                finish(*pending)
+            pending = (issued, previous_end)
+            previous_end = issued.end
+            if synced(step):
+                finish(*pending)
+                pending, previous_end = None, None
+                if profiler and step - start == PROFILE_STEPS.stop - 1:
+                    write_profile(profiler, args.profile, rank)
+                    profiler = None
+                if args.save_every and step % args.save_every == 0:
+                    save_checkpoint(run, step)
+    if device.type == "cuda" and log["steps"]:
+        peaks = torch.tensor([r["peak_mem_gib"] for r in log["steps"]], device=device)
+        dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+        for rec, value in zip(log["steps"], peaks.tolist()):
+            rec["peak_mem_gib"] = value
     if bar:
         bar.close()
     log["graphs"] = counters["stats"]["unique_graphs"]
