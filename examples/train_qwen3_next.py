@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import json
 import os
@@ -415,17 +416,55 @@ def with_parameters_as_inputs(layer: torch.nn.Module, forward, options: dict):
 
 
 def replica_batch(run: Run, step: int, dp_rank: int | None = None):
-    """The sequences and this rank's static-shape shard of dp replica ``dp_rank``'s batch of ``step``,
-    on its way to the device (from pinned memory, without waiting for the copy on a GPU)."""
+    """The sequences and this rank's static-shape shard of dp replica ``dp_rank``'s batch of ``step``
+    (on the host)."""
     from cp_ops.integrations.transformers import shard_batch
 
     replica = run.dp_rank if dp_rank is None else dp_rank
     seqs = [seq for k in replica_shards(run.args, replica) for seq in run.batches(step, k)]
     shard = shard_batch(seqs, run.args.cp, run.cp_rank, num_tokens=run.num_tokens,
                         max_sequences=replica_max_seqs(run.args))  # fmt: skip
-    if run.device.type == "cuda":
-        return seqs, shard.pin_memory().to(run.device, non_blocking=True)
-    return seqs, shard.to(run.device)
+    return seqs, shard
+
+
+class Staging:
+    """Page-locked host buffers, two sets reused in turn, for the batches on their way to the GPU
+    and the step results on their way back: no step allocates page-locked memory (an allocation
+    can wait for the device), and a set is written again only once the copy that last read it has
+    run. On the CPU, plain copies."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.batches: list = [None, None]  # (pinned tensors by field name, event after their copy)
+        self.results = [torch.empty(2, pin_memory=True) for _ in range(2)] if self.cuda else None
+
+    def batch_to_device(self, step: int, batch):
+        """``batch`` (a static-shape ShardedBatch on the host) on the device, the copy queued."""
+        if not self.cuda:
+            return batch.to(self.device)
+        names = [f.name for f in dataclasses.fields(batch) if isinstance(getattr(batch, f.name), torch.Tensor)]
+        buffers, copied = self.batches[step % 2] or ({n: torch.empty_like(getattr(batch, n), pin_memory=True)
+                                                      for n in names}, None)  # fmt: skip
+        if copied is not None:
+            copied.synchronize()  # a copy queued behind the step two back: run or about to
+        for name in names:
+            buffers[name].copy_(getattr(batch, name))
+        moved = dataclasses.replace(batch, **{n: buffers[n].to(self.device, non_blocking=True) for n in names})
+        event = torch.cuda.Event()
+        event.record()
+        self.batches[step % 2] = (buffers, event)
+        return moved
+
+    def result_to_host(self, step: int, values: torch.Tensor):
+        """``values`` on their way to the host, and the event after their copy (None on the CPU)."""
+        if not self.cuda:
+            return values, None
+        out = self.results[step % 2]
+        out.copy_(values, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return out, done
 
 
 class Clock:
@@ -464,7 +503,7 @@ class IssuedStep:
     cudagraph_recordings: int
 
 
-def issue_step(run: Run, step: int, batch, clock: Clock, recordings: Callable[[], int]) -> IssuedStep:
+def issue_step(run: Run, step: int, batch, clock: Clock, staging: Staging, recordings: Callable[[], int]) -> IssuedStep:
     """Queue one optimizer step on ``batch`` (this rank's shard); nothing in it waits for the GPU."""
     model, args = run.model, run.args
     recorded = recordings()
@@ -483,12 +522,8 @@ def issue_step(run: Run, step: int, batch, clock: Clock, recordings: Callable[[]
     host_ms = (time.perf_counter() - t0) * 1e3
     total = loss.detach().float().reshape(1)
     dist.all_reduce(total)  # the sum of every rank's share = dp x the replica-mean loss
-    values = torch.cat([total, norm.detach().float().reshape(1)])
-    done = None
-    if clock.cuda:  # .item() would wait for everything queued after it, the next step included
-        values = values.to("cpu", non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
+    # read back later through an event: .item() would wait for everything queued after it
+    values, done = staging.result_to_host(step, torch.cat([total, norm.detach().float().reshape(1)]))
     return IssuedStep(step, values, done, start, end, host_ms, recordings() - recorded)
 
 
@@ -655,15 +690,16 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
     # device runs this one, then reads this one back (a run that reads every step at once
     # leaves the device idle while the host starts the next).
     with cudagraph_recordings() as recordings:
-        batch = replica_batch(run, first)[1] if first <= last else None
+        staging = Staging(device)
+        batch = staging.batch_to_device(first, replica_batch(run, first)[1]) if first <= last else None
         pending = None  # (the issued step not read yet, the end of the step before it or None)
         previous_end = None
         for step in range(first, last + 1):
             if args.profile and step - start == PROFILE_STEPS.start:
                 profiler = start_profiler()
-            issued = issue_step(run, step, batch, clock, recordings)
+            issued = issue_step(run, step, batch, clock, staging, recordings)
             if step < last:
-                batch = replica_batch(run, step + 1)[1]
+                batch = staging.batch_to_device(step + 1, replica_batch(run, step + 1)[1])
             if pending:
                 finish(*pending)
             pending = (issued, previous_end)

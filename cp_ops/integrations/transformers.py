@@ -391,17 +391,10 @@ class ShardedBatch:
     num_items_in_batch: torch.Tensor
     ignore_index: int = -100
 
-    _TENSORS = ("input_ids", "shift_labels", "cu_seqlens", "cu_seqlens_padded", "num_items_in_batch")
-
-    def to(self, device, non_blocking: bool = False) -> ShardedBatch:
-        """The same batch with every tensor on ``device`` (``Tensor.to``'s ``non_blocking``: from
-        pinned memory, a copy the host does not wait for)."""
-        return replace(self, **{name: getattr(self, name).to(device, non_blocking=non_blocking)
-                                for name in self._TENSORS})  # fmt: skip
-
-    def pin_memory(self) -> ShardedBatch:
-        """The same batch in page-locked host memory, for a ``to(device, non_blocking=True)``."""
-        return replace(self, **{name: getattr(self, name).pin_memory() for name in self._TENSORS})
+    def to(self, device) -> ShardedBatch:
+        """The same batch with every tensor on ``device``."""
+        names = ("input_ids", "shift_labels", "cu_seqlens", "cu_seqlens_padded", "num_items_in_batch")
+        return replace(self, **{name: getattr(self, name).to(device) for name in names})
 
     def model_inputs(self) -> dict:
         """Keyword arguments for a patched transformers causal LM: ``input_ids`` and ``labels`` /
