@@ -365,7 +365,9 @@ def scaling_result(args: argparse.Namespace, rows: list[dict], env: dict) -> Res
         title=f"Training step of examples/train_qwen3_next.py, preset {args.preset}, CP over W ranks (dp 1)",
         columns=COLUMNS, rows=[[r.get(c) for c in COLUMNS] for r in rows], formats=FORMATS, env=env,
         notes=f"{args.steps} steps, medians after {args.warmup}; scaling = T1 / (W x TW) at the same global "
-              f"tokens; host ms = issuing the step, GPU ms = CUDA events around it; first step includes compilation",
+              "tokens; step ms = the GPU's time from the step before's end to this step's end (the recipe keeps "
+              "one step in flight), host ms = issuing the step, GPU ms = CUDA events around it; first step includes "
+              "compilation",
     )  # fmt: skip
 
 
