@@ -1,11 +1,13 @@
 """Run the GPU tests and benchmarks in one call and print a short table last.
 
-    python benchmarks/gpu_suite.py [PART ...] [--world W [W ...]] [--out DIR] [--timeout S]
+    python benchmarks/gpu_suite.py [PART ...] [--world W [W ...]] [--out DIR] [--timeout S] [--quick]
 
 PARTS (default: every part that fits the visible GPUs) are the keys of :data:`PARTS`; a
 multi-rank part runs once per CP size W (``--world``; default every visible GPU, the NCCL
 tests at each of 2, 4, 8 that fits), named PART-wW. Logs and JSON results go to --out
-(default $OUT or ./gpu-results); docs/benchmarks.md says what to do with them.
+(default $OUT or ./gpu-results); docs/benchmarks.md says what to do with them. ``--quick`` runs
+the parts of :data:`QUICK_ARGS` at their smallest case (results in DIR/quick, not for the docs):
+a check that every part runs to the end at each W within one machine's time.
 """
 
 from __future__ import annotations
@@ -72,6 +74,22 @@ PARTS = {
 # (tests-dist: a dozen NCCL tests, each spawning its ranks, about 100 s apiece on cold caches)
 PART_TIMEOUTS = {"cold-start": 1800, "train": 1800, "train-curves": 900, "tests-dist": 1800}
 TEST_WORLDS = (2, 4, 8)
+# --quick: arguments appended to a part's command (later options replace earlier ones), the
+# smallest case of each part that has sizes; the others run as they are
+QUICK_ARGS = {
+    "ag-attention": ["--tokens", "32768"],
+    "ag-attention-graphs": ["--tokens", "32768"],
+    "ag-attention-qwen": ["--tokens", "32768"],
+    "gdn-cp": ["--tokens", "32768", "--seqs", "8"],
+    "gdn-cp-graphs": ["--tokens", "32768", "--seqs", "8"],
+    "gdn-cp-states": ["--tokens", "32768", "--seqs", "8"],
+    "gdn-cp-states-slow-link": ["--tokens", "32768", "--seqs", "8"],
+    "demo-cp": ["--steps", "3"],
+    "train": ["--tokens", "32768", "--graphs", "on", "--steps", "6", "--warmup", "2"],
+    "train-curves": ["--steps", "6"],
+    "train-replay": ["--steps", "4"],
+    "train-profile": ["--steps", "5", "--warmup", "2"],
+}
 
 
 def _module_file(template: list[str]) -> str | None:
@@ -91,6 +109,12 @@ def runs_of(part: str, worlds: list[int] | None, gpus: int) -> list[tuple[str, i
     return [(f"{part}-w{w}", w, w) for w in worlds]
 
 
+def part_command(part: str, out: str, world: int | None, name: str, quick: bool = False) -> list[str]:
+    """The command of one run of ``part`` (``world``: its CP size, None for a one-GPU part)."""
+    _, template = PARTS[part]
+    return [c.format(out=out, world=world, name=name) for c in template] + (QUICK_ARGS.get(part, []) if quick else [])
+
+
 def child_pythonpath(existing: str | None) -> str:
     """The parts' PYTHONPATH: the repository's root and its examples/ (the demo parts import the
     example application ``cp_ops_demo``, which an installed package would provide) before
@@ -104,11 +128,15 @@ def main() -> None:
     parser.add_argument("--world", type=int, nargs="+", help="CP sizes for the multi-rank parts")
     parser.add_argument("--out", default=os.environ.get("OUT", os.path.join(ROOT, "gpu-results")))
     parser.add_argument("--timeout", type=int, default=420, help="seconds per part (per run of a multi-rank part)")
+    parser.add_argument("--quick", action="store_true",
+                        help="each part at its smallest case (QUICK_ARGS), results in OUT/quick")
     args = parser.parse_args()
     parts = args.parts
     unknown = [p for p in parts if p not in PARTS]
     if unknown:
         parser.error(f"unknown parts {unknown}; choose from {list(PARTS)}")
+    if args.quick:
+        args.out = os.path.join(args.out, "quick")
     os.makedirs(args.out, exist_ok=True)
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
@@ -133,7 +161,7 @@ def main() -> None:
             if need > gpus:
                 summary.append((name, f"needs {need} GPUs", 0.0, ""))
                 continue
-            cmd = [c.format(out=args.out, world=world, name=name) for c in template]
+            cmd = part_command(part, args.out, world, name, args.quick)
             print(f"\n===== {name}: {' '.join(cmd)}", flush=True)
             start = time.time()
             with open(os.path.join(args.out, f"{name}.log"), "w") as log:

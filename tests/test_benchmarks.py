@@ -223,6 +223,26 @@ def test_gpu_suite_parts_find_the_library_and_the_demo_in_the_checkout(tmp_path)
     assert demo == os.path.join(gpu_suite.ROOT, "examples", "cp_ops_demo", "__init__.py")
 
 
+def test_gpu_suite_quick_appends_options_its_parts_take():
+    from benchmarks import gpu_suite
+
+    root = Path(gpu_suite.ROOT)
+    for part, extra in gpu_suite.QUICK_ARGS.items():
+        full = gpu_suite.part_command(part, "/out", 2, f"{part}-w2")
+        quick = gpu_suite.part_command(part, "/out", 2, f"{part}-w2", quick=True)
+        assert gpu_suite.PARTS[part][0] >= 2 and quick == full + extra, part
+        module = full[full.index("-m") + 1]
+        if module == "cp_ops":  # python -m cp_ops demo: the demo application's options
+            source = root / "examples" / "cp_ops_demo" / "cli.py"
+        else:
+            source = root / (module.replace(".", "/") + ".py")
+        text = source.read_text()
+        for option in (a for a in extra if a.startswith("--")):
+            assert f'"{option}"' in text, f"{part}: {source.name} has no {option}"
+    assert gpu_suite.part_command("a2a", "/out", 4, "a2a-w4", quick=True) == gpu_suite.part_command(
+        "a2a", "/out", 4, "a2a-w4")
+
+
 def test_gpu_suite_parts_run_existing_benchmark_modules():
     from benchmarks import gpu_suite
 
