@@ -18,6 +18,7 @@ __all__ = [
     "fla_configs",
     "inductor_compile_threads_set",
     "markdown_table",
+    "omp_threads_set",
     "opaque_kernels",
     "parse",
     "precompile",
@@ -76,6 +77,12 @@ VARIABLES: tuple[Variable, ...] = (
         "set (any value): the demo leaves Inductor's compile threads to it; unset: a W-rank demo "
         "gives each rank's compiles the cores divided by W",
         "by the demo, before it compiles",
+    ),
+    Variable(
+        "OMP_NUM_THREADS", None, None,
+        "set (any value): the training recipe leaves torch's host threads to it; unset: the recipe "
+        "on CUDA runs torch's host ops on one thread per rank, as torchrun sets for several ranks a node",
+        "by examples/train_qwen3_next.py, at its start",
     ),
     Variable(
         "NCCL_NVLS_ENABLE", ("0", "1"), "0",
@@ -146,6 +153,11 @@ def triton_interpret() -> bool:
 def inductor_compile_threads_set() -> bool:
     """Whether ``TORCHINDUCTOR_COMPILE_THREADS`` is set (to any value)."""
     return "TORCHINDUCTOR_COMPILE_THREADS" in os.environ
+
+
+def omp_threads_set() -> bool:
+    """Whether ``OMP_NUM_THREADS`` is set (to any value)."""
+    return "OMP_NUM_THREADS" in os.environ
 
 
 def torchrun_ranks() -> tuple[int, int, int, int] | None:

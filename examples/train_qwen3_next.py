@@ -306,7 +306,7 @@ def init_distributed(device_type: str) -> tuple[int, int, torch.device]:
     rank, world, local_rank, local_world = ranks or (0, 1, 0, 1)
     init = {} if ranks else {"init_method": f"file://{tempfile.mkdtemp()}/store", "rank": 0, "world_size": 1}
     if device_type == "cuda":
-        if "OMP_NUM_THREADS" not in os.environ:
+        if not env.omp_threads_set():
             # the host's tensor ops here are small (batches, tables): one thread each, as torchrun
             # sets for several ranks a node, so that they never wait for cores busy elsewhere
             torch.set_num_threads(1)
