@@ -520,9 +520,11 @@ def _check_layer_float32(case: LayerCase, group, rank):
     assert rel_error(x_cp.grad, shard_thd(x_ref.grad, cup, w, rank)) < F32_LAYER_TOL, what
     # parameter gradients are sums over all T rows whose terms may cancel (dt_bias, A_log: one
     # number per head), so each is measured against the largest gradient's scale where its own is
-    # small, as in float64 (_check_layer); a missing or doubled term is an error of order one
+    # small, as in float64 (_check_layer), at 1e-2 of it: a gradient that is zero in exact
+    # arithmetic (q's, under a window of one key) is float32 rounding, about 1e-7 of that scale;
+    # a missing or doubled term is still an error of order one against its own size
     ref_grads = {name: p.grad for name, p in layer.named_parameters()}
-    floor = 1e-3 * max(float(g.norm()) for g in ref_grads.values())
+    floor = 1e-2 * max(float(g.norm()) for g in ref_grads.values())
     for name, p in layer32.named_parameters():
         dist.all_reduce(p.grad, group=group)
         ref = ref_grads[name]
@@ -557,10 +559,14 @@ def test_float32_kernels_inside_cp_match_float64_oracles():
     run_ranks(2, _check_cases_float32, _float32_cases((2,), attention=3, layers=2) + FOUND_FLOAT32)
 
 
-# a case a wide run once failed on (its input gradient at 1.2e-5), kept in the default tier
+# cases drawn runs once failed on, kept in the default tier: a wide run's (its input gradient at
+# 1.2e-5), and a window of one key, where q's gradient is zero and float32 gives rounding only
 FOUND_FLOAT32 = [
     LayerCase("gdn", 2, [1, 15, 15], {"num_k_heads": 4, "num_v_heads": 4, "conv_kernel_size": 2,
                                       "mode": "sections"}, seed=0),
+    LayerCase("attention", 2, [12, 4, 4], {"num_heads": 3, "num_kv_heads": 3, "gated": False, "qk_norm": True,
+                                           "causal": True, "window": (0, -1), "partial_rotary_factor": 0.5,
+                                           "head_groups": 1}, seed=1012645),
 ]  # fmt: skip
 
 
