@@ -419,16 +419,13 @@ def with_parameters_as_inputs(layer: torch.nn.Module, forward, options: dict):
 # --- the step -----------------------------------------------------------------------------------
 
 
-def replica_batch(run: Run, step: int, dp_rank: int | None = None):
-    """The sequences and this rank's static-shape shard of dp replica ``dp_rank``'s batch of ``step``
-    (on the host)."""
+def replica_batch(run: Run, step: int):
+    """This rank's static-shape shard of its dp replica's batch of ``step``, on the host."""
     from cp_ops.integrations.transformers import shard_batch
 
-    replica = run.dp_rank if dp_rank is None else dp_rank
-    seqs = [seq for k in replica_shards(run.args, replica) for seq in run.batches(step, k)]
-    shard = shard_batch(seqs, run.args.cp, run.cp_rank, num_tokens=run.num_tokens,
-                        max_sequences=replica_max_seqs(run.args))  # fmt: skip
-    return seqs, shard
+    seqs = [seq for k in replica_shards(run.args, run.dp_rank) for seq in run.batches(step, k)]
+    return shard_batch(seqs, run.args.cp, run.cp_rank, num_tokens=run.num_tokens,
+                       max_sequences=replica_max_seqs(run.args))  # fmt: skip
 
 
 class Staging:
@@ -695,7 +692,7 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
     # leaves the device idle while the host starts the next).
     with cudagraph_recordings() as recordings:
         staging = Staging(device)
-        batch = staging.batch_to_device(first, replica_batch(run, first)[1]) if first <= last else None
+        batch = staging.batch_to_device(first, replica_batch(run, first)) if first <= last else None
         pending = None  # (the issued step not read yet, the end of the step before it or None)
         previous_end = None
         for step in range(first, last + 1):
@@ -703,7 +700,7 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
                 profiler = start_profiler()
             issued = issue_step(run, step, batch, clock, staging, recordings)
             if step < last:
-                batch = staging.batch_to_device(step + 1, replica_batch(run, step + 1)[1])
+                batch = staging.batch_to_device(step + 1, replica_batch(run, step + 1))
             if pending:
                 finish(*pending)
             pending = (issued, previous_end)
