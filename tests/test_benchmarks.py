@@ -298,8 +298,6 @@ def test_replay_result_pairs_the_runs_steps():
 def test_scaling_table_is_written_after_every_group(tmp_path, monkeypatch):
     """A bench_train invocation cut short (here: its second group of runs fails) leaves the rows of
     the groups that finished in its result file, with their scaling against W = 1."""
-    import json
-
     from benchmarks import bench_train
 
     def run_one(world, tokens, graphs, args, tmp):
@@ -321,8 +319,6 @@ def test_profile_summary_reads_every_ranks_timeline(tmp_path):
     """bench_train --profile: rank 0's figures per step from the recipe's kernel timelines, the
     most idle and collective-only time of any rank and the time ranks wait in collectives for a
     peer; a run without a device timeline has none."""
-    import json
-
     from benchmarks import bench_train
 
     # two steps: rank 0 runs a GEMM 0-4 ms and an all-gather 3-6 ms, then idles to 10; rank 1
