@@ -38,6 +38,20 @@ def local_rendezvous() -> Iterator[str]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def host_threads(device: str, local_world: int) -> int | None:
+    """torch's intra-op threads for one of ``local_world`` ranks on this host, None to leave
+    them as they are.
+
+    On the CPU the ranks share the cores out. On CUDA one thread a rank unless
+    ``OMP_NUM_THREADS`` is set, as torchrun sets for several ranks a node: a rank's host ops
+    are small (batches, tables), and a thread per core in each rank makes them wait for cores
+    the other ranks' threads hold.
+    """
+    if device == "cpu":
+        return max(1, (os.cpu_count() or 1) // local_world)
+    return None if env.omp_threads_set() else 1
+
+
 def init_local_rank(
     rank: int, world: int, init_method: str, device: str, num_threads: int | None = None
 ) -> torch.device:
@@ -45,11 +59,11 @@ def init_local_rank(
     as ``rank``.
 
     ``device="cuda"``: NCCL, this rank on GPU ``rank``; ``"cpu"``: gloo. ``num_threads``
-    sets torch's intra-op threads (default on the CPU: the cores shared out over the
-    ranks; on CUDA: left as it is). Returns the device this rank computes on.
+    sets torch's intra-op threads (default: :func:`host_threads`). Returns the device this
+    rank computes on.
     """
-    if num_threads is None and device == "cpu":
-        num_threads = max(1, (os.cpu_count() or 1) // world)
+    if num_threads is None:
+        num_threads = host_threads(device, world)
     if num_threads is not None:
         torch.set_num_threads(num_threads)
     if device == "cuda":

@@ -80,9 +80,10 @@ VARIABLES: tuple[Variable, ...] = (
     ),
     Variable(
         "OMP_NUM_THREADS", None, None,
-        "set (any value): the training recipe leaves torch's host threads to it; unset: the recipe "
-        "on CUDA runs torch's host ops on one thread per rank, as torchrun sets for several ranks a node",
-        "by examples/train_qwen3_next.py, at its start",
+        "set (any value): torch's host threads are left to it; unset: on CUDA each rank runs torch's "
+        "host ops on one thread (`cp_ops.local_ranks.host_threads`), as torchrun sets for several ranks a node",
+        "as a rank joins: examples/train_qwen3_next.py and `init_local_rank` (the spawned benchmarks, "
+        "the demo, the NCCL tests)",
     ),
     Variable(
         "NCCL_NVLS_ENABLE", ("0", "1"), "0",

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from cp_ops.layout import static_num_tokens
+from cp_ops.local_ranks import host_threads
 from custom_ops import env
 
 PRESETS = ("tiny", "slice4", "qwen3-next-80b")
@@ -305,17 +306,15 @@ def init_distributed(device_type: str) -> tuple[int, int, torch.device]:
     ranks = env.torchrun_ranks()
     rank, world, local_rank, local_world = ranks or (0, 1, 0, 1)
     init = {} if ranks else {"init_method": f"file://{tempfile.mkdtemp()}/store", "rank": 0, "world_size": 1}
+    threads = host_threads(device_type, local_world)
+    if threads is not None:
+        torch.set_num_threads(threads)
     if device_type == "cuda":
-        if not env.omp_threads_set():
-            # the host's tensor ops here are small (batches, tables): one thread each, as torchrun
-            # sets for several ranks a node, so that they never wait for cores busy elsewhere
-            torch.set_num_threads(1)
         env.set_nvlink_multicast_off()
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", device_id=device, **init)
     else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
         device = torch.device("cpu")
         dist.init_process_group("gloo", **init)
     return rank, world, device

@@ -93,3 +93,16 @@ def test_multicast_defaults_keep_a_value_already_set(monkeypatch):
     monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "0")
     env.set_nvlink_multicast_off()
     assert os.environ["NCCL_NVLS_ENABLE"] == "0" and os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "0"
+
+
+def test_host_threads_one_a_cuda_rank_unless_omp_is_set(monkeypatch):
+    from cp_ops.local_ranks import host_threads
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "")  # recorded, so that teardown restores it
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert host_threads("cuda", 4) == 1 and host_threads("cuda", 1) == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "8")
+    assert host_threads("cuda", 4) is None  # left to OpenMP's own setting
+    # the CPU shares the cores out whatever OMP_NUM_THREADS says
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    assert (host_threads("cpu", 4), host_threads("cpu", 32)) == (4, 1)
