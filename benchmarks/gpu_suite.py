@@ -37,7 +37,8 @@ PARTS = {
     "gdn": (1, _bench("bench_gdn", "--kernel-time", "--rank-share", "2", "4")),
     "conv": (1, _bench("bench_gdn", "--conv")),
     "conv-gather": (1, _bench("bench_gdn", "--conv", "--gather")),
-    "demo": (1, [sys.executable, "-m", "cp_ops", "demo", "--cp-size", "1"]),
+    # the demo's results (every parameter's step-1 error among them) as {out}/{name}.json
+    "demo": (1, [sys.executable, "-m", "cp_ops", "demo", "--cp-size", "1", "--json", "{out}/{name}.json"]),
     "cold-start": (1, _bench("bench_host", "--cold-start")),
     "a2a": (2, _bench("bench_cp2hp", "--world", "{world}", "--profile")),
     "ag-attention": (2, _bench("bench_attention", "cp", "--world", "{world}")),
@@ -57,7 +58,7 @@ PARTS = {
         _bench("bench_attention", "cp", "--world", "{world}", "--gqa", "8", "--head-dim", "256", "--head-groups", "2",
                "--cudagraphs", "--profile"),
     ),  # fmt: skip
-    "demo-cp": (2, [sys.executable, "-m", "cp_ops", "demo", "--cp-size", "{world}"]),
+    "demo-cp": (2, [sys.executable, "-m", "cp_ops", "demo", "--cp-size", "{world}", "--json", "{out}/{name}.json"]),
     "train": (2, _bench("bench_train", "--worlds", "1,{world}")),
     "train-curves": (4, _bench("bench_train", "--curves")),
     "train-replay": (2, _bench("bench_train", "--replay", "{world}")),

@@ -243,6 +243,19 @@ def test_gpu_suite_quick_appends_options_its_parts_take():
         "a2a", "/out", 4, "a2a-w4")
 
 
+def test_gpu_suite_demo_parts_keep_the_demos_results():
+    """The demo parts write the demo's results (each parameter's step-1 error among them) beside
+    the other parts' results, the options parsed by the demo itself."""
+    from benchmarks import gpu_suite
+    from cp_ops_demo import build_parser
+
+    for part, world in (("demo", None), ("demo-cp", 2)):
+        name = part if world is None else f"{part}-w{world}"
+        command = gpu_suite.part_command(part, "/out", world, name)
+        args = build_parser().parse_args(command[command.index("demo") + 1 :])
+        assert args.json == f"/out/{name}.json" and args.cp_size == (world or 1), part
+
+
 def test_gpu_suite_parts_run_existing_benchmark_modules():
     from benchmarks import gpu_suite
 
