@@ -82,8 +82,8 @@ VARIABLES: tuple[Variable, ...] = (
         "OMP_NUM_THREADS", None, None,
         "set (any value): torch's host threads are left to it; unset: on CUDA each rank runs torch's "
         "host ops on one thread (`cp_ops.local_ranks.host_threads`), as torchrun sets for several ranks a node",
-        "as a rank joins: examples/train_qwen3_next.py and `init_local_rank` (the spawned benchmarks, "
-        "the demo, the NCCL tests)",
+        "as a rank joins: examples/train_qwen3_next.py and `init_local_rank` (the spawned benchmarks "
+        "and the demo; the multi-rank tests give their ranks one thread either way)",
     ),
     Variable(
         "NCCL_NVLS_ENABLE", ("0", "1"), "0",
