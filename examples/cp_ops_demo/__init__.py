@@ -11,13 +11,14 @@ checked against the same model on one device, and the run prints ranks, backend,
 tokens/s, step and compile time, graph breaks, recompiles, the error against one device
 and peak memory.
 
-The check runs in ``--check-dtype`` (default: ``--dtype``). bfloat16 rounding moves this
-model's step-1 gradients far more than context parallelism does, so two bfloat16 runs can
-only be compared where they round alike (``--reference same``); ``--dtype bfloat16
---check-dtype float32`` checks a float32 copy instead. On GPUs a float32 check is only as
-good as Triton's float32 dots, TF32 unless ``TRITON_F32_DEFAULT=ieee`` is set, and it
-compiles and autotunes a second set of kernels (FLA's included), which makes a cold-cache
-start much slower (docs/benchmarks.md, section "The whole model").
+The check runs in ``--check-dtype`` (default: ``--dtype``), at the tolerance
+:data:`TOLERANCE` gives that dtype. Two correct bfloat16 runs that round differently differ by
+several percent in every gradient of this model at initialisation, so a bfloat16 check
+catches faults the size of one rank's rotary positions off by one, not subtler ones; ``--dtype
+bfloat16 --check-dtype float32`` checks a float32 copy at a tight tolerance instead. On GPUs a
+float32 check is only as good as Triton's float32 dots, TF32 unless ``TRITON_F32_DEFAULT=ieee``
+is set, and it compiles and autotunes a second set of kernels (FLA's included), which makes a
+cold-cache start take minutes longer (docs/benchmarks.md, section "The whole model").
 
 It uses only the public API of ``cp_ops`` and ``custom_ops``. The modules, by job:
 

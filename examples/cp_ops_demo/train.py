@@ -57,11 +57,13 @@ REGIONS = 2
 
 # Max relative error (loss and every parameter gradient) of the CP step vs one device. Both
 # run the same code but for CP: the weight gradients are summed in another order (per rank,
-# then all-reduced), the GEMMs run on fewer rows, and the gradients reach the first block
-# through the delta-rule recurrence, which amplifies rounding; the tolerances sit above the
-# errors of correct runs (docs/benchmarks.md, section "The whole model"). A sharding or
-# reduction bug gives errors of order 1.
-TOLERANCE = {"float32": 5e-4, "bfloat16": 5e-2}
+# then all-reduced) and the GEMMs run on fewer rows, so the two round differently. At
+# initialisation on random tokens each weight gradient is a small difference of large sums
+# over the tokens, which turns bfloat16's rounding into errors of several percent in every
+# parameter; the bfloat16 tolerance sits above those of correct runs and below those of a
+# fault as small as one rank's rotary positions off by one (docs/benchmarks.md, section
+# "The whole model", and test_demo.py). A float32 check is the tight one.
+TOLERANCE = {"float32": 5e-4, "bfloat16": 0.15}
 
 
 def reference_is_eager(args: argparse.Namespace) -> bool:

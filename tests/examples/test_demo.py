@@ -15,6 +15,8 @@ and both layers compiled on two ranks
 """
 
 import ast
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -56,6 +58,40 @@ def test_eager_two_ranks_match_one_device():
     assert set(res["errors"]) >= {"loss", "embed.weight", "blocks.0.gdn.in_proj.weight", "blocks.0.attn.q_proj.weight"}
     assert len(res["losses"]) == 2 and all(torch.isfinite(torch.tensor(res["losses"])))
     assert res["ok"] and not res["failures"]
+
+
+# a sitecustomize for the fault test: rank 1 of a CP group rotates q and k one position late
+ROTARY_FAULT = """\
+import cp_ops.attention as attention
+
+_positions = attention.local_positions
+
+
+def _one_late(cu_seqlens_padded, world, rank, rows):
+    positions = _positions(cu_seqlens_padded, world, rank, rows)
+    return positions + 1 if world > 1 and rank == 1 else positions
+
+
+attention.local_positions = _one_late
+"""
+
+
+@pytest.mark.dist
+def test_bfloat16_check_fails_on_rotary_positions_off_by_one(tmp_path, monkeypatch):
+    """The bfloat16 tolerance sits above rounding, which moves every gradient by several percent
+    at this model's initialisation; a CP fault as small as one rank's rotary positions off by
+    one still fails the check. The fault is put into the spawned ranks (not the one-device
+    reference, which runs as W = 1) by a sitecustomize on their PYTHONPATH."""
+    (tmp_path / "sitecustomize.py").write_text(ROTARY_FAULT)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+    out = tmp_path / "res.json"
+    argv = TINY + ["--cp-size", "2", "--steps", "1", "--eager", "--dtype", "bfloat16", "--json", str(out)]
+    proc = subprocess.run([sys.executable, "-m", "cp_ops", "demo", *argv], capture_output=True, text=True)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert res["check_dtype"] == "bfloat16" and res["tol"] == demo.TOLERANCE["bfloat16"]
+    assert res["max_rel_error"] > demo.TOLERANCE["bfloat16"], res["errors"]
+    assert res["worst"].startswith("blocks.0.attn.") and not res["ok"]
 
 
 def test_one_rank_eager_in_process():
