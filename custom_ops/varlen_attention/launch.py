@@ -221,12 +221,40 @@ def backward_dkdv(
     ``dout [Tq, Hq, D]`` and ``dlse [Hq, Tq]`` and the forward's ``out`` and ``lse``; ``delta
     [Hq, Tq]`` float32 is what :func:`backward_dq` takes. The other arguments as
     :func:`forward`'s."""
+    # one program per key tile of the key tensor: it writes every row, so no zero fill
+    dk, dv = torch.empty(k.shape, dtype=k.dtype, device=k.device), torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    delta = _backward_dkdv_into(dk, dv, None, dout, dlse, q, k, v, out, lse, seg, causal, left, right, scale, settings)
+    return dk, dv, delta
+
+
+def backward_dkv_rows(
+    dout, dlse, q, k, v, out, lse, seg: Segments, causal, left, right, scale, out_rows,
+    settings: AttentionSettings = ATTENTION_SETTINGS,
+):  # fmt: skip
+    """``(dkv, delta)``: :func:`backward_dkdv` with dk and dv in one ``[Tk, 2*Hkv, D]`` tensor
+    (dk's heads, then dv's) and key row b's gradients at row ``out_rows[b]`` (``out_rows``: int
+    ``[Tk]``, a permutation of the key rows; all-gather CP's rank order, docs/design.md section
+    4.2). The reorder and the concatenation come with the kernel's stores."""
+    tk, hkv, d = k.shape
+    dkv = torch.empty((tk, 2 * hkv, d), dtype=k.dtype, device=k.device)
+    delta = _backward_dkdv_into(
+        dkv[:, :hkv], dkv[:, hkv:], out_rows.contiguous(), dout, dlse, q, k, v, out, lse, seg, causal, left, right,
+        scale, settings,
+    )  # fmt: skip
+    return dkv, delta
+
+
+def _backward_dkdv_into(dk, dv, out_rows, dout, dlse, q, k, v, out, lse, seg, causal, left, right, scale, settings):
+    """The delta pass and the dk/dv kernel writing into ``dk`` and ``dv`` (one row stride; with
+    ``out_rows``, key row b at row ``out_rows[b]``); returns delta."""
     tq, hq, d = q.shape
     tk, hkv, _ = k.shape
     n_seg = seg[0].shape[0]
     delta = torch.zeros((hq, tq), dtype=torch.float32, device=q.device)
     if n_seg == 0 or tq == 0 or hq == 0 or tk == 0:
-        return torch.zeros_like(k), torch.zeros_like(v), delta
+        dk.zero_()
+        dv.zero_()
+        return delta
     q, k, v, out, dout = (unit_last_stride(t) for t in (q, k, v, out, dout))
     lse = lse.contiguous()
     dlse = dlse.to(torch.float32).contiguous()
@@ -239,23 +267,20 @@ def backward_dkdv(
 
     qs, ql, qp, ks, kl = clamped_segments(seg, tq, tk, causal, left, right, settings.bwd_dq.by_work)
     cfg, descriptors = _launch_config("bwd_dkdv", settings, d, block_d, q, dout)
-    # one program per key tile of the key tensor: it writes every row, so no zero fill
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    dv = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     num_tiles = cdiv(tk, cfg["BLOCK_N"])
     order, first, last = key_tile_segments(ql, ks, kl, cfg["BLOCK_N"], num_tiles, tk)
     launch_direct(
         varlen_attn_bwd_dkdv_kernel, (num_tiles * hkv * cfg.get("PARTS", 1),),
         q, k, v, dout, lse, delta, dk, dv, *descriptors,
-        qs, ql, qp, ks, kl, order, first, last, tk,
+        qs, ql, qp, ks, kl, order, first, last, out_rows, tk,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         dout.stride(0), dout.stride(1), dk.stride(0), dk.stride(1), lse.stride(0),
         hq // hkv, hkv, scale, scale * _LOG2E, left, right,
         CAUSAL=causal, WINDOW=_has_window(left, right, settings), HEAD_DIM=d, BLOCK_D=block_d,
-        HEAD_GROUP=_head_group("bwd_dkdv", settings, hkv, cfg.get("PARTS", 1)),
+        HEAD_GROUP=_head_group("bwd_dkdv", settings, hkv, cfg.get("PARTS", 1)), ROW_MAP=out_rows is not None,
         **cfg,
     )  # fmt: skip
-    return dk, dv, delta
+    return delta
 
 
 def backward_dq(

@@ -267,8 +267,8 @@ def _dkdv_inner(
 @triton.jit
 def _dkdv_program(
     Q, K, V, DO, LSE, DELTA, DK, DV, desc_q, desc_do, q_start_ptr, q_len_ptr, q_pos_ptr, k_start_ptr, k_len_ptr,
-    order_ptr, first_ptr, last_ptr, num_k_rows, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_dot, stride_doh, stride_dkt, stride_dkh, stride_lh, group, sm_scale, qk_scale, left, right,
+    order_ptr, first_ptr, last_ptr, out_rows_ptr, num_k_rows, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
+    stride_vh, stride_dot, stride_doh, stride_dkt, stride_dkh, stride_lh, group, sm_scale, qk_scale, left, right,
     tile,
     kvh,
     CAUSAL: tl.constexpr,
@@ -280,6 +280,7 @@ def _dkdv_program(
     WANT_DK: tl.constexpr,
     WANT_DV: tl.constexpr,
     TMA: tl.constexpr,
+    ROW_MAP: tl.constexpr,
 ):
     """The work of one dk/dv program (see :func:`varlen_attn_bwd_dkdv_kernel`): key tile
     ``tile`` of kv head ``kvh``, dk and/or dv."""
@@ -337,7 +338,11 @@ def _dkdv_program(
                     q_pos, q_len, k_len, left, right, qk_scale, mid_hi, hi, True, CAUSAL, WINDOW, EVEN_D, HEAD_DIM,
                     BLOCK_M, WANT_DK, WANT_DV, TMA,
                 )
-    out_off = rows64[:, None] * stride_dkt + kvh * stride_dkh + offs_d[None, :]
+    if ROW_MAP:
+        out_rows = tl.load(out_rows_ptr + rows, mask=rows < num_k_rows, other=0).to(tl.int64)
+    else:
+        out_rows = rows64
+    out_off = out_rows[:, None] * stride_dkt + kvh * stride_dkh + offs_d[None, :]
     if WANT_DK:
         tl.store(DK + out_off, (dk * sm_scale).to(DK.dtype.element_ty), mask=kv_mask)
     if WANT_DV:
@@ -364,6 +369,7 @@ def varlen_attn_bwd_dkdv_kernel(
     order_ptr,  # segments sorted by key start
     first_ptr,  # [grid]: the range [first, last) of ``order`` that can reach each key tile
     last_ptr,
+    out_rows_ptr,  # with ROW_MAP: [Tk], the row of DK and DV that key row b's gradient goes to
     num_k_rows,
     stride_qt,
     stride_qh,
@@ -391,6 +397,7 @@ def varlen_attn_bwd_dkdv_kernel(
     TMA: tl.constexpr = False,
     HEAD_GROUP: tl.constexpr = 1,
     WINDOW: tl.constexpr = True,  # whether left >= 0 or right >= 0 (:func:`_visible`)
+    ROW_MAP: tl.constexpr = False,
 ):
     """One tile of BLOCK_N rows of the key tensor x one kv head (x dk or dv, with PARTS = 2):
     ``dv_b = sum_a P_ab dout_a``, ``dk_b = scale * sum_a P_ab (dP_ab - delta_a) q_a``
@@ -399,7 +406,9 @@ def varlen_attn_bwd_dkdv_kernel(
     slice ``[first, last)`` of ``order`` (sorted by key start) the launcher gives each tile;
     one that misses the tile is skipped. Every key row is written once, summed in
     registers: no atomics, deterministic (docs/design.md section 5, "Deterministic
-    backward"). The query loop runs in three phases like the forward's key loop.
+    backward"). The query loop runs in three phases like the forward's key loop. With
+    ROW_MAP, key row b's dk and dv are stored at row ``out_rows[b]`` of DK and DV (a
+    permutation: all-gather CP's rank order, section 4.2), not at row b.
     """
     # fp32 scales, as in the forward
     sm_scale = tl.cast(sm_scale, tl.float32)
@@ -409,21 +418,21 @@ def varlen_attn_bwd_dkdv_kernel(
     if PARTS == 1:
         _dkdv_program(
             Q, K, V, DO, LSE, DELTA, DK, DV, desc_q, desc_do, q_start_ptr, q_len_ptr, q_pos_ptr, k_start_ptr,
-            k_len_ptr, order_ptr, first_ptr, last_ptr, num_k_rows, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-            stride_dot, stride_doh, stride_dkt, stride_dkh, stride_lh, group, sm_scale, qk_scale, left, right, tile, kvh,
-            CAUSAL, WINDOW, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, True, TMA,
+            k_len_ptr, order_ptr, first_ptr, last_ptr, out_rows_ptr, num_k_rows, stride_qt, stride_qh, stride_kt, stride_kh,
+            stride_vt, stride_vh, stride_dot, stride_doh, stride_dkt, stride_dkh, stride_lh, group, sm_scale, qk_scale, left,
+            right, tile, kvh, CAUSAL, WINDOW, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, True, TMA, ROW_MAP,
         )
     elif part % 2 == 0:
         _dkdv_program(
             Q, K, V, DO, LSE, DELTA, DK, DV, desc_q, desc_do, q_start_ptr, q_len_ptr, q_pos_ptr, k_start_ptr,
-            k_len_ptr, order_ptr, first_ptr, last_ptr, num_k_rows, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-            stride_dot, stride_doh, stride_dkt, stride_dkh, stride_lh, group, sm_scale, qk_scale, left, right, tile, kvh,
-            CAUSAL, WINDOW, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False, True, TMA,
+            k_len_ptr, order_ptr, first_ptr, last_ptr, out_rows_ptr, num_k_rows, stride_qt, stride_qh, stride_kt, stride_kh,
+            stride_vt, stride_vh, stride_dot, stride_doh, stride_dkt, stride_dkh, stride_lh, group, sm_scale, qk_scale, left,
+            right, tile, kvh, CAUSAL, WINDOW, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, False, True, TMA, ROW_MAP,
         )
     else:
         _dkdv_program(
             Q, K, V, DO, LSE, DELTA, DK, DV, desc_q, desc_do, q_start_ptr, q_len_ptr, q_pos_ptr, k_start_ptr,
-            k_len_ptr, order_ptr, first_ptr, last_ptr, num_k_rows, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-            stride_dot, stride_doh, stride_dkt, stride_dkh, stride_lh, group, sm_scale, qk_scale, left, right, tile, kvh,
-            CAUSAL, WINDOW, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, False, TMA,
+            k_len_ptr, order_ptr, first_ptr, last_ptr, out_rows_ptr, num_k_rows, stride_qt, stride_qh, stride_kt, stride_kh,
+            stride_vt, stride_vh, stride_dot, stride_doh, stride_dkt, stride_dkh, stride_lh, group, sm_scale, qk_scale, left,
+            right, tile, kvh, CAUSAL, WINDOW, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, True, False, TMA, ROW_MAP,
         )
