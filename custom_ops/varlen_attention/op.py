@@ -99,14 +99,25 @@ def _varlen_attention(
     scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.ops.cp_ops.varlen_attention``: :func:`varlen_attention` with the window as two ints."""
-    seg = Segments(q_start, q_len, q_pos, k_start, k_len)
+    return attend(q, k, v, Segments(q_start, q_len, q_pos, k_start, k_len), causal, window_left, window_right, scale)
+
+
+def attend(q, k, v, seg: Segments, causal, window_left, window_right, scale) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward of the attention ops: checked, by the kernel or the reference."""
     _check(q, k, v, seg, causal, window_left, window_right)
-    seg = seg._replace(q_start=checked("segments", q_start, seg[1:], q.shape[0], k.shape[0]))
+    seg = seg._replace(q_start=checked("segments", seg.q_start, seg[1:], q.shape[0], k.shape[0]))
     scale = resolve_scale(scale, q.shape[2])
     if not _use_kernel(q):
         out, lse = _attention(q, k, v, seg, causal, window_left, window_right, scale)
         return out.contiguous(), lse.contiguous()  # the fake's layout
     return forward(q, k, v, seg, causal, window_left, window_right, scale, ATTENTION_SETTINGS)
+
+
+def attend_fake(q, k, v, seg: Segments, causal, window_left, window_right) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward's outputs as a fake gives them, after the real op's checks."""
+    _check(q, k, v, seg, causal, window_left, window_right)
+    _use_kernel(q)  # same head_dim error as the real op
+    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=lse_dtype(q.dtype))
 
 
 def _precompile(q, k, v, seg, causal, left, right, scale) -> None:
@@ -129,10 +140,9 @@ def _precompile(q, k, v, seg, causal, left, right, scale) -> None:
 @_varlen_attention.register_fake
 def _(q, k, v, q_start, q_len, q_pos, k_start, k_len, causal=True, window_left=-1, window_right=-1, scale=None):
     seg = Segments(q_start, q_len, q_pos, k_start, k_len)
-    _check(q, k, v, seg, causal, window_left, window_right)
-    _use_kernel(q)  # same head_dim error as the real op
+    outputs = attend_fake(q, k, v, seg, causal, window_left, window_right)
     _precompile(q, k, v, seg, causal, window_left, window_right, scale)
-    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=lse_dtype(q.dtype))
+    return outputs
 
 
 @kernel_op(f"{NAMESPACE}::varlen_attention_backward_dkdv", mutates_args=(), opaque=True)
