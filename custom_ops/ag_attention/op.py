@@ -2,9 +2,10 @@
 
 :func:`ag_thd_attention` gives rank r's local query rows (chunks r and 2W-1-r of every
 sequence) exactly what attention over the whole sequence gives: K and V all-gathered in one
-collective, reordered to sequence order, then one ``varlen_attention`` launch with two
-segments per sequence (:func:`custom_ops.ag_thd_segments`). The backward is autograd through
-those pieces (a reduce-scatter for dk, dv). A composite op, so the rank is read at run time
+collective, then one segment-attention launch with two segments per sequence
+(:func:`custom_ops.ag_thd_segments`) over the gathered rows read in sequence order
+(``varlen_attention_kv``). The backward is autograd through those pieces: the dk/dv kernel
+writes the gradients in rank order, then a reduce-scatter. A composite op, so the rank is read at run time
 (``group_rank_tensor``) and the CP size is an argument (docs/design.md section 3).
 ``launches=2`` and ``head_groups=G`` are the variants of section 4.2.
 """
@@ -19,9 +20,10 @@ from custom_ops.runtime.checks import check_index_tensor
 from custom_ops.runtime.collectives import all_gather_rows
 from custom_ops.runtime.groups import check_group_size, resolve_group
 from custom_ops.runtime.registration import NAMESPACE, composite_op, opaque_op
+from custom_ops.runtime.thd_index import rank_to_seq_index
 from custom_ops.runtime.validation import checked
 from custom_ops.thd_copy_valid_tokens.op import thd_copy_valid_tokens
-from custom_ops.thd_reorder.op import thd_rank_to_seq_order
+from custom_ops.varlen_attention.kv_rows import varlen_attention_kv
 from custom_ops.varlen_attention.op import check_gqa_heads, varlen_attention
 
 __all__ = ["ag_thd_attention", "group_rank_tensor"]
@@ -92,24 +94,24 @@ def _ag_thd_attention(q, k, v, cu_seqlens, cu_seqlens_padded, causal, window_lef
         # copy_valid_tokens wants them as (offsets [B], cumulative lengths [B+1])
         counts = torch.cat([segs[1][1].new_zeros(1), torch.cumsum(segs[1][1], 0, dtype=torch.int32)])
 
-    def attend(q_, k_seq, v_seq):
-        outs = [varlen_attention(q_, k_seq, v_seq, *s, causal=causal, window=window, scale=scale)[0]
-                for s in segs]  # fmt: skip
-        if launches == 1:
-            return outs[0]
-        return thd_copy_valid_tokens(outs[0], outs[1], segs[1][0], counts)
+    def merged(outs):
+        return outs[0] if launches == 1 else thd_copy_valid_tokens(outs[0], outs[1], segs[1][0], counts)
 
-    if group_name is None:
-        return attend(q, k, v)  # W = 1: rank order is sequence order, nothing to gather
+    if group_name is None:  # W = 1: rank order is sequence order, nothing to gather
+        return merged([varlen_attention(q, k, v, *s, causal=causal, window=window, scale=scale)[0] for s in segs])
     hkv, hq = k.shape[1] // head_groups, q.shape[1] // head_groups
+    # the rank-order row of every sequence-order key row: the attention reads the gathered K/V
+    # through it, and its dk/dv kernel writes the gradients back through it, in rank order
+    key_rows = rank_to_seq_index(cu_seqlens_padded, world, q.shape[0] * world)
     outs = []
     for g in range(head_groups):
         kv_heads = slice(g * hkv, (g + 1) * hkv)
         # K and V travel together: one all-gather forward, one reduce-scatter backward per group;
         # a group's attention needs only its own gather, so it runs while the next group's travels
         kv = all_gather_rows(torch.cat([k[:, kv_heads], v[:, kv_heads]], dim=1), group_name)  # rank order
-        kv = thd_rank_to_seq_order(kv, cu_seqlens_padded, world)
-        outs.append(attend(q[:, g * hq : (g + 1) * hq], kv[:, :hkv], kv[:, hkv:]))
+        q_g = q[:, g * hq : (g + 1) * hq]
+        outs.append(merged([varlen_attention_kv(q_g, kv, key_rows, *s, causal=causal, window=window, scale=scale)[0]
+                            for s in segs]))  # fmt: skip
     return outs[0] if head_groups == 1 else torch.cat(outs, dim=1)
 
 
