@@ -22,17 +22,20 @@ from custom_ops.runtime.registration import NAMESPACE, kernel_op
 from custom_ops.runtime.validation import Segments
 from custom_ops.varlen_attention.configs import ATTENTION_SETTINGS
 from custom_ops.varlen_attention.launch import backward_dkv_rows, backward_dq, forward
-from custom_ops.varlen_attention.op import _check, _use_kernel, _varlen_attention_backward_dq, attend, attend_fake
-from custom_ops.varlen_attention.reference import (
-    backward_delta_reference,
-    resolve_scale,
-    varlen_attention_backward_reference,
+from custom_ops.varlen_attention.op import (
+    _check,
+    _use_kernel,
+    _varlen_attention_backward_dq,
+    attend,
+    attend_fake,
+    dkdv_reference,
 )
+from custom_ops.varlen_attention.reference import resolve_scale
 
 __all__ = ["varlen_attention_kv"]
 
 
-def _check_kv(q, kv, key_rows) -> None:
+def _check_kv(kv, key_rows) -> None:
     if not isinstance(kv, torch.Tensor):
         raise TypeError(f"kv must be a torch.Tensor, got {type(kv).__name__}")
     if kv.dim() != 3 or kv.shape[1] % 2:
@@ -66,7 +69,7 @@ def _varlen_attention_kv(
     ``kv[key_rows]`` (kv ``[Tk, 2*Hkv, D]``, K's heads then V's; key_rows int ``[Tk]``, a
     permutation of kv's rows, unchecked like the segments). Differentiable in q and kv through
     out and lse; the third output is not differentiable."""
-    _check_kv(q, kv, key_rows)
+    _check_kv(kv, key_rows)
     kv_rows = gather_rows(kv, key_rows)
     seg = Segments(q_start, q_len, q_pos, k_start, k_len)
     out, lse = attend(q, *_halves(kv_rows), seg, causal, window_left, window_right, scale)
@@ -96,7 +99,7 @@ def _precompile(q, kv, key_rows, seg, causal, left, right, scale) -> None:
 @_varlen_attention_kv.register_fake
 def _(q, kv, key_rows, q_start, q_len, q_pos, k_start, k_len, causal=True, window_left=-1, window_right=-1,
       scale=None):  # fmt: skip
-    _check_kv(q, kv, key_rows)
+    _check_kv(kv, key_rows)
     kv_rows = kv.new_empty(kv.shape)
     seg = Segments(q_start, q_len, q_pos, k_start, k_len)
     out, lse = attend_fake(q, *_halves(kv_rows), seg, causal, window_left, window_right)
@@ -127,16 +130,13 @@ def _varlen_attention_kv_backward_dkdv(
     ``kv_rows``), ``out`` and ``lse``: dkv ``[Tk, 2*Hkv, D]`` in kv's row order (the gradient of
     key row b at row ``key_rows[b]``), delta as ``varlen_attention_backward_dkdv``'s. Not
     differentiable itself."""
-    _check_kv(q, kv_rows, key_rows)
+    _check_kv(kv_rows, key_rows)
     k, v = _halves(kv_rows)
     seg = Segments(q_start, q_len, q_pos, k_start, k_len)
     _check(q, k, v, seg, causal, window_left, window_right)
     scale = resolve_scale(scale, q.shape[2])
     if not _use_kernel(q):
-        delta = backward_delta_reference(dout, out, dlse)
-        _, dk, dv = varlen_attention_backward_reference(
-            dout, dlse, q, k, v, out, lse, seg, causal, window_left, window_right, scale, delta
-        )
+        dk, dv, delta = dkdv_reference(dout, dlse, q, k, v, out, lse, seg, causal, window_left, window_right, scale)
         dkv = torch.empty_like(kv_rows).index_copy_(0, key_rows.long(), torch.cat([dk, dv], dim=1))
         return dkv, delta.contiguous()
     return backward_dkv_rows(
@@ -147,7 +147,7 @@ def _varlen_attention_kv_backward_dkdv(
 @_varlen_attention_kv_backward_dkdv.register_fake
 def _(dout, dlse, q, kv_rows, out, lse, key_rows, q_start, q_len, q_pos, k_start, k_len, causal=True, window_left=-1,
       window_right=-1, scale=None):  # fmt: skip
-    _check_kv(q, kv_rows, key_rows)
+    _check_kv(kv_rows, key_rows)
     _check(q, *_halves(kv_rows), Segments(q_start, q_len, q_pos, k_start, k_len), causal, window_left, window_right)
     return kv_rows.new_empty(kv_rows.shape), lse.new_empty(lse.shape)
 

@@ -120,6 +120,15 @@ def attend_fake(q, k, v, seg: Segments, causal, window_left, window_right) -> tu
     return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=lse_dtype(q.dtype))
 
 
+def dkdv_reference(dout, dlse, q, k, v, out, lse, seg: Segments, causal, left, right, scale):
+    """``(dk, dv, delta)`` by the torch reference: the dk/dv backward ops' path off the kernels."""
+    delta = backward_delta_reference(dout, out, dlse)
+    _, dk, dv = varlen_attention_backward_reference(
+        dout, dlse, q, k, v, out, lse, seg, causal, left, right, scale, delta
+    )
+    return dk, dv, delta
+
+
 def _precompile(q, k, v, seg, causal, left, right, scale) -> None:
     """Start compiling the forward's and the backward's kernels for these arguments (the fake
     tensors of a graph being traced) in the background (:mod:`custom_ops.runtime.precompile`); the
@@ -171,10 +180,7 @@ def _varlen_attention_backward_dkdv(
     _check(q, k, v, seg, causal, window_left, window_right)
     scale = resolve_scale(scale, q.shape[2])
     if not _use_kernel(q):
-        delta = backward_delta_reference(dout, out, dlse)
-        _, dk, dv = varlen_attention_backward_reference(
-            dout, dlse, q, k, v, out, lse, seg, causal, window_left, window_right, scale, delta
-        )
+        dk, dv, delta = dkdv_reference(dout, dlse, q, k, v, out, lse, seg, causal, window_left, window_right, scale)
         return dk.contiguous(), dv.contiguous(), delta.contiguous()
     return backward_dkdv(dout, dlse, q, k, v, out, lse, seg, causal, window_left, window_right, scale, ATTENTION_SETTINGS)
 
