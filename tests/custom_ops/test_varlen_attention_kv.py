@@ -187,3 +187,28 @@ def test_rows_of_a_permutation_cover_every_gradient_row():
     untouched = torch.ones(9, dtype=torch.bool)
     untouched[read] = False
     assert torch.isfinite(dkv).all() and (dkv[untouched] == 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d,heads", [(128, (8, 8)), (256, (16, 2))])
+def test_gpu_kernels_are_varlen_attention_on_the_gathered_rows(d, heads):
+    """bf16 on the GPU (TMA loads, dk and dv in two programs at D = 256): out, lse and dq
+    equal varlen_attention's on ``kv[rows]``, and dkv through the row map is its dk and dv
+    bit for bit (the same kernels, sums in the same order; only the stores' rows differ)."""
+    cup = torch.tensor([0, 1024, 1536, 2048])
+    rows = rank_to_seq_index(cup, 4, 2048).cuda()
+    lens = [1000, 300, 512]
+    layout = ([0, 1024, 1536], lens, [0] * 3, [0, 1024, 1536], lens, 2048, 2048)
+    q, k, v, seg = _tensors(layout, heads, d, torch.bfloat16, seed=4)
+    q, k, v, seg = q.cuda(), k.cuda(), v.cuda(), [t.cuda() for t in seg]
+    kv = torch.empty((2048, 2 * heads[1], d), dtype=q.dtype, device="cuda")
+    kv[rows] = torch.cat([k, v], dim=1)
+    dout = torch.randn_like(q)
+    qa, kva = q.clone().requires_grad_(), kv.clone().requires_grad_()
+    out, lse = varlen_attention_kv(qa, kva, rows, *seg)
+    out.backward(dout)
+    qb, kb, vb = (t.clone().requires_grad_() for t in (q, k, v))
+    out_b, lse_b = custom_ops.varlen_attention(qb, kb, vb, *seg)
+    out_b.backward(dout)
+    assert torch.equal(out, out_b) and torch.equal(lse, lse_b) and torch.equal(qa.grad, qb.grad)
+    assert torch.equal(kva.grad[rows], torch.cat([kb.grad, vb.grad], dim=1))
