@@ -24,7 +24,7 @@ from custom_ops.runtime.thd_index import rank_to_seq_index
 from custom_ops.runtime.validation import checked
 from custom_ops.thd_copy_valid_tokens.op import thd_copy_valid_tokens
 from custom_ops.varlen_attention.kv_rows import varlen_attention_kv
-from custom_ops.varlen_attention.op import check_gqa_heads, varlen_attention
+from custom_ops.varlen_attention.op import check_gqa_heads, varlen_attention, window_pair
 
 __all__ = ["ag_thd_attention", "group_rank_tensor"]
 
@@ -161,13 +161,12 @@ def ag_thd_attention(
     section 4.2). Also ``torch.ops.cp_ops.ag_thd_attention`` (section 2, "Contracts").
     """
     group_name, world = resolve_group(group)
-    if not isinstance(window, (tuple, list)) or len(window) != 2:
-        raise TypeError(f"window must be a pair (left, right) of ints, got {window!r}")
+    left, right = window_pair(window)
     if launches == 1:
         return torch.ops.cp_ops.ag_thd_attention(
-            q, k, v, cu_seqlens, cu_seqlens_padded, causal, window[0], window[1], scale, group_name, world, head_groups
+            q, k, v, cu_seqlens, cu_seqlens_padded, causal, left, right, scale, group_name, world, head_groups
         )
     return _ag_thd_attention(
-        q, k, v, cu_seqlens, cu_seqlens_padded, causal, window[0], window[1], scale, group_name, world, launches,
+        q, k, v, cu_seqlens, cu_seqlens_padded, causal, left, right, scale, group_name, world, launches,
         head_groups,
     )

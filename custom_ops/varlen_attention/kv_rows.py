@@ -29,6 +29,7 @@ from custom_ops.varlen_attention.op import (
     attend,
     attend_fake,
     dkdv_reference,
+    window_pair,
 )
 from custom_ops.varlen_attention.reference import resolve_scale
 
@@ -190,7 +191,6 @@ def varlen_attention_kv(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of ``varlen_attention(q, kv[key_rows, :Hkv], kv[key_rows, Hkv:], ...)``:
     ``torch.ops.cp_ops.varlen_attention_kv`` without its third output, the window as a pair."""
-    if not isinstance(window, (tuple, list)) or len(window) != 2:
-        raise TypeError(f"window must be a pair (left, right) of ints, got {window!r}")
-    out, lse, _ = _varlen_attention_kv(q, kv, key_rows, q_start, q_len, q_pos, k_start, k_len, causal, *window, scale)
+    left, right = window_pair(window)
+    out, lse, _ = _varlen_attention_kv(q, kv, key_rows, q_start, q_len, q_pos, k_start, k_len, causal, left, right, scale)
     return out, lse

@@ -252,7 +252,8 @@ def _backward(ctx, dout, dlse):
 _varlen_attention.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _window(window) -> tuple[int, int]:
+def window_pair(window) -> tuple[int, int]:
+    """``(left, right)`` of a ``window`` argument, a pair; raises TypeError for anything else."""
     if not isinstance(window, (tuple, list)) or len(window) != 2:
         raise TypeError(f"window must be a pair (left, right) of ints, got {window!r}")
     return window[0], window[1]
@@ -284,5 +285,5 @@ def varlen_attention(
     through out and lse. fp16/bf16/fp32 run the Triton kernels (head_dim <= 256), float64
     the torch reference (docs/design.md section 2). Raises on bad shapes, dtypes, windows.
     """
-    left, right = _window(window)
+    left, right = window_pair(window)
     return _varlen_attention(q, k, v, q_start, q_len, q_pos, k_start, k_len, causal, left, right, scale)
