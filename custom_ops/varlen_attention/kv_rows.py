@@ -28,6 +28,7 @@ from custom_ops.varlen_attention.op import (
     _varlen_attention_backward_dq,
     attend,
     attend_fake,
+    cotangents,
     dkdv_reference,
     window_pair,
 )
@@ -163,10 +164,7 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dout, dlse, _):
     q, kv_rows, key_rows, out, lse, *seg = ctx.saved_tensors
-    if dlse is None:
-        dlse = torch.zeros_like(lse)
-    if dout is None:
-        dout = torch.zeros_like(out)
+    dout, dlse = cotangents(dout, dlse, out, lse)
     # dkv first: the reduce-scatter of CP runs beside the dq kernel
     dkv, delta = _varlen_attention_kv_backward_dkdv(dout, dlse, q, kv_rows, out, lse, key_rows, *seg, *ctx.args)
     dq = _varlen_attention_backward_dq(dout, q, *_halves(kv_rows), lse, delta, *seg, *ctx.args)

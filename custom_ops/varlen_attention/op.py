@@ -237,12 +237,15 @@ def _setup_context(ctx, inputs, output):
     ctx.args = (causal, window_left, window_right, scale)
 
 
+def cotangents(dout, dlse, out, lse) -> tuple[torch.Tensor, torch.Tensor]:
+    """The backward's ``(dout, dlse)``, zeros for the one autograd passes as None (an output
+    that the loss does not use)."""
+    return (torch.zeros_like(out) if dout is None else dout), (torch.zeros_like(lse) if dlse is None else dlse)
+
+
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, *seg = ctx.saved_tensors
-    if dlse is None:
-        dlse = torch.zeros_like(lse)
-    if dout is None:
-        dout = torch.zeros_like(out)
+    dout, dlse = cotangents(dout, dlse, out, lse)
     # dk and dv first: a collective on them (CP's reduce-scatter) can then run beside the dq kernel
     dk, dv, delta = _varlen_attention_backward_dkdv(dout, dlse, q, k, v, out, lse, *seg, *ctx.args)
     dq = _varlen_attention_backward_dq(dout, q, k, v, lse, delta, *seg, *ctx.args)
