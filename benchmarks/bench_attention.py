@@ -400,7 +400,7 @@ SMOKE_TOTALS, SMOKE_HEADS, SMOKE_HEAD_DIM = (1024,), 4, 16  # two documents: 100
 
 
 # --profile: besides the timeline, the kernel time of each attention kernel and of NCCL (common.profile_step)
-PROFILED_KERNELS = ("varlen_attn_fwd", "varlen_attn_bwd_dq", "varlen_attn_bwd_dkdv", "nccl")
+PROFILED_KERNELS = ("varlen_attn_fwd", "varlen_attn_bwd_dq", "varlen_attn_bwd_dkdv", "gather_rows", "nccl")
 PROFILE_RUNS = 5
 
 

@@ -21,7 +21,7 @@ KERNEL_CLASSES = (
     ("GEMMs", ("gemm", "cutlass", "xmma", "nvjet", "cublas")),
     ("our conv kernels", ("cp_causal_conv1d",)),
     ("FLA", ("chunk_", "causal_conv1d", "solve_tril", "merge_16x16", "recompute_w_u", "prepare_wy", "l2norm")),
-    ("our layout kernels", ("permute_sections", "thd_reorder", "thd_copy_valid")),
+    ("our layout kernels", ("permute_sections", "thd_reorder", "thd_copy_valid", "gather_rows")),
     ("our attention kernels", ("varlen_attn",)),
     ("Inductor-fused", ("triton_",)),
 )

@@ -36,6 +36,7 @@ def test_kernel_class_by_name():
     assert kernel_class("chunk_gated_delta_rule_fwd_kernel_h_blockdim64") == "FLA"
     assert kernel_class("causal_conv1d_fwd_kernel") == "FLA"
     assert kernel_class("thd_reorder_kernel") == "our layout kernels"
+    assert kernel_class("gather_rows_kernel") == "our layout kernels"
     assert kernel_class("varlen_attn_fwd_kernel") == "our attention kernels"
     assert kernel_class("triton_per_fused_add_mul_0") == "Inductor-fused"
     # Inductor's kernels carry the names of the ops they fuse, custom ops' included

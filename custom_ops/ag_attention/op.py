@@ -116,7 +116,7 @@ def _ag_thd_attention(q, k, v, cu_seqlens, cu_seqlens_padded, causal, window_lef
 
 
 # CompositeImplicitAutograd: the op is its decomposition, so autograd, fake tensors and
-# torch.compile see all_gather / thd_rank_to_seq_order / varlen_attention, each with its own
+# torch.compile see all_gather / varlen_attention_kv / varlen_attention, each with its own
 # fake and backward; nothing here needs a fake or an autograd formula of its own. cp_size is
 # in the schema (checked against the group) so that a compiled graph's cache key holds it:
 # group names repeat across runs of different sizes.
