@@ -109,11 +109,18 @@ def profile_kernels(fn, runs: int = 5, warmup: int = 2) -> list[tuple[str, float
 
     With collectives every rank of the group must call it (the same number of calls)."""
     from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, schedule
 
     repeat(fn, warmup)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        repeat(fn, runs)
+    # the profiler's first activity buffer stalls the host for milliseconds, which the timeline
+    # would count as idle GPU time: one traced but unrecorded call takes it
+    with profile(activities=[ProfilerActivity.CUDA], schedule=schedule(wait=0, warmup=1, active=runs),
+                 acc_events=True) as prof:  # fmt: skip
+        for call in range(runs + 1):
+            fn()
+            if call == runs:  # every recorded kernel has ended before the recording stops
+                torch.cuda.synchronize()
+            prof.step()
     return [
         (e.name, e.time_range.start, e.time_range.end)
         for e in prof.events()
