@@ -109,24 +109,23 @@ def profile_kernels(fn, runs: int = 5, warmup: int = 2) -> list[tuple[str, float
 
     With collectives every rank of the group must call it (the same number of calls)."""
     from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile, schedule
+    from torch.profiler import ProfilerActivity, profile
 
     repeat(fn, warmup)
-    # the profiler's first activity buffer stalls the host for milliseconds, which the timeline
-    # would count as idle GPU time: one traced but unrecorded call takes it
-    with profile(activities=[ProfilerActivity.CUDA], schedule=schedule(wait=0, warmup=1, active=runs),
-                 acc_events=True) as prof:  # fmt: skip
-        for call in range(runs + 1):
-            fn()
-            if call == runs:  # every recorded kernel has ended before the recording stops
-                torch.cuda.synchronize()
-            prof.step()
-    return [
-        (e.name, e.time_range.start, e.time_range.end)
-        for e in prof.events()
-        # kernels, copies and memsets; not the ranges of annotations projected onto the GPU
-        if e.device_type == DeviceType.CUDA and not e.is_user_annotation and e.time_range.end > e.time_range.start
-    ]
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        repeat(fn, runs + 1)
+    kernels = sorted(
+        ((e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+         # kernels, copies and memsets; not the ranges of annotations projected onto the GPU
+         if e.device_type == DeviceType.CUDA and not e.is_user_annotation and e.time_range.end > e.time_range.start),
+        key=lambda k: k[1],
+    )  # fmt: skip
+    # the profiler's first activity buffer stalls the host for milliseconds inside the first call,
+    # which the timeline would count as idle GPU time: that call's kernels are left out
+    per_call, extra = divmod(len(kernels), runs + 1)
+    if extra:
+        raise RuntimeError(f"{len(kernels)} kernels in {runs + 1} calls: the calls launch different kernels")
+    return kernels[per_call:]
 
 
 def profile_step(step, device=None, named=(), runs: int = 5) -> dict[str, float]:
