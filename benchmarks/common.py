@@ -103,9 +103,10 @@ def kernel_totals(kernels: list[tuple[str, float, float]], runs: int) -> dict[st
     return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
 
 
-def profile_kernels(fn, runs: int = 5, warmup: int = 2) -> list[tuple[str, float, float]]:
-    """``(name, start_us, end_us)`` of every GPU kernel, copy and memset of ``runs`` calls of
-    ``fn()`` on the current CUDA device (torch.profiler).
+def profile_kernels(fn, runs: int = 5, warmup: int = 2) -> tuple[list[tuple[str, float, float]], int]:
+    """``(kernels, calls)``: ``(name, start_us, end_us)`` of every GPU kernel, copy and memset of
+    ``calls`` calls of ``fn()`` on the current CUDA device (torch.profiler). ``runs + 1`` calls are
+    profiled and the first is left out (``calls = runs``) unless the calls launch different kernels.
 
     With collectives every rank of the group must call it (the same number of calls)."""
     from torch.autograd import DeviceType
@@ -114,18 +115,28 @@ def profile_kernels(fn, runs: int = 5, warmup: int = 2) -> list[tuple[str, float
     repeat(fn, warmup)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         repeat(fn, runs + 1)
-    kernels = sorted(
-        ((e.name, e.time_range.start, e.time_range.end) for e in prof.events()
-         # kernels, copies and memsets; not the ranges of annotations projected onto the GPU
-         if e.device_type == DeviceType.CUDA and not e.is_user_annotation and e.time_range.end > e.time_range.start),
-        key=lambda k: k[1],
-    )  # fmt: skip
-    # the profiler's first activity buffer stalls the host for milliseconds inside the first call,
-    # which the timeline would count as idle GPU time: that call's kernels are left out
-    per_call, extra = divmod(len(kernels), runs + 1)
-    if extra:
-        raise RuntimeError(f"{len(kernels)} kernels in {runs + 1} calls: the calls launch different kernels")
-    return kernels[per_call:]
+    kernels = [
+        (e.name, e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        # kernels, copies and memsets; not the ranges of annotations projected onto the GPU
+        if e.device_type == DeviceType.CUDA and not e.is_user_annotation and e.time_range.end > e.time_range.start
+    ]
+    return first_call_left_out(kernels, runs + 1)
+
+
+def first_call_left_out(kernels: list[tuple[str, float, float]], calls: int) -> tuple[list, int]:
+    """``(kernels, calls)`` without the first call's kernels, where every call launched as many.
+
+    The profiler's first activity buffer stalls the host for milliseconds inside the first profiled
+    call, which a timeline would count as idle GPU time. Calls that launched different numbers of
+    kernels cannot be told apart: all are kept, and a line says so."""
+    kernels = sorted(kernels, key=lambda k: k[1])
+    per_call, extra = divmod(len(kernels), calls)
+    if extra or calls < 2:
+        print(f"  profile: {len(kernels)} kernels in {calls} calls, not as many in each: all kept, "
+              "the first call's profiler stall included", flush=True)  # fmt: skip
+        return kernels, calls
+    return kernels[per_call:], calls - 1
 
 
 def profile_step(step, device=None, named=(), runs: int = 5) -> dict[str, float]:
@@ -134,11 +145,11 @@ def profile_step(step, device=None, named=(), runs: int = 5) -> dict[str, float]
     the host's time to issue it (``host issue``, :func:`host_issue_ms`) and, with ``device`` (a
     multi-rank step: every rank must call it), every rank's :data:`RANK_WAIT_KEYS` (``rank R: KEY``).
     Prints the largest kernels of the class "other"."""
-    kernels = profile_kernels(step, runs)
-    out = timeline_summary(kernels, runs)
+    kernels, calls = profile_kernels(step, runs)
+    out = timeline_summary(kernels, calls)
     for name in named:
-        out[f"{name} kernels"] = sum(e - s for n, s, e in kernels if name in n.lower()) / runs / 1e3
-    top = [(n, t) for n, t in kernel_totals(kernels, runs).items() if kernel_class(n) == "other"][:6]
+        out[f"{name} kernels"] = sum(e - s for n, s, e in kernels if name in n.lower()) / calls / 1e3
+    top = [(n, t) for n, t in kernel_totals(kernels, calls).items() if kernel_class(n) == "other"][:6]
     print("  largest 'other' kernels (ms per step): " + "; ".join(f"{n[:70]} {t:.3f}" for n, t in top), flush=True)
     out["host issue"] = host_issue_ms(step)
     if device is not None:

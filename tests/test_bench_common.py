@@ -4,7 +4,7 @@ step-timeline arithmetic."""
 import pytest
 import torch
 
-from benchmarks.common import covered_us, kernel_class, kernel_totals, timeline_summary
+from benchmarks.common import covered_us, first_call_left_out, kernel_class, kernel_totals, timeline_summary
 from benchmarks.timing import kernel_breakdown, kernel_ms
 
 
@@ -27,6 +27,27 @@ def test_covered_us_merges_overlaps_and_keeps_gaps():
     assert covered_us([]) == 0
     assert covered_us([(0, 10), (5, 12), (20, 25), (21, 22)]) == 17
     assert covered_us([(20, 25), (0, 10)]) == 15
+
+
+def test_first_call_left_out_drops_the_earliest_calls_kernels(capsys):
+    # three calls of two kernels each, listed out of order; the first call's second kernel
+    # starts late (the profiler's host stall), after a long gap
+    calls = [[("a", 0, 1), ("b", 50, 51)], [("a", 52, 53), ("b", 54, 55)], [("a", 56, 57), ("b", 58, 59)]]
+    kernels = [k for call in reversed(calls) for k in call]
+    kept, n = first_call_left_out(kernels, 3)
+    assert n == 2 and kept == calls[1] + calls[2]
+    # 1 us between the kernels of a call and between calls: 3 us of idle in 2 calls, where
+    # all three calls would count the first call's 49 us gap
+    assert timeline_summary(kept, n)["idle"] == pytest.approx(1.5e-3)
+    assert timeline_summary(kernels, 3)["idle"] == pytest.approx(53e-3 / 3)
+    assert capsys.readouterr().out == ""
+
+
+def test_first_call_left_out_keeps_calls_of_different_kernels(capsys):
+    kernels = [("a", 0, 1), ("b", 2, 3), ("a", 4, 5)]
+    kept, n = first_call_left_out(kernels, 2)
+    assert n == 2 and kept == kernels
+    assert "not as many in each" in capsys.readouterr().out
 
 
 def test_kernel_class_by_name():
