@@ -29,7 +29,7 @@ from benchmarks.baselines import cp2hp_per_sequence, hp2cp_per_sequence
 from benchmarks.cases import random_lengths as _lengths
 from benchmarks.common import (
     KERNEL_CLASSES,
-    RANK_WAIT_KEYS,
+    RANK_KEYS,
     max_over_ranks,
     profile_step,
     spawn_ranks,
@@ -564,7 +564,7 @@ def _cp_table(results, cases, world, dims, dtype, runs, seq_runs, notes) -> tupl
                 table.append((f"profile, compiled {label}: {k}", f"prof {who} {k}", t))
         table.append(("profile, compiled 1 GPU: host issue", "prof 1 host issue", t))
         for r in range(world):
-            for k in RANK_WAIT_KEYS:
+            for k in RANK_KEYS:
                 table.append((f"profile, compiled {w} rank {r}: {k}", f"prof W rank {r}: {k}", t))
     for label, key, fmt in table:
         values = [results[c].get(key, math.nan) for c in cases]

@@ -143,7 +143,7 @@ def profile_step(step, device=None, named=(), runs: int = 5) -> dict[str, float]
     """Where a step's time goes, in ms per step: :func:`timeline_summary` of ``runs`` calls of
     ``step()``, the summed time of the kernels whose name holds each of ``named`` (``NAME kernels``),
     the host's time to issue it (``host issue``, :func:`host_issue_ms`) and, with ``device`` (a
-    multi-rank step: every rank must call it), every rank's :data:`RANK_WAIT_KEYS` (``rank R: KEY``).
+    multi-rank step: every rank must call it), every rank's :data:`RANK_KEYS` (``rank R: KEY``).
     Prints the largest kernels of the class "other"."""
     kernels, calls = profile_kernels(step, runs)
     out = timeline_summary(kernels, calls)
@@ -153,7 +153,7 @@ def profile_step(step, device=None, named=(), runs: int = 5) -> dict[str, float]
     print("  largest 'other' kernels (ms per step): " + "; ".join(f"{n[:70]} {t:.3f}" for n, t in top), flush=True)
     out["host issue"] = host_issue_ms(step)
     if device is not None:
-        for r, figures in enumerate(rank_waits(out, device)):
+        for r, figures in enumerate(rank_figures(out, device)):
             out.update({f"rank {r}: {k}": v for k, v in figures.items()})
     return out
 
@@ -168,20 +168,21 @@ def max_over_ranks(value: float) -> float:
     return float(t.item())
 
 
-# What keeps a rank waiting, from a profile (timeline_summary plus "host issue", host_issue_ms):
-# its host (idle), a peer or the network (collectives only), and its host's time to issue a step
-RANK_WAIT_KEYS = ("idle", "collectives only", "host issue")
+# Each rank's own figures from a profile (timeline_summary plus "host issue", host_issue_ms): its
+# compute, against the other ranks' (the load balance); what keeps it waiting: its host (idle), a
+# peer or the network (collectives only); and its host's time to issue a step
+RANK_KEYS = ("compute busy", "idle", "collectives only", "host issue")
 
 
-def rank_waits(profile: dict[str, float], device) -> list[dict[str, float]]:
-    """The :data:`RANK_WAIT_KEYS` of ``profile`` from every rank of the default process group,
-    by rank. Every rank must call it."""
+def rank_figures(profile: dict[str, float], device) -> list[dict[str, float]]:
+    """The :data:`RANK_KEYS` of ``profile`` from every rank of the default process group, by rank.
+    Every rank must call it."""
     import torch.distributed as dist
 
-    mine = torch.tensor([profile[k] for k in RANK_WAIT_KEYS], dtype=torch.float64, device=device)
+    mine = torch.tensor([profile[k] for k in RANK_KEYS], dtype=torch.float64, device=device)
     gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, mine)
-    return [dict(zip(RANK_WAIT_KEYS, t.tolist())) for t in gathered]
+    return [dict(zip(RANK_KEYS, t.tolist())) for t in gathered]
 
 
 def recompile_limit(n: int):
