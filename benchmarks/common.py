@@ -133,7 +133,8 @@ def first_call_left_out(kernels: list[tuple[str, float, float]], calls: int) -> 
     kernels = sorted(kernels, key=lambda k: k[1])
     per_call, extra = divmod(len(kernels), calls)
     if extra or calls < 2:
-        print(f"  profile: {len(kernels)} kernels in {calls} calls, not as many in each: all kept, "
+        why = "not as many in each" if extra else "no other call to keep"
+        print(f"  profile: {len(kernels)} kernels in {calls} calls, {why}: all kept, "
               "the first call's profiler stall included", flush=True)  # fmt: skip
         return kernels, calls
     return kernels[per_call:], calls - 1
