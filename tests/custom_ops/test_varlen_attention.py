@@ -640,8 +640,8 @@ def _bucket(work: torch.Tensor) -> torch.Tensor:
 
 def _tables_oracle(seg, num_q_rows, num_k_rows, block, key_block, num_tiles, causal, left, right, by_work):
     """What the segment-table kernel computes, by a loop over the segments: the clamped tables,
-    the (segment, tile within it) of the grid's first ``num_tiles`` tiles in segment order, each
-    segment's tiles last to first, then put in launch order: with ``by_work`` sorted stably by
+    the (segment, tile within it counted from its end) of the grid's first ``num_tiles`` tiles
+    in segment order, each segment's tiles last to first, then put in launch order: with ``by_work`` sorted stably by
     the bucket of the key tiles that the segment's last query tile sees, heaviest first;
     otherwise reversed. Returns the tables, the segment of every program (``len(q_start)``
     past the last tile) and the tile within its segment of every program that has one."""
@@ -653,8 +653,8 @@ def _tables_oracle(seg, num_q_rows, num_k_rows, block, key_block, num_tiles, cau
     qp = q_pos.int().tolist()  # the kernel keeps positions as int32
     n = len(ql)
 
-    def work(s, last):  # key tiles visible to the query positions [pos_lo, pos_hi] of tile `last`
-        pos_lo, pos_hi = qp[s] + last * block, qp[s] + int(ql[s]) - 1
+    def work(s):  # key tiles visible to the query positions [pos_lo, pos_hi] of the segment's last tile
+        pos_lo, pos_hi = qp[s] + max(int(ql[s]) - block, 0), qp[s] + int(ql[s]) - 1
         hi = int(kl[s])
         if causal:
             hi = min(hi, pos_hi + 1)
@@ -663,12 +663,14 @@ def _tables_oracle(seg, num_q_rows, num_k_rows, block, key_block, num_tiles, cau
         lo = max(pos_lo - left, 0) if left >= 0 else 0
         return -(-max(hi - lo, 0) // key_block)
 
-    tiles, buckets = [], []  # (segment, tile) in segment order, each segment's last to first
+    # (segment, tile) in segment order; tiles count from the segment's end, and tile 0 goes
+    # first in launch order: last to first
+    tiles, buckets = [], []
     for s in range(n):
         count = -(-int(ql[s]) // block)
-        bucket = int(_bucket(torch.tensor(work(s, count - 1)))) if count else 0
+        bucket = int(_bucket(torch.tensor(work(s)))) if count else 0
         for j in range(count):
-            tiles.append((s, count - 1 - j if by_work else j))
+            tiles.append((s, j if by_work else count - 1 - j))
             buckets.append(bucket)
     tiles, buckets = tiles[:num_tiles], buckets[:num_tiles]
     if by_work:

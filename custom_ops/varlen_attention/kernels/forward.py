@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from custom_ops.varlen_attention.kernels.schedule import _query_tile
-from custom_ops.varlen_attention.kernels.tiles import _key_range, _load_rows, _visible
+from custom_ops.varlen_attention.kernels.tiles import _key_range, _load_rows, _query_tile_rows, _visible
 
 
 @triton.jit
@@ -102,7 +102,7 @@ def varlen_attn_fwd_kernel(
     k_start_ptr,
     k_len_ptr,
     tile_seg_ptr,  # [num_tiles]: the segment of each query tile in launch order (n_seg: none)
-    tile_row_ptr,  # [num_tiles]: the tile's index within its segment (BLOCK_M-row tiles)
+    tile_row_ptr,  # [num_tiles]: the tile's index within its segment, from its end (_query_tile_rows)
     n_seg,
     stride_qt,
     stride_qh,
@@ -146,12 +146,9 @@ def varlen_attn_fwd_kernel(
     k_start = tl.load(k_start_ptr + s)
     k_len = tl.load(k_len_ptr + s)
 
-    offs_m = j * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m, row_ok, pos_lo, pos_hi = _query_tile_rows(j, q_pos, q_len, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    row_ok = offs_m < q_len
     pos = q_pos + offs_m
-    pos_lo = q_pos + j * BLOCK_M
-    pos_hi = q_pos + tl.minimum(j * BLOCK_M + BLOCK_M, q_len) - 1
     lo, mid_lo, mid_hi, hi = _key_range(pos_lo, pos_hi, k_len, left, right, CAUSAL, BLOCK_N)
 
     rows = (q_start + offs_m).to(tl.int64)

@@ -50,10 +50,11 @@ def segment_tables_kernel(
     into ``[0, rows - start]``: an invalid layout gives wrong rows, never an out-of-bounds
     access), and for each of the grid's ``num_tiles`` query tiles, in launch order, its
     segment (row 0 of ``tiles``; ``n_seg`` past the last segment's tiles) and its index in the
-    segment (row 1). ``tile`` and ``key_tile`` are runtime arguments, so the forward's and
-    dq's launches share one compiled variant. Launch order: the segments last to first, or
-    with ``BY_WORK`` heaviest first by a stable counting sort on a bucket of their work
-    (eight per doubling), each segment's tiles last to first (docs/design.md section 5).
+    segment, counted from the segment's end (row 1; ``_query_tile_rows`` in tiles.py). ``tile``
+    and ``key_tile`` are runtime arguments, so the forward's and dq's launches share one
+    compiled variant. Launch order: the segments last to first, or with ``BY_WORK`` heaviest
+    first by a stable counting sort on a bucket of their work (eight per doubling), each
+    segment's tiles last to first (docs/design.md section 5).
     """
     # row 0 first holds, at tile t, one more than the last segment whose cum entry is t (its
     # tiles and those of every segment before it end before t), so that the running maximum
@@ -87,7 +88,7 @@ def segment_tables_kernel(
     # the loops below read cum and the scratch rows back: the program's stores first
     tl.debug_barrier()
 
-    # every tile's segment and index within it (BY_WORK: last to first, and the rank of its
+    # every tile's segment and index within it (BY_WORK: also the rank of its
     # segment's work bucket, heaviest 0, and the tiles per rank) in scratch rows 2-4
     count = tl.zeros([BUCKETS], dtype=tl.int32)
     seg_before = tl.full([], 0, tl.int32)
@@ -100,14 +101,16 @@ def segment_tables_kernel(
         seg_before = tl.max(s, 0)
         live = m & (s < n_seg)
         seg_first = tl.load(cum_ptr + s - 1, mask=live & (s > 0), other=0)  # the segment's first tile
-        j = t - seg_first
+        last = tl.load(cum_ptr + s, mask=live, other=0) - 1  # the segment's last tile
+        # tile j counts from the segment's end (_query_tile_rows), and tile 0 (under a causal
+        # mask the longest) runs first: the work sort keeps this order, the other reverses it
+        j = last - t
         if BY_WORK:
-            last = tl.load(cum_ptr + s, mask=live, other=0) - 1  # the segment's last tile
-            j = last - t  # the segment's tiles last to first
+            j = t - seg_first
             ql = tl.load(tab_ptr + n_seg + s, mask=live, other=0)
             qp = tl.load(tab_ptr + 2 * n_seg + s, mask=live, other=0)
             kl = tl.load(tab_ptr + 4 * n_seg + s, mask=live, other=0)
-            pos_lo = qp + (last - seg_first) * tile
+            pos_lo = qp + tl.maximum(ql - tile, 0)
             pos_hi = qp + ql - 1
             lo, _, _, hi = _key_range(pos_lo, pos_hi, kl, left, right, CAUSAL, key_tile)
             work = (hi - lo + key_tile - 1) // key_tile
@@ -233,9 +236,9 @@ def _program_tile(num_parts, HEAD_GROUP: tl.constexpr):
 
 @triton.jit
 def _query_tile(tile_seg_ptr, tile_row_ptr, num_heads, HEAD_GROUP: tl.constexpr):
-    """``(s, j, head)`` of a forward or dq program: query tile j of segment s, in the launch
-    order of the tile table (:func:`segment_tables_kernel`), the heads
-    as :func:`_program_tile` orders them. Two loads and no loop, so the loops after it
-    pipeline."""
+    """``(s, j, head)`` of a forward or dq program: query tile j of segment s (counted from its
+    end, ``_query_tile_rows``), in the launch order of the tile table
+    (:func:`segment_tables_kernel`), the heads as :func:`_program_tile` orders them. Two loads
+    and no loop, so the loops after it pipeline."""
     tile, h = _program_tile(num_heads, HEAD_GROUP)
     return tl.load(tile_seg_ptr + tile), tl.load(tile_row_ptr + tile), h

@@ -1,6 +1,6 @@
-"""What every segment-attention kernel does per tile (docs/design.md section 5): the loop
-phases of the mask (:func:`_key_range` for a query tile's keys, :func:`_query_range` for a key
-tile's queries), the elementwise mask of the boundary tiles (:func:`_visible`), and the loads
+"""What every segment-attention kernel does per tile (docs/design.md section 5): a query tile's
+rows (:func:`_query_tile_rows`), the loop phases of the mask (:func:`_key_range` for a query
+tile's keys, :func:`_query_range` for a key tile's queries), the elementwise mask of the boundary tiles (:func:`_visible`), and the loads
 of two tiles of the same rows (:func:`_load_rows`, by pointers or through TMA descriptors).
 
 Notation (see reference.py): segment s has query rows ``q_start + a`` at positions
@@ -9,6 +9,18 @@ Notation (see reference.py): segment s has query rows ``q_start + a`` at positio
 
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def _query_tile_rows(e, q_pos, q_len, BLOCK_M: tl.constexpr):
+    """Query tile ``e`` of a segment, counted from its end: offsets ``a`` within the segment
+    ``[q_len - (e+1)*BLOCK_M, q_len - e*BLOCK_M)``, of which those below 0 lie before the segment
+    (``row_ok`` false). Tiles end at the segment's end, so the one partial tile is its first,
+    which sees the fewest keys under a causal mask. Returns ``(a, row_ok, pos_lo, pos_hi)``: the
+    positions of the tile's first and last real rows."""
+    first = q_len - (e + 1) * BLOCK_M
+    a = first + tl.arange(0, BLOCK_M)
+    return a, a >= 0, q_pos + tl.maximum(first, 0), q_pos + first + BLOCK_M - 1
 
 
 @triton.jit
