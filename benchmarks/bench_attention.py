@@ -565,14 +565,18 @@ def _time_cp_forms(group, cu, cup, local, want, head_groups, cudagraphs, timed) 
 
 def tile_pairs(q_len, q_pos, k_len, block_m: int, block_n: int) -> int:
     """(query tile, key tile) pairs the causal forward visits over segments ``[S]`` of q rows
-    (``block_m``-row tiles per segment, ending at its end as the kernels cut them) whose keys
-    start at position 0 of the sequence."""
+    (``block_m``-row tiles per segment, cut as the kernels cut them: ending at the segment's end,
+    moved onto the key-tile grid where the partial tile has the rows) whose keys start at
+    position 0 of the sequence."""
     q_len, q_pos, k_len = (t.to(torch.int64) for t in (q_len, q_pos, k_len))
+    stop = q_pos + q_len
+    pad = (-stop) % block_n
+    end = torch.where((q_len > 0) & (stop > 0) & (pad <= (-q_len) % block_m), q_len + pad, q_len)
     tiles = (q_len + block_m - 1) // block_m
     seg = torch.repeat_interleave(torch.arange(len(q_len)), tiles)
     from_end = torch.arange(len(seg)) - torch.repeat_interleave(torch.cumsum(tiles, 0) - tiles, tiles)
     # last query position of each tile, and the keys it may see (causal)
-    last = q_pos[seg] + q_len[seg] - from_end * block_m - 1
+    last = q_pos[seg] + torch.minimum(end[seg] - from_end * block_m, q_len[seg]) - 1
     keys = torch.minimum(k_len[seg], last + 1)
     return int(((keys + block_n - 1) // block_n).sum())
 

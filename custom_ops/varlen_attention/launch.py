@@ -55,7 +55,7 @@ def segment_tables(
     with validate_varlen_segments), and for the ``num_tiles`` programs of a forward or dq grid
     with query tiles of ``tile`` rows and key tiles of ``key_tile``, in launch order, each one's
     segment (``len(q_start)`` past the last query tile) and query tile within it, counted from
-    the segment's end (``_query_tile_rows``). The segments
+    where the segment's tiles end (``_query_tile_rows``). The segments
     run heaviest first (by the visible keys of their last query tile under the mask) where
     ``by_work``, else last to first; each segment's tiles last to first. ``chunk``: the table
     kernel's BLOCK. Sized from shapes only."""

@@ -640,7 +640,7 @@ def _bucket(work: torch.Tensor) -> torch.Tensor:
 
 def _tables_oracle(seg, num_q_rows, num_k_rows, block, key_block, num_tiles, causal, left, right, by_work):
     """What the segment-table kernel computes, by a loop over the segments: the clamped tables,
-    the (segment, tile within it counted from its end) of the grid's first ``num_tiles`` tiles
+    the (segment, tile within it counted from where its tiles end) of the grid's first ``num_tiles`` tiles
     in segment order, each segment's tiles last to first, then put in launch order: with ``by_work`` sorted stably by
     the bucket of the key tiles that the segment's last query tile sees, heaviest first;
     otherwise reversed. Returns the tables, the segment of every program (``len(q_start)``
@@ -653,8 +653,13 @@ def _tables_oracle(seg, num_q_rows, num_k_rows, block, key_block, num_tiles, cau
     qp = q_pos.int().tolist()  # the kernel keeps positions as int32
     n = len(ql)
 
+    def tiles_end(s):  # causal, no left window: the segment's end moved onto the key-tile grid if its tiles allow
+        stop = qp[s] + int(ql[s])
+        pad, spare = -stop % key_block, -int(ql[s]) % block
+        return int(ql[s]) + (pad if causal and left < 0 and ql[s] > 0 and stop > 0 and pad <= spare else 0)
+
     def work(s):  # key tiles visible to the query positions [pos_lo, pos_hi] of the segment's last tile
-        pos_lo, pos_hi = qp[s] + max(int(ql[s]) - block, 0), qp[s] + int(ql[s]) - 1
+        pos_lo, pos_hi = qp[s] + max(tiles_end(s) - block, 0), qp[s] + int(ql[s]) - 1
         hi = int(kl[s])
         if causal:
             hi = min(hi, pos_hi + 1)

@@ -146,7 +146,7 @@ def varlen_attn_fwd_kernel(
     k_start = tl.load(k_start_ptr + s)
     k_len = tl.load(k_len_ptr + s)
 
-    offs_m, row_ok, pos_lo, pos_hi = _query_tile_rows(j, q_pos, q_len, BLOCK_M)
+    offs_m, row_ok, pos_lo, pos_hi = _query_tile_rows(j, q_pos, q_len, left, BLOCK_M, BLOCK_N, CAUSAL)
     offs_d = tl.arange(0, BLOCK_D)
     pos = q_pos + offs_m
     lo, mid_lo, mid_hi, hi = _key_range(pos_lo, pos_hi, k_len, left, right, CAUSAL, BLOCK_N)

@@ -14,7 +14,7 @@ two loads (:func:`_query_tile`).
 import triton
 import triton.language as tl
 
-from custom_ops.varlen_attention.kernels.tiles import _key_range
+from custom_ops.varlen_attention.kernels.tiles import _key_range, _tiles_end
 
 
 @triton.jit
@@ -50,7 +50,7 @@ def segment_tables_kernel(
     into ``[0, rows - start]``: an invalid layout gives wrong rows, never an out-of-bounds
     access), and for each of the grid's ``num_tiles`` query tiles, in launch order, its
     segment (row 0 of ``tiles``; ``n_seg`` past the last segment's tiles) and its index in the
-    segment, counted from the segment's end (row 1; ``_query_tile_rows`` in tiles.py). ``tile``
+    segment, counted from where its tiles end (row 1; ``_query_tile_rows`` in tiles.py). ``tile``
     and ``key_tile`` are runtime arguments, so the forward's and dq's launches share one
     compiled variant. Launch order: the segments last to first, or with ``BY_WORK`` heaviest
     first by a stable counting sort on a bucket of their work (eight per doubling), each
@@ -110,7 +110,7 @@ def segment_tables_kernel(
             ql = tl.load(tab_ptr + n_seg + s, mask=live, other=0)
             qp = tl.load(tab_ptr + 2 * n_seg + s, mask=live, other=0)
             kl = tl.load(tab_ptr + 4 * n_seg + s, mask=live, other=0)
-            pos_lo = qp + tl.maximum(ql - tile, 0)
+            pos_lo = qp + tl.maximum(_tiles_end(qp, ql, left, tile, key_tile, CAUSAL) - tile, 0)
             pos_hi = qp + ql - 1
             lo, _, _, hi = _key_range(pos_lo, pos_hi, kl, left, right, CAUSAL, key_tile)
             work = (hi - lo + key_tile - 1) // key_tile

@@ -12,15 +12,34 @@ import triton.language as tl
 
 
 @triton.jit
-def _query_tile_rows(e, q_pos, q_len, BLOCK_M: tl.constexpr):
-    """Query tile ``e`` of a segment, counted from its end: offsets ``a`` within the segment
-    ``[q_len - (e+1)*BLOCK_M, q_len - e*BLOCK_M)``, of which those below 0 lie before the segment
-    (``row_ok`` false). Tiles end at the segment's end, so the one partial tile is its first,
-    which sees the fewest keys under a causal mask. Returns ``(a, row_ok, pos_lo, pos_hi)``: the
-    positions of the tile's first and last real rows."""
-    first = q_len - (e + 1) * BLOCK_M
+def _tiles_end(q_pos, q_len, left, tile, key_tile, CAUSAL: tl.constexpr):
+    """Where a segment's ``tile``-row query tiles end, as an offset ``>= q_len`` within the
+    segment: the segment's end, moved under a causal mask with no left window onto the
+    key-tile grid (positions a multiple of ``key_tile``) where its partial tile has the rows
+    to spare, so that each full tile's diagonal spans ``tile / key_tile`` masked key tiles, not
+    one more. The count of tiles stays ``cdiv(q_len, tile)``; rows past ``q_len`` are masked."""
+    end = q_len
+    if CAUSAL:
+        stop = q_pos + q_len
+        pad = (key_tile - stop % key_tile) % key_tile
+        spare = (tile - q_len % tile) % tile
+        end = q_len + tl.where((q_len > 0) & (stop > 0) & (left < 0) & (pad <= spare), pad, 0)
+    return end
+
+
+@triton.jit
+def _query_tile_rows(e, q_pos, q_len, left, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """Query tile ``e`` of a segment, counted from where its tiles end (:func:`_tiles_end`):
+    offsets ``a`` within the segment ``[end - (e+1)*BLOCK_M, end - e*BLOCK_M)``, of which only
+    those in ``[0, q_len)`` are the segment's (``row_ok``). So the partial tile is the one
+    with the segment's first rows, which under a causal mask sees the fewest keys. Returns
+    ``(a, row_ok, pos_lo, pos_hi)``: the positions of the tile's first and last rows in the
+    segment."""
+    first = _tiles_end(q_pos, q_len, left, BLOCK_M, BLOCK_N, CAUSAL) - (e + 1) * BLOCK_M
     a = first + tl.arange(0, BLOCK_M)
-    return a, a >= 0, q_pos + tl.maximum(first, 0), q_pos + first + BLOCK_M - 1
+    pos_lo = q_pos + tl.maximum(first, 0)
+    pos_hi = q_pos + tl.minimum(first + BLOCK_M, q_len) - 1
+    return a, (a >= 0) & (a < q_len), pos_lo, pos_hi
 
 
 @triton.jit
