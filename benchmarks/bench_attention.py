@@ -1,10 +1,12 @@
 """Attention benchmarks: segment attention on one GPU against SDPA flash, cuDNN and
-FlexAttention (``kernel``), its kernel-config tuner (``tune``), and all-gather CP attention
-on W GPUs (NCCL) against segment attention on one GPU (``cp``).
+FlexAttention (``kernel``), its kernel-config tuner (``tune``), each all-gather CP rank's
+attention kernels on one GPU (``ranks``), and all-gather CP attention on W GPUs (NCCL)
+against segment attention on one GPU (``cp``).
 
     python -m benchmarks.bench_attention kernel [--gqa G] [--head-dims D ...] [--pointer-loads]
     python -m benchmarks.bench_attention kernel --profile  # CUDA time per kernel of one forward and one backward
     python -m benchmarks.bench_attention tune [--kinds fwd bwd_dkdv bwd_dq] [--rounds N]
+    python -m benchmarks.bench_attention ranks [--worlds W ...] [--tokens T ...] [--gqa G] [--head-dim D]
     python -m benchmarks.bench_attention cp [--world W] [--tokens T ...] [--gqa G] [--head-dim D]
         [--head-groups G ...] [--cudagraphs] [--profile]
     python -m benchmarks.bench_attention cp --smoke        # 2 gloo ranks on the CPU, tiny shapes
@@ -12,7 +14,8 @@ on W GPUs (NCCL) against segment attention on one GPU (``cp``).
 
 Results (benchmarks/runner.py): ``attention`` (``attention-gqaG-dD..`` at other heads;
 ``-pointer-loads`` with that flag), ``attention-profile...``; ``ag-attention-wW`` (``-gqaG-dD`` at
-other heads, ``-cudagraphs``; ``ag-attention-smoke-wW``), ``...-profile``, ``ag-attention-work-model-dD``.
+other heads, ``-cudagraphs``; ``ag-attention-smoke-wW``), ``...-profile``, ``ag-attention-work-model-dD``,
+``ag-attention-rank-kernels-gqaG-dD``.
 docs/benchmarks.md gives the cases, the FLOP count and what each column measures.
 """
 
@@ -609,6 +612,64 @@ def work_model(head_dim: int = HEAD_DIM) -> Result:
                   environment(), name=f"ag-attention-work-model-d{head_dim}", formats={"ratio": "{:.3f}"})  # fmt: skip
 
 
+RANK_KERNELS = ("varlen_attn_fwd", "varlen_attn_bwd_dq", "varlen_attn_bwd_dkdv")
+
+
+def rank_kernels(
+    gqa: int, head_dim: int, worlds: tuple[int, ...], tokens: tuple[int, ...], runs: int = 10, device="cuda"
+) -> Result:
+    """The --ranks table: on one GPU, the attention kernels' time for one GPU's segments and for
+    each rank's segments of all-gather CP at each W (the rank's query rows against the whole
+    batch's K/V in sequence order, as ``varlen_attention_kv`` runs them): the layout's extra
+    kernel work per rank, without the collectives and at any W."""
+    from benchmarks.common import kernel_totals, profile_kernels
+    from cp_ops import ag_thd_segments
+
+    kv_heads = HEADS // gqa
+    rows = []
+    for total in tokens:
+        lens = packed_lengths(total)
+        one = None
+        for world in (1, *worlds):
+            cu, cup = pad_cu_seqlens(lens, world, device=device)
+            num_rows = int(cup[-1])
+            gen = torch.Generator(device=device).manual_seed(0)
+            k, v = (torch.randn(num_rows, kv_heads, head_dim, device=device, generator=gen).to(DTYPE) for _ in "kv")
+            for rank in range(world):
+                if world == 1:
+                    lengths = cu[1:] - cu[:-1]
+                    seg = (cup[:-1], lengths, torch.zeros_like(lengths), cup[:-1], lengths)
+                else:
+                    seg = ag_thd_segments(cu, cup, world, rank, causal=True)
+                q, dout = (torch.randn(num_rows // world, HEADS, head_dim, device=device, generator=gen).to(DTYPE)
+                           for _ in "qd")  # fmt: skip
+                leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+
+                def step():
+                    out = custom_ops.varlen_attention(*leaves, *seg, causal=True)[0]
+                    torch.autograd.grad(out, leaves, dout)
+
+                kernels, calls = profile_kernels(step, runs=runs, warmup=3)
+                totals = kernel_totals(kernels, calls)
+                ms = [sum(t for n, t in totals.items() if name in n) for name in RANK_KERNELS]
+                if world == 1:
+                    one = ms
+                row = [total, len(lens), world, "-" if world == 1 else rank, *ms, sum(ms)]
+                rows.append(row + [world * a / b for a, b in zip(ms + [sum(ms)], one + [sum(one)])])
+                print(f"T={total} W={world} rank {rank}: " + " ".join(f"{m:.3f}" for m in ms), flush=True)
+    ratio = "{:.3f}"
+    columns = {"T": None, "docs": None, "W": None, "rank": None, "fwd": "{:.3f}", "dq": "{:.3f}", "dk/dv": "{:.3f}",
+               "sum": "{:.3f}", "W x fwd / 1 GPU": ratio, "W x dq / 1 GPU": ratio, "W x dk/dv / 1 GPU": ratio,
+               "W x sum / 1 GPU": ratio}  # fmt: skip
+    notes = (f"segment attention kernels on one GPU (torch.profiler, mean of {runs} fwd+bwd calls), "
+             f"{str(DTYPE).removeprefix('torch.')}, causal, H = {HEADS}, Hkv = {kv_heads}, D = {head_dim}; W = 1: one "
+             "GPU's segments; W > 1: rank r's segments of all-gather CP (ag_thd_segments), its T/W query rows against "
+             "the T rows of K/V; ratios: W x the rank's time / one GPU's, 1.000 = no extra work")  # fmt: skip
+    return Result("ag_attention", "Attention kernels per CP rank against one GPU (--ranks, one GPU)", list(columns),
+                  rows, notes, environment(), name=f"ag-attention-rank-kernels-gqa{gqa}-d{head_dim}",
+                  formats=list(columns.values()))  # fmt: skip
+
+
 def _run_kernel(args) -> None:
     base = dataclasses.replace(DEFAULT_SETTINGS, tma=False) if args.pointer_loads else DEFAULT_SETTINGS
     if args.mode == "tune":
@@ -668,6 +729,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     tuner.add_argument("--kinds", nargs="+", default=["fwd", "bwd_dkdv", "bwd_dq"], help="kernels to tune")
     tuner.add_argument("--rounds", type=int, default=1, help="rounds of timing every candidate in turn")
 
+    ranks = modes.add_parser("ranks", parents=[shared], help="each CP rank's attention kernels on one GPU")
+    ranks.add_argument("--worlds", type=int, nargs="+", default=[2, 4, 8], help="CP sizes W (default 2 4 8)")
+    ranks.add_argument("--tokens", type=int, nargs="+", default=list(TOTALS),
+                       help=f"global real tokens per batch (default {' '.join(map(str, TOTALS))})")  # fmt: skip
+    ranks.add_argument("--head-dim", type=int, default=HEAD_DIM, help=f"D (default {HEAD_DIM})")
+    add_out_argument(ranks)
+
     cp = modes.add_parser("cp", parents=[shared], help="all-gather CP attention on W GPUs against one GPU")
     cp.add_argument("--world", type=int, help="ranks, one GPU each (default: every visible GPU, at least 2)")
     cp.add_argument("--tokens", type=int, nargs="+", default=list(TOTALS),
@@ -693,6 +761,11 @@ def main(argv: list[str] | None = None) -> None:
         return
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA device")
+    if args.mode == "ranks":
+        if HEADS % args.gqa:
+            raise SystemExit(f"--gqa must divide {HEADS}")
+        emit([rank_kernels(args.gqa, args.head_dim, tuple(args.worlds), tuple(args.tokens))], args.out)
+        return
     _run_kernel(args)
 
 
