@@ -640,9 +640,10 @@ def _bucket(work: torch.Tensor) -> torch.Tensor:
 
 def _tables_oracle(seg, num_q_rows, num_k_rows, block, key_block, num_tiles, causal, left, right, by_work):
     """What the segment-table kernel computes, by a loop over the segments: the clamped tables,
-    the (segment, tile within it counted from where its tiles end) of the grid's first ``num_tiles`` tiles
-    in segment order, each segment's tiles last to first, then put in launch order: with ``by_work`` sorted stably by
-    the bucket of the key tiles that the segment's last query tile sees, heaviest first;
+    the (segment, tile within it counted from where its tiles end) of the grid's first
+    ``num_tiles`` tiles in segment order, each segment's tiles last to first, then put in launch
+    order: with ``by_work`` sorted stably by the bucket of the key tiles that the segment's last
+    query tile sees, heaviest first;
     otherwise reversed. Returns the tables, the segment of every program (``len(q_start)``
     past the last tile) and the tile within its segment of every program that has one."""
     q_start, q_len, q_pos, k_start, k_len = (t.long() for t in seg)
@@ -653,7 +654,7 @@ def _tables_oracle(seg, num_q_rows, num_k_rows, block, key_block, num_tiles, cau
     qp = q_pos.int().tolist()  # the kernel keeps positions as int32
     n = len(ql)
 
-    def tiles_end(s):  # causal, no left window: the segment's end moved onto the key-tile grid if its tiles allow
+    def tiles_end(s):  # causal, no left window: the end moved onto the key-tile grid if the partial tile allows
         stop = qp[s] + int(ql[s])
         pad, spare = -stop % key_block, -int(ql[s]) % block
         return int(ql[s]) + (pad if causal and left < 0 and ql[s] > 0 and stop > 0 and pad <= spare else 0)

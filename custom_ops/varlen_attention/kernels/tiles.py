@@ -1,7 +1,8 @@
 """What every segment-attention kernel does per tile (docs/design.md section 5): a query tile's
 rows (:func:`_query_tile_rows`), the loop phases of the mask (:func:`_key_range` for a query
-tile's keys, :func:`_query_range` for a key tile's queries), the elementwise mask of the boundary tiles (:func:`_visible`), and the loads
-of two tiles of the same rows (:func:`_load_rows`, by pointers or through TMA descriptors).
+tile's keys, :func:`_query_range` for a key tile's queries), the elementwise mask of the
+boundary tiles (:func:`_visible`), and the loads of two tiles of the same rows
+(:func:`_load_rows`, by pointers or through TMA descriptors).
 
 Notation (see reference.py): segment s has query rows ``q_start + a`` at positions
 ``pos(a) = q_pos + a`` (``0 <= a < q_len``) and key rows ``k_start + b`` (``0 <= b < k_len``).
