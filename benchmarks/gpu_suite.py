@@ -34,6 +34,8 @@ PARTS = {
     "attention-tune": (1, [sys.executable, "-m", "benchmarks.bench_attention", "tune"]),
     "attention-profile": (1, _bench("bench_attention", "kernel", "--profile")),
     "attention-qwen": (1, _bench("bench_attention", "kernel", "--gqa", "8", "--head-dims", "256")),
+    # each all-gather CP rank's attention kernels against one GPU's, W = 2, 4 and 8 on one GPU
+    "attention-ranks": (1, _bench("bench_attention", "ranks", "--gqa", "8", "--head-dim", "256")),
     "gdn": (1, _bench("bench_gdn", "--kernel-time", "--rank-share", "2", "4")),
     "conv": (1, _bench("bench_gdn", "--conv")),
     "conv-gather": (1, _bench("bench_gdn", "--conv", "--gather")),
