@@ -494,6 +494,22 @@ def test_kernel_tile_boundaries_at_every_offset(causal, window, k_rows):
 
 
 @pytest.mark.interpret
+def test_kernel_causal_tiles_moved_onto_the_key_grid_or_not():
+    """32-row query tiles (forward and dq) over 16-row key tiles, causal: a segment's tiles end
+    on the key-tile grid where its partial tile has the rows to spare, else at its end
+    (``_tiles_end``). Thirty-two segments over one 96-row key range, q_len = 17..48 and
+    q_pos = 0..31 in scrambled order: both cases at every residue of the length and position."""
+    n_seg = 32
+    lens = [17 + (11 * s) % n_seg for s in range(n_seg)]
+    starts = [sum(lens[:s]) for s in range(n_seg)]
+    layout = (starts, lens, [(5 * s) % n_seg for s in range(n_seg)], [0] * n_seg, [96] * n_seg, sum(lens), 96)
+    q, k, v, seg = _tensors(layout, (2, 1), 16, torch.float32)
+    tiles = dict(BLOCK_M=32, BLOCK_N=16, num_warps=1, num_stages=1)
+    settings = ATTENTION_SETTINGS.with_kernel("fwd", config=tiles).with_kernel("bwd_dq", config=tiles)
+    _kernel_vs_reference(q, k, v, seg, True, (-1, -1), settings=settings)
+
+
+@pytest.mark.interpret
 def test_kernel_padded_head_dim_and_other_tiles():
     """head_dim 24 (a padded 32-wide tile), GQA group 3, and asymmetric tile sizes."""
     settings = ATTENTION_SETTINGS
