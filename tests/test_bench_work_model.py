@@ -14,10 +14,15 @@ from benchmarks.runner import load
 
 
 def _loop(q_len, q_pos, k_len, bm, bn):
+    """The key tiles of each query tile as the kernels cut the tiles (``_tiles_end``): from the
+    segment's end, moved onto the key-tile grid where the partial tile has the rows to spare."""
     total = 0
     for ql, qp, kl in zip(q_len.tolist(), q_pos.tolist(), k_len.tolist()):
-        for t0 in range(0, ql, bm):
-            last = qp + min(t0 + bm, ql) - 1
+        end = ql
+        if ql > 0 and qp + ql > 0 and -(qp + ql) % bn <= -ql % bm:
+            end += -(qp + ql) % bn
+        for e in range(-(-ql // bm)):
+            last = qp + min(end - e * bm, ql) - 1
             total += -(-min(kl, last + 1) // bn)
     return total
 
