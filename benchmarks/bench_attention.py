@@ -58,6 +58,13 @@ def settings_fn(settings: AttentionSettings):
     return lambda q, k, v, seg: _Launched.apply(q, k, v, settings, *seg)
 
 
+def _one_gpu_segments(cu, cup) -> tuple[torch.Tensor, ...]:
+    """Segment attention over the whole padded batch on one GPU: each sequence's queries over its
+    own keys, q_pos = 0 (``cu``, ``cup`` of :func:`cp_ops.pad_cu_seqlens`)."""
+    lengths, starts = cu[1:] - cu[:-1], cup[:-1]
+    return starts, lengths, torch.zeros_like(lengths), starts, lengths
+
+
 def _fwd_and_step(fn, q, k, v, dout):
     """Two closures: the forward alone, and forward + backward to q, k, v."""
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
@@ -437,8 +444,7 @@ def _rank(
             return torch.randn(num_rows, h, head_dim, device=device, generator=gen).to(DTYPE)
 
         q, k, v, dout = rand(heads), rand(kv_heads), rand(kv_heads), rand(heads)
-        lengths, starts = cu[1:] - cu[:-1], cup[:-1]
-        seg = (starts, lengths, torch.zeros_like(lengths), starts, lengths)
+        seg = _one_gpu_segments(cu, cup)
 
         def one_gpu(q_, k_, v_):
             return varlen_fn(q_, k_, v_, seg)
@@ -622,7 +628,7 @@ def rank_kernels(
     each rank's segments of all-gather CP at each W (the rank's query rows against the whole
     batch's K/V in sequence order, as ``varlen_attention_kv`` runs them): the layout's extra
     kernel work per rank, without the collectives and at any W."""
-    from benchmarks.common import kernel_totals, profile_kernels
+    from benchmarks.common import named_kernels_ms, profile_kernels
     from cp_ops import ag_thd_segments
 
     kv_heads = HEADS // gqa
@@ -636,22 +642,12 @@ def rank_kernels(
             gen = torch.Generator(device=device).manual_seed(0)
             k, v = (torch.randn(num_rows, kv_heads, head_dim, device=device, generator=gen).to(DTYPE) for _ in "kv")
             for rank in range(world):
-                if world == 1:
-                    lengths = cu[1:] - cu[:-1]
-                    seg = (cup[:-1], lengths, torch.zeros_like(lengths), cup[:-1], lengths)
-                else:
-                    seg = ag_thd_segments(cu, cup, world, rank, causal=True)
+                seg = _one_gpu_segments(cu, cup) if world == 1 else ag_thd_segments(cu, cup, world, rank, causal=True)
                 q, dout = (torch.randn(num_rows // world, HEADS, head_dim, device=device, generator=gen).to(DTYPE)
                            for _ in "qd")  # fmt: skip
-                leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-
-                def step():
-                    out = custom_ops.varlen_attention(*leaves, *seg, causal=True)[0]
-                    torch.autograd.grad(out, leaves, dout)
-
+                step = _fwd_and_step(lambda q_, k_, v_: varlen_fn(q_, k_, v_, seg), q, k, v, dout)[1]
                 kernels, calls = profile_kernels(step, runs=runs, warmup=3)
-                totals = kernel_totals(kernels, calls)
-                ms = [sum(t for n, t in totals.items() if name in n) for name in RANK_KERNELS]
+                ms = [named_kernels_ms(kernels, calls, name) for name in RANK_KERNELS]
                 if world == 1:
                     one = ms
                 row = [total, len(lens), world, "-" if world == 1 else rank, *ms, sum(ms)]

@@ -140,6 +140,12 @@ def first_call_left_out(kernels: list[tuple[str, float, float]], calls: int) -> 
     return kernels[per_call:], calls - 1
 
 
+def named_kernels_ms(kernels: list[tuple[str, float, float]], calls: int, name: str) -> float:
+    """The summed time per call, in ms, of the kernels whose name holds ``name`` (lower case), from
+    the ``(name, start_us, end_us)`` of :func:`profile_kernels`."""
+    return sum(e - s for n, s, e in kernels if name in n.lower()) / calls / 1e3
+
+
 def profile_step(step, device=None, named=(), runs: int = 5) -> dict[str, float]:
     """Where a step's time goes, in ms per step: :func:`timeline_summary` of ``runs`` calls of
     ``step()``, the summed time of the kernels whose name holds each of ``named`` (``NAME kernels``),
@@ -149,7 +155,7 @@ def profile_step(step, device=None, named=(), runs: int = 5) -> dict[str, float]
     kernels, calls = profile_kernels(step, runs)
     out = timeline_summary(kernels, calls)
     for name in named:
-        out[f"{name} kernels"] = sum(e - s for n, s, e in kernels if name in n.lower()) / calls / 1e3
+        out[f"{name} kernels"] = named_kernels_ms(kernels, calls, name)
     top = [(n, t) for n, t in kernel_totals(kernels, calls).items() if kernel_class(n) == "other"][:6]
     print("  largest 'other' kernels (ms per step): " + "; ".join(f"{n[:70]} {t:.3f}" for n, t in top), flush=True)
     out["host issue"] = host_issue_ms(step)
