@@ -16,6 +16,7 @@ __all__ = [
     "Variable",
     "checks",
     "fla_configs",
+    "gdn_backend",
     "inductor_compile_threads_set",
     "markdown_table",
     "omp_threads_set",
@@ -65,6 +66,13 @@ VARIABLES: tuple[Variable, ...] = (
         "0: FLA's autotuners are not seeded with the choices recorded for the GPU's architecture "
         "(they tune at the first call)",
         "at the first GDN call on each GPU",
+    ),
+    Variable(
+        "CP_OPS_GDN_BACKEND", ("auto", "fla", "flashqla"), "auto",
+        "the gated delta rule's CUDA kernels: `flashqla` FlashQLA's (the `flashqla` extra; an error "
+        "where a call does not fit it), `fla` FLA's Triton kernels, `auto` FlashQLA's where installed "
+        "and the call fits it, else FLA's; CPU tensors always take the torch reference",
+        "each time a GDN op is traced or called eagerly on CUDA tensors (a compiled graph keeps its choice)",
     ),
     Variable(
         "TRITON_INTERPRET", None, None,
@@ -144,6 +152,11 @@ def precompile() -> bool:
 def fla_configs() -> bool:
     """``CP_OPS_FLA_CONFIGS``: whether FLA's autotuners are seeded with recorded choices."""
     return _get("CP_OPS_FLA_CONFIGS") == "1"
+
+
+def gdn_backend() -> str:
+    """``CP_OPS_GDN_BACKEND``: ``auto``, ``fla`` or ``flashqla``."""
+    return _get("CP_OPS_GDN_BACKEND")
 
 
 def triton_interpret() -> bool:

@@ -2,14 +2,16 @@
 section 2, "Gated DeltaNet core").
 
 ``chunk_gated_delta_rule_forward`` and ``_backward`` are opaque custom ops
-(:func:`custom_ops.runtime.registration.opaque_op`) around FLA's internal forward and backward
-functions, whose own autograd entry points are ``@torch.compiler.disable``: Inductor calls
-each as one extern node and never traces into FLA. ``chunk_gated_delta_rule_with_state_forward``
-and ``_backward`` are the same with per-sequence initial and final states, sharing the checks
-and the FLA calls. The public ``chunk_gated_delta_rule`` and ``chunk_gated_delta_rule_with_state``
-are composites (:func:`custom_ops.runtime.registration.composite_op`) over their forward ops.
-CPU tensors run the torch references of :mod:`custom_ops.gated_delta_rule.reference` (FLA's
-kernels do not run in Triton's interpreter).
+(:func:`custom_ops.runtime.registration.opaque_op`) around a kernel backend's internal forward
+and backward functions (FLA's Triton kernels or FlashQLA's fused ones, chosen by
+:mod:`custom_ops.gated_delta_rule.backends`), whose own autograd entry points are
+``@torch.compiler.disable``: Inductor calls each as one extern node and never traces into them.
+``chunk_gated_delta_rule_with_state_forward`` and ``_backward`` are the same with per-sequence
+initial and final states, sharing the checks and the backend calls. The public
+``chunk_gated_delta_rule`` and ``chunk_gated_delta_rule_with_state`` are composites
+(:func:`custom_ops.runtime.registration.composite_op`) over their forward ops. CPU tensors run
+the torch references of :mod:`custom_ops.gated_delta_rule.reference` (neither backend's kernels
+run in Triton's interpreter).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Optional
 
 import torch
 
+from custom_ops.gated_delta_rule import backends
 from custom_ops.gated_delta_rule.fla import (
     FLA_CHUNK,
     fla_call,
@@ -25,6 +28,7 @@ from custom_ops.gated_delta_rule.fla import (
     fla_varlen_indices,
     precompile_varlen_indices,
 )
+from custom_ops.gated_delta_rule.flash_qla import flash_qla_backward, flash_qla_forward
 from custom_ops.gated_delta_rule.reference import (
     chunk_gated_delta_rule_reference,
     chunk_gated_delta_rule_reference_backward,
@@ -106,25 +110,23 @@ def _resolve_scale(q: torch.Tensor, scale: Optional[float]) -> float:
     return q.shape[-1] ** -0.5 if scale is None else scale
 
 
-def _uses_fla(q: torch.Tensor) -> bool:
-    # CUDA only: FLA's state-passing kernel does not run in Triton's interpreter (its
-    # loop counter is a Python int there), so CPU tensors always take the reference.
-    return q.device.type == "cuda" and q.shape[0] > 0
-
-
-def _aux_shapes(q, v):
-    """Shapes of what the forward keeps for FLA's backward; nothing on the reference path."""
-    if not _uses_fla(q):
+def _aux_shapes(q, v, backend: str):
+    """Shapes of what the forward keeps for the kernels' backward (FLA's and FlashQLA's alike);
+    nothing on the reference path. CPU tensors always take the reference: FLA's state-passing
+    kernel does not run in Triton's interpreter (its loop counter is a Python int there)."""
+    if backend == "reference":
         return (0,), (0,)
     return (v.shape[0], v.shape[1]), (v.shape[0], v.shape[1], FLA_CHUNK)
 
 
-def _forward_fake(q, k, v, g, beta, cu_seqlens):
-    """Fakes of ``(o, g_cum, A, fla_cu_seqlens, chunk_indices)``, the forward ops' outputs besides the final state."""
+def _forward_fake(q, k, v, g, beta, cu_seqlens, backend):
+    """Fakes of ``(o, g_cum, A, fla_cu_seqlens, chunk_indices)``, the forward ops' outputs besides
+    the final state; starts compiling the index kernel the call will launch."""
     _check_gdn(q, k, v, g, beta, cu_seqlens)
-    if _uses_fla(q):
+    backend = backends.resolve(q, v, backend)
+    if backend != "reference":
         precompile_varlen_indices(cu_seqlens, q.shape[0])
-    g_shape, a_shape = _aux_shapes(q, v)
+    g_shape, a_shape = _aux_shapes(q, v, backend)
     num_seqs = cu_seqlens.shape[0] - 1
     return (
         v.new_empty(v.shape, dtype=q.dtype),
@@ -192,6 +194,11 @@ def _fla_backward(grad_o, q, k, v, g, beta, fla_cu_seqlens, chunk_indices, g_cum
     )
 
 
+# The CUDA backends' forward and backward, one signature each (docs/design.md section 2).
+_KERNEL_FORWARD = {"fla": _fla_forward, "flashqla": flash_qla_forward}
+_KERNEL_BACKWARD = {"fla": _fla_backward, "flashqla": flash_qla_backward}
+
+
 @opaque_op(f"{NAMESPACE}::chunk_gated_delta_rule_forward", mutates_args=())
 def chunk_gated_delta_rule_forward(
     q: torch.Tensor,
@@ -201,6 +208,7 @@ def chunk_gated_delta_rule_forward(
     beta: torch.Tensor,
     cu_seqlens: torch.Tensor,
     scale: Optional[float] = None,
+    backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(o [T, Hv, dv], g_cum, A, fla_cu_seqlens, chunk_indices)``: the output of
     :func:`chunk_gated_delta_rule` and what its backward needs.
@@ -210,24 +218,26 @@ def chunk_gated_delta_rule_forward(
     ``chunk_indices`` flattened to ``[2 * rows]``, a length that is never 1, so that compiling
     for shapes that vary does not guard on its row count being 1.
 
-    CUDA: FLA's ``chunk_gated_delta_rule_fwd``; ``g_cum [T, Hv]`` (fp32) is g
-    cumulated within each 64-row chunk (in log2 units) and ``A [T, Hv, 64]`` (q's
-    dtype) the solved ``(I + tril(beta K K^T))^{-1}`` blocks, the two tensors FLA's
+    ``backend`` (:mod:`custom_ops.gated_delta_rule.backends`; ``auto``: resolved at the call):
+    CUDA, FLA's ``chunk_gated_delta_rule_fwd`` or FlashQLA's; ``g_cum [T, Hv]`` (fp32) is g
+    cumulated within each 64-row chunk (in the backend's units) and ``A [T, Hv, 64]`` (q's
+    dtype) the solved ``(I + tril(beta K K^T))^{-1}`` blocks, the two tensors the backend's
     own autograd keeps besides the inputs. CPU reference path: both are empty.
     """
     _check_gdn(q, k, v, g, beta, cu_seqlens)
+    backend = backends.resolve(q, v, backend)
     scale = _resolve_scale(q, scale)
     fla_cu_seqlens, chunk_indices = fla_varlen_indices(cu_seqlens, q.shape[0])
-    if not _uses_fla(q):
+    if backend == "reference":
         o = chunk_gated_delta_rule_reference(q, k, v, g, beta, cu_seqlens, scale)
         return o, g.new_empty(0, dtype=torch.float32), q.new_empty(0), fla_cu_seqlens, chunk_indices.view(-1)
-    o, g_cum, A, _ = _fla_forward(q, k, v, g, beta, scale, fla_cu_seqlens, chunk_indices)
+    o, g_cum, A, _ = _KERNEL_FORWARD[backend](q, k, v, g, beta, scale, fla_cu_seqlens, chunk_indices)
     return o, g_cum, A, fla_cu_seqlens, chunk_indices.view(-1)
 
 
 @chunk_gated_delta_rule_forward.register_fake
-def _(q, k, v, g, beta, cu_seqlens, scale=None):
-    return _forward_fake(q, k, v, g, beta, cu_seqlens)
+def _(q, k, v, g, beta, cu_seqlens, scale=None, backend="auto"):
+    return _forward_fake(q, k, v, g, beta, cu_seqlens, backend)
 
 
 @opaque_op(f"{NAMESPACE}::chunk_gated_delta_rule_backward", mutates_args=())
@@ -244,36 +254,42 @@ def chunk_gated_delta_rule_backward(
     g_cum: torch.Tensor,
     A: torch.Tensor,
     scale: Optional[float] = None,
+    backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv, dg, dbeta) of :func:`chunk_gated_delta_rule`, from the forward's saved tensors.
+    """(dq, dk, dv, dg, dbeta) of :func:`chunk_gated_delta_rule`, from the forward's saved tensors
+    (``backend``: the forward's).
 
-    CUDA: FLA's ``chunk_gated_delta_rule_bwd`` (it recomputes w, u and the chunk
-    states h from A and g_cum, as in FLA's own autograd). GVA: FLA sums the key-head
-    gradients over each group of value heads. CPU: the reverse scan of the reference.
+    CUDA: the backend's ``chunk_gated_delta_rule_bwd`` (it recomputes w, u and the chunk
+    states h from A and g_cum, as in its own autograd). GVA: the key-head gradients are
+    summed over each group of value heads. CPU: the reverse scan of the reference.
     """
     chunk_indices = chunk_indices.view(-1, 2)
     _check_fla_indices(cu_seqlens, fla_cu_seqlens, chunk_indices, q.shape[0])
+    backend = backends.resolve(q, v, backend)
     scale = _resolve_scale(q, scale)
-    if not _uses_fla(q):
+    if backend == "reference":
         return chunk_gated_delta_rule_reference_backward(grad_o, q, k, v, g, beta, cu_seqlens, scale)
-    return _fla_backward(grad_o, q, k, v, g, beta, fla_cu_seqlens, chunk_indices, g_cum, A, scale)[:5]
+    return _KERNEL_BACKWARD[backend](grad_o, q, k, v, g, beta, fla_cu_seqlens, chunk_indices, g_cum, A, scale)[:5]
 
 
 @chunk_gated_delta_rule_backward.register_fake
-def _(grad_o, q, k, v, g, beta, cu_seqlens, fla_cu_seqlens, chunk_indices, g_cum, A, scale=None):
+def _(grad_o, q, k, v, g, beta, cu_seqlens, fla_cu_seqlens, chunk_indices, g_cum, A, scale=None, backend="auto"):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), g.new_empty(g.shape), beta.new_empty(beta.shape)
 
 
 def _gdn_setup_context(ctx, inputs, output):
-    q, k, v, g, beta, cu_seqlens, scale = inputs
+    q, k, v, g, beta, cu_seqlens, scale, backend = inputs
     _, g_cum, A, fla_cu_seqlens, chunk_indices = output
     ctx.save_for_backward(q, k, v, g, beta, cu_seqlens, fla_cu_seqlens, chunk_indices, g_cum, A)
     ctx.scale = scale
+    ctx.backend = backends.resolve(q, v, backend)
 
 
 def _gdn_backward(ctx, grad_o, *_grad_aux):
-    dq, dk, dv, dg, dbeta = torch.ops.cp_ops.chunk_gated_delta_rule_backward(grad_o, *ctx.saved_tensors, ctx.scale)
-    return dq, dk, dv, dg, dbeta, None, None
+    dq, dk, dv, dg, dbeta = torch.ops.cp_ops.chunk_gated_delta_rule_backward(
+        grad_o, *ctx.saved_tensors, ctx.scale, ctx.backend
+    )
+    return dq, dk, dv, dg, dbeta, None, None, None
 
 
 chunk_gated_delta_rule_forward.register_autograd(_gdn_backward, setup_context=_gdn_setup_context)
@@ -289,31 +305,33 @@ def chunk_gated_delta_rule_with_state_forward(
     cu_seqlens: torch.Tensor,
     scale: Optional[float] = None,
     initial_state: Optional[torch.Tensor] = None,
+    backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(o, final_state, g_cum, A, fla_cu_seqlens, chunk_indices)``: the outputs of
     :func:`chunk_gated_delta_rule_with_state` and what its backward needs, the auxiliary
-    outputs as in :func:`chunk_gated_delta_rule_forward`.
+    outputs and ``backend`` as in :func:`chunk_gated_delta_rule_forward`.
 
-    CUDA: FLA's ``chunk_gated_delta_rule_fwd`` with ``initial_state`` and ``output_final_state``.
-    CPU: the stateful reference.
+    CUDA: the backend's ``chunk_gated_delta_rule_fwd`` with ``initial_state`` and
+    ``output_final_state``. CPU: the stateful reference.
     """
     _check_gdn(q, k, v, g, beta, cu_seqlens)
     _check_state("initial_state", initial_state, q, v, cu_seqlens)
+    backend = backends.resolve(q, v, backend)
     scale = _resolve_scale(q, scale)
     fla_cu_seqlens, chunk_indices = fla_varlen_indices(cu_seqlens, q.shape[0])
-    if not _uses_fla(q):
+    if backend == "reference":
         o, final_state = chunk_gated_delta_rule_with_state_reference(q, k, v, g, beta, cu_seqlens, scale, initial_state)
         g_cum, A = g.new_empty(0, dtype=torch.float32), q.new_empty(0)
         return o, final_state, g_cum, A, fla_cu_seqlens, chunk_indices.view(-1)
-    o, g_cum, A, final_state = _fla_forward(
+    o, g_cum, A, final_state = _KERNEL_FORWARD[backend](
         q, k, v, g, beta, scale, fla_cu_seqlens, chunk_indices, initial_state, output_final_state=True
     )
     return o, final_state.to(state_dtype(q)), g_cum, A, fla_cu_seqlens, chunk_indices.view(-1)
 
 
 @chunk_gated_delta_rule_with_state_forward.register_fake
-def _(q, k, v, g, beta, cu_seqlens, scale=None, initial_state=None):
-    o, g_cum, A, fla_cu_seqlens, chunk_indices = _forward_fake(q, k, v, g, beta, cu_seqlens)
+def _(q, k, v, g, beta, cu_seqlens, scale=None, initial_state=None, backend="auto"):
+    o, g_cum, A, fla_cu_seqlens, chunk_indices = _forward_fake(q, k, v, g, beta, cu_seqlens, backend)
     _check_state("initial_state", initial_state, q, v, cu_seqlens)
     state_shape = (cu_seqlens.shape[0] - 1, v.shape[1], q.shape[2], v.shape[2])
     return o, q.new_empty(state_shape, dtype=state_dtype(q)), g_cum, A, fla_cu_seqlens, chunk_indices
@@ -335,11 +353,12 @@ def chunk_gated_delta_rule_with_state_backward(
     scale: Optional[float] = None,
     initial_state: Optional[torch.Tensor] = None,
     grad_final_state: Optional[torch.Tensor] = None,
+    backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dg, dbeta, d_initial_state) of :func:`chunk_gated_delta_rule_with_state`,
     from the forward's saved tensors and the final state's gradient (None: zero).
 
-    CUDA: FLA's ``chunk_gated_delta_rule_bwd`` with ``initial_state`` and ``dht``, as in
+    CUDA: the backend's ``chunk_gated_delta_rule_bwd`` with ``initial_state`` and ``dht``, as in
     :func:`chunk_gated_delta_rule_backward`. CPU: the reverse scan of the stateful reference.
     ``d_initial_state`` is empty where ``initial_state`` is None.
     """
@@ -347,12 +366,13 @@ def chunk_gated_delta_rule_with_state_backward(
     _check_fla_indices(cu_seqlens, fla_cu_seqlens, chunk_indices, q.shape[0])
     _check_state("initial_state", initial_state, q, v, cu_seqlens)
     _check_state("grad_final_state", grad_final_state, q, v, cu_seqlens)
+    backend = backends.resolve(q, v, backend)
     scale = _resolve_scale(q, scale)
-    if not _uses_fla(q):
+    if backend == "reference":
         return chunk_gated_delta_rule_with_state_reference_backward(
             grad_o, grad_final_state, q, k, v, g, beta, cu_seqlens, scale, initial_state
         )
-    *grads, dh0 = _fla_backward(
+    *grads, dh0 = _KERNEL_BACKWARD[backend](
         grad_o, q, k, v, g, beta, fla_cu_seqlens, chunk_indices, g_cum, A, scale, initial_state, grad_final_state
     )
     d_state = q.new_empty(0, dtype=state_dtype(q)) if initial_state is None else dh0.to(initial_state.dtype)
@@ -361,7 +381,7 @@ def chunk_gated_delta_rule_with_state_backward(
 
 @chunk_gated_delta_rule_with_state_backward.register_fake
 def _(grad_o, q, k, v, g, beta, cu_seqlens, fla_cu_seqlens, chunk_indices, g_cum, A, scale=None,
-      initial_state=None, grad_final_state=None):  # fmt: skip
+      initial_state=None, grad_final_state=None, backend="auto"):  # fmt: skip
     _check_state("initial_state", initial_state, q, v, cu_seqlens)
     _check_state("grad_final_state", grad_final_state, q, v, cu_seqlens)
     d_state = q.new_empty(0, dtype=state_dtype(q)) if initial_state is None else torch.empty_like(initial_state)
@@ -372,18 +392,19 @@ def _(grad_o, q, k, v, g, beta, cu_seqlens, fla_cu_seqlens, chunk_indices, g_cum
 
 
 def _gdn_with_state_setup_context(ctx, inputs, output):
-    q, k, v, g, beta, cu_seqlens, scale, initial_state = inputs
+    q, k, v, g, beta, cu_seqlens, scale, initial_state, backend = inputs
     _, _, g_cum, A, fla_cu_seqlens, chunk_indices = output
     ctx.save_for_backward(q, k, v, g, beta, cu_seqlens, fla_cu_seqlens, chunk_indices, g_cum, A, initial_state)
     ctx.scale = scale
+    ctx.backend = backends.resolve(q, v, backend)
 
 
 def _gdn_with_state_backward(ctx, grad_o, grad_final_state, *_grad_aux):
     *saved, initial_state = ctx.saved_tensors
     *grads, d_state = torch.ops.cp_ops.chunk_gated_delta_rule_with_state_backward(
-        grad_o, *saved, ctx.scale, initial_state, grad_final_state
+        grad_o, *saved, ctx.scale, initial_state, grad_final_state, ctx.backend
     )
-    return (*grads, None, None, None if initial_state is None else d_state)
+    return (*grads, None, None, None if initial_state is None else d_state, None)
 
 
 chunk_gated_delta_rule_with_state_forward.register_autograd(
@@ -393,14 +414,16 @@ chunk_gated_delta_rule_with_state_forward.register_autograd(
 
 # The public op returns o alone. It is CompositeImplicitAutograd over the forward op above,
 # so autograd and tracing see chunk_gated_delta_rule_forward (with its fake and backward)
-# and the auxiliary outputs reach the backward without being recomputed.
+# and the auxiliary outputs reach the backward without being recomputed. The kernel backend is
+# resolved here, so a traced graph holds it as a constant.
 @composite_op(
     f"{NAMESPACE}::chunk_gated_delta_rule",
     "(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor cu_seqlens, float? scale=None) -> Tensor",
 )
 def _chunk_gated_delta_rule_composite(q, k, v, g, beta, cu_seqlens, scale=None):
     cu_seqlens = checked("cumulative", cu_seqlens, (), q.shape[0])
-    return torch.ops.cp_ops.chunk_gated_delta_rule_forward(q, k, v, g, beta, cu_seqlens, scale)[0]
+    backend = backends.resolve(q, v)
+    return torch.ops.cp_ops.chunk_gated_delta_rule_forward(q, k, v, g, beta, cu_seqlens, scale, backend)[0]
 
 
 # The same over the stateful forward op, returning o and the final states.
@@ -412,7 +435,7 @@ def _chunk_gated_delta_rule_composite(q, k, v, g, beta, cu_seqlens, scale=None):
 def _chunk_gated_delta_rule_with_state_composite(q, k, v, g, beta, cu_seqlens, scale=None, initial_state=None):
     cu_seqlens = checked("cumulative", cu_seqlens, (), q.shape[0])
     o, final_state, *_ = torch.ops.cp_ops.chunk_gated_delta_rule_with_state_forward(
-        q, k, v, g, beta, cu_seqlens, scale, initial_state
+        q, k, v, g, beta, cu_seqlens, scale, initial_state, backends.resolve(q, v)
     )
     return o, final_state
 
@@ -433,8 +456,11 @@ def chunk_gated_delta_rule(
     q, k ``[T, Hk, dk]`` (not normalised here), v ``[T, Hv, dv]``, g (log decay, float32)
     and beta ``[T, Hv]``, ``Hv % Hk == 0``, cu_seqlens ``[B+1]`` (``cu[-1] = T``), scale
     default ``dk ** -0.5``. Returns o ``[T, Hv, dv]`` in q's dtype. Differentiable in q, k,
-    v, g, beta. CUDA: FLA's chunked kernels, q/k/v bf16 or fp16, ``dk, dv <= 256``; CPU: the
-    sequential torch reference (docs/design.md section 2).
+    v, g, beta. CUDA: FlashQLA's fused kernels where installed and the call fits them (bf16 or
+    fp16, ``dk = dv = 128``, Hopper or Blackwell), else FLA's chunked kernels (bf16 or fp16,
+    ``dk, dv <= 256``), as ``CP_OPS_GDN_BACKEND`` chooses
+    (:mod:`custom_ops.gated_delta_rule.backends`); CPU: the sequential torch reference
+    (docs/design.md section 2).
     """
     return torch.ops.cp_ops.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, scale)
 

@@ -6,6 +6,7 @@ version of an op's autograd formula would be loaded by another (a renamed op fai
 formula would run the old one silently). :func:`tag_compile_caches` adds a digest of the
 library's source to ``torch.compiler.config.cache_key_tag``, which both caches hash, so a
 changed library misses the entries of the old one; importing ``custom_ops`` calls it.
+:func:`replace_tag` adds a setting that changes what a traced graph holds.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["source_digest", "tag_compile_caches"]
+__all__ = ["replace_tag", "source_digest", "tag_compile_caches"]
 
 _PACKAGES = ("custom_ops", "cp_ops")
 _SUFFIXES = (".py", ".json")  # the code and the tuned launch tables it reads
@@ -47,3 +48,11 @@ def tag_compile_caches() -> str:
     if tag not in current.split("+"):
         torch.compiler.config.cache_key_tag = f"{current}+{tag}" if current else tag
     return tag
+
+
+def replace_tag(prefix: str, tag: str) -> None:
+    """Put ``tag`` in ``torch.compiler.config.cache_key_tag`` in place of any part that starts with
+    ``prefix``: for a setting that changes what an op's traced graph holds (the GDN kernel
+    backend), so that a graph cached under one value is not loaded under another."""
+    parts = [p for p in torch.compiler.config.cache_key_tag.split("+") if p and not p.startswith(prefix)]
+    torch.compiler.config.cache_key_tag = "+".join([*parts, tag])

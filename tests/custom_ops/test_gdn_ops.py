@@ -16,6 +16,8 @@ from custom_ops.causal_conv1d.reference import (
     causal_conv1d_reference,
     causal_conv1d_reference_backward,
 )
+from custom_ops.gated_delta_rule import backends
+from custom_ops.gated_delta_rule import op as gdn_op
 from custom_ops.gated_delta_rule.fla import fla_varlen_indices
 from custom_ops.gated_delta_rule.reference import (
     chunk_gated_delta_rule_loop,
@@ -36,6 +38,22 @@ from custom_ops.testing import (
 
 # GPU tests of FLA's kernels: skipped where fla-core is not installed, as on a bare GPU image
 needs_fla = pytest.mark.skipif(importlib.util.find_spec("fla") is None, reason="needs fla-core")
+
+
+@pytest.fixture(params=["fla", "flashqla"])
+def cuda_backend(request):
+    """Each CUDA backend of the delta rule in turn (FlashQLA skipped where it cannot run), with
+    compiled graphs dropped before and after, since a graph keeps the backend it was traced with."""
+    if request.param == "flashqla":
+        probe = torch.empty(0, 1, 128, device="cuda", dtype=torch.bfloat16)
+        reason = backends.flash_qla_unfit(probe, probe)
+        if reason is not None:
+            pytest.skip(reason)
+    torch._dynamo.reset()
+    backends.set_backend(request.param)
+    yield request.param
+    backends.set_backend(None)
+    torch._dynamo.reset()
 
 
 def _cu(seqlens, dtype=torch.int32, device="cpu"):
@@ -778,9 +796,9 @@ def test_conv_kernels_rows_past_the_layout():
 @pytest.mark.gpu
 @needs_fla
 @pytest.mark.parametrize("seqlens", [[300, 0, 1, 200, 64], [1000, 24]])
-def test_cuda_kernels_match_reference_bf16(seqlens):
-    """The CUDA kernels (FLA's delta rule, our conv) in bf16 against the float64 reference:
-    forward and every gradient.
+def test_cuda_kernels_match_reference_bf16(seqlens, cuda_backend):
+    """The CUDA kernels (each backend's delta rule, our conv) in bf16 against the float64
+    reference: forward and every gradient.
 
     Tolerances are error-RMS ratios: 1e-2 is bf16's bound in the table (inputs rounded to
     bf16 plus a recurrence accumulated in fp32 inside chunks of 64).
@@ -808,8 +826,8 @@ def test_cuda_kernels_match_reference_bf16(seqlens):
 @pytest.mark.gpu
 @needs_fla
 @pytest.mark.parametrize("seqlens", [[300, 0, 1, 200, 64], [1000, 24]])
-def test_cuda_delta_rule_with_state_matches_reference_bf16(seqlens):
-    """FLA's kernels from initial states in bf16 (states float32) against the float64 reference:
+def test_cuda_delta_rule_with_state_matches_reference_bf16(seqlens, cuda_backend):
+    """Each backend's kernels from initial states in bf16 (states float32) against the float64 reference:
     outputs, final states and every gradient, the initial states' included, from a loss over
     both outputs. Tolerances as for the stateless op, except the gates' and betas' gradients:
     through a final state's gradient they sum products of bf16-stored states over dk x dv
@@ -854,10 +872,10 @@ def test_cuda_conv_gather_matches_reference_bf16(kernel):
 
 @pytest.mark.gpu
 @needs_fla
-def test_gdn_ops_under_cuda_graphs():
+def test_gdn_ops_under_cuda_graphs(cuda_backend):
     """The conv and the delta rule, forward and backward, compiled with CUDA graphs (Inductor's
-    cudagraph trees): they run (FLA keeps nothing in the graphs' pool) and, replayed on new
-    data, agree with the same ops eagerly."""
+    cudagraph trees): they run (neither backend reads the host or keeps anything in the graphs'
+    pool) and, replayed on new data, agree with the same ops eagerly."""
     dev, bf16 = "cuda", torch.bfloat16
     seqlens = [300, 0, 1, 200, 64]
     _, _, _, _, _, cu = _gdn_case(seqlens, 2, 2, 128, 128, bf16, dev)
@@ -879,6 +897,59 @@ def test_gdn_ops_under_cuda_graphs():
             runs.append([loss.detach().clone()] + [t.grad.clone() for t in leaves])
         for name, a, e in zip(("loss", "q", "k", "v", "g", "beta", "x", "w", "b"), *runs):
             assert rel_error(a, e) < 1e-3, (seed, name)
+
+
+@pytest.mark.gpu
+@needs_fla
+@pytest.mark.parametrize("hk, group", [(2, 2), (1, 1), (3, 2)])
+def test_cuda_backends_agree_bf16(hk, group):
+    """FlashQLA's kernels against FLA's, bf16, from initial states: outputs, final states and
+    every gradient, on sequences of 0 and 1 rows, below a chunk, on chunk bounds, and one longer
+    than a quarter of the batch (a rank's share at W = 4)."""
+    probe = torch.empty(0, 1, 128, device="cuda", dtype=torch.bfloat16)
+    if (reason := backends.flash_qla_unfit(probe, probe)) is not None:
+        pytest.skip(reason)
+    seqlens = [0, 1, 37, 64, 65, 2100, 130, 0, 700]
+    q, k, v, g, beta, cu = _gdn_case(seqlens, hk, group, 128, 128, torch.bfloat16, "cuda")
+    h0 = _states(len(seqlens), hk * group, 128, 128, torch.float32, "cuda")
+    grad_o, grad_final = torch.randn_like(v), torch.randn_like(h0)
+    runs = {}
+    for backend in ("fla", "flashqla"):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, g, beta, h0)]
+        o, final, *_ = torch.ops.cp_ops.chunk_gated_delta_rule_with_state_forward(
+            *leaves[:5], cu, None, leaves[5], backend
+        )
+        torch.autograd.backward([o, final], [grad_o, grad_final])
+        runs[backend] = [o, final] + [t.grad for t in leaves]
+    for name, a, e in zip(("o", "final", "q", "k", "v", "g", "beta", "h0"), runs["flashqla"], runs["fla"]):
+        assert rel_error(a, e) < (5e-3 if name in ("o", "final") else 2e-2), name
+
+
+@pytest.mark.gpu
+@needs_fla
+def test_cuda_backend_is_chosen_when_traced(monkeypatch, cuda_backend):
+    """A compiled graph keeps the backend it was traced with: set another afterwards, and the
+    graph still launches the first one's kernels, forward and backward."""
+    calls = []
+
+    def counted(fn, name, kind):
+        def call(*args, **kwargs):
+            calls.append((name, kind))
+            return fn(*args, **kwargs)
+
+        return call
+
+    for table, kind in ((gdn_op._KERNEL_FORWARD, "fwd"), (gdn_op._KERNEL_BACKWARD, "bwd")):
+        for name, fn in list(table.items()):
+            monkeypatch.setitem(table, name, counted(fn, name, kind))
+    q, k, v, g, beta, cu = _gdn_case([300, 0, 1, 200], 2, 2, 128, 128, torch.bfloat16, "cuda")
+    compiled = torch.compile(lambda *t: custom_ops.chunk_gated_delta_rule(*t, cu).float().sum(), fullgraph=True)
+    other = "fla" if cuda_backend == "flashqla" else "flashqla"
+    for asked in (cuda_backend, other):
+        backends.set_backend(asked)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, g, beta)]
+        compiled(*leaves).backward()
+    assert calls == [(cuda_backend, "fwd"), (cuda_backend, "bwd")] * 2
 
 
 # --- bad input --------------------------------------------------------------------------------
