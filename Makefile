@@ -75,5 +75,5 @@ pins:
 	rm -rf .venv-pins && $(PYTHON) -m venv .venv-pins
 	.venv-pins/bin/python -m pip install -q torch==2.13.0
 	.venv-pins/bin/python -m pip install -q -e ".[$(EXTRAS)]"
-	.venv-pins/bin/python tools/pins.py freeze > constraints.txt
+	.venv-pins/bin/python tools/pins.py freeze constraints.txt > constraints.new && mv constraints.new constraints.txt
 	rm -rf .venv-pins
