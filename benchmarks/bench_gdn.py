@@ -2,14 +2,17 @@
 kernels, and the layer with CP on W GPUs.
 
     python -m benchmarks.bench_gdn [--tokens T ...] [--seqs B ...] [--kernel-time] [--rank-share W ...]
+                                   [--backends fla flashqla]   # the layer with each GDN core backend
+    python -m benchmarks.bench_gdn --core [--tokens T ...] [--heads HK/HV ...]   # the core op by backend
     python -m benchmarks.bench_gdn --conv [--gather]    # our conv kernels against FLA's (--gather: permuted rows)
     python -m benchmarks.bench_gdn --cp W [--profile] [--compiled-only]
                                    [--cudagraphs] [--states]    # spawns W NCCL ranks
     python -m benchmarks.bench_gdn --cp 2 --smoke       # 2 gloo ranks on the CPU, a tiny layer
 
-Results (benchmarks/runner.py): ``gdn``; ``conv`` or ``conv-gather``; ``gdn-cp-wW`` (``-compiled``,
-``-cudagraphs``, ``-states`` added with those flags, ``-slow-link`` with NCCL_P2P_DISABLE=1;
-``gdn-cp-smoke-wW``). docs/benchmarks.md says what each row
+Results (benchmarks/runner.py): ``gdn``; ``gdn-core``; ``conv`` or ``conv-gather``; ``gdn-cp-wW``
+(``-compiled``, ``-cudagraphs``, ``-states`` added with those flags, ``-slow-link`` with
+NCCL_P2P_DISABLE=1; ``gdn-cp-smoke-wW``); with ``--backends``, ``-BACKEND`` after each layer result's
+name, one run of each backend. docs/benchmarks.md says what each row
 measures.
 """
 
@@ -19,6 +22,8 @@ import argparse
 import collections
 import math
 import os
+import subprocess
+import sys
 
 import torch
 import torch.distributed as dist
@@ -35,7 +40,7 @@ from benchmarks.common import (
     spawn_ranks,
 )
 from benchmarks.internals import fla_varlen_indices, valid_token_mask
-from benchmarks.runner import Result, add_out_argument, emit, environment, fla_environment
+from benchmarks.runner import Result, add_out_argument, emit, environment, fla_environment, format_cell
 from benchmarks.timing import kernel_ms, median_ms, median_ms_counted
 from cp_ops import (
     COMPILE_OPTIONS,
@@ -152,6 +157,80 @@ def bench_case(layer, tokens: int, num_seqs: int, kernel_time: bool = False, sha
     if kernel_time:
         res.update({f"{name}: kernels": kernel_ms(fn) for name, fn in steps.items()})
     return res
+
+
+# --- the GDN core alone, by kernel backend ----------------------------------------------------
+
+CORE_TOKENS = (32768, 131072, 262144, 524288, 1048576)
+CORE_HEADS = ((16, 32), (8, 16), (4, 8), (2, 4))  # Qwen3-Next-80B's heads on one GPU and a rank of W = 2, 4, 8
+CORE_SEQS = 8
+
+
+def _core_steps(hk: int, hv: int, tokens: int, num_seqs: int, backend: str) -> dict:
+    """Closures of the core op's forward and forward+backward with ``backend``, on inputs in the
+    layer's ranges (unit-norm keys, decays in (0, 1)), ``num_seqs`` random lengths."""
+    lens = _lengths(tokens, num_seqs, torch.Generator().manual_seed(tokens + num_seqs))
+    cu, _ = pad_cu_seqlens(lens, 1, device="cuda")
+    dev, bf16 = "cuda", torch.bfloat16
+    torch.manual_seed(tokens + hk)  # the same inputs for every backend
+    q = torch.nn.functional.normalize(torch.randn(tokens, hk, DK, device=dev), dim=-1).to(bf16).requires_grad_()
+    k = torch.nn.functional.normalize(torch.randn(tokens, hk, DK, device=dev), dim=-1).to(bf16).requires_grad_()
+    v = torch.randn(tokens, hv, DV, device=dev, dtype=bf16).requires_grad_()
+    g = torch.nn.functional.logsigmoid(torch.randn(tokens, hv, device=dev) + 3).requires_grad_()
+    beta = torch.rand(tokens, hv, device=dev).requires_grad_()
+    grad = torch.randn_like(v)
+
+    def forward():
+        return torch.ops.cp_ops.chunk_gated_delta_rule_forward(q, k, v, g, beta, cu, None, backend)[0]
+
+    return {"fwd": forward, "fwd+bwd": _fwd_bwd(forward, [q, k, v, g, beta], grad), "o": forward}
+
+
+def core_main(tokens, heads, out) -> None:
+    """The core op (``chunk_gated_delta_rule``) by backend: median ms of fwd and fwd+bwd, the
+    ratio FLA / FlashQLA, and FlashQLA's output against FLA's (rel_error)."""
+    from custom_ops.gated_delta_rule import backends
+
+    probe = torch.empty(1, 1, DK, device="cuda", dtype=torch.bfloat16)
+    unfit = backends.flash_qla_unfit(probe, probe)
+    if unfit is None:  # TileLang compiles per head count: all of them side by side, before timing
+        warm = [sys.executable, "-m", "custom_ops.gated_delta_rule.flash_qla", *(f"{hk}/{hv}" for hk, hv in heads)]
+        subprocess.run(warm, check=True)
+    notes = [f"{CORE_SEQS} packed sequences of random lengths, bf16 q/k/v, float32 g and beta, dk = dv = {DK}; "
+             "forward op alone (`chunk_gated_delta_rule_forward`) and with its backward; triton.testing.do_bench"]  # fmt: skip
+    if unfit is not None:
+        notes.append(f"FlashQLA not run: {unfit}")
+    columns = ["Hk/Hv", "T", "FLA fwd", "FLA fwd+bwd"]
+    if unfit is None:
+        columns += ["FlashQLA fwd", "FlashQLA fwd+bwd", "fwd+bwd FLA / FlashQLA", "FlashQLA o vs FLA"]
+    rows = []
+    for hk, hv in heads:
+        for t in tokens:
+            row = [f"{hk}/{hv}", t]
+            outputs = {}
+            for backend in ["fla"] + ["flashqla"] * (unfit is None):
+                try:
+                    steps = _core_steps(hk, hv, t, CORE_SEQS, backend)
+                    with torch.no_grad():
+                        outputs[backend] = steps["o"]().float()
+                    row += [median_ms(steps["fwd"]), median_ms(steps["fwd+bwd"])]
+                except torch.OutOfMemoryError:
+                    row += [math.nan, math.nan]
+                    notes.append(f"{backend} at {hk}/{hv} heads, T = {t}: out of memory (nan)")
+                steps = None
+                torch.cuda.empty_cache()
+            if unfit is None:
+                both = len(outputs) == 2
+                row += [row[3] / row[5], rel_error(outputs["flashqla"], outputs["fla"]) if both else math.nan]
+            rows.append(row)
+            print(" ".join(format_cell(c) for c in row), flush=True)
+            del outputs
+            title = "The gated delta rule core by kernel backend, one GPU, median ms"
+            result = Result("gdn", title, columns, rows, "\n".join(notes), fla_environment(), name="gdn-core",
+                            formats={"fwd+bwd FLA / FlashQLA": "{:.2f}", "FlashQLA o vs FLA": "{:.1e}"}
+                            if unfit is None else {})  # fmt: skip
+            emit([result], out, quiet=True)
+    emit([result], out)
 
 
 # --- the conv kernels: ours against FLA's, and the conv on rows in rank order ------------------
@@ -405,6 +484,7 @@ def _cp_rank(rank, world, device, tokens, seqs, out, smoke, opts: dict) -> None:
     results = {}
     result_name = f"gdn-cp{'-smoke' if smoke else ''}-w{world}"
     result_name += "-compiled" * opts["compiled_only"] + "-cudagraphs" * opts["cudagraphs"] + "-states" * opts["states"]
+    result_name += f"-{opts['backend']}" if opts.get("backend") else ""
     if os.environ.get("NCCL_P2P_DISABLE") == "1":  # NVLink and shared memory off: traffic on the network path
         result_name += "-slow-link"
         notes.append("NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=%s: no NVLink or shared-memory transport"
@@ -616,6 +696,14 @@ def main() -> None:
     parser.add_argument("--rank-share", type=int, nargs="+", default=[], metavar="W",
                         help="one GPU: also time one rank's pieces of a W-rank CP layer, no collectives")
     parser.add_argument("--conv", action="store_true", help="one GPU: the conv kernels against FLA's, not the layer")
+    parser.add_argument("--core", action="store_true",
+                        help="one GPU: the GDN core op alone by kernel backend (FLA, FlashQLA), not the layer")
+    parser.add_argument("--heads", nargs="+", metavar="HK/HV",
+                        help="with --core: key/value head counts (default " + " ".join(f"{a}/{b}" for a, b in CORE_HEADS)
+                        + f"); --tokens default {' '.join(map(str, CORE_TOKENS))}")
+    parser.add_argument("--backends", nargs="+", choices=("fla", "flashqla"), metavar="BACKEND",
+                        help="the layer (one GPU or --cp) once with each GDN core backend (fla, flashqla), "
+                        "each result named with it; default: the backend CP_OPS_GDN_BACKEND chooses")
     parser.add_argument("--gather", action="store_true",
                         help="with --conv: the conv on rows in rank order, reorder + conv against the gathered conv")
     args = parser.parse_args()
@@ -635,23 +723,36 @@ def main() -> None:
     if args.cp:
         if args.cp < 2 or HK % args.cp:
             raise SystemExit(f"--cp must be at least 2 and divide Hk = {HK}, got {args.cp}")
-        spawn_ranks(_cp_rank, args.cp, tokens, seqs, args.out, False, opts, device="cuda", keep_group=args.cudagraphs)
+        for backend in args.backends or [None]:
+            if backend is not None:  # the ranks read it as they trace and call the GDN ops
+                os.environ["CP_OPS_GDN_BACKEND"] = backend
+            spawn_ranks(_cp_rank, args.cp, tokens, seqs, args.out, False, {**opts, "backend": backend},
+                        device="cuda", keep_group=args.cudagraphs)  # fmt: skip
         return
     if not torch.cuda.is_available():
         raise SystemExit("bench_gdn needs a CUDA device (or --cp 2 --smoke on the CPU)")
     if args.conv:
         return conv_main(tokens, seqs, args.gather, args.out)
+    if args.core:
+        heads = [tuple(int(n) for n in h.split("/")) for h in args.heads] if args.heads else CORE_HEADS
+        return core_main(args.tokens or CORE_TOKENS, heads, args.out)
+
+    from custom_ops.gated_delta_rule import backends
 
     torch.manual_seed(0)
     layer = GatedDeltaNet(HIDDEN, HK, HV, DK, DV).to("cuda", torch.bfloat16)
-    results = {}
-    for case in [(t, b) for t in tokens for b in seqs]:
-        results[case] = bench_case(layer, *case, args.kernel_time, args.rank_share)
-        # the table so far after every case, so a run cut by a time limit still leaves one
-        columns = [""] + [f"T={t} B={b}" for t, b in results]
-        rows = [[name] + [r[name] for r in results.values()] for name in results[case]]
-        title = f"GatedDeltaNet (hidden {HIDDEN}, Hk {HK}, Hv {HV}, dk = dv = {DK}), bf16, median ms"
-        emit([Result("gdn", title, columns, rows, env=fla_environment(), name="gdn")], args.out)
+    for backend in args.backends or [None]:
+        backends.set_backend(backend)
+        torch._dynamo.reset()  # a compiled layer keeps the backend it was traced with
+        results = {}
+        for case in [(t, b) for t in tokens for b in seqs]:
+            results[case] = bench_case(layer, *case, args.kernel_time, args.rank_share)
+            # the table so far after every case, so a run cut by a time limit still leaves one
+            columns = [""] + [f"T={t} B={b}" for t, b in results]
+            rows = [[name] + [r[name] for r in results.values()] for name in results[case]]
+            title = f"GatedDeltaNet (hidden {HIDDEN}, Hk {HK}, Hv {HV}, dk = dv = {DK}), bf16, median ms"
+            name = "gdn" + (f"-{backend}" if backend else "")
+            emit([Result("gdn", title, columns, rows, env=fla_environment(), name=name)], args.out)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from unittest import mock
 import torch
 
 from benchmarks.cases import random_lengths
-from benchmarks.runner import Result, add_out_argument, emit, environment
+from benchmarks.runner import Result, add_out_argument, emit, fla_environment
 from benchmarks.timing import median_ms_counted
 from custom_ops.testing import rel_error
 
@@ -250,7 +250,7 @@ def main() -> None:
         table.append([name, res["ms"], res["tokens_per_s"], res["first_step_s"]] + errs)
     check_rows = [[form, "yes" if c["ok"] else "NO", max(c["error ratios vs hf, looped"].values())]
                   for form, c in checks.items()]  # fmt: skip
-    env, name = environment(), "qwen3-next" + "-smoke" * args.smoke
+    env, name = fla_environment(), "qwen3-next" + "-smoke" * args.smoke
     title = f"Qwen3-Next, 2 layers (GDN + attention), {'smoke sizes' if args.smoke else 'Qwen3-Next widths'}, bf16"
     notes = (f"{tokens} real tokens in {seqs} sequences {lengths}; fwd+bwd of the batch loss; median of {runs} "
              "runs; errors against transformers' model in float32 run one sequence at a time")  # fmt: skip

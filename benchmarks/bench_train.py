@@ -3,7 +3,8 @@ layers): every run is the recipe itself under torchrun, under a timeout, read ba
 ``--log-json``; CP over W = 1, 2, 4 GPUs of one host at fixed global tokens (strong scaling).
 
     python -m benchmarks.bench_train [--worlds 1,2,4] [--tokens 32768,131072] [--graphs off|on|both]
-                                     [--steps N] [--warmup N] [--timeout S] [--out DIR] [--extra ARGS ...]
+                                     [--backends fla flashqla] [--steps N] [--warmup N] [--timeout S]
+                                     [--out DIR] [--extra ARGS ...]
     python -m benchmarks.bench_train --smoke                  # tiny preset, CPU, W = 1, 2, 3 steps
     python -m benchmarks.bench_train --curves                 # loss curves: 1 GPU, (dp 1, cp 4), (dp 2, cp 2); resume
     python -m benchmarks.bench_train --fit 20,18,16           # the 80B config's largest layer count at cp 4
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import json
 import os
 import statistics
@@ -34,7 +36,7 @@ from benchmarks.common import KERNEL_CLASSES, collective_waits, timeline_summary
 from benchmarks.runner import ROOT, Result, add_out_argument, emit, fla_environment
 
 SCRIPT = ROOT / "examples" / "train_qwen3_next.py"
-COLUMNS = ["tokens", "graphs", "W", "dp", "cp", "step ms", "tokens/s", "scaling", "host ms", "GPU ms",
+COLUMNS = ["tokens", "graphs", "GDN core", "W", "dp", "cp", "step ms", "tokens/s", "scaling", "host ms", "GPU ms",
            "peak GiB", "first step s", "MFU", "recompiles", "status"]  # fmt: skip
 FORMATS = {"tokens": "{:d}", "W": "{:d}", "dp": "{:d}", "cp": "{:d}", "step ms": "{:.1f}", "tokens/s": "{:.0f}",
            "scaling": "{:.2f}", "host ms": "{:.1f}", "GPU ms": "{:.1f}", "peak GiB": "{:.1f}",
@@ -90,12 +92,19 @@ def cp_run_args(args: argparse.Namespace, world: int, tokens, graphs: bool, log:
             *(["--compile"] if args.compile else []), *(["--cuda-graphs"] if graphs else []), *args.extra]  # fmt: skip
 
 
-def run_one(world: int, tokens: int, graphs: bool, args: argparse.Namespace, tmp: Path) -> dict:
-    """One torchrun of the recipe; its row (``status`` "ok", "failed (...)" or "timeout")."""
-    log = tmp / f"w{world}-t{tokens}-g{int(graphs)}.json"
-    row = {"tokens": tokens, "graphs": "on" if graphs else "off", "W": world, "dp": 1, "cp": world}
+def run_one(world: int, tokens: int, graphs: bool, args: argparse.Namespace, tmp: Path,
+            backend: str | None = None) -> dict:  # fmt: skip
+    """One torchrun of the recipe, with the GDN core ``backend`` where given (``CP_OPS_GDN_BACKEND``
+    for its ranks; None: as this process has it); its row (``status`` "ok", "failed (...)" or
+    "timeout")."""
+    if backend is not None:
+        os.environ["CP_OPS_GDN_BACKEND"] = backend
+    backend = os.environ.get("CP_OPS_GDN_BACKEND", "auto")
+    log = tmp / f"w{world}-t{tokens}-g{int(graphs)}-{backend}.json"
+    row = {"tokens": tokens, "graphs": "on" if graphs else "off", "GDN core": backend, "W": world, "dp": 1,
+           "cp": world}  # fmt: skip
     print(f"[bench_train] W={world} tokens={tokens} graphs={row['graphs']}", flush=True)
-    profile = tmp / f"profile-w{world}-t{tokens}-g{int(graphs)}"
+    profile = tmp / f"profile-w{world}-t{tokens}-g{int(graphs)}-{backend}"
     recipe_args = cp_run_args(args, world, tokens, graphs, log) + (["--profile", str(profile)] if args.profile else [])
     status = torchrun(world, recipe_args, args.timeout)
     if status == "ok" and not log.exists():
@@ -301,6 +310,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--worlds", default="1,2,4", help="CP sizes W (one GPU per rank)")
     p.add_argument("--tokens", default="32768,131072", help="global real tokens per step")
     p.add_argument("--graphs", choices=("off", "on", "both"), default="both", help="runs with --cuda-graphs")
+    p.add_argument("--backends", help="GDN core backends (CP_OPS_GDN_BACKEND values, e.g. fla,flashqla): every "
+                   "run once with each; default: CP_OPS_GDN_BACKEND as set")
     p.add_argument("--preset", default="slice4")
     p.add_argument("--steps", type=int, default=15)
     p.add_argument("--warmup", type=int, default=5, help="steps left out of the medians")
@@ -341,15 +352,15 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     env = fla_environment(world=max(worlds), torch_threads=os.environ.get("OMP_NUM_THREADS"))
     with tempfile.TemporaryDirectory() as tmp:
-        for tokens in token_counts:
-            for graphs in modes:
-                group = [run_one(w, tokens, graphs, args, Path(tmp)) for w in worlds]
-                base = next((r["step ms"] for r in group if r["W"] == 1 and r.get("step ms")), None)
-                for r in group:
-                    r["scaling"] = base / (r["W"] * r["step ms"]) if base and r.get("step ms") else None
-                rows += group
-                # the rows so far, written after every group: a run cut short keeps what finished
-                emit(tables(args, rows, env), args.out, quiet=True)
+        backends = args.backends.split(",") if args.backends else [None]
+        for tokens, graphs, backend in itertools.product(token_counts, modes, backends):
+            group = [run_one(w, tokens, graphs, args, Path(tmp), backend) for w in worlds]
+            base = next((r["step ms"] for r in group if r["W"] == 1 and r.get("step ms")), None)
+            for r in group:
+                r["scaling"] = base / (r["W"] * r["step ms"]) if base and r.get("step ms") else None
+            rows += group
+            # the rows so far, written after every group: a run cut short keeps what finished
+            emit(tables(args, rows, env), args.out, quiet=True)
     emit(tables(args, rows, env), args.out)
 
 

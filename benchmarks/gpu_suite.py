@@ -37,6 +37,9 @@ PARTS = {
     # each all-gather CP rank's attention kernels against one GPU's, W = 2, 4 and 8 on one GPU
     "attention-ranks": (1, _bench("bench_attention", "ranks", "--gqa", "8", "--head-dim", "256")),
     "gdn": (1, _bench("bench_gdn", "--kernel-time", "--rank-share", "2", "4")),
+    # the GDN core by kernel backend (FLA's, FlashQLA's where installed), and the layer with each
+    "gdn-core": (1, _bench("bench_gdn", "--core")),
+    "gdn-backends": (1, _bench("bench_gdn", "--tokens", "131072", "--seqs", "8", "--backends", "fla", "flashqla")),
     "conv": (1, _bench("bench_gdn", "--conv")),
     "conv-gather": (1, _bench("bench_gdn", "--conv", "--gather")),
     # the demo's results (every parameter's step-1 error among them) as {out}/{name}.json

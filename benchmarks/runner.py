@@ -60,14 +60,17 @@ def environment(world: int | None = None, **extra) -> dict:
 
 
 def fla_environment(world: int | None = None, **extra) -> dict:
-    """:func:`environment` with FLA's version (``absent`` where FLA is not installed)."""
+    """:func:`environment` with FLA's version (``absent`` where FLA is not installed) and the
+    gated delta rule's backend for Qwen3-Next's head dims in bf16 (``gdn``)."""
+    from custom_ops.gated_delta_rule.backends import describe
+
     try:
         import fla
 
         version = getattr(fla, "__version__", "?")
     except ImportError:
         version = "absent"
-    return environment(world, fla=version, **extra)
+    return environment(world, fla=version, gdn=describe(), **extra)
 
 
 def env_line(env: dict) -> str:
@@ -77,6 +80,8 @@ def env_line(env: dict) -> str:
         return env["stated"]
     parts = [env.get("device") or "unknown device"]
     parts += [f"{key} {env[key]}" for key in ("torch", "triton", "fla") if env.get(key)]
+    if env.get("gdn"):
+        parts.append(f"GDN core {env['gdn']}")
     if env.get("cuda"):
         parts.append(f"CUDA {env['cuda']}")
     parts += [env[key] for key in ("date",) if env.get(key)]

@@ -313,7 +313,7 @@ def test_scaling_table_is_written_after_every_group(tmp_path, monkeypatch):
     the groups that finished in its result file, with their scaling against W = 1."""
     from benchmarks import bench_train
 
-    def run_one(world, tokens, graphs, args, tmp):
+    def run_one(world, tokens, graphs, args, tmp, backend=None):
         if graphs:
             raise RuntimeError("cut short")
         return {"tokens": tokens, "graphs": "off", "W": world, "dp": 1, "cp": world, "step ms": 100.0 / world ** 0.5,
@@ -326,6 +326,25 @@ def test_scaling_table_is_written_after_every_group(tmp_path, monkeypatch):
     col = {c: [row[i] for row in written["rows"]] for i, c in enumerate(written["columns"])}
     assert col["W"] == [1, 4] and col["graphs"] == ["off", "off"]
     assert col["scaling"] == [1.0, 0.5]
+
+
+def test_each_backend_scales_against_its_own_one_gpu_run(tmp_path, monkeypatch):
+    """bench_train --backends: every run once with each GDN core backend, the backend named in
+    its row, scaling against the one-GPU run of the same backend."""
+    from benchmarks import bench_train
+
+    def run_one(world, tokens, graphs, args, tmp, backend=None):
+        step = {"fla": 200.0, "flashqla": 100.0}[backend] / world**0.5
+        return {"tokens": tokens, "graphs": "off", "GDN core": backend, "W": world, "dp": 1, "cp": world,
+                "step ms": step, "status": "ok"}  # fmt: skip
+
+    monkeypatch.setattr(bench_train, "run_one", run_one)
+    bench_train.main(["--worlds", "1,4", "--tokens", "1024", "--graphs", "off", "--backends", "fla,flashqla",
+                      "--out", str(tmp_path)])  # fmt: skip
+    written = json.loads((tmp_path / "train-slice4.json").read_text())
+    col = {c: [row[i] for row in written["rows"]] for i, c in enumerate(written["columns"])}
+    assert col["GDN core"] == ["fla", "fla", "flashqla", "flashqla"]
+    assert col["scaling"] == [1.0, 0.5, 1.0, 0.5]
 
 
 def test_profile_summary_reads_every_ranks_timeline(tmp_path):
