@@ -133,14 +133,13 @@ def resolve(q: torch.Tensor, v: torch.Tensor, backend: str = "auto", machine: Ma
 
 
 def describe(head_dim: int = FLASH_QLA_HEAD_DIM, dtype: torch.dtype = torch.bfloat16) -> str:
-    """The backend a CUDA call of this head dim and dtype takes here, with its version (e.g.
-    ``flashqla 0.1.3``), or ``reference`` without CUDA: the benchmarks' environment line."""
+    """The backend a CUDA call of this head dim and dtype takes here (``fla``, or FlashQLA with its
+    version: ``flashqla 0.1.3``), or ``reference`` without CUDA: the benchmarks' environment line."""
     if not torch.cuda.is_available():
         return "reference"
     probe = torch.empty(1, 1, head_dim, device="cuda", dtype=dtype)
     backend = resolve(probe, probe)
-    package = {"fla": "fla-core", "flashqla": "flash-qla"}[backend]
-    return f"{backend} {installed_version(package)}"
+    return f"flashqla {installed_version('flash-qla')}" if backend == "flashqla" else backend
 
 
 _tag_compile_caches()
