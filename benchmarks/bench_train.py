@@ -23,7 +23,6 @@ is a row with its status and no numbers. docs/benchmarks.md says what each figur
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import statistics
@@ -34,9 +33,9 @@ import time
 from pathlib import Path
 
 from benchmarks.common import KERNEL_CLASSES, collective_waits, timeline_summary
+from benchmarks.memory_map import SCRIPT, load_recipe
 from benchmarks.runner import ROOT, Result, add_out_argument, emit, fla_environment
 
-SCRIPT = ROOT / "examples" / "train_qwen3_next.py"
 COLUMNS = ["tokens", "graphs", "W", "dp", "cp", "step ms", "tokens/s", "scaling", "host ms", "GPU ms",
            "peak GiB", "first step s", "MFU", "recompiles", "status"]  # fmt: skip
 FORMATS = {"tokens": "{:d}", "W": "{:d}", "dp": "{:d}", "cp": "{:d}", "step ms": "{:.1f}", "tokens/s": "{:.0f}",
@@ -184,10 +183,7 @@ def curves(args: argparse.Namespace) -> list[Result]:
     (:func:`markov_tokens`); the (dp 1, cp 4) run saves a checkpoint at step ``--steps // 2``, from
     which one step is resumed. A summary of the runs and every run's loss per step."""
     tmp = Path(tempfile.mkdtemp())
-    spec = importlib.util.spec_from_file_location("train_qwen3_next", SCRIPT)  # a script, not a package module
-    recipe = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = recipe  # its dataclasses look their module up
-    spec.loader.exec_module(recipe)
+    recipe = load_recipe()
     data = markov_tokens(tmp / "tokens.npy", recipe.model_config(args.preset, 4, args.vocab_size).vocab_size)
     tokens = args.tokens.split(",")[0]
     # two batch shards: the one-GPU run trains on what the two replicas of (dp 2, cp 2) split

@@ -13,7 +13,6 @@ the recipe's train() resumed from step 2 and at (dp 2, cp 1).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -25,6 +24,7 @@ import numpy as np
 import pytest
 import torch
 
+from benchmarks.memory_map import load_recipe
 from cp_ops.integrations.transformers import apply_context_parallel, shard_batch
 from tests._dist import run_ranks
 
@@ -36,15 +36,7 @@ BASE = ["--preset", "tiny", "--device", "cpu", "--dtype", "fp32", "--no-progress
 CLIP = ["--clip-grad-norm", "0.3"]  # below the (dp 2) run's gradient norms (about 0.38): clipping acts
 
 
-def _load_recipe():
-    spec = importlib.util.spec_from_file_location("train_qwen3_next", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclass looks its module up
-    spec.loader.exec_module(module)
-    return module
-
-
-recipe = _load_recipe()
+recipe = load_recipe()
 
 
 def _args(*argv: str, world: int = 2):
