@@ -10,18 +10,20 @@ layers): every run is the recipe itself under torchrun, under a timeout, read ba
     python -m benchmarks.bench_train --fit 20,18,16           # the 80B config's largest layer count at cp 4
     python -m benchmarks.bench_train --replay 2 [--steps 20]  # CUDA graphs replayed across packings at cp 2
     python -m benchmarks.bench_train --worlds 1,4 --tokens 32768 --graphs off --profile  # where the step's time goes
+    python -m benchmarks.bench_train --memory --worlds 1,4 --tokens 32768   # each rank's peak and what holds it
+    python -m benchmarks.bench_train --fit-context 1,2,4 [--ac on|off|both]  # the longest single sequence at each W
 
 Results (benchmarks/runner.py): ``train-<preset>`` (``-smoke``), with --profile also
 ``train-<preset>-profile``; with --curves ``train-curves-<preset>``
 and ``train-losses-<preset>``; with --fit ``train-qwen3-next-80b``; with --replay
-``train-replay-<preset>-wW``. A run that fails or times out
+``train-replay-<preset>-wW``; with --memory ``train-memory-<preset>``, with --fit-context
+``train-fit-context-<preset>`` (``-vV`` after either with --vocab-size V). A run that fails or times out
 is a row with its status and no numbers. docs/benchmarks.md says what each figure measures.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import itertools
 import json
 import os
@@ -33,9 +35,9 @@ import time
 from pathlib import Path
 
 from benchmarks.common import KERNEL_CLASSES, collective_waits, timeline_summary
+from benchmarks.memory_map import SCRIPT, load_recipe
 from benchmarks.runner import ROOT, Result, add_out_argument, emit, fla_environment
 
-SCRIPT = ROOT / "examples" / "train_qwen3_next.py"
 COLUMNS = ["tokens", "graphs", "GDN core", "W", "dp", "cp", "step ms", "tokens/s", "scaling", "host ms", "GPU ms",
            "peak GiB", "first step s", "MFU", "recompiles", "status"]  # fmt: skip
 FORMATS = {"tokens": "{:d}", "W": "{:d}", "dp": "{:d}", "cp": "{:d}", "step ms": "{:.1f}", "tokens/s": "{:.0f}",
@@ -65,11 +67,12 @@ def summarise(log: dict, warmup: int) -> dict:
     }  # fmt: skip
 
 
-def torchrun(world: int, recipe_args: list[str], timeout: int) -> str:
-    """One torchrun of the recipe: its status ("ok", "out of memory", "failed (rc N)" or "timeout"), its output's
-    tail printed on failure."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world), str(SCRIPT),
-           *recipe_args, "--no-progress"]  # fmt: skip
+def torchrun(world: int, recipe_args: list[str], timeout: int, entry: list[str] | None = None) -> str:
+    """One torchrun of the recipe (or of ``entry``, a script or ``-m MODULE`` with its arguments, taking
+    the recipe's after them): its status ("ok", "out of memory", "failed (rc N)" or "timeout"), its
+    output's tail printed on failure."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
+           *(entry or [str(SCRIPT)]), *recipe_args, "--no-progress"]  # fmt: skip
     print(f"[bench_train] {' '.join(cmd[2:])}", flush=True)
     start = time.perf_counter()
     try:
@@ -89,7 +92,18 @@ def cp_run_args(args: argparse.Namespace, world: int, tokens, graphs: bool, log:
     """The recipe's arguments for ``--steps`` steps at (dp 1, cp ``world``), logging to ``log``."""
     return ["--preset", args.preset, "--dp", "1", "--cp", str(world), "--tokens-per-step", str(tokens),
             "--steps", str(args.steps), "--max-seqs", str(args.max_seqs), "--log-json", str(log),
-            *(["--compile"] if args.compile else []), *(["--cuda-graphs"] if graphs else []), *args.extra]  # fmt: skip
+            *(["--compile"] if args.compile else []), *(["--cuda-graphs"] if graphs else []), *vocab_args(args),
+            *args.extra]  # fmt: skip
+
+
+def vocab_args(args: argparse.Namespace) -> list[str]:
+    """``--vocab-size V`` for the recipe when given (else the preset's vocabulary)."""
+    return ["--vocab-size", str(args.vocab_size)] if args.vocab_size else []
+
+
+def suffix(args: argparse.Namespace) -> str:
+    """``-vV`` in a result's name when the vocabulary is not the preset's."""
+    return f"-v{args.vocab_size}" if args.vocab_size else ""
 
 
 def run_one(world: int, tokens: int, graphs: bool, args: argparse.Namespace, tmp: Path,
@@ -178,15 +192,13 @@ def curves(args: argparse.Namespace) -> list[Result]:
     (:func:`markov_tokens`); the (dp 1, cp 4) run saves a checkpoint at step ``--steps // 2``, from
     which one step is resumed. A summary of the runs and every run's loss per step."""
     tmp = Path(tempfile.mkdtemp())
-    spec = importlib.util.spec_from_file_location("train_qwen3_next", SCRIPT)  # a script, not a package module
-    recipe = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = recipe  # its dataclasses look their module up
-    spec.loader.exec_module(recipe)
-    data = markov_tokens(tmp / "tokens.npy", recipe.model_config(args.preset, 4).vocab_size)
+    recipe = load_recipe()
+    data = markov_tokens(tmp / "tokens.npy", recipe.model_config(args.preset, 4, args.vocab_size).vocab_size)
     tokens = args.tokens.split(",")[0]
     # two batch shards: the one-GPU run trains on what the two replicas of (dp 2, cp 2) split
     common = ["--preset", args.preset, "--tokens-per-step", tokens, "--max-seqs", str(args.max_seqs), "--batch-shards",
-              "2", "--data", str(data), *(["--compile"] if args.compile else []), *args.extra]  # fmt: skip
+              "2", "--data", str(data), *(["--compile"] if args.compile else []), *vocab_args(args),
+              *args.extra]  # fmt: skip
     half = args.steps // 2
     runs = {"1 GPU": (1, 1, 1), "dp 1, cp 4": (4, 1, 4), "dp 2, cp 2": (4, 2, 2)}
     logs, rows = {}, []
@@ -244,7 +256,7 @@ def fit(args: argparse.Namespace) -> Result:
             log = Path(tmp) / f"fit-{layers}.json"
             recipe_args = ["--preset", "qwen3-next-80b", "--num-layers", str(layers), "--dp", "1", "--cp", "4",
                            "--ac", "--steps", "4", "--tokens-per-step", args.tokens.split(",")[0], "--log-json",
-                           str(log), *args.extra]  # fmt: skip
+                           str(log), *vocab_args(args), *args.extra]  # fmt: skip
             status = torchrun(4, recipe_args, args.timeout)
             row = {"layers": layers, "status": status}
             if status == "ok":
@@ -262,6 +274,143 @@ def fit(args: argparse.Namespace) -> Result:
         formats={c: f for c, f in FORMATS.items() if c in columns},
         env=fla_environment(world=4),
         notes="4 steps each, medians of steps 2-4; the first run that fits ends the search",
+    )  # fmt: skip
+
+
+def longest_fit(trial, start: int, granularity: int, limit: int) -> tuple[int | None, list[tuple[int, str]]]:
+    """The longest length, a multiple of ``granularity`` up to ``limit``, for which ``trial(length)``
+    returns "ok", assuming every shorter one fits too; and every ``(length, status)`` tried, in order.
+    Doubles from ``start`` (a multiple of ``granularity``) until a length fails or ``limit`` is
+    reached, or halves until one fits, then bisects between the longest that fit and the shortest
+    that did not. None when not even ``granularity`` fits."""
+    if start % granularity or start < granularity or limit < start:
+        raise ValueError(f"start {start} must be a multiple of granularity {granularity} and at most limit {limit}")
+    tried: list[tuple[int, str]] = []
+
+    def fits(length: int) -> bool:
+        tried.append((length, trial(length)))
+        return tried[-1][1] == "ok"
+
+    fit, fail, length = None, None, start
+    while fit is None or fail is None:
+        if fits(length):
+            fit = length
+            if fail is not None or length == limit:
+                break
+            length = min(2 * length, limit)
+        else:
+            fail = length
+            if fit is not None:
+                break
+            length = length // 2 // granularity * granularity
+            if length < granularity:
+                return None, tried
+    while fail is not None and fail - fit > granularity:
+        middle = (fit + fail) // 2 // granularity * granularity
+        if fits(middle):
+            fit = middle
+        else:
+            fail = middle
+    return fit, tried
+
+
+FIT_COLUMNS = ["W", "ac", "longest tokens", "shortest failed", "step ms", "tokens/s", "MFU", "peak GiB",
+               "first step s", "trials"]  # fmt: skip
+
+
+def fit_context(args: argparse.Namespace) -> Result:
+    """The ``--fit-context`` searches: at each W, with and without ``--ac`` (``--ac``), the longest single
+    sequence (``--max-seqs 1``) for which the recipe runs ``--fit-steps`` steps at (dp 1, cp W), each
+    trial a torchrun of its own (an out-of-memory trial leaves nothing behind), by :func:`longest_fit`
+    from ``--fit-start`` tokens per GPU; a row per search, with the longest run's numbers."""
+    rows = []
+    modes = {"off": [False], "on": [True], "both": [False, True]}[args.ac]
+    with tempfile.TemporaryDirectory() as tmp:
+        for world in [int(w) for w in args.fit_context.split(",")]:
+            for ac in modes:
+                runs = {}
+
+                def trial(tokens: int) -> str:
+                    log = Path(tmp) / f"fit-w{world}-ac{int(ac)}-{tokens}.json"
+                    recipe_args = ["--preset", args.preset, "--dp", "1", "--cp", str(world), "--tokens-per-step",
+                                   str(tokens), "--max-seqs", "1", "--steps", str(args.fit_steps), "--log-json",
+                                   str(log), *(["--compile"] if args.compile else []), *(["--ac"] if ac else []),
+                                   *vocab_args(args), *args.extra]  # fmt: skip
+                    status = torchrun(world, recipe_args, args.timeout)
+                    if status == "ok":
+                        runs[tokens] = summarise(json.loads(log.read_text()), warmup=1)
+                    return status
+
+                start = args.fit_start * world
+                best, tried = longest_fit(trial, start, args.fit_granularity, args.fit_limit or 8 * start)
+                failed = [n for n, status in tried if status != "ok" and (best is None or n > best)]
+                row = {"W": world, "ac": "on" if ac else "off", "longest tokens": best,
+                       "shortest failed": min(failed, default=None),
+                       "trials": "; ".join(f"{n} {status}" for n, status in tried), **runs.get(best, {})}  # fmt: skip
+                print(f"[bench_train] fit-context W={world} ac={row['ac']}: {best} tokens", flush=True)
+                rows.append(row)
+    return Result(
+        benchmark="train", name=f"train-fit-context-{args.preset}{suffix(args)}",
+        title=f"The longest single sequence that trains, preset {args.preset}"
+              + (f", vocabulary {args.vocab_size}" if args.vocab_size else "") + ", CP over W GPUs (dp 1)",
+        columns=FIT_COLUMNS, rows=[[r.get(c) for c in FIT_COLUMNS] for r in rows],
+        formats={c: f for c, f in FORMATS.items() if c in FIT_COLUMNS} | {"longest tokens": "{:d}",
+                                                                          "shortest failed": "{:d}"},
+        env=fla_environment(world=max(int(w) for w in args.fit_context.split(","))),
+        notes=f"each trial one sequence of that many tokens, {args.fit_steps} steps, its own torchrun; doubling "
+              f"from {args.fit_start} tokens per GPU, then bisection to {args.fit_granularity} tokens; the numbers "
+              "are the longest run's (medians after its first step); the recipe's settings: "
+              + " ".join(["--compile"] * args.compile + vocab_args(args) + args.extra),
+    )  # fmt: skip
+
+
+MEMORY_COLUMNS = ["W", "rank", "peak GiB", "peak in", "held at its start", "parameters", "optimizer state",
+                  "gradients", "activations and loss held", "transient", "head and loss", "activations by layer",
+                  "status"]  # fmt: skip
+
+
+def memory(args: argparse.Namespace) -> Result:
+    """The ``--memory`` maps: benchmarks.memory_map at (dp 1, cp W) for each W of --worlds at the first
+    --tokens, a row per rank."""
+    tokens = int(args.tokens.split(",")[0])
+    maps = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for world in [int(w) for w in args.worlds.split(",")]:
+            out = Path(tmp) / f"memory-w{world}.json"
+            entry = ["-m", "benchmarks.memory_map", "--json", str(out),
+                     *(["--snapshot", args.snapshot] if args.snapshot else []), "--"]  # fmt: skip
+            recipe_args = cp_run_args(args, world, tokens, False, Path(tmp) / f"log-w{world}.json")
+            status = torchrun(world, recipe_args, args.timeout, entry)
+            maps[world] = json.loads(out.read_text()) if status == "ok" and out.exists() else status
+    return memory_result(args, tokens, maps)
+
+
+def memory_result(args: argparse.Namespace, tokens: int, maps: dict[int, dict | str]) -> Result:
+    """The --memory table from each W's memory_map JSON (or its run's status)."""
+    rows = []
+    for world, found in maps.items():
+        if isinstance(found, str):
+            rows.append({"W": world, "status": found})
+            continue
+        for r in found["ranks"]:
+            row = {c: r[c] for c in MEMORY_COLUMNS if c in r}
+            row.update(W=world, status="ok", **{"peak GiB": r["peak"], "peak in": r["peak phase"]})
+            row["activations by layer"] = " ".join(f"{gib:.2f}" for gib in r["activations by layer"].values())
+            rows.append(row)
+    gib = {c: "{:.2f}" for c in ("peak GiB", "held at its start", "parameters", "optimizer state", "gradients",
+                                 "activations and loss held", "transient", "head and loss")}  # fmt: skip
+    return Result(
+        benchmark="train", name=f"train-memory-{args.preset}{suffix(args)}",
+        title=f"Where each rank's memory goes, preset {args.preset}, {tokens} tokens a step, CP over W GPUs (dp 1)",
+        columns=MEMORY_COLUMNS, rows=[[r.get(c) for c in MEMORY_COLUMNS] for r in rows],
+        formats={"W": "{:d}", "rank": "{:d}", **gib}, env=fla_environment(world=max(maps)),
+        notes="GiB, step " + str(args.steps) + " of the recipe (benchmarks.memory_map): the peak allocated and the "
+              "phase it falls in (the embedding, a decoder layer's forward, the final norm, head and loss, the "
+              "backward, the optimizer step); held at its start = parameters + optimizer state (+ gradients in "
+              "the optimizer step) + activations and loss; transient = what that phase added on top (its "
+              "temporaries, unsharded parameters, communication buffers); activations by layer and head and loss "
+              "= what each forward left allocated; the recipe's settings: "
+              + " ".join(["--compile"] * args.compile + vocab_args(args) + args.extra),
     )  # fmt: skip
 
 
@@ -327,6 +476,17 @@ def main(argv: list[str] | None = None) -> None:
                    help="profile each run's steps 4-5 (the recipe's --profile) and add the table of where rank 0's "
                         "step goes (needs --steps 5 or more; the profiled steps run slower, so take step times "
                         "from a run without it)")
+    p.add_argument("--vocab-size", type=int, help="the recipe's --vocab-size (default: the preset's vocabulary)")
+    p.add_argument("--memory", action="store_true", help="each rank's peak and what holds it, at each W of --worlds "
+                                                         "and the first --tokens (benchmarks.memory_map)")
+    p.add_argument("--snapshot", metavar="DIR", help="with --memory: each rank's allocator history to DIR")
+    p.add_argument("--fit-context", metavar="W,W,...", help="the longest single sequence that trains at each W")
+    p.add_argument("--ac", choices=("off", "on", "both"), default="both",
+                   help="--fit-context: the recipe with --ac, without, or both")
+    p.add_argument("--fit-start", type=int, default=262144, help="--fit-context: the first length tried, per GPU")
+    p.add_argument("--fit-granularity", type=int, default=65536, help="--fit-context: lengths are multiples of it")
+    p.add_argument("--fit-limit", type=int, help="--fit-context: the longest tried (default: 8 x the first)")
+    p.add_argument("--fit-steps", type=int, default=3, help="--fit-context: steps of each trial")
     p.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="further recipe arguments, last")
     args = p.parse_args(argv)
     args.compile = not args.smoke
@@ -342,6 +502,14 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.fit:
         emit([fit(args)], args.out)
+        return
+    if args.fit_context:
+        emit([fit_context(args)], args.out)
+        return
+    if args.memory:
+        if args.steps == 15:
+            args.steps = 3
+        emit([memory(args)], args.out)
         return
     if args.replay:
         if args.steps == 15:

@@ -45,6 +45,8 @@ PARTS = {
     # the demo's results (every parameter's step-1 error among them) as {out}/{name}.json
     "demo": (1, [sys.executable, "-m", "cp_ops", "demo", "--cp-size", "1", "--json", "{out}/{name}.json"]),
     "cold-start": (1, _bench("bench_host", "--cold-start")),
+    # the causal-LM loss: unfused, ours, Liger-Kernel's, cut-cross-entropy's (those installed)
+    "loss": (1, _bench("bench_loss")),
     "a2a": (2, _bench("bench_cp2hp", "--world", "{world}", "--profile")),
     "ag-attention": (2, _bench("bench_attention", "cp", "--world", "{world}")),
     "gdn-cp": (2, _bench("bench_gdn", "--cp", "{world}", "--profile")),

@@ -26,6 +26,8 @@ from custom_ops.gated_delta_rule.reference import (
     chunk_gated_delta_rule_with_state_reference,
     state_dtype,
 )
+from custom_ops.linear_cross_entropy.op import default_chunk_rows, linear_cross_entropy
+from custom_ops.linear_cross_entropy.reference import linear_cross_entropy_reference
 from custom_ops.permute_sections.op import (
     permute_sections,
     rank_blocks_to_sections,
@@ -74,6 +76,9 @@ __all__ = [
     "chunk_gated_delta_rule_with_state",
     "state_dtype",
     "segment_matmul",
+    # the loss
+    "linear_cross_entropy",
+    "default_chunk_rows",
     # references
     "thd_seq_to_rank_order_reference",
     "thd_rank_to_seq_order_reference",
@@ -89,6 +94,7 @@ __all__ = [
     "chunk_gated_delta_rule_reference",
     "chunk_gated_delta_rule_with_state_reference",
     "segment_matmul_reference",
+    "linear_cross_entropy_reference",
     # helpers: groups, collectives, checks, the index maps
     "resolve_group",
     "group_size",

@@ -49,6 +49,8 @@ OPS = (
     Op("chunk_gated_delta_rule_with_state_backward", "custom_ops.gated_delta_rule.op", False),
     Op("segment_matmul", "custom_ops.segment_matmul.op", True),
     Op("segment_matmul_weight_grad", "custom_ops.segment_matmul.op", False),
+    Op("linear_cross_entropy", "custom_ops.linear_cross_entropy.op", True),
+    Op("linear_cross_entropy_forward", "custom_ops.linear_cross_entropy.op", False),
     Op("check_layout", "custom_ops.runtime.validation", False),
 )
 

@@ -52,6 +52,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=PRESETS, default="tiny")
     p.add_argument("--num-layers", type=int, help="decoder layers, in the 3:1 linear / full attention pattern")
+    p.add_argument("--vocab-size", type=int, help="the vocabulary (default: the preset's; Qwen3-Next's is 151936)")
     p.add_argument("--dp", type=int, default=None, help="data-parallel replicas (default: world / cp)")
     p.add_argument("--cp", type=int, default=1, help="context-parallel ranks per replica")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
@@ -67,6 +68,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     p.add_argument("--compile", action="store_true", help="torch.compile(fullgraph=True) every decoder layer")
     p.add_argument("--ac", action="store_true", help="activation checkpointing per decoder layer")
+    p.add_argument("--loss", choices=("fused", "unfused"), default="fused",
+                   help="fused: the loss from the hidden states in row chunks, never the logits "
+                        "(custom_ops.linear_cross_entropy); unfused: transformers' loss over the whole logits")
     p.add_argument("--reshard-after-forward", choices=("always", "never"), default="always",
                    help="FSDP2: free each layer's unsharded parameters after its forward (always: all-gathered "
                         "again for the backward) or keep them until the backward (never: one all-gather a step)")
@@ -98,6 +102,8 @@ def check_args(args: argparse.Namespace, world: int) -> None:
         args.num_layers = {"tiny": 4, "slice4": 4, "qwen3-next-80b": 48}[args.preset]
     if args.num_layers < 1:
         raise ValueError(f"--num-layers must be >= 1, got {args.num_layers}")
+    if args.vocab_size is not None and args.vocab_size < 2:
+        raise ValueError(f"--vocab-size must be >= 2, got {args.vocab_size}")
     if args.tokens_per_step is None:
         args.tokens_per_step = 256 * args.dp if args.preset == "tiny" else 32768
     if args.batch_shards is None:
@@ -110,7 +116,7 @@ def check_args(args: argparse.Namespace, world: int) -> None:
             f"--tokens-per-step {args.tokens_per_step} must split evenly into --batch-shards {shards} shards with at "
             f"least --max-seqs {args.max_seqs} (>= 1) tokens each"
         )
-    config = model_config(args.preset, args.num_layers)
+    config = model_config(args.preset, args.num_layers, args.vocab_size)
     if config.linear_num_key_heads % args.cp or config.linear_num_value_heads % args.cp:
         raise ValueError(
             f"--cp {args.cp} must divide the Gated DeltaNet's {config.linear_num_key_heads} key and "
@@ -133,8 +139,9 @@ def check_args(args: argparse.Namespace, world: int) -> None:
 # --- the model ----------------------------------------------------------------------------------
 
 
-def model_config(preset: str, num_layers: int):
-    """The ``Qwen3NextConfig`` of a preset with ``num_layers`` layers (every fourth full attention)."""
+def model_config(preset: str, num_layers: int, vocab_size: int | None = None):
+    """The ``Qwen3NextConfig`` of a preset with ``num_layers`` layers (every fourth full attention)
+    and the preset's vocabulary or ``vocab_size``."""
     from transformers import Qwen3NextConfig
 
     layer_types = ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(num_layers)]
@@ -142,19 +149,21 @@ def model_config(preset: str, num_layers: int):
     rope = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}  # the checkpoints' values
     if preset == "tiny":
         return Qwen3NextConfig(
-            vocab_size=64, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=16, linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=8,
-            linear_value_head_dim=8, num_experts=0, rope_parameters=dict(rope, rope_theta=1e4), **common,
+            vocab_size=vocab_size or 64, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, linear_num_key_heads=4, linear_num_value_heads=8,
+            linear_key_head_dim=8, linear_value_head_dim=8, num_experts=0,
+            rope_parameters=dict(rope, rope_theta=1e4), **common,
         )  # fmt: skip
     if preset == "slice4":
         return Qwen3NextConfig(
-            vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_attention_heads=16,
+            vocab_size=vocab_size or 32000, hidden_size=2048, intermediate_size=5632, num_attention_heads=16,
             num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
             linear_key_head_dim=128, linear_value_head_dim=128, num_experts=0, rope_parameters=rope, **common,
         )  # fmt: skip
     if preset == "qwen3-next-80b":
         # transformers' defaults are Qwen3-Next-80B-A3B; grouped GEMMs keep the experts compilable
-        return Qwen3NextConfig(rope_parameters=rope, experts_implementation="grouped_mm", **common)
+        vocab = {"vocab_size": vocab_size} if vocab_size else {}
+        return Qwen3NextConfig(rope_parameters=rope, experts_implementation="grouped_mm", **vocab, **common)
     raise ValueError(f"unknown preset {preset!r}; one of {PRESETS}")
 
 
@@ -333,13 +342,13 @@ def setup(args: argparse.Namespace, rank: int, world: int, device: torch.device)
     from cp_ops.integrations.transformers import apply_context_parallel
 
     mesh = init_device_mesh(device.type, (args.dp, args.cp), mesh_dim_names=("dp", "cp"))
-    config = model_config(args.preset, args.num_layers)
+    config = model_config(args.preset, args.num_layers, args.vocab_size)
     on_meta = args.preset == "qwen3-next-80b"  # too large to build whole on every rank first
     model = build_model(config, args.seed, "meta" if on_meta else "cpu")
     # the patch changes no parameter and the CP layers read their weights inside the forward,
     # where FSDP2 has unsharded them; either order works, the patch comes first here
     gdn_cp = StatePassing() if args.gdn_cp == "states" else None
-    apply_context_parallel(model, mesh["cp"] if args.cp > 1 else None, gdn_cp)
+    apply_context_parallel(model, mesh["cp"] if args.cp > 1 else None, gdn_cp, fused_loss=args.loss == "fused")
     for layer in model.model.layers:
         wrap_layer(layer, args)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

@@ -379,3 +379,21 @@ def test_profile_summary_reads_every_ranks_timeline(tmp_path):
     empty.mkdir()
     (empty / "rank0.kernels.json").write_text(json.dumps({"steps": 2, "kernels": []}))
     assert bench_train.profile_summary(empty) == {}
+
+
+# --- bench_loss -----------------------------------------------------------------------------------
+
+
+def test_bench_loss_smoke_writes_its_table(tmp_path):
+    """bench_loss --smoke on the CPU: the unfused loss and ours run and agree, the GPU-only
+    libraries are rows that say why they were skipped, the table is written."""
+    from benchmarks import bench_loss
+    from benchmarks.runner import load
+
+    (result,) = bench_loss.main(["--smoke", "--out", str(tmp_path)])
+    assert load(tmp_path / "loss-smoke.json").rows == result.rows
+    rows = {r["loss"]: r for r in result.records()}
+    assert rows["unfused"]["status"] == rows["ours, chunks of 24"]["status"] == "ok"
+    assert rows["ours, chunks of 24"]["rel diff vs unfused"] < 1e-5 and rows["ours, chunks of 24"]["time vs ours"] == 1
+    assert {rows[name]["status"] for name in ("liger", "cce", "cce exact")} == {"skipped: needs a GPU (Triton kernels)"}
+    assert set(result.env) >= {"liger-kernel", "cut-cross-entropy", "device", "date"}

@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 
 from cp_ops.attention import Attention
+from cp_ops.integrations.causal_lm_loss import check_fused_loss, set_fused_loss
 from custom_ops import fla_module, resolve_group
 from cp_ops.gdn import GatedDeltaNet, GDNContextParallel, from_qwen3_next_state_dict
 from cp_ops.layout import pack, shard_thd, static_seqlens
@@ -31,7 +32,7 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
         "pip install -e '.[hf]' in a clone of this repository"
     ) from err
 Qwen3NextAttention, Qwen3NextGatedDeltaNet = _qwen3_next.Qwen3NextAttention, _qwen3_next.Qwen3NextGatedDeltaNet
-Qwen3NextModel = _qwen3_next.Qwen3NextModel
+Qwen3NextModel, Qwen3NextForCausalLM = _qwen3_next.Qwen3NextModel, _qwen3_next.Qwen3NextForCausalLM
 
 __all__ = [
     "apply_context_parallel",
@@ -322,7 +323,7 @@ def _replace_hook(module: nn.Module, attr: str, hook) -> None:
 
 
 def apply_context_parallel(
-    model: nn.Module, group=None, gdn_context_parallel: GDNContextParallel | None = None
+    model: nn.Module, group=None, gdn_context_parallel: GDNContextParallel | None = None, fused_loss: bool = False
 ) -> nn.Module:
     """Run every ``Qwen3NextGatedDeltaNet`` and ``Qwen3NextAttention`` of ``model`` through this
     package's layers with context parallelism over ``group``; in place, returns ``model``.
@@ -333,12 +334,14 @@ def apply_context_parallel(
     ``gdn_context_parallel``: how the Gated DeltaNet layers run over the group (e.g.
     :class:`cp_ops.StatePassing`; None: by heads, the layer's default). Parameters stay
     the same objects under the same names and shapes (checkpoints interchangeable, layouts
-    converted inside the forward); docs/transformers.md says what else changes. Calling it
-    again re-targets the model to another group.
+    converted inside the forward); docs/transformers.md says what else changes. ``fused_loss``
+    (a ``Qwen3NextForCausalLM``): ``model(..., labels=...).loss`` is
+    :func:`custom_ops.linear_cross_entropy` of the hidden states and ``lm_head``, never the
+    logits (then None). Calling it again re-targets the model to another group and loss.
 
-    Raises ``ValueError`` for a model without those layers, GDN heads not divisible by W (by heads), or
+    Raises ``ValueError`` for a model without those layers, GDN heads not divisible by W (by heads),
     settings the CP layers do not implement (a non-default rotary type, attention dropout,
-    biases on the GDN projections), before changing anything.
+    biases on the GDN projections), or ``fused_loss`` without a bias-free head, before changing anything.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -351,6 +354,8 @@ def apply_context_parallel(
             f"model ({type(model).__name__}) has no Qwen3NextGatedDeltaNet or Qwen3NextAttention module; "
             "apply_context_parallel runs those through the CP layers"
         )
+    if fused_loss:
+        check_fused_loss(model, Qwen3NextForCausalLM)
     settings = {}
     for name, layer in layers:
         if isinstance(layer, Qwen3NextGatedDeltaNet):
@@ -368,6 +373,8 @@ def apply_context_parallel(
         if isinstance(module, Qwen3NextModel):
             _replace_hook(module, "_cp_ops_base_hook", _base_model_pre_hook)
     _replace_hook(model, "_cp_ops_model_hook", functools.partial(_model_pre_hook, world))
+    if fused_loss or isinstance(model, Qwen3NextForCausalLM):
+        set_fused_loss(model, fused_loss)
     return model
 
 

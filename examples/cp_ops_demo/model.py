@@ -8,7 +8,7 @@ An embedding, ``cfg.blocks`` blocks of::
     x = x + MLP(RMSNorm(x))
 
 then a final RMSNorm and an LM head over a small vocabulary; ``forward`` returns the
-summed next-token cross-entropy of this rank's targets.
+summed next-token cross-entropy of this rank's targets, without the whole logits.
 
 The GatedDeltaNet layers start from FLA's decay init (``dt_bias`` the inverse softplus
 of dt log-uniform in [1e-3, 0.1]) instead of Qwen3-Next's ``dt_bias = 1``: with ``A``
@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 import cp_ops
 from cp_ops.modules import RMSNorm
+from custom_ops import linear_cross_entropy
 
 __all__ = ["IGNORE_INDEX", "RMSNorm", "MLP", "HybridBlock", "HybridLM", "fla_dt_bias_"]
 
@@ -110,6 +111,6 @@ class HybridLM(nn.Module):
         return self.loss(x, labels)
 
     def loss(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """The float32 sum of the cross-entropy of the LM head's logits over the targets."""
-        logits = self.lm_head(self.norm(x)).float()
-        return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+        """The float32 sum of the cross-entropy of the LM head's logits over the targets, computed
+        in row chunks without the whole logits (``custom_ops.linear_cross_entropy``)."""
+        return linear_cross_entropy(self.norm(x), self.lm_head.weight, labels, IGNORE_INDEX, "sum")

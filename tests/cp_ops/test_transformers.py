@@ -167,10 +167,30 @@ def _check_equivalence(model, reference, sequences, group, rank, world, what="")
         assert rel_error(grad, want_grads[name]) < TOL, f"{what}: gradient of {name}"
 
 
-def _patched_pair(config, group, seed=0, gdn_context_parallel=None):
+def _patched_pair(config, group, seed=0, gdn_context_parallel=None, fused_loss=False):
     """(patched model, its unpatched copy)."""
     model = _model(config, seed)
-    return apply_context_parallel(copy.deepcopy(model), group, gdn_context_parallel), model
+    return apply_context_parallel(copy.deepcopy(model), group, gdn_context_parallel, fused_loss), model
+
+
+def _check_fused_loss(model, reference, sequences, group, rank, world):
+    """The patched model with ``fused_loss=True`` on rank ``rank``'s shard against
+    :func:`_reference` (transformers' own loss): the loss summed over ranks and every gradient;
+    no logits."""
+    want_loss, _, want_grads = reference
+    model.zero_grad()
+    out = model(**shard_batch(sequences, world, rank).model_inputs())
+    out.loss.backward()
+    assert out.logits is None and out.loss.dtype == torch.float64
+    loss = out.loss.detach().clone()
+    if group is not None:
+        dist.all_reduce(loss, group=group)
+    assert rel_error(loss, want_loss) < TOL, f"W={world} rank {rank}, fused loss: {loss.item()} vs {want_loss.item()}"
+    for name, p in model.named_parameters():
+        grad = p.grad.clone()
+        if group is not None:
+            dist.all_reduce(grad, group=group)
+        assert rel_error(grad, want_grads[name]) < TOL, f"W={world} rank {rank}, fused loss: gradient of {name}"
 
 
 # --- one process (W = 1) ------------------------------------------------------------------------
@@ -180,6 +200,37 @@ def test_patched_model_equals_transformers_one_rank():
     model, reference_model = _patched_pair(_config(), None)
     sequences = _sequences(SEQLENS)
     _check_equivalence(model, _reference(reference_model, sequences), sequences, None, 0, 1)
+
+
+def test_fused_loss_equals_transformers_one_rank():
+    """fused_loss=True: transformers' own loss and gradients (float64) with num_items_in_batch,
+    its mean without it, its router load-balancing term, the tuple output; logits again, from
+    the head, once the model is patched without it."""
+    model, reference_model = _patched_pair(_config(), None, fused_loss=True)
+    sequences = _sequences(SEQLENS)
+    _check_fused_loss(model, _reference(reference_model, sequences), sequences, None, 0, 1)
+    unfused = apply_context_parallel(copy.deepcopy(model), None)
+    inputs = shard_batch(sequences, 1, 0).model_inputs()
+    mean_inputs = {k: v for k, v in inputs.items() if k != "num_items_in_batch"}
+    for call in (mean_inputs, dict(inputs, output_router_logits=True)):
+        with torch.no_grad():
+            got, want = model(**call), unfused(**call)
+        assert rel_error(got.loss, want.loss) < TOL and (got.aux_loss is None) == (want.aux_loss is None)
+    with torch.no_grad():
+        assert model(**inputs, return_dict=False)[0] == model(**inputs).loss
+        logits = unfused(**inputs).logits
+        assert torch.equal(model(**{k: v for k, v in inputs.items() if "labels" not in k}).logits, logits)
+    with pytest.raises(ValueError, match="logits_to_keep"):
+        model(**inputs, logits_to_keep=1)
+
+
+def test_fused_loss_refuses_models_without_a_plain_head():
+    with pytest.raises(ValueError, match="the loss belongs to the causal LM"):
+        apply_context_parallel(_model(_config(num_k_heads=2)).model, None, fused_loss=True)
+    model = _model(_config(num_k_heads=2))
+    model.lm_head = torch.nn.Linear(32, VOCAB, dtype=torch.float64)
+    with pytest.raises(ValueError, match="lm_head must be an nn.Linear without bias"):
+        apply_context_parallel(model, None, fused_loss=True)
 
 
 def test_patching_keeps_parameters_checkpoints_and_classes(tmp_path):
@@ -368,7 +419,9 @@ def _rank(rank, world, compiled):
         inputs = shard_batch(sequences, world, rank).model_inputs()
         with pytest.raises(ValueError, match="num_items_in_batch is missing: with 3 CP ranks"):
             model(**{k: v for k, v in inputs.items() if k != "num_items_in_batch"})
-    if world == 2:  # a 1-D DeviceMesh is accepted as the group
+    if world == 2:  # a 1-D DeviceMesh is accepted as the group; the fused loss's shares add up
+        model, reference_model = _patched_pair(_config(), group, fused_loss=True)
+        _check_fused_loss(model, _reference(reference_model, sequences), sequences, group, rank, world)
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh("cpu", (world,))
@@ -439,8 +492,10 @@ def test_static_shapes_refuse_larger_batches():
 
 
 def _fsdp_rank(rank, world):
-    """FSDP2 over the flattened (dp = 1, cp = W) mesh, the patch before or after ``fully_shard``:
-    the W shares (scaled by W, as FSDP2 averages) give the one-device loss and gradients."""
+    """FSDP2 over the flattened (dp = 1, cp = W) mesh, the patch before or after ``fully_shard``,
+    and with the fused loss and the final norm and head sharded as one unit (the recipe's
+    layout): the W shares (scaled by W, as FSDP2 averages) give the one-device loss and
+    gradients."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -450,12 +505,14 @@ def _fsdp_rank(rank, world):
     reference = apply_context_parallel(_model(config), None)
     want = reference(**shard_batch(sequences, 1, 0).model_inputs()).loss
     want.backward()
-    for patch_first in (True, False):
+    for patch_first, fused in ((True, False), (False, False), (True, True)):
         model = _model(config)
         if patch_first:
-            apply_context_parallel(model, mesh["cp"])
+            apply_context_parallel(model, mesh["cp"], fused_loss=fused)
         for layer in model.model.layers:
             fully_shard(layer, mesh=flat)
+        if fused:
+            fully_shard([model.model.norm, model.lm_head], mesh=flat)
         fully_shard(model, mesh=flat)
         if not patch_first:
             apply_context_parallel(model, mesh["cp"])
@@ -463,7 +520,7 @@ def _fsdp_rank(rank, world):
         (loss * world).backward()
         total = loss.detach().clone()
         dist.all_reduce(total)
-        what = "patch, then fully_shard" if patch_first else "fully_shard, then patch"
+        what = ("patch, then fully_shard" if patch_first else "fully_shard, then patch") + (", fused" if fused else "")
         assert rel_error(total, want.detach()) < TOL, what
         for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
             assert rel_error(p.grad.full_tensor(), q.grad) < TOL, f"{what}: {name}"

@@ -5,14 +5,14 @@ The oracle is :func:`_one_process`: the same seeded tiny model patched without C
 process, no FSDP, fed every dp replica's whole batch and averaging their losses, with the same
 AdamW and clipping. The recipe runs under real torchrun on 2 gloo ranks, float32, eager: the
 per-step loss and gradient norm (which, unlike the loss under AdamW, shows a wrong gradient
-scale at once) must agree within 1e-5. Each start of ranks costs their imports, so torchrun
+scale at once) must agree within 1e-5, the recipe's fused loss (its default) and its unfused
+one against the oracle's unfused transformers loss. Each start of ranks costs their imports, so torchrun
 starts the script once, at (dp 1, cp 2), saving checkpoints; one spawn of two ranks then runs
 the recipe's train() resumed from step 2 and at (dp 2, cp 1).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 import torch
 
+from benchmarks.memory_map import load_recipe
 from cp_ops.integrations.transformers import apply_context_parallel, shard_batch
 from tests._dist import run_ranks
 
@@ -35,15 +36,7 @@ BASE = ["--preset", "tiny", "--device", "cpu", "--dtype", "fp32", "--no-progress
 CLIP = ["--clip-grad-norm", "0.3"]  # below the (dp 2) run's gradient norms (about 0.38): clipping acts
 
 
-def _load_recipe():
-    spec = importlib.util.spec_from_file_location("train_qwen3_next", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclass looks its module up
-    spec.loader.exec_module(module)
-    return module
-
-
-recipe = _load_recipe()
+recipe = load_recipe()
 
 
 def _args(*argv: str, world: int = 2):
@@ -65,8 +58,8 @@ def _torchrun(tmp_path: Path, name: str, *argv: str) -> dict:
 def _one_process(dp: int, *argv: str, steps: int = STEPS) -> list[tuple[float, float]]:
     """(loss, gradient norm) of every step: every replica's batch in this process, averaged."""
     args = _args("--dp", str(dp), "--cp", "1", *argv, world=dp)
-    config = recipe.model_config(args.preset, args.num_layers)
-    model = apply_context_parallel(recipe.build_model(config, args.seed), None)
+    config = recipe.model_config(args.preset, args.num_layers, args.vocab_size)
+    model = apply_context_parallel(recipe.build_model(config, args.seed), None, fused_loss=args.loss == "fused")
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, **recipe.ADAMW)
     batches = recipe.Batches(args.tokens_per_step // dp, args.max_seqs, config.vocab_size, args.seed)
     out = []
@@ -91,12 +84,13 @@ def _check_steps(log: dict, want: list[tuple[float, float]], first: int = 1) -> 
 def _more_runs(rank: int, world: int, ckpt: str, out: str) -> None:
     """In one spawn of 2 ranks (the ranks' imports are the cost of a run): a run resumed from the
     checkpoint of step 2, a run at (dp 2, cp 1) keeping the layers' parameters unsharded from
-    forward to backward, and one at cp 2 with the Gated DeltaNet layers by chunk states, through
-    the recipe's own train()."""
+    forward to backward, one at cp 2 with the Gated DeltaNet layers by chunk states and one at
+    cp 2 with the unfused loss, through the recipe's own train()."""
     resume = ["--cp", "2", "--steps", "3", "--checkpoint-dir", ckpt, "--resume", f"{ckpt}/step-00000002"]
     dp2 = ["--dp", "2", "--steps", str(STEPS), "--reshard-after-forward", "never", *CLIP]
     states = ["--cp", "2", "--gdn-cp", "states", "--steps", str(STEPS)]
-    for name, argv in (("resumed", resume), ("dp2", dp2), ("states", states)):
+    unfused = ["--cp", "2", "--loss", "unfused", "--steps", str(STEPS)]
+    for name, argv in (("resumed", resume), ("dp2", dp2), ("states", states), ("unfused", unfused)):
         recipe.train(_args(*argv, "--log-json", f"{out}/{name}.json"), rank, world, torch.device("cpu"))
 
 
@@ -105,8 +99,8 @@ def test_recipe_equals_one_process_and_resumes_exactly(tmp_path):
     ckpt = tmp_path / "ckpt"
     run = _torchrun(tmp_path, "cp2", "--cp", "2", "--steps", str(STEPS), "--checkpoint-dir", str(ckpt),
                     "--save-every", "2")  # fmt: skip
-    one = _one_process(1)
-    _check_steps(run, one)
+    one = _one_process(1, "--loss", "unfused")
+    _check_steps(run, one)  # the recipe's fused loss
     assert run["num_tokens"] == 280 and run["recompiles"] == 0
     assert all(r["tokens"] == 256 and r["step_ms"] > 0 for r in run["steps"])
     assert sorted(p.name for p in ckpt.iterdir()) == ["step-00000002", "step-00000004"]
@@ -116,6 +110,8 @@ def test_recipe_equals_one_process_and_resumes_exactly(tmp_path):
     _check_steps(resumed, [(r["loss"], r["grad_norm"]) for r in run["steps"][2:3]], first=3)
     _check_steps(json.loads((tmp_path / "dp2.json").read_text()), _one_process(2, *CLIP))
     _check_steps(json.loads((tmp_path / "states.json").read_text()), one)
+    _check_steps(json.loads((tmp_path / "unfused.json").read_text()), one)
+    assert run["settings"]["loss"] == "fused"
     # --resume without a path takes the latest complete checkpoint; other settings are refused
     latest = _args("--cp", "2", "--checkpoint-dir", str(ckpt), "--resume")
     assert recipe.find_checkpoint(latest) == ckpt / "step-00000004"
@@ -240,6 +236,8 @@ def test_bad_settings(capsys):
         _args("--cuda-graphs")
     with pytest.raises(ValueError, match="--save-every and --resume need --checkpoint-dir"):
         _args("--save-every", "2")
+    with pytest.raises(ValueError, match="--vocab-size must be >= 2, got 1"):
+        _args("--vocab-size", "1")
     with pytest.raises(SystemExit) as exit_info:  # the command line reports it before any group starts
         recipe.main([*BASE, "--cp", "3"])
     assert exit_info.value.code == 2 and "must equal the world size 1" in capsys.readouterr().err
@@ -254,6 +252,9 @@ def test_flop_count():
         experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
         inactive = experts - experts * config.num_experts_per_tok // config.num_experts if config.num_experts else 0
         assert recipe.active_params(config) == total - inactive, preset
+    for preset, vocab in (("tiny", 64), ("slice4", 32000), ("qwen3-next-80b", 151936)):
+        assert recipe.model_config(preset, 4).vocab_size == vocab
+        assert recipe.model_config(preset, 4, 151936).vocab_size == 151936
     config = recipe.model_config("slice4", 4)
     attention = 6 * 16 * 256 * (1000**2 + 24**2)  # one full-attention layer of four
     gdn = 6 * 3 * 32 * (2 * 128 * 128 + 64 * 256) * 1024
