@@ -28,6 +28,8 @@ from custom_ops.runtime.tiles import cdiv
 __all__ = [
     "FLA_CHUNK",
     "fla_call",
+    "fla_grads",
+    "fla_state",
     "fla_chunk_indices_kernel",
     "fla_module",
     "fla_varlen_indices",
@@ -90,6 +92,29 @@ def _launch_chunk_indices(cu_seqlens: torch.Tensor, num_rows: int, chunk_size: i
         CHUNK=chunk_size, BLOCK=INDICES_BLOCK, SEQ_BLOCK=INDICES_SEQ_BLOCK,
     )  # fmt: skip
     return cu_ext, chunk_indices
+
+
+def fla_state(state: torch.Tensor | None) -> torch.Tensor | None:
+    """A state ``[B, ...]`` as ``[B+1, ...]`` float32, the form FLA's and FlashQLA's kernels take:
+    they also run the empty sequence that :func:`fla_varlen_indices` appends, from a zero state."""
+    if state is None:
+        return None
+    return torch.cat([state.float(), state.new_zeros((1, *state.shape[1:]), dtype=torch.float32)])
+
+
+def fla_grads(grads, q, k, v, g, beta, initial_state):
+    """``(dq, dk, dv, dg, dbeta, dh0)`` from a backend's batched ``[1, T, ...]`` gradients (in that
+    order) in the inputs' shapes and dtypes; ``dh0`` without the appended sequence's state, None
+    where there is no initial state."""
+    dq, dk, dv, dg, dbeta, dh0 = grads
+    return (
+        dq.squeeze(0).to(q.dtype),
+        dk.squeeze(0).to(k.dtype),
+        dv.squeeze(0).to(v.dtype),
+        dg.squeeze(0).to(g.dtype),
+        dbeta.squeeze(0).to(beta.dtype),
+        None if initial_state is None or dh0 is None else dh0[:-1],
+    )
 
 
 def precompile_varlen_indices(cu_seqlens: torch.Tensor, num_rows) -> None:

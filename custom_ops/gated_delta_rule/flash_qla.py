@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from custom_ops.gated_delta_rule.backends import FLASH_QLA_HEAD_DIM
-from custom_ops.gated_delta_rule.fla import FLA_CHUNK, fla_varlen_indices
+from custom_ops.gated_delta_rule.fla import FLA_CHUNK, fla_grads, fla_state, fla_varlen_indices
 
 __all__ = ["flash_qla_backward", "flash_qla_forward", "warm_up"]
 
@@ -47,13 +47,6 @@ def _prepared(fla_cu_seqlens: torch.Tensor, chunk_indices: torch.Tensor) -> torc
     return cu
 
 
-def _state(state: torch.Tensor | None) -> torch.Tensor | None:
-    """A state ``[B, ...]`` as ``[B+1, ...]`` float32, the appended empty sequence's zero."""
-    if state is None:
-        return None
-    return torch.cat([state.float(), state.new_zeros((1, *state.shape[1:]), dtype=torch.float32)])
-
-
 def _as_batch(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().unsqueeze(0)
 
@@ -65,7 +58,7 @@ def flash_qla_forward(q, k, v, g, beta, scale, fla_cu_seqlens, chunk_indices, in
     chunk = _chunk_module()
     g_cum, A, o, _, final_state, _ = chunk.chunk_gated_delta_rule_fwd(
         q=_as_batch(q), k=_as_batch(k), v=_as_batch(v), g=_as_batch(g.float()), beta=_as_batch(beta),
-        scale=scale, initial_state=_state(initial_state), cu_seqlens=_prepared(fla_cu_seqlens, chunk_indices),
+        scale=scale, initial_state=fla_state(initial_state), cu_seqlens=_prepared(fla_cu_seqlens, chunk_indices),
         output_final_state=output_final_state, auto_cp=False,
     )  # fmt: skip
     final_state = final_state[:-1] if output_final_state else None
@@ -80,17 +73,10 @@ def flash_qla_backward(grad_o, q, k, v, g, beta, fla_cu_seqlens, chunk_indices, 
     cu = _prepared(fla_cu_seqlens, chunk_indices)
     dq, dk, dv, dbeta, dg, dh0 = chunk.chunk_gated_delta_rule_bwd(
         q=_as_batch(q), k=_as_batch(k), v=_as_batch(v), g=g_cum.unsqueeze(0), beta=_as_batch(beta),
-        A=A.unsqueeze(0), do=_as_batch(grad_o), dht=_state(grad_final_state), scale=scale,
-        initial_state=_state(initial_state), cu_seqlens=cu, auto_cp=False,
+        A=A.unsqueeze(0), do=_as_batch(grad_o), dht=fla_state(grad_final_state), scale=scale,
+        initial_state=fla_state(initial_state), cu_seqlens=cu, auto_cp=False,
     )  # fmt: skip
-    return (
-        dq.squeeze(0).to(q.dtype),
-        dk.squeeze(0).to(k.dtype),
-        dv.squeeze(0).to(v.dtype),
-        dg.squeeze(0).to(g.dtype),
-        dbeta.squeeze(0).to(beta.dtype),
-        None if initial_state is None or dh0 is None else dh0[:-1],
-    )
+    return fla_grads((dq, dk, dv, dg, dbeta, dh0), q, k, v, g, beta, initial_state)
 
 
 # --- warm-up: TileLang compiles each kernel variant at its first call (a minute or more cold),

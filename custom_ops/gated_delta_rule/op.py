@@ -24,6 +24,8 @@ from custom_ops.gated_delta_rule import backends
 from custom_ops.gated_delta_rule.fla import (
     FLA_CHUNK,
     fla_call,
+    fla_grads,
+    fla_state,
     fla_module,
     fla_varlen_indices,
     precompile_varlen_indices,
@@ -86,14 +88,6 @@ def _check_state(name: str, state: Optional[torch.Tensor], q, v, cu_seqlens) -> 
         raise ValueError(f"{name} is on {state.device} but q is on {q.device}")
 
 
-def _fla_state(state: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """A state ``[B, ...]`` as FLA's ``[B+1, ...]`` float32: FLA also runs the empty sequence
-    that :func:`custom_ops.gated_delta_rule.fla.fla_varlen_indices` appends, from a zero state."""
-    if state is None:
-        return None
-    return torch.cat([state.float(), state.new_zeros((1, *state.shape[1:]), dtype=torch.float32)])
-
-
 def _check_fla_indices(cu_seqlens, fla_cu_seqlens, chunk_indices, num_rows: int) -> None:
     """The shapes :func:`custom_ops.gated_delta_rule.fla.fla_varlen_indices` gives for ``cu_seqlens`` and T rows."""
     num_seqs = cu_seqlens.shape[0] - 1
@@ -150,7 +144,7 @@ def _fla_forward(q, k, v, g, beta, scale, fla_cu_seqlens, chunk_indices, initial
             g=g.contiguous().unsqueeze(0),
             beta=beta.contiguous().unsqueeze(0),
             scale=scale,
-            initial_state=_fla_state(initial_state),
+            initial_state=fla_state(initial_state),
             output_final_state=output_final_state,
             cu_seqlens=fla_cu_seqlens,
             chunk_indices=chunk_indices,
@@ -177,21 +171,14 @@ def _fla_backward(grad_o, q, k, v, g, beta, fla_cu_seqlens, chunk_indices, g_cum
             beta=beta.contiguous().unsqueeze(0),
             A=A.unsqueeze(0),
             scale=scale,
-            initial_state=_fla_state(initial_state),
+            initial_state=fla_state(initial_state),
             do=grad_o.contiguous().unsqueeze(0),
-            dht=_fla_state(grad_final_state),
+            dht=fla_state(grad_final_state),
             cu_seqlens=fla_cu_seqlens,
             chunk_indices=chunk_indices,
             chunk_size=FLA_CHUNK,
         )
-    return (
-        dq.squeeze(0).to(q.dtype),
-        dk.squeeze(0).to(k.dtype),
-        dv.squeeze(0).to(v.dtype),
-        dg.squeeze(0).to(g.dtype),
-        dbeta.squeeze(0).to(beta.dtype),
-        None if initial_state is None else dh0[:-1],
-    )
+    return fla_grads((dq, dk, dv, dg, dbeta, dh0), q, k, v, g, beta, initial_state)
 
 
 # The CUDA backends' forward and backward, one signature each (docs/design.md section 2).
