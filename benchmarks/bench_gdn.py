@@ -35,7 +35,7 @@ from benchmarks.common import (
     spawn_ranks,
 )
 from benchmarks.internals import fla_varlen_indices, valid_token_mask
-from benchmarks.runner import Result, add_out_argument, emit, environment, fla_environment
+from benchmarks.runner import Result, add_out_argument, checks_off, emit, environment, fla_environment
 from benchmarks.timing import kernel_ms, median_ms, median_ms_counted
 from cp_ops import (
     COMPILE_OPTIONS,
@@ -594,6 +594,7 @@ def conv_main(tokens, seqs, gather: bool, out) -> None:
 
 
 def main() -> None:
+    checks_off()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", help=f"global tokens per batch (default {TOKENS})")
     parser.add_argument("--seqs", type=int, nargs="+", help=f"sequences per batch (default {SEQS})")

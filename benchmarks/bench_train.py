@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from benchmarks.common import KERNEL_CLASSES, collective_waits, timeline_summary
-from benchmarks.runner import ROOT, Result, add_out_argument, emit, fla_environment
+from benchmarks.runner import ROOT, Result, add_out_argument, checks_off, emit, fla_environment
 
 SCRIPT = ROOT / "examples" / "train_qwen3_next.py"
 COLUMNS = ["tokens", "graphs", "W", "dp", "cp", "step ms", "tokens/s", "scaling", "host ms", "GPU ms",
@@ -297,6 +297,7 @@ def replay_result(graphs: dict | None, eager: dict | None, preset: str, env: dic
 
 
 def main(argv: list[str] | None = None) -> None:
+    checks_off()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--worlds", default="1,2,4", help="CP sizes W (one GPU per rank)")
     p.add_argument("--tokens", default="32768,131072", help="global real tokens per step")

@@ -94,7 +94,7 @@ class Attention(nn.Module):
         check_layout_tensors(x, cu_seqlens, cu_seqlens_padded)
         rank = group_rank(group)
         rows = x.shape[0]
-        cu_seqlens = checked("thd", cu_seqlens, (cu_seqlens_padded,), world, rows * world)
+        cu_seqlens = checked("thd_shard", cu_seqlens, (cu_seqlens_padded,), world, rows, entry=True)
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         q = self.q_proj(x).view(rows, hq, 2 * d if self.gated else d)  # sizes given, not -1: rows may be 0
         gate = None

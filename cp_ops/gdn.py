@@ -89,7 +89,7 @@ class GatedDeltaNet(nn.Module):
         cp.check(self, world)
         check_hidden_states(self, x, self.hidden_size)
         check_layout_tensors(x, None, cu_seqlens_padded)
-        cu_seqlens_padded = checked("padded", cu_seqlens_padded, (), world, x.shape[0] * world)
+        cu_seqlens_padded = checked("padded_shard", cu_seqlens_padded, (), world, x.shape[0], entry=True)
         h, z = cp.exchange_in(self, x, cu_seqlens_padded, group)
         o = cp.mix(self, h, cu_seqlens_padded, group)
         return cp.exchange_out(self, o, z, cu_seqlens_padded, group)

@@ -2,20 +2,30 @@
 
 The ops check shapes, dtypes and devices on every call for free. Values live on the device, so
 checking them costs a host sync; the validators here do it, for data preparation and for the
-checked mode. With checks on (``set_checks(True)`` or ``CP_OPS_CHECKS=1`` in the environment),
-every op and layer validates its layout values before it runs and raises ``ValueError`` naming
-the argument and the sequence, where it would otherwise return finite, wrong rows. Off (the
-default) no op reads a value on the host.
+checked mode, which has three settings (``CP_OPS_CHECKS`` in the environment, or
+:func:`set_checks`):
 
-Under ``torch.compile`` the check is the opaque op ``cp_ops::check_layout``, which runs when the
-compiled graph runs; whether a graph holds it is decided when it is traced, so set the mode
-before compiling (``torch._dynamo.reset()`` after changing it).
+- ``"eager"`` (the default): eager calls validate, where a sync costs little next to the call
+  itself; compiled graphs and CUDA graph captures hold no check and stay sync-free. An eager call
+  is one made from Python outside ``torch.compile``'s tracing and outside a CUDA graph capture,
+  through the ops' Python objects (``custom_ops.thd_seq_to_rank_order``, ``cp_ops.thd_cp2hp``,
+  the layers); ``torch.ops.cp_ops.<name>`` called directly, the form a compiled graph calls,
+  validates only with the mode on.
+- ``True`` (``CP_OPS_CHECKS=1``): every call validates, compiled graphs included, for debugging.
+- ``False`` (``CP_OPS_CHECKS=0``): nothing is read on the host (what the benchmarks time).
+
+A check raises ``ValueError`` naming the argument and the sequence, where the op would otherwise
+return finite, wrong rows. Under ``torch.compile`` the check is the opaque op
+``cp_ops::check_layout``, which runs when the compiled graph runs; whether a graph holds it is
+decided when it is traced, so set the mode before compiling (``torch._dynamo.reset()`` after
+changing it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import NamedTuple
+import threading
+from collections.abc import Callable, Sequence
+from typing import Literal, NamedTuple
 
 import torch
 
@@ -27,6 +37,7 @@ __all__ = [
     "set_checks",
     "checks_enabled",
     "checked",
+    "call_checked",
     "validate_cumulative",
     "validate_padded",
     "validate_thd",
@@ -50,19 +61,31 @@ class Segments(NamedTuple):
 
 
 # the process's checked mode: read from the environment once, changed only by set_checks
-_CHECKS = env.checks()
+_CHECKS: bool | Literal["eager"] = env.checks()
 
 
-def set_checks(enabled: bool) -> None:
-    """Turn the checked mode on or off for this process (see the module docstring)."""
+class _EagerCall(threading.local):
+    """Whether an op's body runs for an eager call (set by :func:`call_checked`): the body
+    cannot tell otherwise, as a compiled graph calls an opaque op's body with real tensors too."""
+
+    active = False
+
+
+_EAGER_CALL = _EagerCall()
+
+
+def set_checks(mode: bool | Literal["eager"]) -> None:
+    """Set the checked mode for this process: ``True`` (every call validates, compiled graphs
+    included), ``False`` (none) or ``"eager"`` (eager calls only; the default). See the module
+    docstring."""
     global _CHECKS
-    if not isinstance(enabled, bool):
-        raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
-    _CHECKS = enabled
+    if not isinstance(mode, bool) and mode != "eager":
+        raise TypeError(f"mode must be True, False or 'eager', got {mode!r}")
+    _CHECKS = mode
 
 
-def checks_enabled() -> bool:
-    """Whether ops and layers validate their layout values before running."""
+def checks_enabled() -> bool | Literal["eager"]:
+    """The checked mode :func:`set_checks` set: ``True``, ``False`` or ``"eager"``."""
     return _CHECKS
 
 
@@ -106,7 +129,21 @@ def _check_multiples(cu_seqlens_padded: torch.Tensor, cp_size: int) -> None:
     if bad is not None:
         raise ValueError(
             f"cu_seqlens_padded: sequence {bad} has padded length {int(padded[bad])}, "
-            f"not a multiple of 2*cp_size = {block}"
+            f"not a multiple of 2*cp_size = {block} (pack the batch for cp_size = {cp_size}: "
+            "cp_ops.pack or cp_ops.pad_cu_seqlens)"
+        )
+
+
+def _check_shard_rows(cu_seqlens_padded: torch.Tensor, cp_size: int, shard_rows: int) -> None:
+    """A rank's shard has ``cu_seqlens_padded[-1] / cp_size`` rows."""
+    total = int(cu_seqlens_padded[-1])
+    if total != shard_rows * cp_size:
+        if cp_size == 1:
+            raise ValueError(f"cu_seqlens_padded[-1] = {total} but the input has {shard_rows} rows")
+        raise ValueError(
+            f"this rank's input has {shard_rows} rows, but its shard of the layout has cu_seqlens_padded[-1] / "
+            f"cp_size = {total} / {cp_size} rows: pass this rank's shard (cp_ops.shard_thd), not the "
+            "whole batch, and the layout of the whole batch"
         )
 
 
@@ -222,6 +259,16 @@ _VALIDATORS = {
     "cumulative": lambda cu, num_rows: validate_cumulative("cu_seqlens", cu, num_rows),
     "padded": validate_padded,
     "thd": validate_thd,
+    # a rank's shard of shard_rows rows (a layer's x): the layout's rows are cp_size times as many
+    "padded_shard": lambda cup, cp_size, shard_rows: (
+        check_cp_size(cp_size),
+        validate_cumulative("cu_seqlens_padded", cup),
+        _check_shard_rows(cup, cp_size, shard_rows),
+        _check_multiples(cup, cp_size),
+    ),
+    "thd_shard": lambda cu, cup, cp_size, shard_rows: (
+        validate_thd(cu, cup, cp_size), _check_shard_rows(cup, cp_size, shard_rows)
+    ),
     "offsets": lambda offsets, cu, num_rows: validate_offsets(offsets, cu, num_rows),
     "permutation": lambda rows, n: validate_permutation("rows", rows, n),
     "segments": validate_varlen_segments,
@@ -246,9 +293,40 @@ def _(kind, index, others, sizes):
     return index.new_empty(index.shape)
 
 
-def checked(kind: str, index: torch.Tensor, others: Sequence[torch.Tensor] = (), *sizes: int) -> torch.Tensor:
-    """``index`` itself with checks off; with checks on, ``index`` validated as ``kind`` (see
-    ``_VALIDATORS``) through :func:`check_layout`. Use the result in place of ``index``."""
-    if not _CHECKS:
+def _eager(index: torch.Tensor) -> bool:
+    """Whether ``index`` is a real tensor outside a CUDA graph capture (not a compiler's fake or
+    functional tensor), so that reading it now is an eager check."""
+    return type(index) is torch.Tensor and not (index.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+def checked(
+    kind: str, index: torch.Tensor, others: Sequence[torch.Tensor] = (), *sizes: int, entry: bool = False
+) -> torch.Tensor:
+    """``index``, validated as ``kind`` (see ``_VALIDATORS``) where the checked mode asks for it;
+    use the result in place of ``index``. With the mode on, through :func:`check_layout` (so that
+    a compiled graph holds the check); in the eager mode, on the host where the call is eager:
+    ``entry=True`` for Python code the compiler traces (a layer's forward), which is eager
+    whenever no compiler traces it; an op's body (the default) only within :func:`call_checked`.
+    """
+    mode = _CHECKS
+    if mode is True:
+        return torch.ops.cp_ops.check_layout(kind, index, list(others), list(sizes))
+    if not mode:
         return index
-    return torch.ops.cp_ops.check_layout(kind, index, list(others), list(sizes))
+    eager = not torch.compiler.is_compiling() if entry else _EAGER_CALL.active
+    if eager and _eager(index):
+        _VALIDATORS[kind](index, *others, *sizes)
+    return index
+
+
+def call_checked(op: Callable, *args, **kwargs):
+    """``op(*args, **kwargs)``, its body's :func:`checked` calls validating in the eager mode:
+    the way a Python entry point (an op's Python object, a wrapper) calls an op eagerly. Under
+    ``torch.compile`` it is the bare call, so the graph holds no check."""
+    if _CHECKS != "eager" or torch.compiler.is_compiling() or _EAGER_CALL.active:
+        return op(*args, **kwargs)
+    _EAGER_CALL.active = True
+    try:
+        return op(*args, **kwargs)
+    finally:
+        _EAGER_CALL.active = False
