@@ -238,7 +238,8 @@ class _HeadParallel(GDNContextParallel):
         if layer.num_k_heads % world or layer.num_v_heads % world:
             raise ValueError(
                 f"num_k_heads = {layer.num_k_heads} and num_v_heads = {layer.num_v_heads} must be divisible by "
-                f"the CP size {world}"
+                f"the CP size {world} to split the heads over the ranks; "
+                "GatedDeltaNet(..., context_parallel=cp_ops.StatePassing()) runs at any CP size"
             )
 
     @staticmethod
