@@ -82,6 +82,8 @@ def test_readme_block_runs(name, code, tmp_path):
     assert proc.returncode == 0, f"README block {name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     if prints is not None:
         assert prints in proc.stdout, proc.stdout
+    if ranks == 1:  # a block prints nothing it does not print itself (torchrun has notices of its own)
+        assert proc.stderr == "", f"README block {name} printed:\n{proc.stderr[-3000:]}"
 
 
 def test_every_python_block_runs_and_variants_name_existing_blocks():
