@@ -178,6 +178,15 @@ def test_quickstart_commands_are_what_ci_runs():
     assert "pip install -e '.[hf]'" in install
 
 
+def test_install_takes_the_cpu_torch_from_the_index_make_uses():
+    install, make = _section("Install"), (ROOT / "Makefile").read_text()
+    pin = re.search(r"^torch==([\d.]+)$", (ROOT / "constraints.txt").read_text(), re.M).group(1)
+    index = re.search(r"^TORCH_INDEX \?= .*?(https://\S+?)\)", make, re.M).group(1)
+    assert f"pip install torch=={pin} --index-url {index}" in install, "README's torch line: the pin, make's index"
+    assert install.index(f"torch=={pin}") < install.index("pip install -e"), "torch first, then the package"
+    assert "PYTHON ?= .venv/bin/python" in make and ".venv" in install
+
+
 def test_the_package_is_installed_from_a_clone():
     docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
     bad = [str(p.relative_to(ROOT)) for p in docs if re.search(r"pip install\s+['\"]?cp-ops", p.read_text())]
