@@ -8,9 +8,8 @@
 
 The ``custom_op`` and ``triton_op`` forms also register their body directly as the op's CPU
 and CUDA kernel (:func:`_register_eager_kernels`), so an eager call reaches it without going
-through ``custom_op``'s Python backend wrapper. Their Python objects (what ``custom_ops``
-exports) call the op through :func:`custom_ops.runtime.validation.call_checked`, so that an
-eager call validates its layout values in the eager checked mode.
+through ``custom_op``'s Python backend wrapper; their Python objects call it through
+:func:`~custom_ops.runtime.validation.call_checked` (:class:`_CheckedOpDef`).
 """
 
 from __future__ import annotations

@@ -1,24 +1,13 @@
 """Checks of layout *values* (cumulative lengths, offsets, permutations) and the checked mode.
 
-The ops check shapes, dtypes and devices on every call for free. Values live on the device, so
-checking them costs a host sync; the validators here do it, for data preparation and for the
-checked mode, which has three settings (``CP_OPS_CHECKS`` in the environment, or
-:func:`set_checks`):
-
-- ``"eager"`` (the default): eager calls validate, where a sync costs little next to the call
-  itself; compiled graphs and CUDA graph captures hold no check and stay sync-free. An eager call
-  is one made from Python outside ``torch.compile``'s tracing and outside a CUDA graph capture,
-  through the ops' Python objects (``custom_ops.thd_seq_to_rank_order``, ``cp_ops.thd_cp2hp``,
-  the layers); ``torch.ops.cp_ops.<name>`` called directly, the form a compiled graph calls,
-  validates only with the mode on.
-- ``True`` (``CP_OPS_CHECKS=1``): every call validates, compiled graphs included, for debugging.
-- ``False`` (``CP_OPS_CHECKS=0``): nothing is read on the host (what the benchmarks time).
-
-A check raises ``ValueError`` naming the argument and the sequence, where the op would otherwise
-return finite, wrong rows. Under ``torch.compile`` the check is the opaque op
-``cp_ops::check_layout``, which runs when the compiled graph runs; whether a graph holds it is
-decided when it is traced, so set the mode before compiling (``torch._dynamo.reset()`` after
-changing it).
+Shapes, dtypes and devices are checked on every call for free; values live on the device, so
+checking them costs a host sync. The checked mode (``CP_OPS_CHECKS`` or :func:`set_checks`):
+``"eager"`` (the default) validates eager calls, made from Python through the ops' Python
+objects, the wrappers and the layers, and nothing in compiled graphs or CUDA graph captures;
+``True`` validates every call, compiled graphs included (the opaque op ``cp_ops::check_layout``,
+in the graph when it is traced: set the mode before compiling); ``False`` validates nothing. A
+check raises ``ValueError`` naming the argument and the sequence, where the op would otherwise
+return finite, wrong rows (docs/design.md section 1, "What is checked when").
 """
 
 from __future__ import annotations
@@ -230,8 +219,9 @@ def validate_varlen_segments(
     """Check segment tables on the host (syncs; call it where batches are built).
 
     Raises ValueError unless lengths are >= 0, every query range lies in
-    ``[0, num_q_rows)`` and every key range in ``[0, num_k_rows)``, and the
-    non-empty query ranges are pairwise disjoint.
+    ``[0, num_q_rows)`` and the key range of every non-empty one in ``[0, num_k_rows)``
+    (a segment without query rows reads no key), and the non-empty query ranges are
+    pairwise disjoint.
     """
     tables = {name: t.tolist() for name, t in zip(Segments._fields, (q_start, q_len, q_pos, k_start, k_len))}
     n = len(tables["q_start"])
@@ -244,7 +234,7 @@ def validate_varlen_segments(
             raise ValueError(f"segment {s}: q_len = {ql} and k_len = {kl} must be >= 0")
         if qs < 0 or qs + ql > num_q_rows:
             raise ValueError(f"segment {s}: query rows [{qs}, {qs + ql}) are not inside [0, {num_q_rows})")
-        if ks < 0 or ks + kl > num_k_rows:
+        if ql > 0 and (ks < 0 or ks + kl > num_k_rows):
             raise ValueError(f"segment {s}: key rows [{ks}, {ks + kl}) are not inside [0, {num_k_rows})")
         if ql > 0:
             spans.append((qs, qs + ql, s))
