@@ -10,7 +10,7 @@
 # make demo         the same install, then train a small hybrid GDN / attention model with CP (python -m cp_ops demo,
 #                   the example application in examples/cp_ops_demo)
 # make test-latest  the fast tier in .venv-latest against the newest versions pyproject.toml allows
-# make pins         regenerate constraints.txt from a fresh environment
+# make pins         regenerate constraints.txt from a fresh environment (the notebooks extra's pins last)
 # GPU tests and benchmarks (on a GPU machine): python benchmarks/gpu_suite.py
 #
 # Hypothesis draws new examples every run, from one seed that each pass prints (pytest's header
@@ -101,4 +101,7 @@ pins:
 	.venv-pins/bin/python -m pip install -q $(TORCH_PIN) || $(TORCH_FAILED)
 	.venv-pins/bin/python -m pip install -q -e ".[$(EXTRAS)]"
 	.venv-pins/bin/python tools/pins.py freeze > constraints.txt
+	.venv-pins/bin/python -m pip install -q -c constraints.txt -e ".[notebooks]"
+	.venv-pins/bin/python tools/pins.py freeze-optional constraints.txt notebooks > .venv-pins/optional.txt
+	cat .venv-pins/optional.txt >> constraints.txt
 	rm -rf .venv-pins

@@ -187,6 +187,22 @@ def test_install_takes_the_cpu_torch_from_the_index_make_uses():
     assert "PYTHON ?= .venv/bin/python" in make and ".venv" in install
 
 
+def test_every_extra_is_pinned_and_only_make_s_extras_must_be_installed():
+    sys.path.insert(0, str(ROOT / "tools"))
+    import pins
+
+    section = (ROOT / "pyproject.toml").read_text().split("[project.optional-dependencies]")[1].split("\n[")[0]
+    extras = re.findall(r"^(\w+) = \[(.*)\]$", section, re.M)
+    required = {pins._key(re.match(r"[\w.-]+", r).group()) for _, reqs in extras for r in re.findall(r'"([^"]+)"', reqs)}
+    constraints = str(ROOT / "constraints.txt")
+    every, made = pins.read_pins(constraints), pins.read_pins(constraints, optional=False)
+    assert required <= set(every), required - set(every)
+    optional = set(every) - set(made)
+    assert "jupyterlab" in optional and "pytest" in made and "transformers" in made
+    assert not [line for line in pins.differences(every, optional) if "installed nothing" in line and
+                line.split(":")[0] in optional], "an optional pin that is not installed is no difference"
+
+
 def test_the_package_is_installed_from_a_clone():
     docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
     bad = [str(p.relative_to(ROOT)) for p in docs if re.search(r"pip install\s+['\"]?cp-ops", p.read_text())]

@@ -3,8 +3,13 @@
     python tools/pins.py check constraints.txt   exit 1 unless every pin is installed at its version
     python tools/pins.py diff constraints.txt    list the installed versions that differ from the pins
     python tools/pins.py freeze                  print a constraints file of what is installed
+    python tools/pins.py freeze-optional constraints.txt EXTRA
+                                                 print the optional section: what is installed
+                                                 beyond those pins, for the extra EXTRA
 
-Local version labels (``2.13.0+cpu``) compare equal to their public version, as pip matches them.
+Pins after an ``# optional: ...`` line belong to an extra that make does not install: check and
+diff skip those whose package is not installed. Local version labels (``2.13.0+cpu``) compare
+equal to their public version, as pip matches them.
 """
 
 from __future__ import annotations
@@ -28,10 +33,19 @@ def _public(version: str) -> str:
     return version.split("+", 1)[0]
 
 
-def read_pins(path: str) -> dict[str, str]:
+OPTIONAL = "# optional:"
+
+# never pinned: the package itself and the installers
+SKIP = {"cp-ops", "pip", "setuptools", "wheel"}
+
+
+def read_pins(path: str, optional: bool = True) -> dict[str, str]:
+    """The pins of ``path``, the optional section's too unless ``optional`` is False."""
     pins = {}
     with open(path) as f:
         for line in f:
+            if line.startswith(OPTIONAL) and not optional:
+                break
             line = line.split("#", 1)[0].strip()
             if not line:
                 continue
@@ -52,11 +66,14 @@ def installed() -> dict[str, tuple[str, str]]:
     return found
 
 
-def differences(pins: dict[str, str]) -> list[str]:
+def differences(pins: dict[str, str], optional: set[str] = frozenset()) -> list[str]:
+    """The pins not installed at their version; of ``optional`` only those installed at another."""
     have = installed()
     lines = []
     for key, want in sorted(pins.items()):
         got = have.get(key, (key, None))[1]
+        if got is None and key in optional:
+            continue
         if got != _public(want):
             lines.append(f"{key}: pinned {want}, installed {got or 'nothing'}")
     return lines
@@ -64,13 +81,20 @@ def differences(pins: dict[str, str]) -> list[str]:
 
 def main(argv: list[str]) -> int:
     if argv[:1] == ["freeze"] and len(argv) == 1:
-        skip = {"cp-ops", "pip", "setuptools", "wheel"}
-        body = "".join(f"{name}=={version}\n" for key, (name, version) in sorted(installed().items()) if key not in skip)
+        body = "".join(f"{name}=={version}\n" for key, (name, version) in sorted(installed().items()) if key not in SKIP)
         sys.stdout.write(HEADER + body)
+        return 0
+    if argv[:1] == ["freeze-optional"] and len(argv) == 3:
+        base = read_pins(argv[1], optional=False)
+        body = "".join(f"{name}=={version}\n" for key, (name, version) in sorted(installed().items())
+                       if key not in base and key not in SKIP)  # fmt: skip
+        sys.stdout.write(f"{OPTIONAL} the {argv[2]} extra, which make does not install (pip install -e '.[{argv[2]}]' "
+                         "-c constraints.txt)\n" + body)  # fmt: skip
         return 0
     if len(argv) != 2 or argv[0] not in ("check", "diff"):
         raise SystemExit(__doc__)
-    lines = differences(read_pins(argv[1]))
+    pins = read_pins(argv[1])
+    lines = differences(pins, set(pins) - set(read_pins(argv[1], optional=False)))
     if argv[0] == "check":
         if lines:
             print(f"the installed packages do not match {argv[1]}:\n  " + "\n  ".join(lines), file=sys.stderr)
