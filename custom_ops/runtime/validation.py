@@ -131,8 +131,8 @@ def _check_shard_rows(cu_seqlens_padded: torch.Tensor, cp_size: int, shard_rows:
             raise ValueError(f"cu_seqlens_padded[-1] = {total} but the input has {shard_rows} rows")
         raise ValueError(
             f"this rank's input has {shard_rows} rows, but its shard of the layout has cu_seqlens_padded[-1] / "
-            f"cp_size = {total} / {cp_size} rows: pass this rank's shard (cp_ops.shard_thd), not the "
-            "whole batch, and the layout of the whole batch"
+            f"cp_size = {total} / {cp_size} rows: pass this rank's shard (cp_ops.shard_thd) with the "
+            "whole batch's layout"
         )
 
 
