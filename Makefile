@@ -74,13 +74,14 @@ test-interpret:
 # The compile tests again with the kernels registered as opaque ops, the form the ops take when the
 # installed triton is newer than the one torch pins (custom_ops.runtime.registration.kernels_visible_to_compiler):
 # layout, all-to-all and attention kernels in Triton's interpreter, the GDN layers on references
-# (the fast tier compiles them in one process; the two-rank compile with visible kernels is in test-cpu).
+# (the fast tier compiles them in one process; the two-rank compile with visible kernels is in test-cpu),
+# and the eager checked mode, whose compiled graphs call the opaque ops' bodies and read nothing.
 test-opaque:
 	CP_OPS_OPAQUE_KERNELS=1 TRITON_INTERPRET=1 $(PYTEST) -q $(if $(NOT_SLOW),-m "not slow") -k compiled \
 		tests/custom_ops tests/cp_ops/test_comm.py tests/cp_ops/test_attention.py \
 		--deselect tests/custom_ops/test_gdn_ops.py::test_compiled_fullgraph_forward_backward
 	CP_OPS_OPAQUE_KERNELS=1 $(PYTEST) -q $(if $(NOT_SLOW),-m "not slow") -k compiled \
-		tests/cp_ops/test_gdn_cp.py tests/cp_ops/test_gdn_layer.py tests/examples/test_demo.py \
+		tests/cp_ops/test_gdn_cp.py tests/cp_ops/test_gdn_layer.py tests/examples/test_demo.py tests/test_checked_mode.py \
 		$(if $(NOT_SLOW),--deselect tests/cp_ops/test_gdn_cp.py::test_cp_layer_compiled_matches_one_rank)
 
 demo: deps
