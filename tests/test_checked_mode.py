@@ -17,6 +17,7 @@ import cp_ops
 import custom_ops
 from custom_ops import env
 from custom_ops.runtime import validation
+from custom_ops.testing import rel_error
 from custom_ops.validation import checks_enabled, set_checks
 from tests._dist import run_ranks
 
@@ -177,6 +178,28 @@ def test_eager_mode_checks_eager_calls_and_not_compiled_graphs(monkeypatch):
     compiled(x, cup)
     assert calls == [], "a compiled graph in the eager mode reads nothing on the host"
     torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+def test_eager_mode_reads_nothing_in_a_cuda_graph_capture(monkeypatch):
+    set_checks("eager")
+    layer = cp_ops.GatedDeltaNet(64, 2, 4, 16, 16).cuda()
+    _, cup = cp_ops.pad_cu_seqlens([50, 70], 1)
+    cup = cup.cuda()
+    x = torch.randn(int(cup[-1]), 64, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up (FLA's autotuning) outside the capture
+        want = layer(x, cup)
+    torch.cuda.current_stream().wait_stream(side)
+    calls = _count_validations(monkeypatch)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = layer(x, cup)
+    assert calls == [], "a capture reads nothing on the host"
+    graph.replay()
+    torch.cuda.synchronize()
+    assert rel_error(out, want) < 1e-5
 
 
 def test_environment_variable_and_bad_values(monkeypatch):
