@@ -9,7 +9,7 @@
 The ``custom_op`` and ``triton_op`` forms also register their body directly as the op's CPU
 and CUDA kernel (:func:`_register_eager_kernels`), so an eager call reaches it without going
 through ``custom_op``'s Python backend wrapper; their Python objects call it through
-:func:`~custom_ops.runtime.validation.call_checked` (:class:`_CheckedOpDef`).
+:func:`~custom_ops.runtime.checked_mode.call_checked` (:class:`_CheckedOpDef`).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from torch._library.triton import set_wrap_triton_enabled
 from torch.library import custom_op, triton_op
 
 from custom_ops import env
+from custom_ops.runtime.checked_mode import call_checked
 
 __all__ = ["NAMESPACE", "composite_op", "kernel_op", "kernels_visible_to_compiler", "opaque_op"]
 
@@ -139,12 +140,12 @@ def opaque_op(qualname: str, *, mutates_args):
 
 
 class _CheckedOpDef(CustomOpDef):
-    """A ``CustomOpDef`` whose Python call is :func:`~custom_ops.runtime.validation.call_checked`:
+    """A ``CustomOpDef`` whose Python call is :func:`~custom_ops.runtime.checked_mode.call_checked`:
     an eager call runs its body's layout checks in the eager checked mode. The compiler inlines
     this call (under tracing it is the bare op) and a compiled graph calls the op itself."""
 
     def __call__(self, *args, **kwargs):
-        return validation.call_checked(self._opoverload, *args, **kwargs)
+        return call_checked(self._opoverload, *args, **kwargs)
 
 
 def _documented(op, fn):
@@ -225,7 +226,3 @@ def _without_wrap_triton(fn):
             state.value = before
 
     return body
-
-
-# last: validation registers its own op with opaque_op, so it imports this module first
-from custom_ops.runtime import validation  # noqa: E402

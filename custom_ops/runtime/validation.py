@@ -12,13 +12,13 @@ return finite, wrong rows (docs/design.md section 1, "What is checked when").
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Sequence
-from typing import Literal, NamedTuple
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
-from custom_ops import env
+from custom_ops.runtime import checked_mode
+from custom_ops.runtime.checked_mode import call_checked, checks_enabled, set_checks
 from custom_ops.runtime.checks import check_cp_size, check_index_tensor
 from custom_ops.runtime.registration import NAMESPACE, opaque_op
 
@@ -47,35 +47,6 @@ class Segments(NamedTuple):
     q_pos: torch.Tensor
     k_start: torch.Tensor
     k_len: torch.Tensor
-
-
-# the process's checked mode: read from the environment once, changed only by set_checks
-_CHECKS: bool | Literal["eager"] = env.checks()
-
-
-class _EagerCall(threading.local):
-    """Whether an op's body runs for an eager call (set by :func:`call_checked`): the body
-    cannot tell otherwise, as a compiled graph calls an opaque op's body with real tensors too."""
-
-    active = False
-
-
-_EAGER_CALL = _EagerCall()
-
-
-def set_checks(mode: bool | Literal["eager"]) -> None:
-    """Set the checked mode for this process: ``True`` (every call validates, compiled graphs
-    included), ``False`` (none) or ``"eager"`` (eager calls only; the default). See the module
-    docstring."""
-    global _CHECKS
-    if not isinstance(mode, bool) and mode != "eager":
-        raise TypeError(f"mode must be True, False or 'eager', got {mode!r}")
-    _CHECKS = mode
-
-
-def checks_enabled() -> bool | Literal["eager"]:
-    """The checked mode :func:`set_checks` set: ``True``, ``False`` or ``"eager"``."""
-    return _CHECKS
 
 
 def _first_bad(mask: torch.Tensor) -> int | None:
@@ -298,25 +269,12 @@ def checked(
     ``entry=True`` for Python code the compiler traces (a layer's forward), which is eager
     whenever no compiler traces it; an op's body (the default) only within :func:`call_checked`.
     """
-    mode = _CHECKS
+    mode = checked_mode.checks_enabled()
     if mode is True:
         return torch.ops.cp_ops.check_layout(kind, index, list(others), list(sizes))
     if not mode:
         return index
-    eager = not torch.compiler.is_compiling() if entry else _EAGER_CALL.active
+    eager = not torch.compiler.is_compiling() if entry else checked_mode.eager_call()
     if eager and _eager(index):
         _VALIDATORS[kind](index, *others, *sizes)
     return index
-
-
-def call_checked(op: Callable, *args, **kwargs):
-    """``op(*args, **kwargs)``, its body's :func:`checked` calls validating in the eager mode:
-    the way a Python entry point (an op's Python object, a wrapper) calls an op eagerly. Under
-    ``torch.compile`` it is the bare call, so the graph holds no check."""
-    if _CHECKS != "eager" or torch.compiler.is_compiling() or _EAGER_CALL.active:
-        return op(*args, **kwargs)
-    _EAGER_CALL.active = True
-    try:
-        return op(*args, **kwargs)
-    finally:
-        _EAGER_CALL.active = False
