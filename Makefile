@@ -1,19 +1,32 @@
+# Every target works in a virtual environment: the active one (VIRTUAL_ENV), else .venv, made on first use;
+# make refuses a PYTHON outside one. On a machine without an NVIDIA GPU (no nvidia-smi) torch comes from
+# PyTorch's index of CPU builds (TORCH_INDEX; PyPI's Linux torch is a CUDA build of several GB).
+#
 # make test         the fast tier, what CI runs (.ci/run): install the pinned versions (constraints.txt) into the
-#                   active Python, then the CPU suite, the Triton kernels in Triton's interpreter and the compile
+#                   environment, then the CPU suite, the Triton kernels in Triton's interpreter and the compile
 #                   tests with the kernels as opaque ops, each on two pytest workers; tests marked slow left out
 # make test-all     everything: the same passes with the slow tests, hypothesis's thorough profile (8x the
 #                   examples) and, on a machine with a GPU, the gpu tests; on demand and on the GPU machine
 # make demo         the same install, then train a small hybrid GDN / attention model with CP (python -m cp_ops demo,
 #                   the example application in examples/cp_ops_demo)
 # make test-latest  the fast tier in .venv-latest against the newest versions pyproject.toml allows
-# make pins         regenerate constraints.txt from a fresh environment
+# make pins         regenerate constraints.txt from a fresh environment (the notebooks extra's pins last)
 # GPU tests and benchmarks (on a GPU machine): python benchmarks/gpu_suite.py
 #
 # Hypothesis draws new examples every run, from one seed that each pass prints (pytest's header
 # and summary). A failure reproduces with HYPOTHESIS_SEED=<seed> make test, or one test with
 # python -m pytest --hypothesis-seed=<seed> tests/<file>.py::<test>; then pin the failing input
 # with @example on the test (tests/_profiles.py).
+ifdef VIRTUAL_ENV
 PYTHON ?= python3
+else
+PYTHON ?= .venv/bin/python
+endif
+# PyTorch's CPU builds where no NVIDIA GPU is seen; empty: the indexes pip is configured with
+TORCH_INDEX ?= $(if $(shell command -v nvidia-smi),,https://download.pytorch.org/whl/cpu)
+# pip arguments that install the pinned torch alone, from TORCH_INDEX
+TORCH_PIN = --no-deps -c constraints.txt $(if $(TORCH_INDEX),--retries 1 --index-url $(TORCH_INDEX)) torch
+TORCH_FAILED = { echo "make: no torch from $(or $(TORCH_INDEX),pip's indexes); TORCH_INDEX=URL names another index"; exit 1; }
 EXTRAS = test,hf
 # pytest workers (pytest-xdist): most tests keep one core busy (tracing, Triton's interpreter)
 JOBS ?= 2
@@ -23,20 +36,31 @@ NOT_SLOW = and not slow
 
 # one seed for every pass of a run (tests/conftest.py reads it; a seed given is kept)
 ifeq ($(origin HYPOTHESIS_SEED),undefined)
-HYPOTHESIS_SEED := $(shell $(PYTHON) -c "import secrets; print(secrets.randbelow(2**32))")
+HYPOTHESIS_SEED := $(shell python3 -c "import secrets; print(secrets.randbelow(2**32))")
 endif
 export HYPOTHESIS_SEED
 
-.PHONY: test test-all deps test-cpu test-interpret test-opaque test-latest pins demo
+.PHONY: test test-all deps venv test-cpu test-interpret test-opaque test-latest pins demo
 
 test: deps test-cpu test-interpret test-opaque
 
 test-all: deps
 	$(MAKE) test-cpu test-interpret test-opaque NOT_SLOW= HYPOTHESIS_PROFILE=thorough
 
-# Always applied: an installed package of another version is replaced by the pinned one. The
-# pinned torch is the CPU build (a bare `torch` requirement pulls a multi-GB CUDA build).
-deps:
+.venv/bin/python:
+	python3 -m venv .venv
+
+# The environment make installs into: .venv where none is active; PYTHON given outside one is refused.
+venv: $(filter .venv/bin/python,$(PYTHON))
+	@$(PYTHON) -c "import os, sys; sys.exit(sys.prefix == sys.base_prefix and os.environ.get('CONDA_PREFIX') != sys.prefix)" || { \
+		echo "make: $(PYTHON) is not in a virtual environment, and make installs packages into it."; \
+		echo "      Activate one (python3 -m venv .venv && . .venv/bin/activate) or run make without PYTHON=."; \
+		exit 1; }
+
+# Always applied: an installed package of another version is replaced by the pinned one. torch first,
+# alone and from TORCH_INDEX, so that the next line finds it installed and takes no other build.
+deps: venv
+	$(PYTHON) -m pip install -q $(TORCH_PIN) || $(TORCH_FAILED)
 	$(PYTHON) -m pip install -q -c constraints.txt -e ".[$(EXTRAS)]"
 	@$(PYTHON) tools/pins.py check constraints.txt
 
@@ -50,13 +74,14 @@ test-interpret:
 # The compile tests again with the kernels registered as opaque ops, the form the ops take when the
 # installed triton is newer than the one torch pins (custom_ops.runtime.registration.kernels_visible_to_compiler):
 # layout, all-to-all and attention kernels in Triton's interpreter, the GDN layers on references
-# (the fast tier compiles them in one process; the two-rank compile with visible kernels is in test-cpu).
+# (the fast tier compiles them in one process; the two-rank compile with visible kernels is in test-cpu),
+# and the eager checked mode, whose compiled graphs call the opaque ops' bodies and read nothing.
 test-opaque:
 	CP_OPS_OPAQUE_KERNELS=1 TRITON_INTERPRET=1 $(PYTEST) -q $(if $(NOT_SLOW),-m "not slow") -k compiled \
 		tests/custom_ops tests/cp_ops/test_comm.py tests/cp_ops/test_attention.py \
 		--deselect tests/custom_ops/test_gdn_ops.py::test_compiled_fullgraph_forward_backward
 	CP_OPS_OPAQUE_KERNELS=1 $(PYTEST) -q $(if $(NOT_SLOW),-m "not slow") -k compiled \
-		tests/cp_ops/test_gdn_cp.py tests/cp_ops/test_gdn_layer.py tests/examples/test_demo.py \
+		tests/cp_ops/test_gdn_cp.py tests/cp_ops/test_gdn_layer.py tests/examples/test_demo.py tests/test_checked_mode.py \
 		$(if $(NOT_SLOW),--deselect tests/cp_ops/test_gdn_cp.py::test_cp_layer_compiled_matches_one_rank)
 
 demo: deps
@@ -67,13 +92,19 @@ demo: deps
 test-latest:
 	$(PYTHON) -m venv .venv-latest
 	grep '^torch==' constraints.txt > .venv-latest/torch-pin.txt
+	.venv-latest/bin/python -m pip install -q $(TORCH_PIN) || $(TORCH_FAILED)
 	.venv-latest/bin/python -m pip install -q -c .venv-latest/torch-pin.txt --upgrade --upgrade-strategy eager -e ".[$(EXTRAS)]"
 	.venv-latest/bin/python tools/pins.py diff constraints.txt
 	$(MAKE) test-cpu test-interpret test-opaque PYTHON=.venv-latest/bin/python
 
 pins:
 	rm -rf .venv-pins && $(PYTHON) -m venv .venv-pins
-	.venv-pins/bin/python -m pip install -q torch==2.13.0
+	.venv-pins/bin/python -m pip install -q $(TORCH_PIN) || $(TORCH_FAILED)
 	.venv-pins/bin/python -m pip install -q -e ".[$(EXTRAS)]"
-	.venv-pins/bin/python tools/pins.py freeze constraints.txt > constraints.new && mv constraints.new constraints.txt
+	# the flashqla extra's pins are the GPU machines' (tested there): kept as they are
+	sed -n '/^# optional: the flashqla extra/,$$p' constraints.txt > .venv-pins/flashqla.txt
+	.venv-pins/bin/python tools/pins.py freeze > constraints.txt
+	.venv-pins/bin/python -m pip install -q -c constraints.txt -e ".[notebooks]"
+	.venv-pins/bin/python tools/pins.py freeze-optional constraints.txt notebooks > .venv-pins/optional.txt
+	cat .venv-pins/optional.txt .venv-pins/flashqla.txt >> constraints.txt
 	rm -rf .venv-pins

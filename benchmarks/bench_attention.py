@@ -41,7 +41,7 @@ from benchmarks.cases import attention_inputs as make_inputs
 from benchmarks.common import default_world, max_over_ranks, profile_step, spawn_ranks
 from benchmarks.internals import CONFIGS, DEFAULT_SETTINGS, AttentionSettings, resolve_scale
 from benchmarks.internals import attention_launch as launch
-from benchmarks.runner import Result, add_out_argument, emit, environment
+from benchmarks.runner import Result, add_out_argument, checks_off, emit, environment
 from benchmarks.timing import kernel_breakdown, median_ms, median_ms_counted
 from cp_ops import COMPILE_OPTIONS, ag_thd_attention, all_gather_rows, pad_cu_seqlens, resolve_group, shard_thd
 from custom_ops.testing import TOLERANCE, rel_error
@@ -751,6 +751,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
+    checks_off()
     args = parse_args(argv)
     if args.mode == "cp":
         _run_cp(args)

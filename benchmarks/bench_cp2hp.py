@@ -19,7 +19,7 @@ import torch.distributed as dist
 import cp_ops
 from benchmarks.baselines import cp2hp_per_sequence, hp2cp_per_sequence
 from benchmarks.common import default_world, max_over_ranks, spawn_ranks
-from benchmarks.runner import Result, add_out_argument, emit, environment
+from benchmarks.runner import Result, add_out_argument, checks_off, emit, environment
 from benchmarks.timing import kernel_breakdown, median_ms_counted
 from cp_ops import pad_cu_seqlens
 
@@ -101,6 +101,7 @@ def _worker(rank: int, world: int, device, out: str | None, smoke: bool, profile
 
 
 def main() -> None:
+    checks_off()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world", type=int, help="ranks, one GPU each (default: every visible GPU, at least 2)")
     parser.add_argument("--smoke", action="store_true", help="2 gloo ranks on the CPU, tiny shapes, few runs")

@@ -40,7 +40,7 @@ from benchmarks.common import (
     spawn_ranks,
 )
 from benchmarks.internals import fla_varlen_indices, valid_token_mask
-from benchmarks.runner import Result, add_out_argument, emit, environment, fla_environment, format_cell
+from benchmarks.runner import Result, add_out_argument, checks_off, emit, environment, fla_environment, format_cell
 from benchmarks.timing import kernel_ms, median_ms, median_ms_counted
 from cp_ops import (
     COMPILE_OPTIONS,
@@ -78,7 +78,7 @@ def _fwd_bwd(fn, inputs, grad):
 def piece_steps(layer: GatedDeltaNet, x: torch.Tensor, cup: torch.Tensor, world: int = 1) -> dict:
     """Closures running the compute pieces of one rank's layer step (``world`` ranks; 1 = one GPU).
 
-    in_proj (the layer's two GEMMs, :meth:`GatedDeltaNet.project`), gated norm and out_proj
+    in_proj (the layer's two GEMMs, :meth:`GatedDeltaNet._project`), gated norm and out_proj
     on x's rows (``[T/W, hidden]``, all heads); conv and core on all ``T = W * x.shape[0]``
     rows for 1/W of the heads (what a rank of the CP layer runs), on random inputs of those
     shapes. fwd+bwd each, except "core fwd".
@@ -93,9 +93,9 @@ def piece_steps(layer: GatedDeltaNet, x: torch.Tensor, cup: torch.Tensor, world:
         return torch.randn(*shape, device=dev, dtype=dt)
 
     with torch.no_grad():
-        proj_grads = tuple(torch.randn_like(t) for t in layer.project(x))  # qkvba, z
+        proj_grads = tuple(torch.randn_like(t) for t in layer._project(x))  # qkvba, z
     # the conv reads a column slice of the head-parallel projection, as in the layer
-    proj_hp = randn(rows, sum(layer.exchanged_sections(world))).requires_grad_()
+    proj_hp = randn(rows, sum(layer._exchanged_sections(world))).requires_grad_()
     weight = layer.conv1d.weight[:conv_w, 0, :].detach().contiguous().requires_grad_()
     q = torch.nn.functional.normalize(randn(rows, hk, dk), dim=-1).requires_grad_()
     k = torch.nn.functional.normalize(randn(rows, hk, dk), dim=-1).requires_grad_()
@@ -114,7 +114,7 @@ def piece_steps(layer: GatedDeltaNet, x: torch.Tensor, cup: torch.Tensor, world:
         return custom_ops.chunk_gated_delta_rule(q, k, v, g, beta, cup)
 
     return {
-        "in_proj fwd+bwd": _fwd_bwd(lambda: layer.project(x), [x, layer.in_proj.weight], proj_grads),
+        "in_proj fwd+bwd": _fwd_bwd(lambda: layer._project(x), [x, layer.in_proj.weight], proj_grads),
         "conv fwd+bwd": _fwd_bwd(
             lambda: custom_ops.causal_conv1d(proj_hp[:, :conv_w], weight, None, cup, "silu"),
             [proj_hp, weight],
@@ -370,7 +370,7 @@ def per_sequence_hp2cp(y_hp, cu_seqlens_padded, sections, group):
 
 class SectionsForm(torch.nn.Module):
     """The CP layer converting section-layout tensors with ``cp2hp`` and ``hp2cp`` (``thd_cp2hp``'s
-    and ``thd_hp2cp``'s signatures): ``in_proj`` as ``layer.project``, ``cp2hp`` of q, k, v, b, a,
+    and ``thd_hp2cp``'s signatures): ``in_proj`` as ``layer._project``, ``cp2hp`` of q, k, v, b, a,
     the core on this rank's heads, ``hp2cp`` of its output, the gated norm, ``out_proj``; the z
     projection after the exchange, nothing overlapped. The same values as ``layer.forward``, with
     a pass over the activations on each side of each exchange: with the defaults, the layer as it
@@ -383,9 +383,9 @@ class SectionsForm(torch.nn.Module):
     def forward(self, x, cu_seqlens_padded, group=None):
         layer = self.layer
         heads = layer.num_k_heads // resolve_group(group)[1]
-        qkvba, z = layer.project(x)
-        qkvba_hp = self.cp2hp(qkvba, cu_seqlens_padded, layer.exchanged_sections(), group)
-        o_hp = layer.head_parallel_core(qkvba_hp, cu_seqlens_padded, group_rank(group) * heads, heads)
+        qkvba, z = layer._project(x)
+        qkvba_hp = self.cp2hp(qkvba, cu_seqlens_padded, layer._exchanged_sections(), group)
+        o_hp = layer._head_parallel_core(qkvba_hp, cu_seqlens_padded, group_rank(group) * heads, heads)
         o = self.hp2cp(o_hp, cu_seqlens_padded, [o_hp.shape[-1]], group)
         rows, dv = o.shape[0], layer.head_v_dim
         gated = layer.norm(o.view(rows, -1, dv), z.view(rows, -1, dv)).reshape(rows, -1)
@@ -399,13 +399,13 @@ def a2a_steps(layer: GatedDeltaNet, x_cp: torch.Tensor, cup: torch.Tensor, group
     world = group.size()
     rows = x_cp.shape[0] * world
     with torch.no_grad():
-        proj = layer.project(x_cp)[0].requires_grad_()
+        proj = layer._project(x_cp)[0].requires_grad_()
     width = layer.value_dim // world
     core_hp = torch.randn(rows, width, device=x_cp.device, dtype=x_cp.dtype, requires_grad=True)
     grad_hp = torch.randn(rows, proj.shape[-1] // world, device=x_cp.device, dtype=x_cp.dtype)
     grad_cp = torch.randn(x_cp.shape[0], layer.value_dim, device=x_cp.device, dtype=x_cp.dtype)
     return {
-        "cp2hp": _fwd_bwd(lambda: cp2hp(proj, cup, layer.exchanged_sections(), group), [proj], grad_hp),
+        "cp2hp": _fwd_bwd(lambda: cp2hp(proj, cup, layer._exchanged_sections(), group), [proj], grad_hp),
         "hp2cp": _fwd_bwd(lambda: hp2cp(core_hp, cup, [width], group), [core_hp], grad_cp),
     }
 
@@ -674,6 +674,7 @@ def conv_main(tokens, seqs, gather: bool, out) -> None:
 
 
 def main() -> None:
+    checks_off()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", help=f"global tokens per batch (default {TOKENS})")
     parser.add_argument("--seqs", type=int, nargs="+", help=f"sequences per batch (default {SEQS})")

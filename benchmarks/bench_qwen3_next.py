@@ -19,7 +19,7 @@ from unittest import mock
 import torch
 
 from benchmarks.cases import random_lengths
-from benchmarks.runner import Result, add_out_argument, emit, fla_environment
+from benchmarks.runner import Result, add_out_argument, checks_off, emit, fla_environment
 from benchmarks.timing import median_ms_counted
 from custom_ops.testing import rel_error
 
@@ -141,6 +141,7 @@ def errors(logits, loss, grads, ref) -> dict[str, float]:
 
 
 def main() -> None:
+    checks_off()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=16384, help="real tokens in the batch")
     parser.add_argument("--seqs", type=int, default=8, help="sequences in the batch")

@@ -36,7 +36,7 @@ from pathlib import Path
 
 from benchmarks.common import KERNEL_CLASSES, collective_waits, timeline_summary
 from benchmarks.memory_map import SCRIPT, load_recipe
-from benchmarks.runner import ROOT, Result, add_out_argument, emit, fla_environment
+from benchmarks.runner import ROOT, Result, add_out_argument, checks_off, emit, fla_environment
 
 COLUMNS = ["tokens", "graphs", "GDN core", "W", "dp", "cp", "step ms", "tokens/s", "scaling", "host ms", "GPU ms",
            "peak GiB", "first step s", "MFU", "recompiles", "status"]  # fmt: skip
@@ -455,6 +455,7 @@ def replay_result(graphs: dict | None, eager: dict | None, preset: str, env: dic
 
 
 def main(argv: list[str] | None = None) -> None:
+    checks_off()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--worlds", default="1,2,4", help="CP sizes W (one GPU per rank)")
     p.add_argument("--tokens", default="32768,131072", help="global real tokens per step")

@@ -35,6 +35,16 @@ def git_commit(root: str | os.PathLike = ROOT) -> str | None:
     return head + ("+dirty" if dirty else "")
 
 
+def checks_off() -> None:
+    """The checked mode off in this process and the processes it starts (``CP_OPS_CHECKS=0``):
+    the benchmarks time the ops as production steps run them, so an eager figure is the op's own
+    and holds no layout check's host sync (docs/environment.md). Each benchmark's ``main`` calls it."""
+    os.environ["CP_OPS_CHECKS"] = "0"
+    from custom_ops.validation import set_checks
+
+    set_checks(False)
+
+
 def environment(world: int | None = None, **extra) -> dict:
     """Device, software versions, date and commit of this run; with ``world``, the ranks, their
     backend and the visible GPUs. ``extra`` entries (e.g. ``fla="0.6.0"``) are added as given."""

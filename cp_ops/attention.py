@@ -54,6 +54,12 @@ class Attention(nn.Module):
         window: tuple[int, int] = (-1, -1),
         head_groups: int = 1,
     ):
+        """A layer of ``hidden_size`` features: ``num_heads`` query heads and ``num_kv_heads``
+        key/value heads (a divisor of ``num_heads``) of ``head_dim``. ``gated``: the output gate;
+        ``rope_theta`` and ``partial_rotary_factor``: the rotary embedding; ``qk_norm``: RMS norms
+        (``norm_eps``) on q and k; ``causal`` and ``window = (left, right)`` (-1: unbounded): the
+        keys a query sees; ``head_groups``: the pieces of the K/V exchange. Raises ``ValueError``
+        for heads that do not fit."""
         super().__init__()
         if head_groups < 1 or num_kv_heads % head_groups:
             raise ValueError(f"head_groups must be a positive divisor of num_kv_heads = {num_kv_heads}, "
@@ -94,7 +100,7 @@ class Attention(nn.Module):
         check_layout_tensors(x, cu_seqlens, cu_seqlens_padded)
         rank = group_rank(group)
         rows = x.shape[0]
-        cu_seqlens = checked("thd", cu_seqlens, (cu_seqlens_padded,), world, rows * world)
+        cu_seqlens = checked("thd_shard", cu_seqlens, (cu_seqlens_padded,), world, rows, entry=True)
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         q = self.q_proj(x).view(rows, hq, 2 * d if self.gated else d)  # sizes given, not -1: rows may be 0
         gate = None

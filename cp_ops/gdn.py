@@ -56,6 +56,11 @@ class GatedDeltaNet(nn.Module):
         norm_eps: float = 1e-6,
         context_parallel: GDNContextParallel | None = None,
     ):
+        """A layer of ``hidden_size`` features: ``num_k_heads`` key heads of ``head_k_dim`` and
+        ``num_v_heads`` value heads (a multiple of ``num_k_heads``) of ``head_v_dim``, a causal conv
+        of ``conv_kernel_size`` taps, the gated RMS norm's ``norm_eps``, and ``context_parallel``
+        (how it runs over a CP group; None: the default for the group's size). Raises
+        ``ValueError`` for heads that do not fit."""
         super().__init__()
         if num_v_heads % num_k_heads != 0:
             raise ValueError(f"num_v_heads = {num_v_heads} must be a multiple of num_k_heads = {num_k_heads}")
@@ -66,7 +71,7 @@ class GatedDeltaNet(nn.Module):
         self.key_dim, self.value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.context_parallel = context_parallel
-        self.in_proj = nn.Linear(hidden_size, sum(self.sections()), bias=False)
+        self.in_proj = nn.Linear(hidden_size, sum(self._sections()), bias=False)
         self.conv1d = nn.Conv1d(
             self.conv_dim, self.conv_dim, conv_kernel_size, groups=self.conv_dim, padding=conv_kernel_size - 1, bias=False
         )
@@ -89,44 +94,44 @@ class GatedDeltaNet(nn.Module):
         cp.check(self, world)
         check_hidden_states(self, x, self.hidden_size)
         check_layout_tensors(x, None, cu_seqlens_padded)
-        cu_seqlens_padded = checked("padded", cu_seqlens_padded, (), world, x.shape[0] * world)
+        cu_seqlens_padded = checked("padded_shard", cu_seqlens_padded, (), world, x.shape[0], entry=True)
         h, z = cp.exchange_in(self, x, cu_seqlens_padded, group)
         o = cp.mix(self, h, cu_seqlens_padded, group)
         return cp.exchange_out(self, o, z, cu_seqlens_padded, group)
 
-    def sections(self, cp_size: int = 1) -> list[int]:
+    def _sections(self, cp_size: int = 1) -> list[int]:
         """Widths of the in_proj output sections q, k, v, z, b, a (per rank when ``cp_size > 1``)."""
         hk, hv = self.num_k_heads // cp_size, self.num_v_heads // cp_size
         dk, dv = self.head_k_dim, self.head_v_dim
         return [hk * dk, hk * dk, hv * dv, hv * dv, hv, hv]
 
-    def exchanged_sections(self, cp_size: int = 1) -> list[int]:
-        """:meth:`sections` without z (which stays on its rank): q, k, v, b, a."""
-        q, k, v, _, b, a = self.sections(cp_size)
+    def _exchanged_sections(self, cp_size: int = 1) -> list[int]:
+        """:meth:`_sections` without z (which stays on its rank): q, k, v, b, a."""
+        q, k, v, _, b, a = self._sections(cp_size)
         return [q, k, v, b, a]
 
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``in_proj(x)`` as ``(qkvba [R, 2*Hk*dk + Hv*dv + 2*Hv], z [R, Hv*dv])``, both contiguous."""
-        return self.project_qkvba(x), self.project_z(x)
+        return self._project_qkvba(x), self._project_z(x)
 
-    def project_qkvba(self, x: torch.Tensor) -> torch.Tensor:
+    def _project_qkvba(self, x: torch.Tensor) -> torch.Tensor:
         """The q, k, v, b, a sections of ``in_proj(x)``: one GEMM on their weight rows."""
         w = self.in_proj.weight
         return F.linear(x, torch.cat([w[: self.conv_dim], w[self.conv_dim + self.value_dim :]]))
 
-    def project_z(self, x: torch.Tensor) -> torch.Tensor:
+    def _project_z(self, x: torch.Tensor) -> torch.Tensor:
         """The z section of ``in_proj(x)``, ``[R, Hv*dv]``."""
         return F.linear(x, self.in_proj.weight[self.conv_dim : self.conv_dim + self.value_dim])
 
-    def project_send_blocks(self, x: torch.Tensor, cp_size: int) -> torch.Tensor:
+    def _project_send_blocks(self, x: torch.Tensor, cp_size: int) -> torch.Tensor:
         """``sections_to_rank_blocks(project(x)[0], exchanged_sections(), W)``, ``[W, R, F/W]``,
         computed as W GEMMs on regrouped weight rows (block d: rank d's slice of each section)."""
         w = self.in_proj.weight
-        q, k, v, _, b, a = torch.split(w, self.sections())
+        q, k, v, _, b, a = torch.split(w, self._sections())
         blocks = torch.cat([s.view(cp_size, s.shape[0] // cp_size, w.shape[1]) for s in (q, k, v, b, a)], dim=1)
         return torch.stack([F.linear(x, blocks[d]) for d in range(cp_size)])
 
-    def project_out(self, o: torch.Tensor, z: torch.Tensor, cols: slice = slice(None)) -> torch.Tensor:
+    def _project_out(self, o: torch.Tensor, z: torch.Tensor, cols: slice = slice(None)) -> torch.Tensor:
         """``out_proj(norm(o, z))`` for section-layout rows ``o``, ``z [R, H*dv]``: all value heads,
         or the heads of out_proj's input columns ``cols`` (their part of the sum)."""
         rows, dv = o.shape[0], self.head_v_dim
@@ -136,7 +141,7 @@ class GatedDeltaNet(nn.Module):
             return self.out_proj(gated)
         return F.linear(gated, self.out_proj.weight[:, cols])  # part of out_proj (it has no bias)
 
-    def head_parallel_core(
+    def _head_parallel_core(
         self,
         proj_hp: torch.Tensor,
         cu_seqlens: torch.Tensor,
@@ -146,7 +151,7 @@ class GatedDeltaNet(nn.Module):
     ) -> torch.Tensor:
         """Conv, l2norm, gates and delta rule for key heads ``[k_head_start, k_head_start +
         num_k_heads)`` and their value heads, on all tokens. proj_hp ``[T, F_r]``: the q, k, v,
-        b, a sections of those heads (widths :meth:`exchanged_sections` / W) in sequence order,
+        b, a sections of those heads (widths :meth:`_exchanged_sections` / W) in sequence order,
         or, with ``rows [T]``, sequence row t at row ``rows[t]``. Returns ``[T, Hv_r * dv]`` in
         sequence order. Raises ``ValueError`` when F_r does not fit the head range.
         """
@@ -155,17 +160,17 @@ class GatedDeltaNet(nn.Module):
         conv_w = 2 * hk * self.head_k_dim + hv * self.head_v_dim
         if proj_hp.shape[-1] != conv_w + 2 * hv:
             raise ValueError(f"proj_hp has {proj_hp.shape[-1]} features, expected {conv_w + 2 * hv} for {hk} key heads")
-        conv_weight = self.conv_weight(k_head_start, num_k_heads)
+        conv_weight = self._conv_weight(k_head_start, num_k_heads)
         if rows is None:
             # a column slice of proj: the conv reads it strided, no copy
             mixed = causal_conv1d(proj_hp[:, :conv_w], conv_weight, None, cu_seqlens, "silu")
             ba = proj_hp[:, conv_w:]
         else:
             mixed, ba = causal_conv1d_gather(proj_hp, rows, conv_weight, None, cu_seqlens, "silu")
-        q, k, v, g, beta = self.delta_rule_inputs(mixed, ba, k_head_start, num_k_heads)
+        q, k, v, g, beta = self._delta_rule_inputs(mixed, ba, k_head_start, num_k_heads)
         return chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens).reshape(num_rows, hv * self.head_v_dim)
 
-    def conv_weight(self, k_head_start: int, num_k_heads: int) -> torch.Tensor:
+    def _conv_weight(self, k_head_start: int, num_k_heads: int) -> torch.Tensor:
         """The conv's ``[C, K]`` weight rows of key heads ``[k_head_start, +num_k_heads)`` and
         their value heads: their q, k and v channels, in that order."""
         weight = self.conv1d.weight[:, 0, :]
@@ -180,7 +185,7 @@ class GatedDeltaNet(nn.Module):
             ]
         )
 
-    def delta_rule_inputs(
+    def _delta_rule_inputs(
         self, mixed: torch.Tensor, ba: torch.Tensor, k_head_start: int, num_k_heads: int
     ) -> tuple[torch.Tensor, ...]:
         """``(q, k, v, g, beta)`` of :func:`custom_ops.chunk_gated_delta_rule` from the conv's
@@ -238,7 +243,8 @@ class _HeadParallel(GDNContextParallel):
         if layer.num_k_heads % world or layer.num_v_heads % world:
             raise ValueError(
                 f"num_k_heads = {layer.num_k_heads} and num_v_heads = {layer.num_v_heads} must be divisible by "
-                f"the CP size {world}"
+                f"the CP size {world} to split the heads over the ranks; "
+                "GatedDeltaNet(..., context_parallel=cp_ops.StatePassing()) runs at any CP size"
             )
 
     @staticmethod
@@ -256,13 +262,13 @@ class SingleDevice(GDNContextParallel):
             raise ValueError(f"SingleDevice runs without CP, but the group has {world} ranks")
 
     def exchange_in(self, layer, x, cu_seqlens_padded, group):
-        return layer.project(x)
+        return layer._project(x)
 
     def mix(self, layer, h, cu_seqlens_padded, group):
-        return layer.head_parallel_core(h, cu_seqlens_padded, 0, layer.num_k_heads)
+        return layer._head_parallel_core(h, cu_seqlens_padded, 0, layer.num_k_heads)
 
     def exchange_out(self, layer, o, z, cu_seqlens_padded, group):
-        return layer.project_out(o, z)
+        return layer._project_out(o, z)
 
 
 class SectionExchange(_HeadParallel):
@@ -272,14 +278,14 @@ class SectionExchange(_HeadParallel):
 
     def exchange_in(self, layer, x, cu_seqlens_padded, group):
         # the z projection runs while q, k, v, b, a travel (and its backward while their gradients do)
-        overlap = partial(layer.project_z, x)
-        return thd_cp2hp_overlap(layer.project_qkvba(x), cu_seqlens_padded, layer.exchanged_sections(), group, overlap)
+        overlap = partial(layer._project_z, x)
+        return thd_cp2hp_overlap(layer._project_qkvba(x), cu_seqlens_padded, layer._exchanged_sections(), group, overlap)
 
     def mix(self, layer, h, cu_seqlens_padded, group):
-        return layer.head_parallel_core(h, cu_seqlens_padded, *self.key_heads(layer, group))
+        return layer._head_parallel_core(h, cu_seqlens_padded, *self.key_heads(layer, group))
 
     def exchange_out(self, layer, o, z, cu_seqlens_padded, group):
-        return layer.project_out(thd_hp2cp(o, cu_seqlens_padded, [o.shape[-1]], group), z)
+        return layer._project_out(thd_hp2cp(o, cu_seqlens_padded, [o.shape[-1]], group), z)
 
 
 class FusedExchange(_HeadParallel):
@@ -289,13 +295,13 @@ class FusedExchange(_HeadParallel):
     :class:`SectionExchange` to rounding (out_proj's sum over heads is grouped by rank)."""
 
     def exchange_in(self, layer, x, cu_seqlens_padded, group):
-        send = layer.project_send_blocks(x, resolve_group(group)[1])
-        overlap = partial(layer.project_z, x)
+        send = layer._project_send_blocks(x, resolve_group(group)[1])
+        overlap = partial(layer._project_z, x)
         return thd_cp2hp_blocks(send, cu_seqlens_padded, group, overlap, seq_order=False)
 
     def mix(self, layer, h, cu_seqlens_padded, group):
         rows = rank_to_seq_index(cu_seqlens_padded, resolve_group(group)[1], h.shape[0])
-        return layer.head_parallel_core(h, cu_seqlens_padded, *self.key_heads(layer, group), rows)
+        return layer._head_parallel_core(h, cu_seqlens_padded, *self.key_heads(layer, group), rows)
 
     def exchange_out(self, layer, o, z, cu_seqlens_padded, group):
         # out_proj sums over value heads, so it splits by the blocks of the exchange back: this
@@ -307,10 +313,10 @@ class FusedExchange(_HeadParallel):
         def block(s: int) -> dict:  # rank s's value heads: its z columns and out_proj's input columns
             return {"z": z_blocks[:, s], "cols": slice(s * width, (s + 1) * width)}
 
-        o_blocks, out = thd_hp2cp_blocks(o, cu_seqlens_padded, group, partial(layer.project_out, **block(rank)))
+        o_blocks, out = thd_hp2cp_blocks(o, cu_seqlens_padded, group, partial(layer._project_out, **block(rank)))
         for s in range(world):
             if s != rank:
-                out = out + layer.project_out(o_blocks[s], **block(s))
+                out = out + layer._project_out(o_blocks[s], **block(s))
         return out
 
 

@@ -38,7 +38,7 @@ class StatePassing(GDNContextParallel):
     """
 
     def exchange_in(self, layer: GatedDeltaNet, x, cu_seqlens_padded, group):
-        qkvba, z = layer.project(x)
+        qkvba, z = layer._project(x)
         name, world = resolve_group(group)
         chunks = _Chunks.of(cu_seqlens_padded, world, group_rank(group), x.shape[0], layer.conv_kernel_size - 1)
         conv_in = qkvba[:, : layer.conv_dim]
@@ -46,14 +46,14 @@ class StatePassing(GDNContextParallel):
 
     def mix(self, layer: GatedDeltaNet, h, cu_seqlens_padded, group):
         extended, ba, chunks = h
-        weight = layer.conv_weight(0, layer.num_k_heads)
+        weight = layer._conv_weight(0, layer.num_k_heads)
         mixed = causal_conv1d(extended, weight, None, chunks.extended_cu, "silu").index_select(0, chunks.rows)
-        q, k, v, g, beta = layer.delta_rule_inputs(mixed, ba, 0, layer.num_k_heads)
+        q, k, v, g, beta = layer._delta_rule_inputs(mixed, ba, 0, layer.num_k_heads)
         o = _run_from_composed_states(q, k, v, g, beta, chunks.local_cu, group)
         return o.flatten(1)
 
     def exchange_out(self, layer: GatedDeltaNet, o, z, cu_seqlens_padded, group):
-        return layer.project_out(o, z)
+        return layer._project_out(o, z)
 
 
 class _Chunks(NamedTuple):

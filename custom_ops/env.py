@@ -44,9 +44,11 @@ class Variable:
 
 VARIABLES: tuple[Variable, ...] = (
     Variable(
-        "CP_OPS_CHECKS", ("0", "1"), "0",
-        "1: the checked mode, every op and layer validates its layout values (a host sync) and "
-        "raises `ValueError` where it would return wrong rows; `set_checks` changes it later",
+        "CP_OPS_CHECKS", ("0", "eager", "1"), "eager",
+        "the checked mode: ops and layers validate their layout values (a host sync) and raise "
+        "`ValueError` where they would return wrong rows; eager: in eager calls only (compiled graphs "
+        "and CUDA graph captures stay sync-free), 1: every call, compiled graphs included, 0: never; "
+        "`set_checks` changes it later",
         "once, on import",
     ),
     Variable(
@@ -125,7 +127,7 @@ def parse(name: str, value: str | None) -> str | None:
     if value is None:
         return var.default
     if var.values is not None and value not in var.values:
-        raise ValueError(f"{name} must be {' or '.join(var.values)}, got {value!r}")
+        raise ValueError(f"{name} must be {', '.join(var.values[:-1])} or {var.values[-1]}, got {value!r}")
     return value
 
 
@@ -133,9 +135,10 @@ def _get(name: str) -> str | None:
     return parse(name, os.environ.get(name))
 
 
-def checks() -> bool:
-    """``CP_OPS_CHECKS``: whether the checked mode starts on."""
-    return _get("CP_OPS_CHECKS") == "1"
+def checks() -> bool | str:
+    """``CP_OPS_CHECKS``: the checked mode it starts in, True, False or ``"eager"``."""
+    value = _get("CP_OPS_CHECKS")
+    return value if value == "eager" else value == "1"
 
 
 def opaque_kernels() -> bool | None:

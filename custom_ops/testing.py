@@ -54,7 +54,7 @@ MEMORY_LAYOUTS = ("contiguous", "offset", "row_strided", "transposed", "last_dim
 
 def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     """``||out - ref|| / ||ref||`` in float64 (0 when both are zero; inf on NaN)."""
-    out, ref = out.double(), ref.double()
+    out, ref = out.detach().double(), ref.detach().double()
     if not torch.isfinite(out).all():
         return float("inf")
     num = (out - ref).norm()

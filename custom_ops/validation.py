@@ -3,6 +3,7 @@ checked mode: the public names of :mod:`custom_ops.runtime.validation` (docs/des
 "What is checked when")."""
 
 from custom_ops.runtime.validation import (
+    call_checked,
     checked,
     checks_enabled,
     set_checks,
@@ -18,6 +19,7 @@ __all__ = [
     "set_checks",
     "checks_enabled",
     "checked",
+    "call_checked",
     "validate_cumulative",
     "validate_padded",
     "validate_thd",

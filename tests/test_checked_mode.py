@@ -1,7 +1,8 @@
 """The checked mode: every op and layer refuses an invalid layout with an error naming the
 argument, where it otherwise returns finite, wrong rows. Each op on its torch reference (the
 CPU pass) and on its Triton kernel (the interpreter pass); the CP ops and layers on two gloo
-ranks; compiled graphs too. Off (the default), nothing is read on the host."""
+ranks; compiled graphs too. In the default mode ("eager") eager calls check and compiled graphs
+read nothing on the host; off, nothing is read anywhere."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ import torch
 
 import cp_ops
 import custom_ops
+from custom_ops import env
 from custom_ops.runtime import validation
+from custom_ops.testing import rel_error
 from custom_ops.validation import checks_enabled, set_checks
 from tests._dist import run_ranks
 
@@ -23,10 +26,10 @@ PATHS = [pytest.param("reference", id="reference"), pytest.param("kernel", id="k
 
 @pytest.fixture(autouse=True)
 def checks_on():
-    assert not checks_enabled(), "the checked mode is off unless asked for"
+    assert checks_enabled() == "eager", "eager calls are checked unless asked otherwise"
     set_checks(True)
     yield
-    set_checks(False)
+    set_checks("eager")
 
 
 def _idx(values):
@@ -113,7 +116,7 @@ def test_gdn_layer_refuses_bad_padded_layouts():
     layer = cp_ops.GatedDeltaNet(32, 2, 4, 8, 8)
     cu, cup = cp_ops.pad_cu_seqlens([5, 7], 1)  # padded lengths 6 and 8
     x = torch.randn(14, 32)
-    with pytest.raises(ValueError, match="cu_seqlens_padded\\[-1\\] = 12 but the tensor has 14 rows"):
+    with pytest.raises(ValueError, match="cu_seqlens_padded\\[-1\\] = 12 but the input has 14 rows"):
         layer(x, cu)  # real lengths where the padded ones belong
     with pytest.raises(ValueError, match="non-decreasing"):
         layer(x, _idx([0, 14, 6]))
@@ -125,7 +128,7 @@ def test_attention_layer_refuses_swapped_and_short_layouts():
     x = torch.randn(14, 32)
     with pytest.raises(ValueError, match="swapped"):
         layer(x, cup, cu)
-    with pytest.raises(ValueError, match="cu_seqlens_padded\\[-1\\] = 14 but the tensor has 16 rows"):
+    with pytest.raises(ValueError, match="cu_seqlens_padded\\[-1\\] = 14 but the input has 16 rows"):
         layer(torch.randn(16, 32), cu, cup)
 
 
@@ -139,10 +142,15 @@ def test_compiled_layer_checks_when_the_graph_runs():
         compiled(x, _idx([0, 14, 6]))
 
 
-def test_checks_off_read_nothing(monkeypatch):
+def _count_validations(monkeypatch) -> list[str]:
     calls = []
     for kind in list(validation._VALIDATORS):
         monkeypatch.setitem(validation._VALIDATORS, kind, lambda *args, kind=kind: calls.append(kind))
+    return calls
+
+
+def test_checks_off_read_nothing(monkeypatch):
+    calls = _count_validations(monkeypatch)
     _, cup = cp_ops.pad_cu_seqlens([5, 7], 2)
     set_checks(False)
     custom_ops.thd_seq_to_rank_order(torch.randn(16, 2), cup, 2)
@@ -153,14 +161,60 @@ def test_checks_off_read_nothing(monkeypatch):
     assert calls == ["padded"]
 
 
-def test_environment_variable_and_bad_values():
-    with pytest.raises(TypeError, match="bool"):
+def test_eager_mode_checks_eager_calls_and_not_compiled_graphs(monkeypatch):
+    set_checks("eager")
+    calls = _count_validations(monkeypatch)
+    _, cup = cp_ops.pad_cu_seqlens([5, 7], 1)
+    x = torch.randn(16, 32)
+    custom_ops.thd_seq_to_rank_order(x, cup, 1)  # the op's Python object: an eager call
+    assert calls == ["padded"]
+    torch.ops.cp_ops.thd_seq_to_rank_order(x, cup, 1)  # the form a compiled graph calls
+    assert calls == ["padded"]
+    layer = cp_ops.GatedDeltaNet(32, 2, 4, 8, 8)
+    layer(x, cup)
+    assert calls[1] == "padded_shard"
+    del calls[:]
+    compiled = torch.compile(lambda x, cup: layer(x, cup) + custom_ops.thd_seq_to_rank_order(x, cup, 1), fullgraph=True)
+    compiled(x, cup)
+    assert calls == [], "a compiled graph in the eager mode reads nothing on the host"
+    torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+def test_eager_mode_reads_nothing_in_a_cuda_graph_capture(monkeypatch):
+    set_checks("eager")
+    layer = cp_ops.GatedDeltaNet(64, 2, 4, 16, 16).cuda()
+    _, cup = cp_ops.pad_cu_seqlens([50, 70], 1)
+    cup = cup.cuda()
+    x = torch.randn(int(cup[-1]), 64, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up (FLA's autotuning) outside the capture
+        want = layer(x, cup)
+    torch.cuda.current_stream().wait_stream(side)
+    calls = _count_validations(monkeypatch)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = layer(x, cup)
+    assert calls == [], "a capture reads nothing on the host"
+    graph.replay()
+    torch.cuda.synchronize()
+    assert rel_error(out, want) < 1e-5
+
+
+def test_environment_variable_and_bad_values(monkeypatch):
+    with pytest.raises(TypeError, match="True, False or 'eager'"):
         set_checks(1)
+    monkeypatch.delenv("CP_OPS_CHECKS", raising=False)
+    assert env.checks() == "eager"
+    for value, want in (("1", True), ("0", False), ("eager", "eager")):
+        monkeypatch.setenv("CP_OPS_CHECKS", value)
+        assert env.checks() == want
+    # read on import: a process that starts with it set is in that mode
     probe = "import cp_ops; print(cp_ops.checks_enabled())"
-    for value, want in (("1", "True"), ("0", "False")):
-        out = subprocess.run([sys.executable, "-c", probe], env={**os.environ, "CP_OPS_CHECKS": value},
-                             capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
-        assert out == want
+    out = subprocess.run([sys.executable, "-c", probe], env={**os.environ, "CP_OPS_CHECKS": "0"},
+                         capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    assert out == "False"
 
 
 # --- on two ranks: the CP exchanges, the all-gather attention and both layers ---------------------
@@ -184,15 +238,80 @@ def _cp_checks(rank, world):
     with pytest.raises(ValueError, match="swapped"):
         cp_ops.ag_thd_attention(q, k, k, cup, cu, group=group)
     gdn = cp_ops.GatedDeltaNet(32, 2, 4, 8, 8)
-    with pytest.raises(ValueError, match="cu_seqlens_padded\\[-1\\] = 12 but the tensor has 16 rows"):
+    with pytest.raises(ValueError, match="input has 8 rows, but its shard of the layout has cu_seqlens_padded\\[-1\\] / cp_size = 12 / 2"):
         gdn(torch.randn(8, 32), cu, group=group)  # real lengths where the padded ones belong
     attn = cp_ops.Attention(32, 4, 2, 8)
     with pytest.raises(ValueError, match="swapped"):
         attn(torch.randn(8, 32), cup, cu, group=group)
-    set_checks(False)
+    set_checks("eager")
 
 
 @pytest.mark.dist
 def test_cp_ops_and_layers_check_on_two_ranks():
-    set_checks(False)  # the ranks turn it on themselves
+    set_checks("eager")  # the ranks turn it on themselves
     run_ranks(2, _cp_checks)
+
+
+# --- the default mode: eager calls refuse the layouts that otherwise give output, no error -------
+
+
+def _layers():
+    return cp_ops.GatedDeltaNet(32, 2, 4, 8, 8), cp_ops.Attention(32, 4, 2, 8)
+
+
+def test_default_mode_refuses_a_padded_end_other_than_the_row_count():
+    set_checks("eager")
+    gdn, attn = _layers()
+    x, cu, cup = cp_ops.pack([torch.randn(n, 32) for n in (5, 7)], 1)  # 14 rows
+    long = cup.clone()
+    long[-1] += 2
+    message = "cu_seqlens_padded\\[-1\\] = 16 but the (input|tensor) has 14 rows"
+    for call in (lambda: gdn(x, long), lambda: attn(x, cu, long),
+                 lambda: custom_ops.thd_seq_to_rank_order(x, long, 1)):  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            call()
+
+
+def test_default_mode_refuses_swapped_cumulative_lengths():
+    set_checks("eager")
+    _, attn = _layers()
+    x, cu, cup = cp_ops.pack([torch.randn(n, 32) for n in (5, 7)], 1)
+    q, kv = torch.randn(14, 4, 8), torch.randn(14, 2, 8)
+    for call in (lambda: attn(x, cup, cu), lambda: cp_ops.ag_thd_attention(q, kv, kv, cup, cu)):
+        with pytest.raises(ValueError, match="are cu_seqlens and cu_seqlens_padded swapped"):
+            call()
+
+
+def _default_mode_on_two_ranks(rank, world, case):
+    import torch.distributed as dist
+
+    assert checks_enabled() == "eager"
+    group = dist.group.WORLD
+    gdn, attn = _layers()
+    seqs = [torch.randn(n, 32) for n in (6, 10)]
+    if case == "unsharded":  # the whole batch where this rank's shard belongs
+        x, cu, cup = cp_ops.pack(seqs, world)
+        message = "input has 20 rows, but its shard of the layout has cu_seqlens_padded\\[-1\\] / cp_size = 20 / 2"
+    else:  # a batch packed for cp 1 (padded lengths 6, 10), its first half as a shard at cp 2
+        x, cu, cup = cp_ops.pack(seqs, 1)
+        x = x[: x.shape[0] // world]
+        message = "padded length 6, not a multiple of 2\\*cp_size = 4 \\(pack the batch for cp_size = 2"
+    for call in (lambda: gdn(x, cup, group), lambda: attn(x, cu, cup, group)):
+        with pytest.raises(ValueError, match=message):
+            call()
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("case", ["unsharded", "packed_for_cp1"])
+def test_default_mode_refuses_a_layout_that_does_not_fit_the_group(case):
+    set_checks("eager")
+    run_ranks(2, _default_mode_on_two_ranks, case)
+
+
+def test_checks_off_name_the_mode_where_a_reference_indexes_out_of_range():
+    set_checks(False)
+    x, _, cup = cp_ops.pack([torch.randn(n, 4) for n in (5, 7)], 2)
+    long = cup.clone()
+    long[-1] += 4
+    with pytest.raises(ValueError, match="CP_OPS_CHECKS=1 or cp_ops.set_checks\\(True\\)"):
+        custom_ops.thd_rank_to_seq_order(x, long, 2)

@@ -60,8 +60,9 @@ def test_every_variable_is_described():
 @pytest.mark.parametrize("name", ["CP_OPS_CHECKS", "CP_OPS_OPAQUE_KERNELS", "CP_OPS_PRECOMPILE", "CP_OPS_FLA_CONFIGS"])
 def test_switches_accept_0_and_1_only(name):
     assert env.parse(name, "0") == "0" and env.parse(name, "1") == "1"
+    accepted = "0, eager or 1" if name == "CP_OPS_CHECKS" else "0 or 1"
     for bad in ("yes", "true", "", " 1"):
-        with pytest.raises(ValueError, match=rf"{name} must be 0 or 1, got {bad!r}"):
+        with pytest.raises(ValueError, match=rf"{name} must be {accepted}, got {bad!r}"):
             env.parse(name, bad)
 
 
@@ -69,7 +70,7 @@ def test_accessors_read_the_environment_and_defaults(monkeypatch):
     for name in ("CP_OPS_CHECKS", "CP_OPS_OPAQUE_KERNELS", "CP_OPS_PRECOMPILE", "CP_OPS_FLA_CONFIGS",
                  "TRITON_INTERPRET", "TORCHINDUCTOR_COMPILE_THREADS"):  # fmt: skip
         monkeypatch.delenv(name, raising=False)
-    assert (env.checks(), env.opaque_kernels(), env.precompile(), env.fla_configs()) == (False, None, True, True)
+    assert (env.checks(), env.opaque_kernels(), env.precompile(), env.fla_configs()) == ("eager", None, True, True)
     assert not env.triton_interpret() and not env.inductor_compile_threads_set()
     monkeypatch.setenv("CP_OPS_CHECKS", "1")
     monkeypatch.setenv("CP_OPS_OPAQUE_KERNELS", "0")

@@ -8,6 +8,7 @@ import inspect
 import pydoc
 
 import pytest
+import torch
 
 import cp_ops
 import custom_ops
@@ -45,3 +46,16 @@ def test_an_op_shows_its_signature_and_contract():
     assert "thd_seq_to_rank_order(x: torch.Tensor, cu_seqlens_padded: torch.Tensor, cp_size: int) -> torch.Tensor" in text
     assert "CP rank order" in text and "Differentiable" in text
     assert "CustomOpDef is a wrapper" not in text
+
+
+LAYERS = [getattr(cp_ops, name) for name in cp_ops.__all__ if inspect.isclass(getattr(cp_ops, name))
+          and issubclass(getattr(cp_ops, name), torch.nn.Module)]  # fmt: skip
+
+
+@pytest.mark.parametrize("layer", LAYERS, ids=lambda c: c.__name__)
+def test_a_layer_shows_its_own_constructor_and_no_internal_method(layer):
+    assert layer.__init__.__doc__ is not torch.nn.Module.__init__.__doc__, f"{layer.__name__}.__init__ has no docstring"
+    text = _words(pydoc.render_doc(layer, renderer=pydoc.plaintext))
+    assert _words(inspect.cleandoc(layer.__init__.__doc__).splitlines()[0]) in text
+    public = {name for name, value in vars(layer).items() if callable(value) and not name.startswith("_")}
+    assert public <= {"forward", "extra_repr"}, f"{layer.__name__}'s helpers are internal: {sorted(public)}"

@@ -1,7 +1,9 @@
 """Every notebook in notebooks/ runs top to bottom, so none can rot.
 
-Code cells are joined into one script and run in a fresh interpreter (no Jupyter
-kernel needed): the notebooks' own asserts are the checks. Plots go to the Agg backend.
+Code cells are joined into one script, written to a file and run by a fresh interpreter (no
+Jupyter kernel needed), as a notebook exported as a script runs: the ranks a notebook spawns
+import that file, so its cells run under ``if __name__ == "__main__":``. The notebooks' own
+asserts are the checks. Plots go to the Agg backend.
 
 Two runs are slow tests (make test-all), their code being tested elsewhere in the fast tier:
 02 (the ops under torch.compile: each op's compiled tests in tests/custom_ops) and 03 (the
@@ -9,8 +11,10 @@ demo's CP training against one rank: tests/examples/test_demo.py). In the fast t
 notebook's code still compiles.
 """
 
+import ast
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -38,11 +42,13 @@ SLOW = {"02_ops_and_compile.ipynb", "03_training_with_cp.ipynb"}
     "path", [pytest.param(p, marks=pytest.mark.slow) if p.name in SLOW else p for p in NOTEBOOKS],
     ids=[p.name for p in NOTEBOOKS],
 )  # fmt: skip
-def test_notebook_runs(path):
+def test_notebook_runs(path, tmp_path):
     env = dict(os.environ, MPLBACKEND="Agg", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     env.pop("TRITON_INTERPRET", None)
+    script = tmp_path / f"{path.stem}.py"
+    script.write_text(_script(path))
     proc = subprocess.run(
-        [sys.executable, "-c", _script(path)], cwd=path.parent, env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, str(script)], cwd=path.parent, env=env, capture_output=True, text=True, timeout=600
     )
     assert proc.returncode == 0, f"{path.name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
 
@@ -54,3 +60,23 @@ def test_there_are_notebooks():
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
 def test_notebook_code_compiles(path):
     compile(_script(path), path.name, "exec")
+
+
+def _guarded(node: ast.stmt) -> bool:
+    return isinstance(node, ast.If) and ast.unparse(node.test) == "__name__ == '__main__'"
+
+
+def _harmless(node: ast.stmt) -> bool:
+    """Imports, definitions and the path set-up: what a spawned rank may run on importing the script."""
+    if isinstance(node, (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.ClassDef)) or _guarded(node):
+        return True
+    return isinstance(node, ast.Expr) and ast.unparse(node).startswith("sys.path.insert(")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+def test_a_notebook_that_spawns_ranks_runs_its_cells_in_the_main_process_only(path):
+    script = _script(path)
+    if not re.search(r'"--cp-size", "[2-9]"|cp=[2-9]', script):
+        return
+    loose = [ast.unparse(node).splitlines()[0] for node in ast.parse(script).body if not _harmless(node)]
+    assert not loose, f"{path.name}: as a script, the spawned ranks would run these again: {loose}"

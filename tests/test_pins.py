@@ -1,5 +1,5 @@
-"""tools/pins.py: the pins make deps installs are checked exactly; the optional extras' pins only
-where installed, and regenerating the file keeps them."""
+"""tools/pins.py: the pins make deps installs are checked exactly; an optional extra's pins (after
+an ``# optional:`` line) only where installed."""
 
 import importlib.util
 
@@ -18,23 +18,19 @@ def _write(tmp_path, text):
 
 def test_optional_pins_are_checked_only_where_installed(tmp_path, monkeypatch):
     monkeypatch.setattr(pins, "installed", lambda: {"torch": ("torch", "2.13.0"), "tilelang": ("tilelang", "0.1.14")})
-    path = _write(tmp_path, "torch==2.13.0+cpu\n# [optional]\n# what the GPU path adds\nflash-qla==0.1.3\n")
-    assert pins.read_pins(path) == {"torch": "2.13.0+cpu"}
-    assert pins.read_pins(path, optional=True) == {"flash-qla": "0.1.3"}
+    text = "torch==2.13.0+cpu\n# optional: the gpu extra\nflash-qla==0.1.3\n# optional: another\njupyterlab==4.6.6\n"
+    path = _write(tmp_path, text)
+    assert pins.read_pins(path, optional=False) == {"torch": "2.13.0+cpu"}
+    assert set(pins.read_pins(path)) == {"torch", "flash-qla", "jupyterlab"}
     assert pins.main(["check", path]) == 0
-    path = _write(tmp_path, "torch==2.13.0\n# [optional]\ntilelang==0.1.15\n")
+    path = _write(tmp_path, "torch==2.13.0\n# optional: the gpu extra\ntilelang==0.1.15\n")
     assert pins.main(["check", path]) == 1  # installed at another version
     path = _write(tmp_path, "torch==2.13.0\nnumpy==2.4.6\n")
     assert pins.main(["check", path]) == 1  # a required pin missing
 
 
-def test_freeze_keeps_the_optional_section(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(pins, "installed", lambda: {"torch": ("torch", "2.13.0"), "tilelang": ("tilelang", "0.1.15")})
-    section = "# [optional]\n# the GPU path\ntilelang==0.1.15\n"
-    path = _write(tmp_path, "torch==2.12.0\n" + section)
-    assert pins.main(["freeze", path]) == 0
-    out = capsys.readouterr().out
-    assert out == pins.HEADER + "torch==2.13.0\n" + section
-    assert pins.main(["freeze"]) == 0
-    assert capsys.readouterr().out == pins.HEADER + "tilelang==0.1.15\ntorch==2.13.0\n"
-
+def test_the_repository_constraints_parse_with_each_extra_in_its_section():
+    path = str(ROOT / "constraints.txt")
+    required, everything = pins.read_pins(path, optional=False), pins.read_pins(path)
+    assert "torch" in required and "flash-qla" not in required and "jupyterlab" not in required
+    assert {"flash-qla", "tilelang", "jupyterlab"} <= set(everything)

@@ -87,3 +87,16 @@ def test_spawned_ranks_leave_no_semaphore(tmp_path):
     out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout == "done\n", out.stderr
     assert "resource_tracker" not in out.stderr and "leaked" not in out.stderr, out.stderr
+
+
+def test_rel_error_of_tensors_that_require_grad_warns_nothing():
+    import warnings
+
+    import torch
+
+    from custom_ops.testing import rel_error
+
+    x = torch.randn(8, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert rel_error(x * 2, x) == pytest.approx(1.0)

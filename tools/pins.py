@@ -2,13 +2,14 @@
 
     python tools/pins.py check constraints.txt   exit 1 unless every pin is installed at its version
     python tools/pins.py diff constraints.txt    list the installed versions that differ from the pins
-    python tools/pins.py freeze [constraints.txt]
-                                                 print a constraints file of what is installed (and the
-                                                 given file's optional section, as it is)
+    python tools/pins.py freeze                  print a constraints file of what is installed
+    python tools/pins.py freeze-optional constraints.txt EXTRA
+                                                 print the optional section: what is installed
+                                                 beyond those pins, for the extra EXTRA
 
-Local version labels (``2.13.0+cpu``) compare equal to their public version, as pip matches them.
-The pins after the line ``# [optional]`` are the optional extras that ``make deps`` does not
-install (GPU packages): checked only where installed, and kept as they are by ``freeze``.
+Pins after an ``# optional: ...`` line belong to an extra that make does not install: check and
+diff skip those whose package is not installed. Local version labels (``2.13.0+cpu``) compare
+equal to their public version, as pip matches them.
 """
 
 from __future__ import annotations
@@ -32,31 +33,26 @@ def _public(version: str) -> str:
     return version.split("+", 1)[0]
 
 
-OPTIONAL = "# [optional]"
+OPTIONAL = "# optional:"
+
+# never pinned: the package itself and the installers
+SKIP = {"cp-ops", "pip", "setuptools", "wheel"}
 
 
-def optional_section(path: str) -> str:
-    """The text of ``path`` from its ``# [optional]`` line on ("" where it has none)."""
-    with open(path) as f:
-        text = f.read()
-    start = text.find(OPTIONAL + "\n")
-    return "" if start < 0 else text[start:]
-
-
-def read_pins(path: str, optional: bool = False) -> dict[str, str]:
-    """The pins of ``path`` before its optional section, or (``optional``) those in it."""
+def read_pins(path: str, optional: bool = True) -> dict[str, str]:
+    """The pins of ``path``, the optional section's too unless ``optional`` is False."""
     pins = {}
     with open(path) as f:
-        text = f.read()
-    required, _, extras = text.partition(OPTIONAL + "\n")
-    for line in (extras if optional else required).splitlines():
-        line = line.split("#", 1)[0].strip()
-        if not line:
-            continue
-        m = re.fullmatch(r"([A-Za-z0-9_.\-]+)\s*==\s*(\S+)", line)
-        if m is None:
-            raise SystemExit(f"{path}: not a 'name==version' pin: {line!r}")
-        pins[_key(m.group(1))] = m.group(2)
+        for line in f:
+            if line.startswith(OPTIONAL) and not optional:
+                break
+            line = line.split("#", 1)[0].strip()
+            if not line:
+                continue
+            m = re.fullmatch(r"([A-Za-z0-9_.\-]+)\s*==\s*(\S+)", line)
+            if m is None:
+                raise SystemExit(f"{path}: not a 'name==version' pin: {line!r}")
+            pins[_key(m.group(1))] = m.group(2)
     return pins
 
 
@@ -70,29 +66,35 @@ def installed() -> dict[str, tuple[str, str]]:
     return found
 
 
-def differences(pins: dict[str, str], optional: dict[str, str] | None = None) -> list[str]:
-    """What differs from ``pins`` (each must be installed at its version) and from the ``optional``
-    pins that are installed."""
+def differences(pins: dict[str, str], optional: set[str] = frozenset()) -> list[str]:
+    """The pins not installed at their version; of ``optional`` only those installed at another."""
     have = installed()
     lines = []
-    wanted = {**{k: v for k, v in (optional or {}).items() if k in have}, **pins}
-    for key, want in sorted(wanted.items()):
+    for key, want in sorted(pins.items()):
         got = have.get(key, (key, None))[1]
+        if got is None and key in optional:
+            continue
         if got != _public(want):
             lines.append(f"{key}: pinned {want}, installed {got or 'nothing'}")
     return lines
 
 
 def main(argv: list[str]) -> int:
-    if argv[:1] == ["freeze"] and len(argv) <= 2:
-        extras = optional_section(argv[1]) if len(argv) == 2 else ""
-        skip = {"cp-ops", "pip", "setuptools", "wheel"} | (set(read_pins(argv[1], optional=True)) if extras else set())
-        body = "".join(f"{name}=={version}\n" for key, (name, version) in sorted(installed().items()) if key not in skip)
-        sys.stdout.write(HEADER + body + extras)
+    if argv[:1] == ["freeze"] and len(argv) == 1:
+        body = "".join(f"{name}=={version}\n" for key, (name, version) in sorted(installed().items()) if key not in SKIP)
+        sys.stdout.write(HEADER + body)
+        return 0
+    if argv[:1] == ["freeze-optional"] and len(argv) == 3:
+        base = read_pins(argv[1], optional=False)
+        body = "".join(f"{name}=={version}\n" for key, (name, version) in sorted(installed().items())
+                       if key not in base and key not in SKIP)  # fmt: skip
+        sys.stdout.write(f"{OPTIONAL} the {argv[2]} extra, which make does not install (pip install -e '.[{argv[2]}]' "
+                         "-c constraints.txt)\n" + body)  # fmt: skip
         return 0
     if len(argv) != 2 or argv[0] not in ("check", "diff"):
         raise SystemExit(__doc__)
-    lines = differences(read_pins(argv[1]), read_pins(argv[1], optional=True))
+    pins = read_pins(argv[1])
+    lines = differences(pins, set(pins) - set(read_pins(argv[1], optional=False)))
     if argv[0] == "check":
         if lines:
             print(f"the installed packages do not match {argv[1]}:\n  " + "\n  ".join(lines), file=sys.stderr)

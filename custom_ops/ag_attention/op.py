@@ -21,7 +21,7 @@ from custom_ops.runtime.collectives import all_gather_rows
 from custom_ops.runtime.groups import check_group_size, resolve_group
 from custom_ops.runtime.registration import NAMESPACE, composite_op, opaque_op
 from custom_ops.runtime.thd_index import rank_to_seq_index
-from custom_ops.runtime.validation import checked
+from custom_ops.runtime.validation import call_checked, checked
 from custom_ops.thd_copy_valid_tokens.op import thd_copy_valid_tokens
 from custom_ops.varlen_attention.kv_rows import varlen_attention_kv
 from custom_ops.varlen_attention.op import check_gqa_heads, varlen_attention, window_pair
@@ -77,7 +77,7 @@ def _ag_thd_attention(q, k, v, cu_seqlens, cu_seqlens_padded, causal, window_lef
     """The decomposition: per head group one collective, one reorder and one (or two)
     segment-attention launches; the groups' outputs concatenated over heads."""
     _check(q, k, v, cu_seqlens, cu_seqlens_padded, launches, head_groups)
-    cu_seqlens = checked("thd", cu_seqlens, (cu_seqlens_padded,), cp_size, q.shape[0] * cp_size)
+    cu_seqlens = checked("thd_shard", cu_seqlens, (cu_seqlens_padded,), cp_size, q.shape[0])
     window = (window_left, window_right)
     if group_name is None:
         if cp_size != 1:
@@ -163,10 +163,11 @@ def ag_thd_attention(
     group_name, world = resolve_group(group)
     left, right = window_pair(window)
     if launches == 1:
-        return torch.ops.cp_ops.ag_thd_attention(
-            q, k, v, cu_seqlens, cu_seqlens_padded, causal, left, right, scale, group_name, world, head_groups
-        )
-    return _ag_thd_attention(
-        q, k, v, cu_seqlens, cu_seqlens_padded, causal, left, right, scale, group_name, world, launches,
-        head_groups,
-    )
+        return call_checked(
+            torch.ops.cp_ops.ag_thd_attention,
+            q, k, v, cu_seqlens, cu_seqlens_padded, causal, left, right, scale, group_name, world, head_groups,
+        )  # fmt: skip
+    return call_checked(
+        _ag_thd_attention,
+        q, k, v, cu_seqlens, cu_seqlens_padded, causal, left, right, scale, group_name, world, launches, head_groups,
+    )  # fmt: skip

@@ -39,3 +39,12 @@ def check_rows(name: str, x: torch.Tensor) -> None:
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() < 1:
         raise ValueError(f"{name} must have a leading token dimension, got a 0-d tensor")
+
+
+def layout_index_error(error: IndexError) -> ValueError:
+    """What a torch reference raises for an index out of range, ``error``: only a layout that does
+    not fit its tensor makes one, and the checked mode names which argument and sequence."""
+    return ValueError(
+        f"the layout does not fit the tensor ({error}); with the checked mode on (CP_OPS_CHECKS=1 or "
+        "cp_ops.set_checks(True)) the op names the argument and the sequence at fault"
+    )

@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from custom_ops.runtime.checks import layout_index_error
 from custom_ops.runtime.launch import launch_rows, use_triton
 from custom_ops.runtime.tiles import ROW_SETTINGS
 from custom_ops.runtime.words import from_row_matrix, index_select_any, row_matrix
@@ -45,7 +46,10 @@ def gather_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     permutation where it is a reorder): the Triton kernel where the package runs Triton, else
     ``index_select``."""
     if not use_triton(x):
-        return index_select_any(x, 0, rows)
+        try:
+            return index_select_any(x, 0, rows)
+        except IndexError as e:
+            raise layout_index_error(e) from e
     return launch_gather_rows(x, rows)
 
 

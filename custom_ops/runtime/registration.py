@@ -8,7 +8,8 @@
 
 The ``custom_op`` and ``triton_op`` forms also register their body directly as the op's CPU
 and CUDA kernel (:func:`_register_eager_kernels`), so an eager call reaches it without going
-through ``custom_op``'s Python backend wrapper.
+through ``custom_op``'s Python backend wrapper; their Python objects call it through
+:func:`~custom_ops.runtime.checked_mode.call_checked` (:class:`_CheckedOpDef`).
 """
 
 from __future__ import annotations
@@ -21,11 +22,13 @@ import re
 from collections.abc import Iterable
 
 import torch
+from torch._library.custom_ops import CustomOpDef
 from torch._library.infer_schema import infer_schema
 from torch._library.triton import set_wrap_triton_enabled
 from torch.library import custom_op, triton_op
 
 from custom_ops import env
+from custom_ops.runtime.checked_mode import call_checked
 
 __all__ = ["NAMESPACE", "composite_op", "kernel_op", "kernels_visible_to_compiler", "opaque_op"]
 
@@ -136,8 +139,18 @@ def opaque_op(qualname: str, *, mutates_args):
     return register
 
 
+class _CheckedOpDef(CustomOpDef):
+    """A ``CustomOpDef`` whose Python call is :func:`~custom_ops.runtime.checked_mode.call_checked`:
+    an eager call runs its body's layout checks in the eager checked mode. The compiler inlines
+    this call (under tracing it is the bare op) and a compiled graph calls the op itself."""
+
+    def __call__(self, *args, **kwargs):
+        return call_checked(self._opoverload, *args, **kwargs)
+
+
 def _documented(op, fn):
-    """``op`` (a ``CustomOpDef``) with ``fn``'s signature and docstring as its ``__doc__``.
+    """``op`` (a ``CustomOpDef``, made a :class:`_CheckedOpDef`) with ``fn``'s signature and
+    docstring as its ``__doc__``.
 
     ``help()`` and ``pydoc`` show an instance's own ``__doc__`` (otherwise the class's generic
     text), but no signature for an instance, so the signature leads the text, as for builtins.
@@ -147,6 +160,7 @@ def _documented(op, fn):
     except (NameError, SyntaxError, TypeError):
         signature = inspect.signature(fn)
     doc = inspect.getdoc(fn)
+    op.__class__ = _CheckedOpDef
     op.__doc__ = f"{fn.__name__}{signature}" + (f"\n\n{doc}" if doc else "")
     return op
 

@@ -17,6 +17,8 @@ from collections.abc import Iterator
 
 import torch
 
+from custom_ops.runtime.checks import layout_index_error
+
 __all__ = [
     "padding_multiple",
     "local_chunks",
@@ -121,7 +123,10 @@ def rank_to_seq_index(cu_seqlens_padded: torch.Tensor, cp_size: int, num_rows: i
     :func:`seq_to_rank_index`, built by scattering (the kernel uses a closed formula)."""
     fwd = seq_to_rank_index(cu_seqlens_padded, cp_size, num_rows)
     inv = torch.empty_like(fwd)
-    inv[fwd] = torch.arange(num_rows, device=fwd.device, dtype=fwd.dtype)
+    try:
+        inv[fwd] = torch.arange(num_rows, device=fwd.device, dtype=fwd.dtype)
+    except IndexError as e:
+        raise layout_index_error(e) from e
     return inv
 
 

@@ -1,15 +1,13 @@
 """Checks of layout *values* (cumulative lengths, offsets, permutations) and the checked mode.
 
-The ops check shapes, dtypes and devices on every call for free. Values live on the device, so
-checking them costs a host sync; the validators here do it, for data preparation and for the
-checked mode. With checks on (``set_checks(True)`` or ``CP_OPS_CHECKS=1`` in the environment),
-every op and layer validates its layout values before it runs and raises ``ValueError`` naming
-the argument and the sequence, where it would otherwise return finite, wrong rows. Off (the
-default) no op reads a value on the host.
-
-Under ``torch.compile`` the check is the opaque op ``cp_ops::check_layout``, which runs when the
-compiled graph runs; whether a graph holds it is decided when it is traced, so set the mode
-before compiling (``torch._dynamo.reset()`` after changing it).
+Shapes, dtypes and devices are checked on every call for free; values live on the device, so
+checking them costs a host sync. The checked mode (``CP_OPS_CHECKS`` or :func:`set_checks`):
+``"eager"`` (the default) validates eager calls, made from Python through the ops' Python
+objects, the wrappers and the layers, and nothing in compiled graphs or CUDA graph captures;
+``True`` validates every call, compiled graphs included (the opaque op ``cp_ops::check_layout``,
+in the graph when it is traced: set the mode before compiling); ``False`` validates nothing. A
+check raises ``ValueError`` naming the argument and the sequence, where the op would otherwise
+return finite, wrong rows (docs/design.md section 1, "What is checked when").
 """
 
 from __future__ import annotations
@@ -19,7 +17,8 @@ from typing import NamedTuple
 
 import torch
 
-from custom_ops import env
+from custom_ops.runtime import checked_mode
+from custom_ops.runtime.checked_mode import call_checked, checks_enabled, set_checks
 from custom_ops.runtime.checks import check_cp_size, check_index_tensor
 from custom_ops.runtime.registration import NAMESPACE, opaque_op
 
@@ -27,6 +26,7 @@ __all__ = [
     "set_checks",
     "checks_enabled",
     "checked",
+    "call_checked",
     "validate_cumulative",
     "validate_padded",
     "validate_thd",
@@ -47,23 +47,6 @@ class Segments(NamedTuple):
     q_pos: torch.Tensor
     k_start: torch.Tensor
     k_len: torch.Tensor
-
-
-# the process's checked mode: read from the environment once, changed only by set_checks
-_CHECKS = env.checks()
-
-
-def set_checks(enabled: bool) -> None:
-    """Turn the checked mode on or off for this process (see the module docstring)."""
-    global _CHECKS
-    if not isinstance(enabled, bool):
-        raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
-    _CHECKS = enabled
-
-
-def checks_enabled() -> bool:
-    """Whether ops and layers validate their layout values before running."""
-    return _CHECKS
 
 
 def _first_bad(mask: torch.Tensor) -> int | None:
@@ -106,7 +89,21 @@ def _check_multiples(cu_seqlens_padded: torch.Tensor, cp_size: int) -> None:
     if bad is not None:
         raise ValueError(
             f"cu_seqlens_padded: sequence {bad} has padded length {int(padded[bad])}, "
-            f"not a multiple of 2*cp_size = {block}"
+            f"not a multiple of 2*cp_size = {block} (pack the batch for cp_size = {cp_size}: "
+            "cp_ops.pack or cp_ops.pad_cu_seqlens)"
+        )
+
+
+def _check_shard_rows(cu_seqlens_padded: torch.Tensor, cp_size: int, shard_rows: int) -> None:
+    """A rank's shard has ``cu_seqlens_padded[-1] / cp_size`` rows."""
+    total = int(cu_seqlens_padded[-1])
+    if total != shard_rows * cp_size:
+        if cp_size == 1:
+            raise ValueError(f"cu_seqlens_padded[-1] = {total} but the input has {shard_rows} rows")
+        raise ValueError(
+            f"this rank's input has {shard_rows} rows, but its shard of the layout has cu_seqlens_padded[-1] / "
+            f"cp_size = {total} / {cp_size} rows: pass this rank's shard (cp_ops.shard_thd) with the "
+            "whole batch's layout"
         )
 
 
@@ -193,8 +190,9 @@ def validate_varlen_segments(
     """Check segment tables on the host (syncs; call it where batches are built).
 
     Raises ValueError unless lengths are >= 0, every query range lies in
-    ``[0, num_q_rows)`` and every key range in ``[0, num_k_rows)``, and the
-    non-empty query ranges are pairwise disjoint.
+    ``[0, num_q_rows)`` and the key range of every non-empty one in ``[0, num_k_rows)``
+    (a segment without query rows reads no key), and the non-empty query ranges are
+    pairwise disjoint.
     """
     tables = {name: t.tolist() for name, t in zip(Segments._fields, (q_start, q_len, q_pos, k_start, k_len))}
     n = len(tables["q_start"])
@@ -207,7 +205,7 @@ def validate_varlen_segments(
             raise ValueError(f"segment {s}: q_len = {ql} and k_len = {kl} must be >= 0")
         if qs < 0 or qs + ql > num_q_rows:
             raise ValueError(f"segment {s}: query rows [{qs}, {qs + ql}) are not inside [0, {num_q_rows})")
-        if ks < 0 or ks + kl > num_k_rows:
+        if ql > 0 and (ks < 0 or ks + kl > num_k_rows):
             raise ValueError(f"segment {s}: key rows [{ks}, {ks + kl}) are not inside [0, {num_k_rows})")
         if ql > 0:
             spans.append((qs, qs + ql, s))
@@ -222,6 +220,16 @@ _VALIDATORS = {
     "cumulative": lambda cu, num_rows: validate_cumulative("cu_seqlens", cu, num_rows),
     "padded": validate_padded,
     "thd": validate_thd,
+    # a rank's shard of shard_rows rows (a layer's x): the layout's rows are cp_size times as many
+    "padded_shard": lambda cup, cp_size, shard_rows: (
+        check_cp_size(cp_size),
+        validate_cumulative("cu_seqlens_padded", cup),
+        _check_shard_rows(cup, cp_size, shard_rows),
+        _check_multiples(cup, cp_size),
+    ),
+    "thd_shard": lambda cu, cup, cp_size, shard_rows: (
+        validate_thd(cu, cup, cp_size), _check_shard_rows(cup, cp_size, shard_rows)
+    ),
     "offsets": lambda offsets, cu, num_rows: validate_offsets(offsets, cu, num_rows),
     "permutation": lambda rows, n: validate_permutation("rows", rows, n),
     "segments": validate_varlen_segments,
@@ -246,9 +254,27 @@ def _(kind, index, others, sizes):
     return index.new_empty(index.shape)
 
 
-def checked(kind: str, index: torch.Tensor, others: Sequence[torch.Tensor] = (), *sizes: int) -> torch.Tensor:
-    """``index`` itself with checks off; with checks on, ``index`` validated as ``kind`` (see
-    ``_VALIDATORS``) through :func:`check_layout`. Use the result in place of ``index``."""
-    if not _CHECKS:
+def _eager(index: torch.Tensor) -> bool:
+    """Whether ``index`` is a real tensor outside a CUDA graph capture (not a compiler's fake or
+    functional tensor), so that reading it now is an eager check."""
+    return type(index) is torch.Tensor and not (index.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+def checked(
+    kind: str, index: torch.Tensor, others: Sequence[torch.Tensor] = (), *sizes: int, entry: bool = False
+) -> torch.Tensor:
+    """``index``, validated as ``kind`` (see ``_VALIDATORS``) where the checked mode asks for it;
+    use the result in place of ``index``. With the mode on, through :func:`check_layout` (so that
+    a compiled graph holds the check); in the eager mode, on the host where the call is eager:
+    ``entry=True`` for Python code the compiler traces (a layer's forward), which is eager
+    whenever no compiler traces it; an op's body (the default) only within :func:`call_checked`.
+    """
+    mode = checked_mode.checks_enabled()
+    if mode is True:
+        return torch.ops.cp_ops.check_layout(kind, index, list(others), list(sizes))
+    if not mode:
         return index
-    return torch.ops.cp_ops.check_layout(kind, index, list(others), list(sizes))
+    eager = not torch.compiler.is_compiling() if entry else checked_mode.eager_call()
+    if eager and _eager(index):
+        _VALIDATORS[kind](index, *others, *sizes)
+    return index

@@ -25,7 +25,7 @@ It uses only the public API of ``cp_ops`` and ``custom_ops``. The modules, by jo
 - :mod:`cp_ops_demo.model`: the hybrid stack (``HybridLM``);
 - :mod:`cp_ops_demo.data`: the packed random batches (``make_batch``);
 - :mod:`cp_ops_demo.train`: one rank's training loop and the check of step 1 (``train``);
-- :mod:`cp_ops_demo.report`: the results over ranks, the summary and the printed table;
+- :mod:`cp_ops_demo.report`: the results over ranks, the summary, the printed table and its last line, PASS or FAIL;
 - :mod:`cp_ops_demo.ranks`: spawning the local ranks and joining their group;
 - :mod:`cp_ops_demo.cli`: the options, ``run`` (results as a dict) and ``main``.
 """
@@ -33,7 +33,7 @@ It uses only the public API of ``cp_ops`` and ``custom_ops``. The modules, by jo
 from cp_ops_demo.cli import DEVICE_DEFAULTS, build_parser, main, parse_args, run
 from cp_ops_demo.data import make_batch
 from cp_ops_demo.model import IGNORE_INDEX, HybridLM, fla_dt_bias_
-from cp_ops_demo.report import format_table
+from cp_ops_demo.report import format_table, verdict
 from cp_ops_demo.train import REGIONS, TOLERANCE
 
 __all__ = [
@@ -49,4 +49,5 @@ __all__ = [
     "run",
     "main",
     "format_table",
+    "verdict",
 ]

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from cp_ops_demo.data import num_targets, random_seqlens
-from cp_ops_demo.report import format_table, summarise
+from cp_ops_demo.report import format_table, summarise, verdict
 from cp_ops_demo.train import TOLERANCE, train
 
 __all__ = ["DEVICE_DEFAULTS", "build_parser", "parse_args", "run", "main"]
@@ -226,8 +226,7 @@ def run(argv: Sequence[str] | None = None) -> dict:
     res = summarise(args, res)
     if not args.quiet:
         print(format_table(res))
-        for failure in res["failures"]:
-            print(f"FAILED: {failure}")
+        print(verdict(res))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)

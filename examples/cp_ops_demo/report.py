@@ -81,6 +81,16 @@ def _mode(res: dict) -> str:
     return f"each block under torch.compile(fullgraph=True); {where}"
 
 
+def verdict(res: dict) -> str:
+    """The run's last line: PASS, or FAIL with what failed (the exit code follows it)."""
+    if not res["ok"]:
+        return "FAIL: " + "; ".join(res["failures"])
+    held = ["no graph break"] if res["compiled"] else []
+    if res["check_skipped"] is None:
+        held.append(f"step 1 within {res['tol']:g} of one device")
+    return "PASS: " + ", ".join(held) if held else f"PASS (nothing checked: {res['check_skipped']})"
+
+
 def format_table(res: dict) -> str:
     """The results as a two-column table."""
     def fmt(v, spec):

@@ -87,15 +87,15 @@ def test_head_parallel_core_is_additive_over_head_ranges():
     concatenating gives the full core: the slicing of sections, conv channels and gates."""
     layer = _layer(num_k_heads=4, num_v_heads=8)
     x, _, cup = _packed([10, 3, 7])
-    proj = layer.project(x)[0]
-    full = layer.head_parallel_core(proj, cup, 0, 4)
-    widths = layer.exchanged_sections()
+    proj = layer._project(x)[0]
+    full = layer._head_parallel_core(proj, cup, 0, 4)
+    widths = layer._exchanged_sections()
     parts = torch.split(proj, widths, dim=-1)
     halves = []
     for r in range(2):
         local = [p.chunk(2, dim=-1)[r] for p in parts]
-        halves.append(layer.head_parallel_core(torch.cat(local, -1), cup, 2 * r, 2))
-    assert layer.exchanged_sections(2) == [w // 2 for w in widths]
+        halves.append(layer._head_parallel_core(torch.cat(local, -1), cup, 2 * r, 2))
+    assert layer._exchanged_sections(2) == [w // 2 for w in widths]
     assert rel_error(torch.cat(halves, -1), full) < TOLERANCE[torch.float64]
 
 
@@ -103,11 +103,11 @@ def test_project_is_in_proj_without_and_with_z():
     """project() splits in_proj into the exchanged sections q, k, v, b, a and the local z."""
     layer = _layer()
     x = random_tensor((9, HIDDEN), torch.float64)
-    q, k, v, z, b, a = torch.split(layer.in_proj(x), layer.sections(), dim=-1)
-    qkvba, z_local = layer.project(x)
+    q, k, v, z, b, a = torch.split(layer.in_proj(x), layer._sections(), dim=-1)
+    qkvba, z_local = layer._project(x)
     assert rel_error(qkvba, torch.cat([q, k, v, b, a], -1)) < TOLERANCE[torch.float64]
     assert rel_error(z_local, z) < TOLERANCE[torch.float64]
-    assert sum(layer.exchanged_sections()) == qkvba.shape[-1]
+    assert sum(layer._exchanged_sections()) == qkvba.shape[-1]
 
 
 def test_from_qwen3_next_state_dict():
@@ -134,7 +134,7 @@ def test_from_qwen3_next_state_dict():
     q, k, v, z = torch.split(mixed, [DK, DK, g * DV, g * DV], dim=-1)
     b, a = torch.split((x @ ba.t()).view(13, HK, 2 * g), [g, g], dim=-1)
     hf_sections = [t.reshape(13, -1) for t in (q, k, v, z, b, a)]
-    ours = torch.split(layer.in_proj(x), layer.sections(), dim=-1)
+    ours = torch.split(layer.in_proj(x), layer._sections(), dim=-1)
     for mine, theirs in zip(ours, hf_sections):
         assert rel_error(mine, theirs) < TOLERANCE[torch.float64]  # same rows, GEMM blocking may differ
     assert torch.equal(layer.conv1d.weight, hf["conv1d.weight"])

@@ -782,11 +782,14 @@ def test_fla_chunk_indices_kernel_compiles_for_hopper():
 @pytest.mark.interpret
 def test_conv_kernels_rows_past_the_layout():
     """Rows past ``cu[-1]`` (outside the op's contract) start a sequence of their own there, as in
-    the reference."""
+    the reference. Called as ``torch.ops.cp_ops``, which eager checks leave alone (an eager call of
+    ``custom_ops.causal_conv1d`` refuses the layout)."""
     x, w, b, cu = _conv_case([9, 0, 20], 7, 4, torch.float32)
     x = torch.cat([x, random_tensor((11, 7), torch.float32)])
     grad_y = random_tensor(x.shape, torch.float32)
-    y = custom_ops.causal_conv1d(x, w, b, cu, "silu")
+    with pytest.raises(ValueError, match="cu_seqlens\\[-1\\] = 29 but the tensor has 40 rows"):
+        custom_ops.causal_conv1d(x, w, b, cu, "silu")
+    y = torch.ops.cp_ops.causal_conv1d(x, w, b, cu, "silu")
     assert rel_error(y, causal_conv1d_reference(x, w, b, cu, "silu")) < TOLERANCE[torch.float32]
     grads = torch.ops.cp_ops.causal_conv1d_backward(grad_y, x, w, b, cu, "silu")
     for a, e in zip(grads, causal_conv1d_reference_backward(grad_y, x, w, b, cu, "silu")):

@@ -86,13 +86,23 @@ def test_bfloat16_check_fails_on_rotary_positions_off_by_one(tmp_path, monkeypat
     (tmp_path / "sitecustomize.py").write_text(ROTARY_FAULT)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
     out = tmp_path / "res.json"
-    argv = TINY + ["--cp-size", "2", "--steps", "1", "--eager", "--dtype", "bfloat16", "--json", str(out)]
+    argv = [a for a in TINY if a != "--quiet"] + ["--cp-size", "2", "--steps", "1", "--eager", "--dtype", "bfloat16",
+                                                   "--json", str(out)]  # fmt: skip
     proc = subprocess.run([sys.executable, "-m", "cp_ops", "demo", *argv], capture_output=True, text=True)
     assert proc.returncode == 1, proc.stderr[-2000:]
+    assert proc.stdout.splitlines()[-1].startswith("FAIL: max rel error"), proc.stdout[-2000:]
     res = json.loads(out.read_text())
     assert res["check_dtype"] == "bfloat16" and res["tol"] == demo.TOLERANCE["bfloat16"]
     assert res["max_rel_error"] > demo.TOLERANCE["bfloat16"], res["errors"]
     assert res["worst"].startswith("blocks.0.attn.") and not res["ok"]
+
+
+def test_the_last_line_says_pass_or_fail():
+    base = dict(ok=True, failures=[], compiled=True, check_skipped=None, tol=1e-4)
+    assert demo.verdict(base) == "PASS: no graph break, step 1 within 0.0001 of one device"
+    assert demo.verdict({**base, "compiled": False, "check_skipped": "W = 1"}) == "PASS (nothing checked: W = 1)"
+    failed = {**base, "ok": False, "failures": ["2 graph breaks", "max rel error 0.3 > tol 0.0001 (loss)"]}
+    assert demo.verdict(failed) == "FAIL: 2 graph breaks; max rel error 0.3 > tol 0.0001 (loss)"
 
 
 def test_one_rank_eager_in_process():
