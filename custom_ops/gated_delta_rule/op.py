@@ -40,7 +40,7 @@ from custom_ops.gated_delta_rule.reference import (
 )
 from custom_ops.runtime.checks import check_index_tensor
 from custom_ops.runtime.registration import NAMESPACE, composite_op, opaque_op
-from custom_ops.runtime.validation import checked
+from custom_ops.runtime.validation import call_checked, checked
 
 __all__ = ["chunk_gated_delta_rule", "chunk_gated_delta_rule_with_state"]
 
@@ -449,7 +449,7 @@ def chunk_gated_delta_rule(
     (:mod:`custom_ops.gated_delta_rule.backends`); CPU: the sequential torch reference
     (docs/design.md section 2).
     """
-    return torch.ops.cp_ops.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, scale)
+    return call_checked(torch.ops.cp_ops.chunk_gated_delta_rule, q, k, v, g, beta, cu_seqlens, scale)
 
 
 def chunk_gated_delta_rule_with_state(
@@ -472,4 +472,6 @@ def chunk_gated_delta_rule_with_state(
     Differentiable in q, k, v, g, beta and ``initial_state``, with gradients from ``o`` and
     ``final_state`` (docs/design.md section 2).
     """
-    return torch.ops.cp_ops.chunk_gated_delta_rule_with_state(q, k, v, g, beta, cu_seqlens, scale, initial_state)
+    return call_checked(
+        torch.ops.cp_ops.chunk_gated_delta_rule_with_state, q, k, v, g, beta, cu_seqlens, scale, initial_state
+    )

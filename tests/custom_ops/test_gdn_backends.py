@@ -91,7 +91,7 @@ def test_bad_names(monkeypatch):
     with pytest.raises(ValueError, match="backend must be one of"):
         torch.ops.cp_ops.chunk_gated_delta_rule_forward(q, k, v, g, beta, cu, None, "triton")
     monkeypatch.setenv("CP_OPS_GDN_BACKEND", "triton")
-    with pytest.raises(ValueError, match="CP_OPS_GDN_BACKEND must be auto or fla or flashqla, got 'triton'"):
+    with pytest.raises(ValueError, match="CP_OPS_GDN_BACKEND must be auto, fla or flashqla, got 'triton'"):
         env.gdn_backend()
 
 
@@ -136,3 +136,16 @@ def test_compile_caches_are_keyed_on_the_backend_asked_for():
 
 def _qla():
     return backends.installed_version("flash-qla") or "none"
+
+
+def test_eager_calls_check_the_layout():
+    """In the default (eager) checked mode the delta rule's Python functions validate
+    ``cu_seqlens`` on the host: a last bound other than the row count raises, with and without
+    states, instead of returning rows."""
+    q, k, v, g, beta, cu = _gdn_case([5, 3], 1, 2, 4, 3, torch.float32)
+    bad = cu.clone()
+    bad[-1] = 7
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        custom_ops.chunk_gated_delta_rule(q, k, v, g, beta, bad)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        custom_ops.chunk_gated_delta_rule_with_state(q, k, v, g, beta, bad)
