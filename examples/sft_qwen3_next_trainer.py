@@ -30,7 +30,11 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # finetune_qwen3_next, beside this script
 from finetune_qwen3_next import build_model  # noqa: E402
 
-from cp_ops.integrations.trainer import ContextParallelCollator, ContextParallelMixin, ContextParallelTrainer  # noqa: E402
+from cp_ops.integrations.trainer import (  # noqa: E402
+    ContextParallelCollator,
+    ContextParallelMixin,
+    ContextParallelTrainer,
+)
 from cp_ops.integrations.transformers import apply_context_parallel  # noqa: E402
 
 SEQLENS = (40, 1, 27, 70, 13, 9, 33, 50, 6, 21, 64, 2, 17, 45, 30, 11, 58, 3, 24, 38)
@@ -59,8 +63,8 @@ def trainer_arguments(kind: str, out: str, steps: int, lr: float, grad_accum: in
         output_dir=out, max_steps=steps, per_device_train_batch_size=batch_size,
         gradient_accumulation_steps=grad_accum, learning_rate=lr, lr_scheduler_type="constant", warmup_steps=0,
         logging_steps=1, report_to="none", disable_tqdm=True, train_sampling_strategy="sequential",
-        save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500, use_cpu=not torch.cuda.is_available(),
-        dataloader_drop_last=True, seed=0, data_seed=0,
+        save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
+        use_cpu=not torch.cuda.is_available(), dataloader_drop_last=True, seed=0, data_seed=0,
     )  # fmt: skip
     if kind == "hf":
         from transformers import TrainingArguments
@@ -101,8 +105,13 @@ def make_trainer(kind: str, cp: int, out: str, steps: int = 5, lr: float = 1e-3,
     device = "cuda" if torch.cuda.is_available() else "cpu"
     mesh = init_device_mesh(device, (world // cp, cp), mesh_dim_names=("dp", "cp"))
     apply_context_parallel(model, mesh["cp"])
-    cls = ContextParallelTrainer if kind == "hf" else type("ContextParallelSFTTrainer", (ContextParallelMixin, base), {})
-    return cls(model=model, args=args, cp_mesh=mesh, **extra)
+    if kind == "hf":
+        return ContextParallelTrainer(model=model, args=args, cp_mesh=mesh, **extra)
+
+    class ContextParallelSFTTrainer(ContextParallelMixin, base):
+        pass
+
+    return ContextParallelSFTTrainer(model=model, args=args, cp_mesh=mesh, **extra)
 
 
 def train(kind: str, cp: int, out: str, **kwargs) -> tuple[list[dict], dict]:
@@ -116,7 +125,8 @@ def train(kind: str, cp: int, out: str, **kwargs) -> tuple[list[dict], dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--trainer", choices=("hf", "sft"), default="hf", help="transformers' Trainer or TRL's SFTTrainer")
+    parser.add_argument("--trainer", choices=("hf", "sft"), default="hf",
+                        help="transformers' Trainer or TRL's SFTTrainer")
     parser.add_argument("--cp", type=int, default=2, help="CP ranks of each data-parallel group (under torchrun)")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--lr", type=float, default=1e-3)

@@ -79,8 +79,8 @@ class ContextParallelCollator:
         ids = torch.as_tensor(batch["input_ids"])
         mask = batch.get("attention_mask")
         if ids.dim() != 2 or ids.shape[0] != 1 or (mask is not None and not bool(torch.as_tensor(mask).all())):
-            raise ValueError(f"the data collator ({type(self.collator).__name__}) {_PADDING} (got input_ids of "
-                             f"shape {tuple(ids.shape)}{'' if mask is None else ' and an attention_mask'})")  # fmt: skip
+            got = f"input_ids of shape {tuple(ids.shape)}{'' if mask is None else ' and an attention_mask'}"
+            raise ValueError(f"the data collator ({type(self.collator).__name__}) {_PADDING} (got {got})")
         ids = ids[0]
         cu = _sequence_starts(batch, ids.numel())
         if "shift_labels" in batch:
@@ -125,8 +125,8 @@ def _mesh_sizes(cp_mesh) -> tuple[int, int, int, int]:
 
 class ContextParallelMixin:
     """Context parallelism for a ``Trainer`` subclass (first base: ``class T(ContextParallelMixin,
-    Trainer)``), taking ``cp_mesh`` (a ``DeviceMesh``, dims ``("dp", "cp")`` or ``("cp",)``; its
-    size is the world's) besides the trainer's own arguments.
+    Trainer)``), taking ``cp_mesh`` (a ``DeviceMesh`` over every rank, dims ``("dp", "cp")`` or
+    ``("cp",)``) besides the trainer's own arguments.
 
     - The data collator is wrapped in :class:`ContextParallelCollator` (this rank's shard of
       each packed batch) and the data loaders give every CP rank of a data-parallel group the
@@ -161,9 +161,6 @@ class ContextParallelMixin:
                 f"the model is patched for CP size {patched} but cp_mesh['cp'] has {self.cp_size} ranks: "
                 "apply_context_parallel(model, cp_mesh['cp'])"
             )
-        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-        if cp_mesh.size() != world:
-            raise ValueError(f"cp_mesh has {cp_mesh.size()} ranks but the world has {world}: one mesh over every rank")
         super().__init__(*args, **kwargs)
         self.data_collator = ContextParallelCollator(self.data_collator, self.cp_size, self.cp_rank)
 

@@ -185,6 +185,9 @@ def _refusals_rank(rank, world, out):
     trainer = ContextParallelTrainer(model=model, **common)  # a map-style dataset: every CP rank the same rows
     assert trainer.get_train_dataloader().batch_sampler.num_processes == 1
     assert trainer.get_total_train_batch_size(args) == 2 * GRAD_ACCUM
+    trainer = ContextParallelTrainer(model=model, **dict(common, cp_mesh=init_device_mesh("cpu", (world,),
+                                                                                            mesh_dim_names=("cp",))))
+    assert (trainer.dp_size, trainer.cp_size, trainer.cp_rank) == (1, world, rank)
     if rank == 0:
         Path(out, "done").touch()
 
