@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from hypothesis import given, strategies as st
 
 pytest.importorskip("transformers")
@@ -34,13 +33,13 @@ example = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(example)
 
 STEPS, GRAD_ACCUM, BATCH = 5, 2, {"hf": 2, "sft": 1}  # SFT rows are TRL's packed bins of several sequences
-# float32 where its rounding stays within TOL; float64 where it does not: TRL's loss in float32 is
-# 1.4e-5 from float64's at the first step in one process alone, and the CP run's 6e-5 from one
-# process's by the fifth (5e-7 in float64); at dp 2 AdamW turns the rounding of one embedding
-# gradient near zero into a 1.7e-5 weight difference
-def _dtype(kind: str, dp: int) -> torch.dtype:
-    return torch.float32 if (kind, dp) == ("hf", 1) else torch.float64
 TOL = 1e-5
+
+
+def _dtype(kind: str, dp: int) -> torch.dtype:
+    """float32 where its rounding stays within TOL, float64 where it does not (TRL's loss; AdamW's
+    step on a gradient near zero at dp 2): docs/transformers.md gives the sizes."""
+    return torch.float32 if (kind, dp) == ("hf", 1) else torch.float64
 
 
 def _needs(kind: str) -> None:
