@@ -200,7 +200,9 @@ def _check_gdn(name: str, layer: Qwen3NextGatedDeltaNet, world: int, strategy: G
     elif hk % world or hv % world:
         raise ValueError(
             f"{name}: linear_num_key_heads = {hk} and linear_num_value_heads = {hv} must be divisible by the "
-            f"CP size {world} (each rank runs 1/W of the Gated DeltaNet heads)"
+            f"CP size {world} (each rank runs 1/W of the Gated DeltaNet heads); "
+            "apply_context_parallel(..., gdn_context_parallel=cp_ops.StatePassing()) runs them by chunk states "
+            "instead, for any W"
         )
     if layer.activation != "silu":
         raise ValueError(f"{name}: hidden_act = {layer.activation!r}; the CP Gated DeltaNet's conv applies silu")
