@@ -152,7 +152,7 @@ def test_recipe_equals_one_process_and_resumes_exactly(tmp_path):
 # --- faults ---------------------------------------------------------------------------------------
 
 
-def _checkpoint(tmp_path: Path, folder: Path, args) -> None:
+def _checkpoint(folder: Path, args) -> None:
     """A folder that passes for a complete checkpoint of ``args`` (its recipe.json; no shards)."""
     folder.mkdir(parents=True)
     meta = {"format": 1, "step": int(folder.name.split("-")[1].split(".")[0]), "config": recipe.resume_config(args)}
@@ -170,7 +170,7 @@ def test_resume_finds_complete_checkpoints_only(tmp_path):
     with pytest.raises(ValueError, match="no complete checkpoint"):
         _args("--checkpoint-dir", str(root), "--resume")
     for name in ("step-00000002", "step-00000004", "step-00000006.partial", "step-00000008.old", "step-10"):
-        _checkpoint(tmp_path, root / name, args)
+        _checkpoint(root / name, args)
     (root / "step-00000005").mkdir()  # shards without recipe.json: a save that did not finish
     for how in ("auto", None):
         assert _args("--checkpoint-dir", str(root), "--resume", *([how] if how else [])).resume_from == (
