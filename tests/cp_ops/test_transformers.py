@@ -230,6 +230,10 @@ def test_shard_batch_shards_shifted_labels(layout):
     shifted by one, ignore_index at its last token and on the padding."""
     world, seqlens = layout
     sequences = _sequences(seqlens)
+    if all(n < 2 for n in seqlens):  # no label token (test_batch_without_labels_is_refused)
+        with pytest.raises(ValueError, match="the batch has no label token"):
+            shard_batch(sequences, world, 0)
+        return
     shards = [shard_batch(sequences, world, r, ignore_index=-7, pad_token_id=3) for r in range(world)]
     cup = shards[0].cu_seqlens_padded
     ids = unshard_thd([s.input_ids for s in shards], cup, world)
