@@ -25,6 +25,7 @@ __all__ = [
     "precompile",
     "set_nvlink_multicast_off",
     "torchrun_ranks",
+    "torchrun_restart_count",
     "triton_interpret",
 ]
 
@@ -113,6 +114,12 @@ VARIABLES: tuple[Variable, ...] = (
         "integers): the training recipe's place in the job; unset: the recipe runs as a group of one",
         "by examples/train_qwen3_next.py, at its start",
     ),
+    Variable(
+        "TORCHELASTIC_RESTART_COUNT", None, None,
+        "set by `torchrun` (a non-negative integer): how often it has restarted the workers; the training "
+        "recipe's test-only `--fault` injections act in the attempt they name; unset: 0",
+        "by examples/train_qwen3_next.py, where it injects a fault",
+    ),
 )
 
 _TORCHRUN = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
@@ -189,6 +196,15 @@ def torchrun_ranks() -> tuple[int, int, int, int] | None:
             raise ValueError(f"{name} must be a non-negative integer (torchrun sets it), got {value!r}")
         values.append(int(value))
     return tuple(values)
+
+
+def torchrun_restart_count() -> int:
+    """``TORCHELASTIC_RESTART_COUNT``: how often torchrun has restarted the workers (0 when unset);
+    ``ValueError`` when malformed."""
+    value = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if not value.isdigit():
+        raise ValueError(f"TORCHELASTIC_RESTART_COUNT must be a non-negative integer (torchrun sets it), got {value!r}")
+    return int(value)
 
 
 def set_nvlink_multicast_off() -> None:

@@ -51,6 +51,9 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 # memory layouts :func:`as_memory_layout` gives a tensor (its values unchanged)
 MEMORY_LAYOUTS = ("contiguous", "offset", "row_strided", "transposed", "last_dim_strided")
 
+# the floating dtypes the compute ops take: each op's contract is checked at every one
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
 
 def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     """``||out - ref|| / ||ref||`` in float64 (0 when both are zero; inf on NaN)."""
@@ -217,6 +220,57 @@ def trailing_shapes():
     from hypothesis import strategies as st
 
     return st.sampled_from([(), (1,), (3,), (2, 5), (4, 8), (1, 16)])
+
+
+def _describe(t) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
+    return repr(t)
+
+
+def _metadata_differences(real: torch.Tensor, fake: torch.Tensor) -> list[str]:
+    """How ``fake`` differs from ``real`` in what a traced graph takes from it: dtype, shape,
+    device, and where it has elements its storage offset and the strides of its dims longer than
+    1 (the others do not address memory)."""
+    out = [f"{what} {f} from the fake, {r} from the op" for what, r, f in (
+        ("dtype", real.dtype, fake.dtype), ("shape", list(real.shape), list(fake.shape)),
+        ("device", real.device, fake.device)) if r != f]  # fmt: skip
+    if out or real.numel() == 0:
+        return out
+    if real.storage_offset() != fake.storage_offset():
+        out.append(f"storage offset {fake.storage_offset()} from the fake, {real.storage_offset()} from the op")
+    if any(n > 1 and r != f for n, r, f in zip(real.shape, real.stride(), fake.stride())):
+        out.append(f"strides {list(fake.stride())} from the fake, {list(real.stride())} from the op")
+    return out
+
+
+def check_fake(op, args: tuple, kwargs: dict | None = None) -> None:
+    """Run ``op`` on ``args`` (on the tensors themselves: pass copies to an op that mutates its
+    input) and its fake implementation on fake tensors of them (a ``FakeTensorMode``), then
+    compare every output, the auxiliary ones included: ``AssertionError`` listing each one whose
+    dtype, shape, device, storage offset or strides (:func:`_metadata_differences`) differ, or a
+    different number of outputs. What ``torch.library.opcheck``'s fake check compares, without its
+    tracing passes: cheap enough for every dtype and drawn layout."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils import _pytree as pytree
+
+    kwargs = kwargs or {}
+    with FakeTensorMode() as mode:
+        fake_args, fake_kwargs = pytree.tree_map_only(torch.Tensor, mode.from_tensor, (args, kwargs))
+        fake = op(*fake_args, **fake_kwargs)
+    real = op(*args, **kwargs)
+    real_outs, fake_outs = pytree.tree_leaves(real), pytree.tree_leaves(fake)
+    problems = []
+    if len(real_outs) != len(fake_outs):
+        problems.append(f"{len(fake_outs)} outputs from the fake, {len(real_outs)} from the op")
+    for i, (r, f) in enumerate(zip(real_outs, fake_outs)):
+        if isinstance(r, torch.Tensor) != isinstance(f, torch.Tensor):
+            problems.append(f"output {i}: {_describe(f)} from the fake, {_describe(r)} from the op")
+        elif isinstance(r, torch.Tensor):
+            problems += [f"output {i}: {d}" for d in _metadata_differences(r, f)]
+    if problems:
+        inputs = ", ".join(_describe(a) for a in args) + "".join(f", {k}={_describe(v)}" for k, v in kwargs.items())
+        raise AssertionError(f"{op} on ({inputs}): the fake disagrees with the op\n  " + "\n  ".join(problems))
 
 
 def _poisoned(t: torch.Tensor) -> torch.Tensor:

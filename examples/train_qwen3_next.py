@@ -8,7 +8,8 @@ and attention run CP over mesh["cp"] (cp_ops.integrations.transformers.apply_con
 FSDP2 shards every decoder layer and the root over the flattened dp x cp mesh and reduces the
 gradients over it. Each dp replica trains on its own packed batch of --tokens-per-step / dp real
 tokens, each cp rank on its shard of it (shard_batch, static shapes). docs/training.md explains
-the mesh, the gradient scaling, the checkpoint and data formats, static shapes and CUDA graphs.
+the mesh, the gradient scaling, the checkpoint and data formats, fault tolerance (torchrun
+--max-restarts with --resume auto), non-finite steps, static shapes and CUDA graphs.
 """
 
 from __future__ import annotations
@@ -18,8 +19,12 @@ import contextlib
 import dataclasses
 import gc
 import json
+import math
 import os
+import re
 import resource
+import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -43,13 +48,30 @@ PROFILE_STEPS = range(4, 6)
 # what a checkpoint must agree on to be resumed: the model, the data stream and the optimiser
 RESUME_KEYS = ("preset", "num_layers", "dp", "cp", "tokens_per_step", "max_seqs", "batch_shards", "seed", "dtype", "lr",
                "data")
+# a complete checkpoint's folder; a save writes "<name>.partial" and renames it when complete
+CHECKPOINT_NAME = re.compile(r"step-(\d{8})")
+# what --fault injects, for the fault-tolerance tests: the process killed (SIGKILL) as the step
+# starts, or as the checkpoint of the step has its shards written but is not complete yet; or the
+# rank's loss of the step made NaN
+FAULT_KINDS = ("kill", "kill-in-save", "nan")
+# how long a rank other than 0 that refuses the command line waits for torchrun to stop it, once
+# rank 0 has printed the error and exited, before it prints the error itself (an error of its own)
+REFUSAL_WAIT_S = 30.0
 
 
 # --- the command line -------------------------------------------------------------------------
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, raising ``ValueError`` for a bad command line instead of printing it and
+    exiting: :func:`main` reports it once for all ranks."""
+
+    def error(self, message: str):
+        raise ValueError(message)
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=PRESETS, default="tiny")
     p.add_argument("--num-layers", type=int, help="decoder layers, in the 3:1 linear / full attention pattern")
     p.add_argument("--vocab-size", type=int, help="the vocabulary (default: the preset's; Qwen3-Next's is 151936)")
@@ -80,13 +102,22 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--data", help="a .npy file of one 1-D integer array of token ids (default: synthetic)")
     p.add_argument("--checkpoint-dir")
     p.add_argument("--save-every", type=int, default=0, help="save a checkpoint every N steps (0: never)")
-    p.add_argument("--resume", nargs="?", const="latest", help="resume from the latest checkpoint or from PATH")
+    p.add_argument("--resume", nargs="?", const="latest",
+                   help="continue from checkpoint PATH; without a value from the latest complete one in "
+                        "--checkpoint-dir; 'auto': from the latest if there is one, else from the start (a job "
+                        "that torchrun --max-restarts restarts)")
+    p.add_argument("--nonfinite", choices=("stop", "skip"), default="stop",
+                   help="a step whose loss or gradient norm is not finite: its update is never applied; stop: the "
+                        "run stops with an error, skip: it goes on with the next step")
     p.add_argument("--log-json", help="rank 0 writes the per-step log here")
     p.add_argument("--peak-tflops", type=float, help="the device's peak for MFU (default: 989 on H100 / H200)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--profile", metavar="DIR",
                    help=f"profile the run's steps {PROFILE_STEPS.start}-{PROFILE_STEPS.stop - 1} (compiled, warm) and "
                         "write each rank's op tables, by host and by GPU time, to DIR")
+    p.add_argument("--fault", action="append", default=[], metavar="KIND:STEP:RANK[:ATTEMPT]",
+                   help=f"testing only: inject a fault, one of {', '.join(FAULT_KINDS)}, at STEP on global rank "
+                        "RANK in torchrun's attempt ATTEMPT (default 0: the first; TORCHELASTIC_RESTART_COUNT)")
     return p
 
 
@@ -111,10 +142,10 @@ def check_args(args: argparse.Namespace, world: int) -> None:
     if args.batch_shards < 1 or args.batch_shards % args.dp:
         raise ValueError(f"--batch-shards {args.batch_shards} must be a positive multiple of --dp {args.dp}")
     shards = args.batch_shards
-    if args.tokens_per_step % shards or args.tokens_per_step // shards < args.max_seqs or args.max_seqs < 1:
+    if args.tokens_per_step % shards or args.tokens_per_step // shards <= args.max_seqs or args.max_seqs < 1:
         raise ValueError(
-            f"--tokens-per-step {args.tokens_per_step} must split evenly into --batch-shards {shards} shards with at "
-            f"least --max-seqs {args.max_seqs} (>= 1) tokens each"
+            f"--tokens-per-step {args.tokens_per_step} must split evenly into --batch-shards {shards} shards of more "
+            f"than --max-seqs {args.max_seqs} (>= 1) tokens each (a shard of one-token sequences has no label)"
         )
     config = model_config(args.preset, args.num_layers, args.vocab_size)
     if config.linear_num_key_heads % args.cp or config.linear_num_value_heads % args.cp:
@@ -129,11 +160,44 @@ def check_args(args: argparse.Namespace, world: int) -> None:
         raise ValueError(f"--profile records steps {PROFILE_STEPS.start}-{last}: --steps must be at least {last}")
     if args.cuda_graphs and (not args.compile or args.device != "cuda"):
         raise ValueError("--cuda-graphs needs --compile and --device cuda")
-    needs_dir = args.save_every or args.resume == "latest"
+    needs_dir = args.save_every or args.resume in ("latest", "auto")
     if needs_dir and not args.checkpoint_dir:
         raise ValueError("--save-every and --resume need --checkpoint-dir (or --resume PATH)")
     if args.data:
-        check_token_file(args.data)
+        check_token_file(args.data, args.tokens_per_step // shards)
+    args.fault = [parse_fault(f) if isinstance(f, str) else f for f in args.fault]
+    args.resume_from = find_checkpoint(args) if args.resume else None
+    if args.resume_from is not None:
+        check_resume(args.resume_from, args)
+
+
+@dataclass(frozen=True)
+class Fault:
+    """A fault ``--fault`` injects (testing only): ``kind`` (one of :data:`FAULT_KINDS`) at
+    ``step`` on global rank ``rank``, in torchrun's attempt ``attempt`` (0: the first run of the
+    workers, n: after n restarts), so that the restarted job runs on."""
+
+    kind: str
+    step: int
+    rank: int
+    attempt: int = 0
+
+
+def parse_fault(spec: str) -> Fault:
+    parts = spec.split(":")
+    if len(parts) not in (3, 4) or parts[0] not in FAULT_KINDS or not all(p.isdigit() for p in parts[1:]):
+        raise ValueError(f"--fault {spec!r}: expected KIND:STEP:RANK[:ATTEMPT], KIND one of {', '.join(FAULT_KINDS)}")
+    return Fault(parts[0], *map(int, parts[1:]))
+
+
+def fault_here(args: argparse.Namespace, kind: str, step: int, rank: int) -> bool:
+    return bool(args.fault) and Fault(kind, step, rank, env.torchrun_restart_count()) in args.fault
+
+
+def inject_fault(args: argparse.Namespace, kind: str, step: int, rank: int) -> None:
+    """Kill this process here (SIGKILL: no cleanup, as a crash) if ``--fault`` asks for it."""
+    if fault_here(args, kind, step, rank):
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 # --- the model ----------------------------------------------------------------------------------
@@ -237,9 +301,9 @@ def count_flops_per_step(config, seqlens_per_shard: list[list[int]]) -> float:
 # --- the data -----------------------------------------------------------------------------------
 
 
-def check_token_file(path: str):
+def check_token_file(path: str, min_tokens: int = 0):
     """The token ids of a ``--data`` file, memory-mapped: a ``.npy`` holding one 1-D array of an
-    integer dtype. ``ValueError`` for anything else."""
+    integer dtype, of at least ``min_tokens`` (a batch shard's). ``ValueError`` for anything else."""
     import numpy as np
 
     if not path.endswith(".npy"):
@@ -252,6 +316,8 @@ def check_token_file(path: str):
         raise ValueError(
             f"--data {path}: expected one 1-D integer array of token ids, got shape {tokens.shape} {tokens.dtype}"
         )
+    if len(tokens) < min_tokens:
+        raise ValueError(f"--data {path}: {len(tokens)} tokens, fewer than one batch shard ({min_tokens})")
     return tokens
 
 
@@ -264,9 +330,7 @@ class Batches:
 
     def __init__(self, tokens: int, max_seqs: int, vocab_size: int, seed: int, data: str | None = None):
         self.tokens, self.max_seqs, self.vocab_size, self.seed = tokens, max_seqs, vocab_size, seed
-        self.data = check_token_file(data) if data else None
-        if self.data is not None and len(self.data) < tokens:
-            raise ValueError(f"--data {data}: {len(self.data)} tokens, fewer than one batch shard ({tokens})")
+        self.data = check_token_file(data, tokens) if data else None
 
     def _lengths(self, step: int, shard: int) -> tuple[torch.Generator, list[int]]:
         gen = torch.Generator().manual_seed((self.seed * 1_000_003 + step) * 1_009 + shard)
@@ -311,10 +375,19 @@ class Run:
 
 def init_distributed(device_type: str) -> tuple[int, int, torch.device]:
     """Join torchrun's group (NCCL on CUDA, gloo on the CPU); ``(rank, world, device)``. A plain
-    ``python`` run is a group of one, meeting at a file in a temporary directory."""
+    ``python`` run is a group of one, meeting at a file in a temporary directory.
+
+    Under torchrun the group meets in torchrun's own store, which outlives a restart of the
+    workers (``--max-restarts``): each attempt keeps its keys under a prefix of its own, or a
+    restarted rank could read the addresses the ranks of the attempt before published."""
     ranks = env.torchrun_ranks()
     rank, world, local_rank, local_world = ranks or (0, 1, 0, 1)
-    init = {} if ranks else {"init_method": f"file://{tempfile.mkdtemp()}/store", "rank": 0, "world_size": 1}
+    if ranks:
+        store, rank, world = next(dist.rendezvous("env://"))
+        store = dist.PrefixStore(f"attempt-{env.torchrun_restart_count()}", store)
+        init = {"store": store, "rank": rank, "world_size": world}
+    else:
+        init = {"init_method": f"file://{tempfile.mkdtemp()}/store", "rank": 0, "world_size": 1}
     threads = host_threads(device_type, local_world)
     if threads is not None:
         torch.set_num_threads(threads)
@@ -363,7 +436,8 @@ def setup(args: argparse.Namespace, rank: int, world: int, device: torch.device)
     if on_meta:
         init_meta_model(model, config, device, args.seed)
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=device.type == "cuda", **ADAMW)
+    # fused on the CPU too: it alone takes found_inf, which skips a non-finite step's update
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=True, **ADAMW)
     batches = Batches(args.tokens_per_step // args.batch_shards, args.max_seqs, config.vocab_size, args.seed, args.data)
     num_tokens = static_num_tokens(args.tokens_per_step // args.dp, replica_max_seqs(args), args.cp)
     return Run(args, config, device, mesh, model, optimizer, batches, num_tokens, rank, mesh["dp"].get_local_rank(),
@@ -521,26 +595,34 @@ def issue_step(run: Run, step: int, batch, clock: Clock, staging: Staging, recor
     t0 = time.perf_counter()
     start = clock.mark()
     loss = model(**batch.model_inputs()).loss  # this cp rank's share of its replica's batch loss
+    if fault_here(args, "nan", step, run.rank):
+        loss = loss * float("nan")
     # FSDP2 averages gradients over all dp x cp ranks; the cp shares must add up instead, so each
     # is scaled by cp: mean over (dp, cp) of cp x share = mean over dp of the replica gradients
     (loss * args.cp).backward()
     norm = clip_gradients(model, args.clip_grad_norm)
+    total = loss.detach().float().reshape(1)
+    dist.all_reduce(total)  # the sum of every rank's share = dp x the replica-mean loss
+    values = torch.cat([total, norm.detach().float().reshape(1)])
+    # the fused AdamW skips its whole update (moments and step count included) where found_inf
+    # is 1, on the device: no rank waits for the check, and every rank decides alike (the loss
+    # and the norm are reduced over all of them)
+    run.optimizer.found_inf = (~torch.isfinite(values)).any().float()
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
     end = clock.mark()
     host_ms = (time.perf_counter() - t0) * 1e3
-    total = loss.detach().float().reshape(1)
-    dist.all_reduce(total)  # the sum of every rank's share = dp x the replica-mean loss
     # read back later through an event: .item() would wait for everything queued after it
-    values, done = staging.result_to_host(step, torch.cat([total, norm.detach().float().reshape(1)]))
+    values, done = staging.result_to_host(step, values)
     return IssuedStep(step, values, done, start, end, host_ms, recordings() - recorded)
 
 
 def read_step(run: Run, issued: IssuedStep, clock: Clock, previous_end=None) -> dict:
     """The log record of an issued step, once its work is done: the replica-mean loss, the gradient
-    norm and the timings. ``step_ms`` is the time from ``previous_end`` (the step before's end, when
-    only steps ran in between) to this step's end: the step's share of a run that keeps the device
-    busy; without ``previous_end`` from the step's own start (the first step: with compilation)."""
+    norm, whether the update was skipped (either not finite), the timings and the wall-clock time.
+    ``step_ms`` is the time from ``previous_end`` (the step before's end, when only steps ran in
+    between) to this step's end: the step's share of a run that keeps the device busy; without
+    ``previous_end`` from the step's own start (the first step: with compilation)."""
     waited = time.perf_counter()
     if issued.done is not None:
         issued.done.synchronize()
@@ -548,9 +630,10 @@ def read_step(run: Run, issued: IssuedStep, clock: Clock, previous_end=None) -> 
     loss, norm = issued.values.tolist()
     step_ms = clock.ms(issued.start if previous_end is None else previous_end, issued.end)
     return dict(
-        step=issued.step, loss=loss / run.args.dp, grad_norm=norm, tokens=run.args.tokens_per_step, step_ms=step_ms,
-        host_ms=issued.host_ms, gpu_ms=clock.ms(issued.start, issued.end) if clock.cuda else None, wait_ms=wait_ms,
-        cudagraph_recordings=issued.cudagraph_recordings,
+        step=issued.step, loss=loss / run.args.dp, grad_norm=norm, skipped=not math.isfinite(loss + norm),
+        tokens=run.args.tokens_per_step, step_ms=step_ms, host_ms=issued.host_ms,
+        gpu_ms=clock.ms(issued.start, issued.end) if clock.cuda else None, wait_ms=wait_ms,
+        cudagraph_recordings=issued.cudagraph_recordings, time=time.time(),
     )  # fmt: skip
 
 
@@ -579,30 +662,66 @@ def checkpoint_path(root: str, step: int) -> Path:
 
 def save_checkpoint(run: Run, step: int) -> Path:
     """``DIR/step-NNNNNNNN/``: the model and optimizer (torch.distributed.checkpoint, sharded,
-    loadable at another world size) and ``recipe.json`` (step, settings), written last."""
+    loadable at another world size) and ``recipe.json`` (step, settings). Written as
+    ``step-NNNNNNNN.partial/`` and renamed once complete, so a crash while saving leaves the
+    checkpoints before it as they were and no folder that passes for complete."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     path = checkpoint_path(run.args.checkpoint_dir, step)
+    partial = path.with_name(f"{path.name}.partial")
+    if run.rank == 0 and partial.exists():
+        shutil.rmtree(partial)  # left by a crash during an earlier save of this step
+    dist.barrier()
     model_sd, optim_sd = get_state_dict(run.model, run.optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(partial))
+    inject_fault(run.args, "kill-in-save", step, run.rank)
     dist.barrier()
     if run.rank == 0:
         meta = {"format": 1, "step": step, "config": resume_config(run.args), "model": run.config.to_dict()}
-        (path / "recipe.json").write_text(json.dumps(meta, indent=1, default=str))
+        with open(partial / "recipe.json", "w") as f:
+            f.write(json.dumps(meta, indent=1, default=str))
+            f.flush()
+            os.fsync(f.fileno())
+        replace_folder(partial, path)
     dist.barrier()
     return path
 
 
-def find_checkpoint(args: argparse.Namespace) -> Path:
-    """The checkpoint ``--resume`` names: a path, or the latest complete one in --checkpoint-dir."""
-    if args.resume != "latest":
-        path = Path(args.resume)
-    else:
-        done = sorted(p.parent for p in Path(args.checkpoint_dir).glob("step-*/recipe.json"))
-        if not done:
-            raise ValueError(f"--resume: no complete checkpoint (step-*/recipe.json) in {args.checkpoint_dir}")
-        path = done[-1]
+def replace_folder(src: Path, dst: Path) -> None:
+    """Rename ``src`` to ``dst``; a ``dst`` already there (a checkpoint of the same step from an
+    earlier run) is moved aside first and deleted after."""
+    old = dst.with_name(f"{dst.name}.old")
+    if dst.exists():
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(dst, old)
+    os.replace(src, dst)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def complete_checkpoints(root: str) -> list[Path]:
+    """The complete checkpoints in ``root`` (``step-NNNNNNNN/`` with ``recipe.json``), oldest first."""
+    folder = Path(root)
+    found = [p for p in folder.iterdir() if CHECKPOINT_NAME.fullmatch(p.name)] if folder.is_dir() else []
+    return sorted(p for p in found if (p / "recipe.json").is_file())
+
+
+def find_checkpoint(args: argparse.Namespace) -> Path | None:
+    """The checkpoint ``--resume`` names: PATH, or the latest complete one in --checkpoint-dir
+    (``auto``: None where there is none). ``ValueError`` for a path that is missing or not a
+    complete checkpoint."""
+    if args.resume in ("latest", "auto"):
+        done = complete_checkpoints(args.checkpoint_dir)
+        if done:
+            return done[-1]
+        if args.resume == "auto":
+            return None
+        raise ValueError(f"--resume: no complete checkpoint (step-*/recipe.json) in {args.checkpoint_dir}")
+    path = Path(args.resume)
+    if not path.is_dir():
+        raise ValueError(f"--resume {path}: no such directory")
     if not (path / "recipe.json").is_file():
         raise ValueError(f"--resume {path}: not a complete checkpoint of this recipe (no recipe.json)")
     return path
@@ -646,11 +765,13 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
     from torch._dynamo.utils import counters
 
     run = setup(args, rank, world, device)
-    start = load_checkpoint(run, find_checkpoint(args)) if args.resume else 0
+    start = load_checkpoint(run, args.resume_from) if args.resume_from else 0
     peak = peak_tflops(args, device)
     log = {"settings": vars(args), "world": world, "device": str(torch.cuda.get_device_name(device))
            if device.type == "cuda" else "cpu", "torch": torch.__version__, "num_tokens": run.num_tokens,
-           "resumed_from": start, "steps": []}  # fmt: skip
+           "resumed_from": start, "steps": [], "restarts": []}  # fmt: skip
+    if start:
+        log["steps"], log["restarts"] = earlier_attempts(args, start)
     if rank == 0:
         params = sum(p.numel() for p in run.model.parameters())  # the DTensors' global sizes
         print(f"[train] world {world} = dp {args.dp} x cp {args.cp} on {log['device']}; {args.preset}, "
@@ -694,6 +815,12 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
             bar.update()
         if rank == 0 and args.log_json:
             write_log(log, args.log_json)
+        if rec["skipped"]:
+            what = f"step {step}: loss {rec['loss']}, gradient norm {rec['grad_norm']}; its update was not applied"
+            if args.nonfinite == "stop":
+                raise NonFiniteStep(f"{what}. The run stops (--nonfinite skip would go on with the next step)")
+            if rank == 0:
+                print(f"[train] {what} (--nonfinite skip)", flush=True)
 
     # One step in flight: the host builds the next batch and issues the next step while the
     # device runs this one, then reads this one back (a run that reads every step at once
@@ -704,6 +831,7 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
         pending = None  # (the issued step not read yet, the end of the step before it or None)
         previous_end = None
         for step in range(first, last + 1):
+            inject_fault(args, "kill", step, rank)
             if args.profile and step - start == PROFILE_STEPS.start:
                 profiler = start_profiler()
             issued = issue_step(run, step, batch, clock, staging, recordings)
@@ -797,6 +925,32 @@ def write_profile(profiler, folder: str, rank: int) -> None:
         json.dump({"steps": len(PROFILE_STEPS), "kernels": kernels}, f)
 
 
+class NonFiniteStep(FloatingPointError):
+    """A step's loss or gradient norm is not finite and ``--nonfinite stop`` is set."""
+
+
+def earlier_attempts(args: argparse.Namespace, start: int) -> tuple[list[dict], list[dict]]:
+    """What the ``--log-json`` an earlier run of these settings left says, for a run resumed from
+    step ``start``: its records of steps 1 to ``start``, and its restarts with this one appended:
+    ``resumed_from``, ``redone`` (its records of the steps after ``start``, which this run trains
+    again) and ``lost_s`` (the wall-clock seconds from its step ``start`` to now, when this run is
+    back there: the steps lost, the failure, the restart and the loading). Nothing where there is
+    no such log."""
+    try:
+        with open(args.log_json) as f:
+            old = json.load(f)
+    except (TypeError, OSError, ValueError):  # no --log-json, no file, not a log
+        return [], []
+    settings = old.get("settings", {}) if isinstance(old, dict) else {}
+    if {k: settings.get(k) for k in RESUME_KEYS} != json.loads(json.dumps(resume_config(args), default=str)):
+        return [], []
+    steps = old.get("steps", [])
+    at_start = [r for r in steps if r["step"] == start and "time" in r]
+    restart = {"resumed_from": start, "redone": [r for r in steps if r["step"] > start],
+               "lost_s": time.time() - at_start[0]["time"] if at_start else None}  # fmt: skip
+    return [r for r in steps if r["step"] <= start], old.get("restarts", []) + [restart]
+
+
 def write_log(log: dict, path: str) -> None:
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
@@ -804,17 +958,35 @@ def write_log(log: dict, path: str) -> None:
     os.replace(tmp, path)
 
 
+def refuse(prog: str, message: str, rank: int):
+    """Report a bad command line once and exit with status 2. Every rank of a torchrun job finds
+    the same error; rank 0 prints it, the others wait for torchrun to stop them once rank 0 has
+    exited, and print theirs only if that takes more than :data:`REFUSAL_WAIT_S` (an error of
+    their own: a file missing on their node)."""
+    if rank:
+        time.sleep(REFUSAL_WAIT_S)
+    print(f"{prog}: error{f' (rank {rank})' if rank else ''}: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = parser()
-    args = p.parse_args(argv)
+    rank, world = (env.torchrun_ranks() or (0, 1))[:2]
     try:
-        check_args(args, (env.torchrun_ranks() or (0, 1))[1])
+        args = p.parse_args(argv)
+        check_args(args, world)
     except ValueError as err:
-        p.error(str(err))
+        refuse(p.prog, str(err), rank)
     rank, world, device = init_distributed(args.device)
     try:
         train(args, rank, world, device)
         dist.barrier()
+    except NonFiniteStep as err:
+        # every rank stops at the same step; rank 0 says why before any of them exits
+        if rank == 0:
+            print(f"[train] {err}", file=sys.stderr, flush=True)
+        dist.barrier()
+        sys.exit(1)
     finally:
         if args.cuda_graphs:
             # recorded graphs keep the NCCL communicators they captured alive, which

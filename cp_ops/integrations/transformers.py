@@ -447,7 +447,8 @@ def shard_batch(
     Static shapes (:func:`cp_ops.layout.static_seqlens`): ``max_sequences`` appends zero-length
     sequences up to that many, ``num_tokens`` one sequence of ``pad_token_id`` (labels
     ``ignore_index``) that fills the batch to ``num_tokens`` rows, so every batch has
-    ``input_ids [num_tokens / W]`` and ``cu_seqlens [max_sequences + 2]``; ``ValueError`` past either.
+    ``input_ids [num_tokens / W]`` and ``cu_seqlens [max_sequences + 2]``; ``ValueError`` past either,
+    and for a batch without a label token (no sequence of 2 tokens or more).
     """
     if isinstance(sequences, torch.Tensor) or len(sequences) == 0:
         raise ValueError("sequences must be a non-empty list of 1-D token tensors")
@@ -459,6 +460,11 @@ def shard_batch(
             raise ValueError(f"sequences[{i}] is on {seq.device}, sequences[0] on {sequences[0].device}")
     if not 0 <= rank < cp_size:
         raise ValueError(f"rank must be in [0, cp_size = {cp_size}), got {rank}")
+    if all(len(seq) < 2 for seq in sequences):
+        raise ValueError(
+            f"the batch has no label token: its {len(sequences)} sequences are all shorter than 2 tokens, so "
+            "its loss would be 0 / 0"
+        )
     ids = [seq.to(torch.int64) for seq in sequences]
     labels = [torch.cat([seq[1:], seq.new_full((min(len(seq), 1),), ignore_index)]) for seq in ids]
     lens = static_seqlens([len(seq) for seq in ids], cp_size, num_tokens, max_sequences)

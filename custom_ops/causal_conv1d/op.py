@@ -160,7 +160,8 @@ def causal_conv1d_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx ``[T, C]``, dweight ``[C, K]``, dbias ``[C]``) of :func:`causal_conv1d` (dbias even without bias)."""
     if not use_triton(x) or x.numel() == 0:
-        return causal_conv1d_reference_backward(grad_y, x, weight, bias, cu_seqlens, activation)
+        grads = causal_conv1d_reference_backward(grad_y, x, weight, bias, cu_seqlens, activation)
+        return tuple(g.contiguous() for g in grads)  # the fake's layout, whatever x's
     if weight.shape[1] > MAX_TAPS:
         return _fla_conv_backward(grad_y, x, weight, bias, cu_seqlens, activation)
     return _conv_backward_kernel(grad_y, x, weight, bias, cu_seqlens, activation, CONV_SETTINGS)
@@ -219,7 +220,7 @@ def _conv_backward_kernel(grad_y, x, weight, bias, cu_seqlens, activation, setti
         HAS_BIAS=bias is not None, SILU=_is_silu(activation), ROWS=block_rows, BLOCK_C=block_c,
         GATHER=rows is not None, num_warps=warps, num_stages=stages,
     )  # fmt: skip
-    dw = dw_parts.sum(0)[:, :kernel].to(weight.dtype)
+    dw = dw_parts.sum(0)[:, :kernel].to(weight.dtype).contiguous()  # the fake's layout, also for K < MAX_TAPS
     db = db_parts.sum(0).to(bias.dtype if bias is not None else weight.dtype)
     return dx, dw, db
 

@@ -36,10 +36,10 @@ from cp_ops import (
 from cp_ops import scheduling
 from custom_ops import kernels_visible_to_compiler, rank_blocks_to_sections, sections_to_rank_blocks
 from custom_ops.thd_index import rank_to_seq_index
-from custom_ops.testing import random_tensor
+from custom_ops.testing import check_fake, random_tensor
 from tests._dist import exchange_windows, run_ranks
 
-DTYPES = (torch.float32, torch.bfloat16, torch.float64, torch.int64)
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64)
 
 
 @st.composite
@@ -72,6 +72,11 @@ def _check_cases(rank, world, cases, group):
         x_hp = thd_cp2hp(x_cp, cup, sections, group)
         assert torch.equal(x_hp, thd_cp2hp_reference(x, sections, world, rank)), case
         assert torch.equal(thd_hp2cp(x_hp, cup, local, group), x_cp), case
+        # the ops' fakes give what they return (dtype, shape, strides), at every dtype drawn
+        name, _ = resolve_group(group)
+        check_fake(torch.ops.cp_ops.thd_cp2hp.default, (x_cp, cup, sections, name, world))
+        check_fake(torch.ops.cp_ops.thd_hp2cp.default, (x_hp, cup, local, name, world))
+        check_fake(torch.ops.cp_ops.group_rank_tensor.default, (x_cp, name))
 
         y_cp = thd_hp2cp(y_all[rank], cup, local, group)
         assert torch.equal(y_cp, thd_hp2cp_reference(y_all, cup, local, world, rank)), case
@@ -239,8 +244,16 @@ def _check_compiled_and_extras(rank, world):
     # the benchmark's per-sequence, per-section baseline computes the same thing
     assert torch.equal(cp2hp_per_sequence(x_cp, cup, sections, group), x_hp_ref)
 
-    # all-gather / reduce-scatter shims: values and gradients (each other's adjoint)
+    # opcheck at the half-precision dtypes (the test files of the layout ops run it at float32
+    # and float64 on one process); every rank makes the same calls, so the collectives pair up
     name, _ = resolve_group(group)
+    for dtype in (torch.bfloat16, torch.float16):
+        a = x_cp.to(dtype).requires_grad_()
+        torch.library.opcheck(torch.ops.cp_ops.thd_cp2hp.default, (a, cup, sections, name, world))
+        torch.library.opcheck(torch.ops.cp_ops.thd_hp2cp.default, (x_hp_ref.to(dtype), cup, local, name, world))
+    torch.library.opcheck(torch.ops.cp_ops.group_rank_tensor.default, (x_cp, name))
+
+    # all-gather / reduce-scatter shims: values and gradients (each other's adjoint)
     assert group_size(name) == world
     with pytest.raises(TypeError, match="group name"):
         group_size(group)

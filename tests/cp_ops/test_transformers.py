@@ -281,6 +281,10 @@ def test_shard_batch_shards_shifted_labels(layout):
     shifted by one, ignore_index at its last token and on the padding."""
     world, seqlens = layout
     sequences = _sequences(seqlens)
+    if all(n < 2 for n in seqlens):  # no label token (test_batch_without_labels_is_refused)
+        with pytest.raises(ValueError, match="the batch has no label token"):
+            shard_batch(sequences, world, 0)
+        return
     shards = [shard_batch(sequences, world, r, ignore_index=-7, pad_token_id=3) for r in range(world)]
     cup = shards[0].cu_seqlens_padded
     ids = unshard_thd([s.input_ids for s in shards], cup, world)
@@ -409,6 +413,7 @@ def _rank(rank, world, compiled):
     sequences = _sequences(SEQLENS)
     model, reference_model = _patched_pair(_config(), group)
     _check_equivalence(model, _reference(reference_model, sequences), sequences, group, rank, world)
+    _check_all_ignored_rank(group, rank, world)
     if world == 3:
         with pytest.raises(ValueError, match="linear_num_key_heads = 2 and linear_num_value_heads = 4 must be "
                                              r"divisible by the CP size 3.*gdn_context_parallel=cp_ops\.StatePassing\(\)"):  # fmt: skip
@@ -440,6 +445,46 @@ def test_patched_model_equals_transformers(world):
 @pytest.mark.dist
 def test_patched_model_equals_transformers_w2_compiled():
     run_ranks(2, _rank, True)
+
+
+def _check_all_ignored_rank(group, rank, world):
+    """A batch of sequences no longer than W tokens, padded to static shapes: CP rank W-1 holds
+    only last tokens and padding, every label of its shard ``ignore_index``. Its loss is 0 and
+    the W shares add up to the one-device loss and gradients; the gradient of its own share
+    alone, summed over the ranks, is exactly zero."""
+    from cp_ops.layout import static_num_tokens
+
+    sequences = _sequences([world, 1, 0, world - 1, world], seed=world)
+    model, reference_model = _patched_pair(_config(moe=False), group)
+    want_loss, _, want_grads = _reference(reference_model, sequences)
+    real, max_seqs = sum(map(len, sequences)), 8
+    batch = shard_batch(sequences, world, rank, num_tokens=static_num_tokens(real, max_seqs, world) + 2 * world,
+                        max_sequences=max_seqs)  # fmt: skip
+    if rank == world - 1:
+        assert bool((batch.shift_labels == batch.ignore_index).all()) and bool((batch.input_ids != 0).any())
+    what = f"W={world} rank {rank}, all labels of rank {world - 1} ignored"
+    for own_share_of_last in (False, True):
+        model.zero_grad()
+        loss = model(**batch.model_inputs()).loss
+        (loss * float(rank == world - 1) if own_share_of_last else loss).backward()
+        grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+        for grad in grads.values():
+            dist.all_reduce(grad, group=group)
+        if own_share_of_last:
+            assert all(int(g.count_nonzero()) == 0 for g in grads.values()), what
+            continue
+        assert rank != world - 1 or loss.item() == 0.0, f"{what}: loss {loss.item()}"
+        total = loss.detach().clone()
+        dist.all_reduce(total, group=group)
+        assert rel_error(total, want_loss) < TOL, f"{what}: loss {total.item()} vs {want_loss.item()}"
+        for name, grad in grads.items():
+            assert rel_error(grad, want_grads[name]) < TOL, f"{what}: gradient of {name}"
+
+
+def test_batch_without_labels_is_refused():
+    with pytest.raises(ValueError, match="the batch has no label token: its 3 sequences are all shorter than 2"):
+        shard_batch(_sequences([1, 0, 1]), 2, 0)
+    assert int(shard_batch(_sequences([1, 2]), 2, 1).num_items_in_batch) == 1
 
 
 # --- static shapes ------------------------------------------------------------------------------

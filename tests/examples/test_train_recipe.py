@@ -1,5 +1,6 @@
 """examples/train_qwen3_next.py: the torchrun recipe (FSDP2 over the flattened dp x cp mesh, CP
-over mesh["cp"]) trains like one process, resumes exactly, and refuses bad settings clearly.
+over mesh["cp"]) trains like one process, resumes exactly, survives a crash, and refuses bad
+settings clearly.
 
 The oracle is :func:`_one_process`: the same seeded tiny model patched without CP, in this
 process, no FSDP, fed every dp replica's whole batch and averaging their losses, with the same
@@ -7,8 +8,11 @@ AdamW and clipping. The recipe runs under real torchrun on 2 gloo ranks, float32
 per-step loss and gradient norm (which, unlike the loss under AdamW, shows a wrong gradient
 scale at once) must agree within 1e-5, the recipe's fused loss (its default) and its unfused
 one against the oracle's unfused transformers loss. Each start of ranks costs their imports, so torchrun
-starts the script once, at (dp 1, cp 2), saving checkpoints; one spawn of two ranks then runs
-the recipe's train() resumed from step 2 and at (dp 2, cp 1).
+starts the script once, at (dp 1, cp 2), saving checkpoints, with one rank killed while it
+writes the second checkpoint and torchrun restarting the job from the first; one spawn of two
+ranks then runs the recipe's train() resumed from step 2 and at (dp 2, cp 1). The longer fault
+scenario (a rank killed at step 7 of 12, then a crash while saving, two restarts) is in the
+slow tier.
 """
 
 from __future__ import annotations
@@ -45,14 +49,30 @@ def _args(*argv: str, world: int = 2):
     return args
 
 
-def _torchrun(tmp_path: Path, name: str, *argv: str) -> dict:
-    log = tmp_path / f"{name}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(SCRIPT),
-           *BASE, "--log-json", str(log), *argv]  # fmt: skip
+def _torchrun_process(*argv: str, restarts: int = 0, timeout: int = 240) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "--max-restarts", str(restarts), str(SCRIPT), *BASE, *argv]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _torchrun(tmp_path: Path, name: str, *argv: str, restarts: int = 0, timeout: int = 240) -> dict:
+    log = tmp_path / f"{name}.json"
+    proc = _torchrun_process("--log-json", str(log), *argv, restarts=restarts, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return json.loads(log.read_text())
+
+
+def _check_redone(log: dict, resumed_from: list[int]) -> None:
+    """Each restart recorded in ``log`` resumed from the checkpoint given, and the steps it
+    trained again match the final run bit for bit."""
+    assert [r["resumed_from"] for r in log["restarts"]] == resumed_from
+    final = {r["step"]: r for r in log["steps"]}
+    for restart in log["restarts"]:
+        assert restart["redone"] and restart["lost_s"] > 0
+        for old in restart["redone"]:
+            new = final[old["step"]]
+            assert (old["loss"], old["grad_norm"]) == (new["loss"], new["grad_norm"]), (old, new)
 
 
 def _one_process(dp: int, *argv: str, steps: int = STEPS) -> list[tuple[float, float]]:
@@ -97,12 +117,16 @@ def _more_runs(rank: int, world: int, ckpt: str, out: str) -> None:
 @pytest.mark.dist
 def test_recipe_equals_one_process_and_resumes_exactly(tmp_path):
     ckpt = tmp_path / "ckpt"
+    # rank 1 dies while the step-4 checkpoint is written (its shards are, recipe.json is not yet);
+    # torchrun restarts both ranks and --resume auto continues from step 2, the last complete one
     run = _torchrun(tmp_path, "cp2", "--cp", "2", "--steps", str(STEPS), "--checkpoint-dir", str(ckpt),
-                    "--save-every", "2")  # fmt: skip
+                    "--save-every", "2", "--resume", "auto", "--fault", "kill-in-save:4:1", restarts=1)  # fmt: skip
     one = _one_process(1, "--loss", "unfused")
     _check_steps(run, one)  # the recipe's fused loss
+    assert run["resumed_from"] == 2 and [r["step"] for r in run["restarts"][0]["redone"]] == [3, 4]
+    _check_redone(run, [2])  # steps 3 and 4, uninterrupted before the crash, again after it
     assert run["num_tokens"] == 280 and run["recompiles"] == 0
-    assert all(r["tokens"] == 256 and r["step_ms"] > 0 for r in run["steps"])
+    assert all(r["tokens"] == 256 and r["step_ms"] > 0 and not r["skipped"] for r in run["steps"])
     assert sorted(p.name for p in ckpt.iterdir()) == ["step-00000002", "step-00000004"]
     run_ranks(2, _more_runs, str(ckpt), str(tmp_path))
     resumed = json.loads((tmp_path / "resumed.json").read_text())
@@ -113,14 +137,144 @@ def test_recipe_equals_one_process_and_resumes_exactly(tmp_path):
     _check_steps(json.loads((tmp_path / "unfused.json").read_text()), one)
     assert run["settings"]["loss"] == "fused"
     # --resume without a path takes the latest complete checkpoint; other settings are refused
+    # with the command line, before any rank starts
     latest = _args("--cp", "2", "--checkpoint-dir", str(ckpt), "--resume")
-    assert recipe.find_checkpoint(latest) == ckpt / "step-00000004"
-    assert recipe.check_resume(recipe.find_checkpoint(latest), latest) == 4
-    other = _args("--cp", "2", "--checkpoint-dir", str(ckpt), "--resume", "--lr", "1e-3", "--max-seqs", "4")
+    assert latest.resume_from == ckpt / "step-00000004"
+    assert recipe.check_resume(latest.resume_from, latest) == 4
     with pytest.raises(ValueError, match=r"trained with other settings: --max-seqs 8 -> 4; --lr 0.0003 -> 0.001"):
-        recipe.check_resume(recipe.find_checkpoint(other), other)
+        _args("--cp", "2", "--checkpoint-dir", str(ckpt), "--resume", "--lr", "1e-3", "--max-seqs", "4")
+
+
+# --- faults ---------------------------------------------------------------------------------------
+
+
+def _checkpoint(folder: Path, args) -> None:
+    """A folder that passes for a complete checkpoint of ``args`` (its recipe.json; no shards)."""
+    folder.mkdir(parents=True)
+    meta = {"format": 1, "step": int(folder.name.split("-")[1].split(".")[0]), "config": recipe.resume_config(args)}
+    (folder / "recipe.json").write_text(json.dumps(meta, default=str))
+
+
+def test_resume_finds_complete_checkpoints_only(tmp_path):
+    """``--resume`` resolves with the command line: a missing path is named as such, folders
+    without recipe.json and partial saves are passed over, ``auto`` starts afresh without one."""
+    root = tmp_path / "ckpt"
+    args = _args("--checkpoint-dir", str(root))
+    with pytest.raises(ValueError, match=f"--resume {tmp_path / 'nowhere'}: no such directory"):
+        _args("--resume", str(tmp_path / "nowhere"))
+    assert _args("--checkpoint-dir", str(root), "--resume", "auto").resume_from is None
     with pytest.raises(ValueError, match="no complete checkpoint"):
-        recipe.find_checkpoint(_args("--checkpoint-dir", str(tmp_path / "empty"), "--resume"))
+        _args("--checkpoint-dir", str(root), "--resume")
+    for name in ("step-00000002", "step-00000004", "step-00000006.partial", "step-00000008.old", "step-10"):
+        _checkpoint(root / name, args)
+    (root / "step-00000005").mkdir()  # shards without recipe.json: a save that did not finish
+    for how in ("auto", None):
+        assert _args("--checkpoint-dir", str(root), "--resume", *([how] if how else [])).resume_from == (
+            root / "step-00000004"
+        )
+    with pytest.raises(ValueError, match="step-00000005: not a complete checkpoint of this recipe"):
+        _args("--resume", str(root / "step-00000005"))
+    with pytest.raises(ValueError, match="--resume need --checkpoint-dir"):
+        _args("--resume", "auto")
+    # a save of a step already saved replaces it whole
+    (root / "step-00000004.partial").mkdir()
+    (root / "step-00000004.partial" / "new").write_text("")
+    recipe.replace_folder(root / "step-00000004.partial", root / "step-00000004")
+    assert sorted(p.name for p in (root / "step-00000004").iterdir()) == ["new"]
+    assert not (root / "step-00000004.partial").exists() and not (root / "step-00000004.old").exists()
+
+
+def test_faults_parse_and_act_in_their_attempt(monkeypatch):
+    args = _args("--fault", "kill:7:1", "--fault", "kill-in-save:8:0:1")
+    assert args.fault == [recipe.Fault("kill", 7, 1, 0), recipe.Fault("kill-in-save", 8, 0, 1)]
+    assert recipe.fault_here(args, "kill", 7, 1) and not recipe.fault_here(args, "kill", 7, 0)
+    assert not recipe.fault_here(args, "kill-in-save", 8, 0)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # torchrun's first restart
+    assert recipe.fault_here(args, "kill-in-save", 8, 0) and not recipe.fault_here(args, "kill", 7, 1)
+    for bad in ("kill:7", "crash:7:1", "kill:x:1"):
+        with pytest.raises(ValueError, match="expected KIND:STEP:RANK"):
+            _args("--fault", bad)
+
+
+def _nonfinite_runs(rank: int, world: int, out: str) -> None:
+    """Rank 1's loss of step 3 made NaN: with --nonfinite skip the run goes on, saving every
+    step; with stop (the default) it stops at step 3 on both ranks, before saving it."""
+    run = ["--cp", "2", "--steps", "4", "--save-every", "1", "--fault", "nan:3:1", "--tokens-per-step", "64",
+           "--max-seqs", "4"]  # fmt: skip
+    skip = _args(*run, "--checkpoint-dir", f"{out}/skip", "--nonfinite", "skip", "--log-json", f"{out}/skip.json")
+    recipe.train(skip, rank, world, torch.device("cpu"))
+    with pytest.raises(recipe.NonFiniteStep, match=r"step 3: loss nan, gradient norm nan; its update was not "
+                                                   r"applied\. The run stops \(--nonfinite skip"):  # fmt: skip
+        recipe.train(_args(*run, "--checkpoint-dir", f"{out}/stop"), rank, world, torch.device("cpu"))
+
+
+def _saved_state(folder: Path, tmp_path: Path) -> dict:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(folder, tmp_path / f"{folder.name}.pt")
+    return torch.load(tmp_path / f"{folder.name}.pt", weights_only=False)
+
+
+def _same_state(a, b) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same_state(a[k], b[k]) for k in a)
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    return a == b
+
+
+@pytest.mark.dist
+def test_nonfinite_loss_never_updates(tmp_path):
+    """A step whose loss is NaN on one rank applies no update on any rank: skipped, the model and
+    the optimizer state (moments, step count) saved after it are those saved before it."""
+    run_ranks(2, _nonfinite_runs, str(tmp_path))
+    log = json.loads((tmp_path / "skip.json").read_text())
+    assert [r["skipped"] for r in log["steps"]] == [False, False, True, False]
+    assert math.isnan(log["steps"][2]["loss"]) and math.isfinite(log["steps"][3]["loss"])
+    states = [_saved_state(tmp_path / "skip" / f"step-{s:08d}", tmp_path) for s in (2, 3, 4)]
+    assert _same_state(states[0], states[1]) and not _same_state(states[1], states[2])
+    assert sorted(p.name for p in (tmp_path / "stop").iterdir()) == ["step-00000001", "step-00000002"]
+
+
+def test_bad_command_line_reported_once(monkeypatch, capsys):
+    """Every rank of a torchrun job refuses the same command line; rank 0 says why, the others
+    wait for torchrun to stop them and say it only if it does not (an error of their own)."""
+    monkeypatch.setattr(recipe, "REFUSAL_WAIT_S", 0.0)
+    for rank in (0, 1):
+        for name, value in (("RANK", rank), ("WORLD_SIZE", 2), ("LOCAL_RANK", rank), ("LOCAL_WORLD_SIZE", 2)):
+            monkeypatch.setenv(name, str(value))
+        for argv, message in ((["--resume", "/nowhere/ckpt"], "--resume /nowhere/ckpt: no such directory"),
+                              (["--presett", "tiny"], "unrecognized arguments: --presett tiny")):  # fmt: skip
+            with pytest.raises(SystemExit) as exit_info:
+                recipe.main([*BASE, *argv])
+            err = capsys.readouterr().err
+            assert exit_info.value.code == 2 and err.count("error") == 1 and "usage" not in err, err
+            assert message in err and ("(rank 1)" in err) == (rank == 1), err
+
+
+@pytest.mark.slow  # the fast tier's torchrun run above crashes and restarts once
+def test_torchrun_restarts_after_a_kill_and_a_crash_while_saving(tmp_path):
+    """Under torchrun --max-restarts 2 with --resume auto: rank 1 killed at step 7 of 12 (the
+    checkpoints of steps 4 and 8 saved every 4), the job resumed from step 4; in that attempt
+    rank 0 killed while the step-8 checkpoint is written, the job resumed from step 4 again. Every
+    step trained twice gives the same loss and gradient norm bit for bit, the first time (step 5,
+    the last read back before the kill) uninterrupted."""
+    ckpt = tmp_path / "ckpt"
+    log = _torchrun(tmp_path, "faults", "--cp", "2", "--steps", "12", "--tokens-per-step", "64", "--max-seqs", "4",
+                    "--checkpoint-dir", str(ckpt), "--save-every", "4", "--resume", "auto",
+                    "--fault", "kill:7:1", "--fault", "kill-in-save:8:0:1", restarts=2, timeout=480)  # fmt: skip
+    assert [r["step"] for r in log["steps"]] == list(range(1, 13))
+    _check_redone(log, [4, 4])
+    assert [[r["step"] for r in restart["redone"]] for restart in log["restarts"]] == [[5], [5, 6, 7, 8]]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step-00000004", "step-00000008", "step-00000012"]
+
+
+@pytest.mark.slow  # test_bad_command_line_reported_once covers the recipe's side in this process
+def test_torchrun_reports_a_bad_command_line_once():
+    proc = _torchrun_process("--resume", "/nowhere/ckpt", timeout=120)
+    assert proc.returncode != 0
+    assert (proc.stdout + proc.stderr).count("--resume /nowhere/ckpt: no such directory") == 1, proc.stderr
+    assert "usage:" not in proc.stdout + proc.stderr
 
 
 def test_parameters_as_graph_inputs():
@@ -220,6 +374,8 @@ def test_data_file(tmp_path):
     np.save(tmp_path / "short.npy", np.zeros(100, np.int64))
     with pytest.raises(ValueError, match="100 tokens, fewer than one batch shard"):
         recipe.Batches(256, 8, 64, seed=0, data=str(tmp_path / "short.npy"))
+    with pytest.raises(ValueError, match=r"100 tokens, fewer than one batch shard \(256\)"):  # with the command line
+        _args("--data", str(tmp_path / "short.npy"), "--dp", "2", "--cp", "1")
     np.save(tmp_path / "big_ids.npy", np.full(1000, 64, np.int64))
     with pytest.raises(ValueError, match=r"token ids outside \[0, 64\)"):
         recipe.Batches(256, 8, 64, seed=0, data=str(tmp_path / "big_ids.npy"))(1, 0)
@@ -238,6 +394,8 @@ def test_bad_settings(capsys):
         _args("--save-every", "2")
     with pytest.raises(ValueError, match="--vocab-size must be >= 2, got 1"):
         _args("--vocab-size", "1")
+    with pytest.raises(ValueError, match=r"shards of more than --max-seqs 8 .* one-token sequences has no label"):
+        _args("--tokens-per-step", "8", "--cp", "2")
     with pytest.raises(SystemExit) as exit_info:  # the command line reports it before any group starts
         recipe.main([*BASE, "--cp", "3"])
     assert exit_info.value.code == 2 and "must equal the world size 1" in capsys.readouterr().err
