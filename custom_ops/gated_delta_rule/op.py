@@ -255,7 +255,8 @@ def chunk_gated_delta_rule_backward(
     backend = backends.resolve(q, v, backend)
     scale = _resolve_scale(q, scale)
     if backend == "reference":
-        return chunk_gated_delta_rule_reference_backward(grad_o, q, k, v, g, beta, cu_seqlens, scale)
+        grads = chunk_gated_delta_rule_reference_backward(grad_o, q, k, v, g, beta, cu_seqlens, scale)
+        return tuple(t.contiguous() for t in grads)  # the fake's layout, whatever the inputs' strides
     return _KERNEL_BACKWARD[backend](grad_o, q, k, v, g, beta, fla_cu_seqlens, chunk_indices, g_cum, A, scale)[:5]
 
 
@@ -356,9 +357,10 @@ def chunk_gated_delta_rule_with_state_backward(
     backend = backends.resolve(q, v, backend)
     scale = _resolve_scale(q, scale)
     if backend == "reference":
-        return chunk_gated_delta_rule_with_state_reference_backward(
+        grads = chunk_gated_delta_rule_with_state_reference_backward(
             grad_o, grad_final_state, q, k, v, g, beta, cu_seqlens, scale, initial_state
         )
+        return tuple(t.contiguous() for t in grads)  # the fake's layout, whatever the inputs' strides
     *grads, dh0 = _KERNEL_BACKWARD[backend](
         grad_o, q, k, v, g, beta, fla_cu_seqlens, chunk_indices, g_cum, A, scale, initial_state, grad_final_state
     )
@@ -371,7 +373,7 @@ def _(grad_o, q, k, v, g, beta, cu_seqlens, fla_cu_seqlens, chunk_indices, g_cum
       initial_state=None, grad_final_state=None, backend="auto"):  # fmt: skip
     _check_state("initial_state", initial_state, q, v, cu_seqlens)
     _check_state("grad_final_state", grad_final_state, q, v, cu_seqlens)
-    d_state = q.new_empty(0, dtype=state_dtype(q)) if initial_state is None else torch.empty_like(initial_state)
+    d_state = q.new_empty(0, dtype=state_dtype(q)) if initial_state is None else initial_state.new_empty(initial_state.shape)
     return (
         q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), g.new_empty(g.shape),
         beta.new_empty(beta.shape), d_state,

@@ -207,6 +207,19 @@ def _segment_matmul_samples(params, dtype, grad):
     ]
 
 
+def _linear_cross_entropy_samples(params, dtype, grad):
+    (rows, hidden_dim, vocab), chunk_rows, ignored = params
+    hidden, weight = random_tensor((rows, hidden_dim), dtype), random_tensor((vocab, hidden_dim), dtype)
+    labels = torch.randint(0, vocab, (rows,))
+    labels[: min(ignored, rows)] = -100
+    return [
+        (ops.linear_cross_entropy.default, (_floats(hidden, grad), _floats(weight, grad), labels, -100, "sum",
+                                            chunk_rows), {}),
+        (ops.linear_cross_entropy_forward.default, (hidden, weight, labels, -100, chunk_rows, True, True), {}),
+        (ops.linear_cross_entropy_forward.default, (hidden, weight, labels, -100, chunk_rows, False, False), {}),
+    ]  # fmt: skip
+
+
 def _check_layout_samples(params, dtype, grad):
     packing = params[0]
     cu = packing.cu_seqlens.to(dtype)
@@ -272,6 +285,12 @@ FAMILIES = {
         st.tuples(segment_cases(max_rows=30), st.sampled_from([(1, 4, 4), (2, 4, 3)]), _companion_dtypes),
         ((20, [5, 0, 9], 1), (2, 4, 3), torch.float32), FLOAT_DTYPES, _segment_matmul_samples,
     ),
+    "linear_cross_entropy": Family(
+        ("linear_cross_entropy", "linear_cross_entropy_forward", "linear_cross_entropy_forward"),
+        st.tuples(st.sampled_from([(0, 4, 5), (7, 4, 5), (13, 8, 3)]), st.sampled_from([1, 4, 64]),
+                  st.integers(0, 3)),
+        ((9, 4, 6), 4, 2), FLOAT_DTYPES, _linear_cross_entropy_samples,
+    ),
     "check_layout": Family(
         ("check_layout",), st.tuples(_packing), (thd_packing(2, [3, 0, 5]),),
         (torch.int32, torch.int64), _check_layout_samples,
@@ -335,16 +354,10 @@ def test_opcheck_half_precision(name, dtype):
         torch.library.opcheck(op, args, kwargs)
 
 
-_GDN_BACKWARD_LAYOUT = (
-    "on the CPU reference path the GDN backward ops return dv and d_initial_state in the strides of a "
-    "transposed v or initial_state (the CUDA path and the fakes: contiguous; and the fake of "
-    "chunk_gated_delta_rule_with_state_backward gives d_initial_state initial_state's strides)"
-)
-
-
-@pytest.mark.xfail(strict=True, reason=_GDN_BACKWARD_LAYOUT)
 @pytest.mark.parametrize("which", ["v", "initial_state"])
 def test_gdn_gradients_of_transposed_inputs(which):
+    """The GDN backward ops return contiguous gradients, as their fakes say, for a transposed v or
+    initial_state too."""
     params = ([6, 0, 9], 2, None, None, True, (4, 3), "contiguous")
     op, (grad_o, q, k, v, *saved, h0, grad_final), _ = _samples("gated_delta_rule", params, torch.float32)[-1]
     if which == "v":
