@@ -17,6 +17,9 @@ cumulated gate is in its own units and goes back to its own backward only.
 from __future__ import annotations
 
 import functools
+import subprocess
+import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -116,10 +119,6 @@ def _main(argv: list[str]) -> int:
     kernels for these head counts (bf16, float32 gates, the default scale; ``--states``: also from
     initial states to final states) into TileLang's disk cache, one process a head count, so that
     later processes start warm."""
-    import subprocess
-    import sys
-    import time
-
     module = "custom_ops.gated_delta_rule.flash_qla"
     states = "--states" in argv
     heads = [a for a in argv if a != "--states"]
@@ -138,4 +137,4 @@ def _main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(_main(__import__("sys").argv[1:]))
+    raise SystemExit(_main(sys.argv[1:]))

@@ -149,3 +149,11 @@ def test_eager_calls_check_the_layout():
         custom_ops.chunk_gated_delta_rule(q, k, v, g, beta, bad)
     with pytest.raises(ValueError, match="cu_seqlens"):
         custom_ops.chunk_gated_delta_rule_with_state(q, k, v, g, beta, bad)
+
+
+def test_precompile_command_refuses_malformed_head_counts(capsys):
+    from custom_ops.gated_delta_rule.flash_qla import _main
+
+    for argv in ([], ["--states"], ["16-32"], ["16/32", "8"]):
+        assert _main(argv) == 2
+        assert "usage: python -m custom_ops.gated_delta_rule.flash_qla [--states] HK/HV" in capsys.readouterr().err
