@@ -58,3 +58,18 @@ def poison_empty():
     """Poison fresh allocations for the whole test (see custom_ops.testing.poisoned_allocations)."""
     with poisoned_allocations():
         yield
+
+
+@pytest.fixture(autouse=True)
+def _checked_mode():
+    """Each test leaves the checked mode and ``CP_OPS_CHECKS`` as it found them: a benchmark's
+    ``main`` that a test calls turns the checks off for its process (``benchmarks.runner.checks_off``)."""
+    from custom_ops.validation import checks_enabled, set_checks
+
+    mode, variable = checks_enabled(), os.environ.get("CP_OPS_CHECKS")
+    yield
+    set_checks(mode)
+    if variable is None:
+        os.environ.pop("CP_OPS_CHECKS", None)
+    else:
+        os.environ["CP_OPS_CHECKS"] = variable

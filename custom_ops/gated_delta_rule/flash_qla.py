@@ -1,17 +1,12 @@
-"""How the GDN ops call FlashQLA's fused kernels without host syncs.
+"""How the GDN ops call FlashQLA's fused kernels without host syncs (docs/design.md section 2,
+"Kernel backends").
 
-FlashQLA's low-level ``chunk_gated_delta_rule_fwd`` / ``_bwd`` take the same varlen form as FLA's:
-``[1, T, H, d]`` tensors, ``cu_seqlens``, per-sequence float32 states. Where they would read
-``cu_seqlens`` on the host (``prepare_chunk_indices``, ``prepare_chunk_offsets``: a sync, and a
-miss of FlashQLA's tensor cache under CUDA graph capture), they first look for the attribute
-``_flash_qla_prepared_varlen`` on that tensor; :func:`_prepared` sets it from FLA-form indices built
-on the device (:func:`custom_ops.gated_delta_rule.fla.fla_varlen_indices`: a zero-length sequence
-appended, spare chunk rows on it, a chunk count bounded by shapes). FlashQLA's intra-card split
-of long sequences (``auto_cp``) decides from ``cu_seqlens`` on the host, so it is off here.
-
-The forward returns what FLA's does (o, g cumulated per chunk in float32, the ``[T, Hv, 64]``
-solved blocks in q's dtype, final states), so the ops' fakes hold for both backends; FlashQLA's
-cumulated gate is in its own units and goes back to its own backward only.
+FlashQLA's low-level ``chunk_gated_delta_rule_fwd`` / ``_bwd`` take FLA's varlen form. Where they
+would read ``cu_seqlens`` on the host they first look for its ``_flash_qla_prepared_varlen``
+attribute, which :func:`_prepared` sets from FLA-form indices built on the device
+(:func:`custom_ops.gated_delta_rule.fla.fla_varlen_indices`). Their intra-card split (``auto_cp``)
+decides on the host, so it is off. The forward returns FLA's auxiliary outputs, so the ops' fakes
+hold for both backends; its cumulated gate goes back to its own backward only.
 """
 
 from __future__ import annotations

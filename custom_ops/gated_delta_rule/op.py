@@ -1,17 +1,13 @@
 """The chunked gated delta rule ops of the GDN core on packed THD sequences (docs/design.md
-section 2, "Gated DeltaNet core").
+section 2, "Gated DeltaNet core" and "Kernel backends").
 
-``chunk_gated_delta_rule_forward`` and ``_backward`` are opaque custom ops
-(:func:`custom_ops.runtime.registration.opaque_op`) around a kernel backend's internal forward
-and backward functions (FLA's Triton kernels or FlashQLA's fused ones, chosen by
-:mod:`custom_ops.gated_delta_rule.backends`), whose own autograd entry points are
-``@torch.compiler.disable``: Inductor calls each as one extern node and never traces into them.
-``chunk_gated_delta_rule_with_state_forward`` and ``_backward`` are the same with per-sequence
-initial and final states, sharing the checks and the backend calls. The public
-``chunk_gated_delta_rule`` and ``chunk_gated_delta_rule_with_state`` are composites
+``chunk_gated_delta_rule_forward`` / ``_backward`` (and the ``_with_state_`` pair, with
+per-sequence initial and final states) are opaque custom ops around a kernel backend's internal
+forward and backward (FLA's or FlashQLA's, :mod:`custom_ops.gated_delta_rule.backends`), whose
+own autograd entry points are ``@torch.compiler.disable``: Inductor calls each as one extern node.
+The public ``chunk_gated_delta_rule`` and ``chunk_gated_delta_rule_with_state`` are composites
 (:func:`custom_ops.runtime.registration.composite_op`) over their forward ops. CPU tensors run
-the torch references of :mod:`custom_ops.gated_delta_rule.reference` (neither backend's kernels
-run in Triton's interpreter).
+the torch references of :mod:`custom_ops.gated_delta_rule.reference`.
 """
 
 from __future__ import annotations
@@ -205,11 +201,10 @@ def chunk_gated_delta_rule_forward(
     ``chunk_indices`` flattened to ``[2 * rows]``, a length that is never 1, so that compiling
     for shapes that vary does not guard on its row count being 1.
 
-    ``backend`` (:mod:`custom_ops.gated_delta_rule.backends`; ``auto``: resolved at the call):
-    CUDA, FLA's ``chunk_gated_delta_rule_fwd`` or FlashQLA's; ``g_cum [T, Hv]`` (fp32) is g
-    cumulated within each 64-row chunk (in the backend's units) and ``A [T, Hv, 64]`` (q's
-    dtype) the solved ``(I + tril(beta K K^T))^{-1}`` blocks, the two tensors the backend's
-    own autograd keeps besides the inputs. CPU reference path: both are empty.
+    CUDA: ``backend``'s ``chunk_gated_delta_rule_fwd`` (``auto``: resolved at the call); ``g_cum
+    [T, Hv]`` (fp32, g cumulated per 64-row chunk in the backend's units) and ``A [T, Hv, 64]``
+    (q's dtype, the solved ``(I + tril(beta K K^T))^{-1}`` blocks) are what its backward needs.
+    CPU reference path: both are empty.
     """
     _check_gdn(q, k, v, g, beta, cu_seqlens)
     backend = backends.resolve(q, v, backend)
