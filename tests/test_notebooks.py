@@ -5,9 +5,10 @@ Jupyter kernel needed), as a notebook exported as a script runs: the ranks a not
 import that file, so its cells run under ``if __name__ == "__main__":``. The notebooks' own
 asserts are the checks. Plots go to the Agg backend.
 
-Two runs are slow tests (make test-all), their code being tested elsewhere in the fast tier:
-02 (the ops under torch.compile: each op's compiled tests in tests/custom_ops) and 03 (the
-demo's CP training against one rank: tests/examples/test_demo.py). In the fast tier every
+Three runs are slow tests (make test-all), their code being tested elsewhere in the fast tier:
+02 (the ops under torch.compile: each op's compiled tests in tests/custom_ops), 03 (the
+demo's CP training against one rank: tests/examples/test_demo.py) and 04 (transformers' model
+with CP on two ranks: tests/cp_ops/test_transformers.py). In the fast tier every
 notebook's code still compiles.
 """
 
@@ -35,7 +36,7 @@ def _script(path: Path) -> str:
 
 
 # notebooks whose code the fast tier runs in tests of its own
-SLOW = {"02_ops_and_compile.ipynb", "03_training_with_cp.ipynb"}
+SLOW = {"02_ops_and_compile.ipynb", "03_training_with_cp.ipynb", "04_qwen3_next_transformers.ipynb"}
 
 
 @pytest.mark.parametrize(
