@@ -12,12 +12,14 @@ layers): every run is the recipe itself under torchrun, under a timeout, read ba
     python -m benchmarks.bench_train --worlds 1,4 --tokens 32768 --graphs off --profile  # where the step's time goes
     python -m benchmarks.bench_train --memory --worlds 1,4 --tokens 32768   # each rank's peak and what holds it
     python -m benchmarks.bench_train --fit-context 1,2,4 [--ac on|off|both]  # the longest single sequence at each W
+    python -m benchmarks.bench_train --loss-check --worlds 1,4 --tokens 32768 --steps 20   # fused loss against unfused
 
 Results (benchmarks/runner.py): ``train-<preset>`` (``-smoke``), with --profile also
 ``train-<preset>-profile``; with --curves ``train-curves-<preset>``
 and ``train-losses-<preset>``; with --fit ``train-qwen3-next-80b``; with --replay
 ``train-replay-<preset>-wW``; with --memory ``train-memory-<preset>``, with --fit-context
-``train-fit-context-<preset>`` (``-vV`` after either with --vocab-size V). A run that fails or times out
+``train-fit-context-<preset>``, with --loss-check ``train-loss-<preset>`` (``-vV`` after any of these
+with --vocab-size V). A run that fails or times out
 is a row with its status and no numbers. docs/benchmarks.md says what each figure measures.
 """
 
@@ -244,6 +246,50 @@ def curves(args: argparse.Namespace) -> list[Result]:
         rows=[[i + 1, *(v[i] if i < len(v) else None for v in curves_.values())] for i in range(steps)],
     )  # fmt: skip
     return [summary, per_step]
+
+
+LOSS_COLUMNS = ["W", "loss", "status", "first loss", "last loss", "max rel diff vs unfused", "step ms", "tokens/s",
+                "MFU", "peak GiB"]  # fmt: skip
+
+
+def loss_check(args: argparse.Namespace) -> Result:
+    """The ``--loss-check`` runs: at each W of --worlds, the recipe with ``--loss fused`` and with
+    ``--loss unfused`` from the same seed on the same learnable token file (:func:`markov_tokens`) for
+    ``--steps`` steps at the first --tokens; a row per run, the fused one with its largest relative
+    loss difference from the unfused one over the steps."""
+    tmp = Path(tempfile.mkdtemp())
+    recipe = load_recipe()
+    data = markov_tokens(tmp / "tokens.npy", recipe.model_config(args.preset, 1, args.vocab_size).vocab_size)
+    tokens = int(args.tokens.split(",")[0])
+    rows = []
+    for world in [int(w) for w in args.worlds.split(",")]:
+        logs = {}
+        for loss in ("unfused", "fused"):
+            log = tmp / f"w{world}-{loss}.json"
+            extra = argparse.Namespace(**{**vars(args), "extra": ["--data", str(data), "--loss", loss, *args.extra]})
+            status = torchrun(world, cp_run_args(extra, world, tokens, False, log), args.timeout)
+            logs[loss] = json.loads(log.read_text()) if status == "ok" and log.exists() else None
+            row = {"W": world, "loss": loss, "status": status}
+            if logs[loss]:
+                losses = [s["loss"] for s in logs[loss]["steps"]]
+                row.update(summarise(logs[loss], args.warmup), **{"first loss": losses[0], "last loss": losses[-1]})
+            if loss == "fused" and logs["fused"] and logs["unfused"]:
+                row["max rel diff vs unfused"] = max(
+                    abs(f["loss"] - u["loss"]) / abs(u["loss"])
+                    for f, u in zip(logs["fused"]["steps"], logs["unfused"]["steps"]))  # fmt: skip
+            rows.append(row)
+    return Result(
+        benchmark="train", name=f"train-loss-{args.preset}{suffix(args)}",
+        title=f"The fused loss against the unfused one in the recipe, preset {args.preset}"
+              + (f", vocabulary {args.vocab_size}" if args.vocab_size else "") + f", {tokens} tokens a step, (dp 1, cp W)",
+        columns=LOSS_COLUMNS, rows=[[r.get(c) for c in LOSS_COLUMNS] for r in rows],
+        formats={c: f for c, f in FORMATS.items() if c in LOSS_COLUMNS}
+        | {"first loss": "{:.4f}", "last loss": "{:.4f}", "max rel diff vs unfused": "{:.1e}"},
+        env=fla_environment(world=max(r["W"] for r in rows)),
+        notes=f"{args.steps} steps from the same seed on the same token file, medians after {args.warmup}; max rel "
+              "diff = the largest |fused - unfused| / unfused loss over the steps; the recipe's settings: "
+              + " ".join(["--compile"] * args.compile + vocab_args(args) + args.extra),
+    )  # fmt: skip
 
 
 def fit(args: argparse.Namespace) -> Result:
@@ -477,6 +523,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="profile each run's steps 4-5 (the recipe's --profile) and add the table of where rank 0's "
                         "step goes (needs --steps 5 or more; the profiled steps run slower, so take step times "
                         "from a run without it)")
+    p.add_argument("--loss-check", action="store_true", help="the recipe's fused loss against its unfused one "
+                                                             "over --steps steps at each W of --worlds")
     p.add_argument("--vocab-size", type=int, help="the recipe's --vocab-size (default: the preset's vocabulary)")
     p.add_argument("--memory", action="store_true", help="each rank's peak and what holds it, at each W of --worlds "
                                                          "and the first --tokens (benchmarks.memory_map)")
@@ -506,6 +554,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.fit_context:
         emit([fit_context(args)], args.out)
+        return
+    if args.loss_check:
+        emit([loss_check(args)], args.out)
         return
     if args.memory:
         if args.steps == 15:
