@@ -6,14 +6,18 @@ patched without a group and trained by the unmodified trainer class on the same 
 each step's batch the union of the data-parallel replicas' batches. The CP runs (gloo ranks,
 a (dp, cp) mesh, DDP over the world as the Trainer sets it up) must log the same loss at every
 step and end with the same weights, within 1e-5, over 5 steps with gradient accumulation 2. The
-collator is checked against shard_batch on drawn packings; the refusals by their messages.
+collator is checked against shard_batch on drawn packings; the refusals by their messages. The
+example's benchmark options: its rows of the recipe's synthetic batches (drawn dp and gradient
+accumulation) and the step log it writes at (dp 1, cp 2), its real tokens a step counted once.
 Needs the trainer extra (accelerate, and TRL for the SFTTrainer tests): skipped without it.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import statistics
 from pathlib import Path
 
 import pytest
@@ -195,3 +199,58 @@ def _refusals_rank(rank, world, out):
 def test_refusals(tmp_path):
     run_ranks(2, _refusals_rank, str(tmp_path))
     assert (tmp_path / "done").exists()
+
+
+# --- the example's benchmark options: the recipe's batches, the step log -----------------------------
+
+
+@given(st.integers(1, 3), st.integers(1, 3), st.integers(1, 4), st.integers(0, 5))
+def test_packed_batches_are_the_recipes_shards(dp, grad_accum, max_seqs, extra):
+    """Row ``i`` is what dp rank ``i % dp`` reads as its ``i // dp``-th micro-batch: step ``s``'s
+    rows, over every rank and accumulation step, are the recipe's step ``s + 1`` shards with
+    ``--batch-shards dp * grad_accum``, ``tokens`` real tokens in all."""
+    from train_qwen3_next import Batches
+
+    shards = dp * grad_accum
+    tokens = shards * (max_seqs + 1 + extra)
+    rows = example.PackedBatches(tokens, max_seqs, 64, 2, dp, grad_accum)
+    recipe = Batches(tokens // shards, max_seqs, 64, seed=0)
+    assert len(rows) == 2 * shards
+    for step in range(2):
+        got = [rows[(step * grad_accum + a) * dp + r]["sequences"] for r in range(dp) for a in range(grad_accum)]
+        want = [[s.tolist() for s in recipe(step + 1, shard)] for shard in range(shards)]
+        assert got == want
+        assert sum(len(s) for row in got for s in row) == tokens
+        assert all(1 <= len(row) <= max_seqs for row in got)
+    with pytest.raises(ValueError, match="must split evenly into dp x grad-accum"):
+        example.PackedBatches(shards * max_seqs, max_seqs, 64, 2, dp, grad_accum)  # a shard of max_seqs tokens
+
+
+def _step_log_rank(rank, world, out, tokens):
+    _accelerate_env(rank, world)
+    example.main(["--cp", str(world), "--tokens-per-step", str(tokens), "--max-seqs", "4", "--steps", "3",
+                  "--grad-accum", "1", "--out", f"{out}/trainer", "--log-json", f"{out}/log.json"])  # fmt: skip
+
+
+@pytest.mark.dist
+def test_step_log_at_cp_2(tmp_path):
+    """--tokens-per-step and --log-json under CP: every step trains on that many real tokens
+    (each CP rank sees a shard of the same sequences: counted once), and the log has the
+    recipe's fields, which bench_train's summary reads."""
+    from benchmarks.bench_train import summarise
+
+    tokens = 96
+    run_ranks(2, _step_log_rank, str(tmp_path), tokens)
+    log = json.loads((tmp_path / "log.json").read_text())
+    assert log["world"] == 2 and log["device"] == "cpu"
+    assert {k: log["settings"][k] for k in ("preset", "cp", "dp", "tokens_per_step")} == {
+        "preset": "tiny", "cp": 2, "dp": 1, "tokens_per_step": tokens}  # fmt: skip
+    assert [s["step"] for s in log["steps"]] == [1, 2, 3]
+    losses = json.loads((tmp_path / "trainer" / "losses.json").read_text())
+    for step, logged in zip(log["steps"], losses):
+        assert step["tokens"] == tokens
+        assert step["loss"] == logged["loss"] and step["step_ms"] > 0 and step["peak_mem_gib"] > 0
+        assert step["tokens_per_s"] == pytest.approx(tokens / (step["step_ms"] / 1e3))
+    row = summarise(log, warmup=1)
+    assert row["tokens/s"] == statistics.median(s["tokens_per_s"] for s in log["steps"][1:])
+    assert row["first step s"] == log["steps"][0]["step_ms"] / 1e3
