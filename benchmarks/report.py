@@ -5,7 +5,8 @@
 
 Everything between ``<!-- results:NAME -->`` and ``<!-- /results:NAME -->`` is replaced by
 the result NAME (``<!-- results:NAME table -->``: the table without its environment line
-and notes); the rest is left as it is. ``--check`` rewrites nothing and exits 1 when a
+and notes; ``optional``: a section of a run still to come, left empty while its result is
+absent); the rest is left as it is. ``--check`` rewrites nothing and exits 1 when a
 section differs from its result or names none.
 """
 
@@ -23,7 +24,7 @@ SECTION = re.compile(
     r"^<!-- results:(?P<name>[\w.-]+)(?P<opts>(?: [\w-]+)*) -->\n(?P<body>.*?)^<!-- /results:(?P=name) -->$",
     re.M | re.S,
 )
-OPTIONS = {"table"}
+OPTIONS = {"table", "optional"}
 
 
 def render_section(result: Result, opts: set[str]) -> str:
@@ -35,13 +36,14 @@ def render_section(result: Result, opts: set[str]) -> str:
 
 def render(text: str, results: dict[str, Result]) -> tuple[str, list[str]]:
     """``text`` with every marked section rendered from ``results``, and the names of the
-    sections whose result is missing (left as they are)."""
+    sections whose result is missing (left as they are; an ``optional`` one is not missing)."""
     missing = []
 
     def replace(m: re.Match) -> str:
         name, opts = m.group("name"), set(m.group("opts").split())
         if name not in results:
-            missing.append(name)
+            if "optional" not in opts:
+                missing.append(name)
             return m.group(0)
         body = render_section(results[name], opts)
         return f"<!-- results:{name}{m.group('opts')} -->\n{body}\n<!-- /results:{name} -->"

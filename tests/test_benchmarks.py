@@ -85,6 +85,13 @@ def test_report_renders_marked_sections_only():
     assert report.render(text, {})[1] == ["demo", "demo"]
 
 
+def test_report_leaves_an_optional_section_empty_until_its_result_exists():
+    text = "<!-- results:demo optional -->\n<!-- /results:demo -->\n"
+    assert report.render(text, {}) == (text, [])
+    new, missing = report.render(text, {"demo": _result(name="demo")})
+    assert not missing and "| case | W | ms | ratio |" in new and new.startswith("<!-- results:demo optional -->")
+
+
 def test_report_check_exit_codes(tmp_path):
     results = tmp_path / "results"
     _result(name="demo").write(results)
