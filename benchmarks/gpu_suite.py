@@ -69,6 +69,8 @@ PARTS = {
     "train": (2, _bench("bench_train", "--worlds", "1,{world}")),
     "train-curves": (4, _bench("bench_train", "--curves")),
     "train-replay": (2, _bench("bench_train", "--replay", "{world}")),
+    # transformers' Trainer with CP (examples/sft_qwen3_next_trainer.py) beside the recipe, one GPU and W
+    "train-trainer": (2, _bench("bench_trainer", "--worlds", "1,{world}")),
     # where the step's time goes, one GPU against W, without CUDA graphs (the profiler sees each kernel)
     "train-profile": (2, _bench("bench_train", "--worlds", "1,{world}", "--tokens", "32768", "--graphs", "off",
                                 "--steps", "8", "--warmup", "3", "--profile")),
@@ -80,7 +82,7 @@ PARTS = {
 }
 # parts that need longer than the default --timeout: seconds, used where --timeout is shorter
 # (tests-dist: a dozen NCCL tests, each spawning its ranks, about 100 s apiece on cold caches)
-PART_TIMEOUTS = {"cold-start": 1800, "train": 1800, "train-curves": 900, "tests-dist": 1800}
+PART_TIMEOUTS = {"cold-start": 1800, "train": 1800, "train-trainer": 1800, "train-curves": 900, "tests-dist": 1800}
 TEST_WORLDS = (2, 4, 8)
 # --quick: arguments appended to a part's command (later options replace earlier ones), the
 # smallest case of each part that has sizes; the others run as they are
@@ -96,6 +98,7 @@ QUICK_ARGS = {
     "train": ["--tokens", "32768", "--graphs", "on", "--steps", "6", "--warmup", "2"],
     "train-curves": ["--steps", "6"],
     "train-replay": ["--steps", "4"],
+    "train-trainer": ["--steps", "6", "--warmup", "2"],
     "train-profile": ["--steps", "5", "--warmup", "2"],
 }
 
