@@ -116,6 +116,10 @@ def test_collator_shards_like_shard_batch(lengths, cp_size, data):
     features = [{"input_ids": s.tolist()} for s in sequences]
     for collator in (DataCollatorWithFlattening(), DataCollatorWithFlattening(return_flash_attn_kwargs=True)):
         got = ContextParallelCollator(collator, cp_size, rank)(features)
+        if max(lengths) < 2:
+            # a micro-batch without targets is legal under gradient accumulation (shard_batch refuses it)
+            assert (got["shift_labels"] == -100).all() and got["labels"] is got["shift_labels"]
+            continue
         want = shard_batch(sequences, cp_size, rank)
         assert torch.equal(got["input_ids"][0], want.input_ids)
         assert torch.equal(got["shift_labels"][0], want.shift_labels) and got["labels"] is got["shift_labels"]
