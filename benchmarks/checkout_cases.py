@@ -51,7 +51,7 @@ def report(suite: str, case: dict, metric: str, ms: float | None) -> None:
 def attention(timing, cases) -> None:
     import torch
 
-    from custom_ops.runtime.validation import Segments
+    from custom_ops.thd.validation import Segments
     from custom_ops.varlen_attention import launch
 
     for d in cases.ATTENTION_HEAD_DIMS:

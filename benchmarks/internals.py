@@ -1,6 +1,6 @@
 """Every name the benchmarks take from the op layer's private modules, imported here alone, so a
 module moving inside custom_ops changes this file only. The rest of benchmarks/ uses the public
-API (``custom_ops``, ``custom_ops.thd_index``, ``custom_ops.testing``, ``cp_ops``)."""
+API (``custom_ops``, ``custom_ops.thd.index``, ``custom_ops.testing``, ``cp_ops``)."""
 
 from custom_ops.gated_delta_rule.fla import fla_varlen_indices
 from custom_ops.gated_delta_rule.fla_configs import autotuner_of, recorded_configs_path

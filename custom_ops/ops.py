@@ -51,7 +51,7 @@ OPS = (
     Op("segment_matmul_weight_grad", "custom_ops.segment_matmul.op", False),
     Op("linear_cross_entropy", "custom_ops.linear_cross_entropy.op", True),
     Op("linear_cross_entropy_forward", "custom_ops.linear_cross_entropy.op", False),
-    Op("check_layout", "custom_ops.runtime.validation", False),
+    Op("check_layout", "custom_ops.check_layout.op", False),
 )
 
 

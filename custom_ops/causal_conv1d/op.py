@@ -34,13 +34,13 @@ from custom_ops.causal_conv1d.reference import (
 )
 from custom_ops.gated_delta_rule.fla import FLA_CHUNK, fla_call, fla_module, fla_varlen_indices
 from custom_ops.runtime import precompile
-from custom_ops.runtime.checks import check_index_tensor
 from custom_ops.runtime.launch import launch_direct, use_triton
 from custom_ops.runtime.precompile import cuda_index
 from custom_ops.runtime.registration import NAMESPACE, opaque_op
 from custom_ops.runtime.tiles import cdiv
-from custom_ops.runtime.validation import checked
 from custom_ops.runtime.words import unit_last_stride
+from custom_ops.thd.checks import check_index_tensor
+from custom_ops.thd.validation import checked
 
 __all__ = ["causal_conv1d", "causal_conv1d_gather"]
 
@@ -170,7 +170,7 @@ def causal_conv1d_backward(
 def _conv_positions(cu_seqlens: torch.Tensor, num_rows: int) -> torch.Tensor:
     """Each row's position in its sequence capped at MAX_TAPS, int32 ``[T]`` (what the kernels'
     taps test): one launch of :func:`conv_positions_kernel`, where the same from torch ops
-    (:func:`custom_ops.runtime.thd_index.row_positions`) would take nine."""
+    (:func:`custom_ops.thd.index.row_positions`) would take nine."""
     pos = torch.empty(num_rows, dtype=torch.int32, device=cu_seqlens.device)
     if num_rows > 0:
         bounds = cu_seqlens.shape[0]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from custom_ops.runtime.thd_index import row_positions
+from custom_ops.thd.index import row_positions
 
 
 def _compute_dtype(t: torch.Tensor) -> torch.dtype:

@@ -16,11 +16,11 @@ import torch
 
 from custom_ops.permute_sections.kernels import permute_sections_kernel
 from custom_ops.permute_sections.reference import permute_sections_reference, unpermute_sections_reference
-from custom_ops.runtime.checks import check_cp_size
 from custom_ops.runtime.launch import launch, use_triton
 from custom_ops.runtime.registration import NAMESPACE, kernel_op
 from custom_ops.runtime.tiles import cdiv, next_power_of_2
 from custom_ops.runtime.words import dense, from_row_matrix, to_words, word_dtype
+from custom_ops.thd.checks import check_cp_size
 
 
 def check_sections(name: str, width: int, sections, cp_size: int, world: str = "cp_size") -> list[int]:

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import torch
 
-from custom_ops.runtime.checks import check_index_tensor
 from custom_ops.runtime.launch import launch_direct, triton_interpreting, use_triton
 from custom_ops.runtime.registration import NAMESPACE, kernel_op
 from custom_ops.runtime.tiles import cdiv
 from custom_ops.segment_matmul.kernels import segment_matmul_kernel, segment_matmul_weight_grad_kernel
 from custom_ops.segment_matmul.reference import segment_matmul_reference, segment_matmul_weight_grad_reference
+from custom_ops.thd.checks import check_index_tensor
 
 __all__ = ["segment_matmul"]
 

@@ -2,12 +2,12 @@
 
 import torch
 
-from custom_ops.runtime.checks import check_index_tensor, check_rows
 from custom_ops.runtime.launch import launch_rows, use_triton
 from custom_ops.runtime.registration import NAMESPACE, kernel_op
-from custom_ops.runtime.validation import checked
 from custom_ops.runtime.tiles import ROW_SETTINGS
 from custom_ops.runtime.words import from_row_matrix, row_matrix
+from custom_ops.thd.checks import check_index_tensor, check_rows
+from custom_ops.thd.validation import checked
 from custom_ops.thd_copy_valid_tokens.kernels import thd_copy_valid_tokens_kernel
 from custom_ops.thd_copy_valid_tokens.reference import thd_copy_valid_tokens_reference, valid_token_mask
 

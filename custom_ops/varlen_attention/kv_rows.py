@@ -16,10 +16,10 @@ from __future__ import annotations
 import torch
 
 from custom_ops.runtime import precompile
-from custom_ops.runtime.checks import check_index_tensor
 from custom_ops.runtime.gather import gather_rows, launch_gather_rows
 from custom_ops.runtime.registration import NAMESPACE, kernel_op
-from custom_ops.runtime.validation import Segments
+from custom_ops.thd.checks import check_index_tensor
+from custom_ops.thd.validation import Segments
 from custom_ops.varlen_attention.configs import ATTENTION_SETTINGS
 from custom_ops.varlen_attention.launch import backward_dkv_rows, backward_dq, forward
 from custom_ops.varlen_attention.op import (

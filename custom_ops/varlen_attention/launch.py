@@ -20,8 +20,8 @@ import torch
 from custom_ops.runtime.launch import launch_direct, triton_interpreting
 from custom_ops.runtime.precompile import cuda_index
 from custom_ops.runtime.tiles import cdiv
-from custom_ops.runtime.validation import Segments
 from custom_ops.runtime.words import unit_last_stride
+from custom_ops.thd.validation import Segments
 from custom_ops.varlen_attention.configs import (
     ATTENTION_SETTINGS,
     DELTA_BLOCK,

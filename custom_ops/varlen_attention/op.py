@@ -14,10 +14,10 @@ from __future__ import annotations
 import torch
 
 from custom_ops.runtime import precompile
-from custom_ops.runtime.checks import check_index_tensor
 from custom_ops.runtime.launch import use_triton
 from custom_ops.runtime.registration import NAMESPACE, kernel_op
-from custom_ops.runtime.validation import Segments, checked
+from custom_ops.thd.checks import check_index_tensor
+from custom_ops.thd.validation import Segments, checked
 from custom_ops.varlen_attention.configs import ATTENTION_SETTINGS
 from custom_ops.varlen_attention.launch import backward, backward_dkdv, backward_dq, forward
 from custom_ops.varlen_attention.reference import (
@@ -284,7 +284,7 @@ def varlen_attention(
     the mask: docs/design.md section 5). ``scale`` defaults to ``D ** -0.5``. out in q's
     dtype, lse float32 (float64 for float64); rows that see no key get 0 and -inf.
     Query segments disjoint, key ranges may overlap; values unchecked (no host sync):
-    :func:`custom_ops.validation.validate_varlen_segments`. Differentiable in q, k, v,
+    :func:`custom_ops.thd.validation.validate_varlen_segments`. Differentiable in q, k, v,
     through out and lse. fp16/bf16/fp32 run the Triton kernels (head_dim <= 256), float64
     the torch reference (docs/design.md section 2). Raises on bad shapes, dtypes, windows.
     """

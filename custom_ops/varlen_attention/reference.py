@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from custom_ops.runtime.validation import Segments
+from custom_ops.thd.validation import Segments
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 
 import cp_ops
+import custom_ops
 from cp_ops_demo.model import IGNORE_INDEX
 
 __all__ = ["make_batch", "random_seqlens", "num_targets", "Batches", "shard"]
@@ -29,7 +30,7 @@ def make_batch(seqlens: Sequence[int], cp_size: int, vocab: int, seed: int):
     """
     cu, cup = cp_ops.pad_cu_seqlens(seqlens, cp_size)
     num_rows = int(cup[-1])
-    cp_ops.validate_thd(cu, cup, cp_size, num_rows)
+    custom_ops.validate_thd(cu, cup, cp_size, num_rows)
     gen = torch.Generator().manual_seed(seed)
     real_tokens = torch.randint(vocab, (int(cu[-1]),), generator=gen)
     tokens = torch.zeros(num_rows, dtype=torch.int64)

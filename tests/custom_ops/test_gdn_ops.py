@@ -701,7 +701,7 @@ def test_conv_positions_kernel_matches_reference(seqlens, extra_rows, index_dtyp
     sequences, rows past ``cu[-1]``, layouts spanning several of the kernel's blocks."""
     from custom_ops.causal_conv1d import op as conv
     from custom_ops.causal_conv1d.kernels import MAX_TAPS
-    from custom_ops.runtime.thd_index import row_positions
+    from custom_ops.thd.index import row_positions
 
     cu = _cu([s * 150 for s in seqlens], dtype=index_dtype)  # up to 16200 rows: up to 16 blocks
     num_rows = int(cu[-1]) + extra_rows

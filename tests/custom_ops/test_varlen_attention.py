@@ -16,9 +16,9 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import custom_ops
-from custom_ops.runtime.validation import Segments
 from custom_ops.testing import TOLERANCE, kernel_constexprs, poisoned_allocations, random_tensor, rel_error
-from custom_ops.validation import validate_varlen_segments
+from custom_ops.thd.validation import Segments
+from custom_ops.thd.validation import validate_varlen_segments
 from custom_ops.varlen_attention import configs, launch
 from custom_ops.varlen_attention.configs import ATTENTION_SETTINGS
 from custom_ops.varlen_attention.kernels.backward import (

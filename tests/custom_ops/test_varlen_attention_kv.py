@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import custom_ops
-from custom_ops.runtime.thd_index import rank_to_seq_index
 from custom_ops.testing import poisoned_allocations
+from custom_ops.thd.index import rank_to_seq_index
 from custom_ops.varlen_attention import launch
 from custom_ops.varlen_attention.configs import ATTENTION_SETTINGS
 from custom_ops.varlen_attention.kv_rows import varlen_attention_kv

@@ -1,6 +1,6 @@
 """The checked mode's state: the process's mode (:func:`set_checks`) and whether an op's body runs
 for an eager call (:func:`call_checked`). The checks themselves are in
-:mod:`custom_ops.runtime.validation`; this module imports neither it nor the registration, which
+:mod:`custom_ops.thd.validation`; this module imports neither it nor the registration, which
 makes the ops' Python objects call through :func:`call_checked`."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ _EAGER_CALL = _EagerCall()
 def set_checks(mode: bool | Literal["eager"]) -> None:
     """Set the checked mode for this process: ``True`` (every call validates, compiled graphs
     included), ``False`` (none) or ``"eager"`` (eager calls only; the default). See
-    :mod:`custom_ops.runtime.validation`."""
+    :mod:`custom_ops.thd.validation`."""
     global _MODE
     if not isinstance(mode, bool) and mode != "eager":
         raise TypeError(f"mode must be True, False or 'eager', got {mode!r}")

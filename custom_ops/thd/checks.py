@@ -1,6 +1,6 @@
 """Argument checks every op body and fake runs: types, shapes, dtypes and devices, free and done at
 trace time under ``torch.compile``. Checks of values need a host sync and are in
-:mod:`custom_ops.runtime.validation`."""
+:mod:`custom_ops.thd.validation`."""
 
 from __future__ import annotations
 
@@ -46,5 +46,5 @@ def layout_index_error(error: IndexError) -> ValueError:
     not fit its tensor makes one, and the checked mode names which argument and sequence."""
     return ValueError(
         f"the layout does not fit the tensor ({error}); with the checked mode on (CP_OPS_CHECKS=1 or "
-        "cp_ops.set_checks(True)) the op names the argument and the sequence at fault"
+        "custom_ops.set_checks(True)) the op names the argument and the sequence at fault"
     )

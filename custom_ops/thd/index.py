@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import torch
 
-from custom_ops.runtime.checks import layout_index_error
+from custom_ops.thd.checks import layout_index_error
 
 __all__ = [
     "padding_multiple",

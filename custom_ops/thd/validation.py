@@ -1,12 +1,14 @@
-"""Checks of layout *values* (cumulative lengths, offsets, permutations) and the checked mode.
+"""Checks of layout *values* (cumulative lengths, offsets, permutations) where the checked mode
+asks for them.
 
-Shapes, dtypes and devices are checked on every call for free; values live on the device, so
-checking them costs a host sync. The checked mode (``CP_OPS_CHECKS`` or :func:`set_checks`):
+Shapes, dtypes and devices are checked on every call for free (:mod:`custom_ops.thd.checks`);
+values live on the device, so checking them costs a host sync. The checked mode
+(``CP_OPS_CHECKS`` or :func:`~custom_ops.thd.checked_mode.set_checks`):
 ``"eager"`` (the default) validates eager calls, made from Python through the ops' Python
 objects, the wrappers and the layers, and nothing in compiled graphs or CUDA graph captures;
-``True`` validates every call, compiled graphs included (the opaque op ``cp_ops::check_layout``,
-in the graph when it is traced: set the mode before compiling); ``False`` validates nothing. A
-check raises ``ValueError`` naming the argument and the sequence, where the op would otherwise
+``True`` validates every call, compiled graphs included (the opaque op ``cp_ops::check_layout``
+of custom_ops/check_layout/, in the graph when it is traced: set the mode before compiling);
+``False`` validates nothing. A check raises ``ValueError`` naming the argument and the sequence, where the op would otherwise
 return finite, wrong rows (docs/design.md section 1, "What is checked when").
 """
 
@@ -17,16 +19,12 @@ from typing import NamedTuple
 
 import torch
 
-from custom_ops.runtime import checked_mode
-from custom_ops.runtime.checked_mode import call_checked, checks_enabled, set_checks
-from custom_ops.runtime.checks import check_cp_size, check_index_tensor
-from custom_ops.runtime.registration import NAMESPACE, opaque_op
+from custom_ops.thd import checked_mode
+from custom_ops.thd.checks import check_cp_size, check_index_tensor
 
 __all__ = [
-    "set_checks",
-    "checks_enabled",
     "checked",
-    "call_checked",
+    "validate",
     "validate_cumulative",
     "validate_padded",
     "validate_thd",
@@ -236,22 +234,12 @@ _VALIDATORS = {
 }
 
 
-@opaque_op(f"{NAMESPACE}::check_layout", mutates_args=())
-def check_layout(kind: str, index: torch.Tensor, others: list[torch.Tensor], sizes: list[int]) -> torch.Tensor:
-    """Validate ``index`` (and ``others``) as ``kind`` on the host; a copy of ``index``.
-
-    Opaque, so that under ``torch.compile`` the check runs with the graph; the copy is what the
-    caller goes on with, which keeps the check in the graph and ordered before its users.
-    """
+def validate(kind: str, index: torch.Tensor, others: Sequence[torch.Tensor], sizes: Sequence[int]) -> None:
+    """Validate ``index`` (and ``others``, ``sizes``) as layout ``kind`` on the host: the check that
+    :func:`checked` runs, eagerly or through the op ``cp_ops::check_layout``."""
     if kind not in _VALIDATORS:
         raise ValueError(f"unknown layout kind {kind!r}; one of {sorted(_VALIDATORS)}")
     _VALIDATORS[kind](index, *others, *sizes)
-    return index.clone()
-
-
-@check_layout.register_fake
-def _(kind, index, others, sizes):
-    return index.new_empty(index.shape)
 
 
 def _eager(index: torch.Tensor) -> bool:
@@ -264,10 +252,11 @@ def checked(
     kind: str, index: torch.Tensor, others: Sequence[torch.Tensor] = (), *sizes: int, entry: bool = False
 ) -> torch.Tensor:
     """``index``, validated as ``kind`` (see ``_VALIDATORS``) where the checked mode asks for it;
-    use the result in place of ``index``. With the mode on, through :func:`check_layout` (so that
+    use the result in place of ``index``. With the mode on, through the op ``cp_ops::check_layout`` (so that
     a compiled graph holds the check); in the eager mode, on the host where the call is eager:
     ``entry=True`` for Python code the compiler traces (a layer's forward), which is eager
-    whenever no compiler traces it; an op's body (the default) only within :func:`call_checked`.
+    whenever no compiler traces it; an op's body (the default) only within
+    :func:`~custom_ops.thd.checked_mode.call_checked`.
     """
     mode = checked_mode.checks_enabled()
     if mode is True:
@@ -276,5 +265,5 @@ def checked(
         return index
     eager = not torch.compiler.is_compiling() if entry else checked_mode.eager_call()
     if eager and _eager(index):
-        _VALIDATORS[kind](index, *others, *sizes)
+        validate(kind, index, others, sizes)
     return index
