@@ -89,7 +89,7 @@ def _compiled(fn, cudagraphs: bool, options: dict | None = None):
 
 # --- kernel and tune: launch settings ------------------------------------------------------------------------------
 # The ops launch with the library's DEFAULT_SETTINGS. The tuner and the runs with other settings
-# (--pointer-loads) call the launchers of custom_ops.varlen_attention.launch with an
+# (--pointer-loads) call the launchers of custom_ops.segment_attention.launch with an
 # AttentionSettings instead.
 
 
@@ -371,7 +371,7 @@ def tune(
             i = min(totals, key=totals.get)
             best[(kind, d)] = candidates[i]
             print(f"best D={d} {kind}: {candidates[i]} (sum over cases {totals[i]:.3f} ms)")
-    print("\n# paste into custom_ops/varlen_attention/configs.py")
+    print("\n# paste into custom_ops/segment_attention/configs.py")
     for kind in kinds:
         entries = ", ".join(f"{d}: dict({_fmt(best[(kind, d)])})" for d in sorted(head_dims))
         print(f'{tables[kind]} "{kind}": {{{entries}}},')

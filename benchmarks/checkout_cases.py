@@ -51,8 +51,8 @@ def report(suite: str, case: dict, metric: str, ms: float | None) -> None:
 def attention(timing, cases) -> None:
     import torch
 
+    from custom_ops.segment_attention import launch
     from custom_ops.thd.validation import Segments
-    from custom_ops.varlen_attention import launch
 
     for d in cases.ATTENTION_HEAD_DIMS:
         for name, lens in cases.attention_cases():

@@ -129,7 +129,7 @@ def test_no_module_attribute_is_assigned_from_outside():
 def test_the_assignment_check_sees_each_form(tmp_path):
     src = (
         "import custom_ops.runtime.tiles as c\n"
-        "from custom_ops.varlen_attention import op as vop\n"
+        "from custom_ops.segment_attention import op as vop\n"
         "import cp_ops\n"
         "c.ROW_SETTINGS = {}\n"
         "vop.X, y = 1, 2\n"
@@ -139,7 +139,7 @@ def test_the_assignment_check_sees_each_form(tmp_path):
         "    monkeypatch.setattr(vop, 'W', 1)\n"
         "    monkeypatch.setattr('custom_ops.runtime.tiles.V', 1)\n"
         "    mock.patch.object(c, 'U', 1)\n"
-        "m = sys.modules['custom_ops.varlen_attention.op']\n"
+        "m = sys.modules['custom_ops.segment_attention.op']\n"
         "monkeypatch.setattr(m, '_has_window', 1)\n"
         "c.f(1)\n"
         "x = c.ROW_SETTINGS\n"

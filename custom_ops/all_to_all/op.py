@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from custom_ops.permute_sections.op import (
+from custom_ops.sections.op import (
     check_sections,
     permute_sections,
     rank_blocks_to_sections,

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from custom_ops.permute_sections.reference import permute_sections_reference, unpermute_sections_reference
+from custom_ops.sections.reference import permute_sections_reference, unpermute_sections_reference
 from custom_ops.thd.index import shard_rows
 
 

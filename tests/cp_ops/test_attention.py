@@ -32,7 +32,7 @@ from cp_ops import Attention, pad_cu_seqlens, shard_thd
 from cp_ops.modules import apply_rotary
 from custom_ops import ag_thd_attention, ag_thd_attention_reference, ag_thd_segments
 from custom_ops.testing import TOLERANCE, random_seqlens, rel_error, thd_layouts
-from custom_ops.thd_copy_valid_tokens.reference import valid_token_mask
+from custom_ops.valid_tokens.reference import valid_token_mask
 from tests._dist import collective_windows, run_ranks
 
 TOL = TOLERANCE[torch.float64]

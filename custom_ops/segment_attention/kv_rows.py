@@ -2,7 +2,7 @@
 (docs/design.md section 4.2) on the gathered K/V as the all-gather delivers it, in rank order.
 
 ``torch.ops.cp_ops.varlen_attention_kv(q, kv, key_rows, *segments, ...)`` is
-:func:`~custom_ops.varlen_attention.varlen_attention` with ``k = kv[key_rows, :Hkv]`` and
+:func:`~custom_ops.varlen_attention` with ``k = kv[key_rows, :Hkv]`` and
 ``v = kv[key_rows, Hkv:]``; the gathered ``kv[key_rows]`` is its third output, which the
 backward reads. Its gradient comes back in ``kv``'s row order in one tensor: the dk/dv kernel
 stores row b's gradients at row ``key_rows[b]``
@@ -18,11 +18,11 @@ import torch
 from custom_ops.runtime import precompile
 from custom_ops.runtime.gather import gather_rows, launch_gather_rows
 from custom_ops.runtime.registration import NAMESPACE, kernel_op
+from custom_ops.segment_attention.configs import ATTENTION_SETTINGS
+from custom_ops.segment_attention.launch import backward_dkv_rows, backward_dq, forward
 from custom_ops.thd.checks import check_index_tensor
 from custom_ops.thd.validation import Segments
-from custom_ops.varlen_attention.configs import ATTENTION_SETTINGS
-from custom_ops.varlen_attention.launch import backward_dkv_rows, backward_dq, forward
-from custom_ops.varlen_attention.op import (
+from custom_ops.segment_attention.op import (
     _check,
     _use_kernel,
     _varlen_attention_backward_dq,
@@ -32,7 +32,7 @@ from custom_ops.varlen_attention.op import (
     dkdv_reference,
     window_pair,
 )
-from custom_ops.varlen_attention.reference import resolve_scale
+from custom_ops.segment_attention.reference import resolve_scale
 
 __all__ = ["varlen_attention_kv"]
 

@@ -4,7 +4,7 @@ corrects each chunk's rows by its incoming state with it).
 
 ``torch.ops.cp_ops.segment_matmul(x, w, cu)`` and its weight gradient
 ``torch.ops.cp_ops.segment_matmul_weight_grad(x, dy, cu)``, opaque custom ops: the Triton
-kernels of :mod:`custom_ops.segment_matmul.kernels` on CUDA (and under ``TRITON_INTERPRET=1``),
+kernels of :mod:`custom_ops.grouped_matmul.kernels` on CUDA (and under ``TRITON_INTERPRET=1``),
 the torch references on CPU and in float64. No host syncs: grids are sized from shapes, each
 row's segment is found on the device.
 """
@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import torch
 
+from custom_ops.grouped_matmul.kernels import segment_matmul_kernel, segment_matmul_weight_grad_kernel
+from custom_ops.grouped_matmul.reference import segment_matmul_reference, segment_matmul_weight_grad_reference
 from custom_ops.runtime.launch import launch_direct, triton_interpreting, use_triton
 from custom_ops.runtime.registration import NAMESPACE, kernel_op
 from custom_ops.runtime.tiles import cdiv
-from custom_ops.segment_matmul.kernels import segment_matmul_kernel, segment_matmul_weight_grad_kernel
-from custom_ops.segment_matmul.reference import segment_matmul_reference, segment_matmul_weight_grad_reference
 from custom_ops.thd.checks import check_index_tensor
 
 __all__ = ["segment_matmul"]

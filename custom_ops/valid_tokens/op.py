@@ -8,8 +8,8 @@ from custom_ops.runtime.tiles import ROW_SETTINGS
 from custom_ops.runtime.words import from_row_matrix, row_matrix
 from custom_ops.thd.checks import check_index_tensor, check_rows
 from custom_ops.thd.validation import checked
-from custom_ops.thd_copy_valid_tokens.kernels import thd_copy_valid_tokens_kernel
-from custom_ops.thd_copy_valid_tokens.reference import thd_copy_valid_tokens_reference, valid_token_mask
+from custom_ops.valid_tokens.kernels import thd_copy_valid_tokens_kernel
+from custom_ops.valid_tokens.reference import thd_copy_valid_tokens_reference, valid_token_mask
 
 
 def _check(dst: torch.Tensor, src: torch.Tensor, offsets: torch.Tensor, cu_seqlens: torch.Tensor) -> None:

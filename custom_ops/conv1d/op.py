@@ -5,8 +5,8 @@ their backward ops.
 
 Opaque custom ops (:func:`custom_ops.runtime.registration.opaque_op`): Inductor calls each as one
 extern node and never traces into FLA. On CUDA the conv runs this package's Triton kernels
-for kernel widths up to 4 (:mod:`custom_ops.causal_conv1d.kernels`, which read every row once) and
-FLA's for wider ones; on CPU the torch references of :mod:`custom_ops.causal_conv1d.reference`, and
+for kernel widths up to 4 (:mod:`custom_ops.conv1d.kernels`, which read every row once) and
+FLA's for wider ones; on CPU the torch references of :mod:`custom_ops.conv1d.reference`, and
 under ``TRITON_INTERPRET=1`` the kernels in Triton's interpreter (how they are tested
 without a GPU). No host syncs: the kernels' grids are sized from shapes, and the rows'
 positions in their sequences are computed on the device.
@@ -19,14 +19,14 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from custom_ops.causal_conv1d.kernels import (
+from custom_ops.conv1d.kernels import (
     MAX_TAPS,
     POSITIONS_BLOCK,
     conv_positions_kernel,
     cp_causal_conv1d_bwd_kernel,
     cp_causal_conv1d_fwd_kernel,
 )
-from custom_ops.causal_conv1d.reference import (
+from custom_ops.conv1d.reference import (
     causal_conv1d_gather_reference,
     causal_conv1d_reference,
     causal_conv1d_reference_backward,
@@ -112,7 +112,7 @@ def causal_conv1d(
     bias ``[C]`` or None, cu_seqlens ``[B+1]`` (int32/int64, ``cu[-1] = T``),
     activation ``"silu"``/``"swish"`` or ``None``/``"identity"``. Returns ``[T, C]``
     in x's dtype. Differentiable in x, weight and bias. CUDA: for K <= 4 the Triton
-    kernels of :mod:`custom_ops.causal_conv1d.kernels` (the backward recomputes the
+    kernels of :mod:`custom_ops.conv1d.kernels` (the backward recomputes the
     pre-activation in registers), for wider kernels FLA's ``causal_conv1d_fwd`` /
     ``causal_conv1d_bwd``; either way only the inputs are saved.
     """

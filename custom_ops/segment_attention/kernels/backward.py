@@ -10,8 +10,8 @@ tile summed in one program.
 import triton
 import triton.language as tl
 
-from custom_ops.varlen_attention.kernels.schedule import _program_tile, _query_tile
-from custom_ops.varlen_attention.kernels.tiles import _key_range, _load_rows, _query_range, _query_tile_rows, _visible
+from custom_ops.segment_attention.kernels.schedule import _program_tile, _query_tile
+from custom_ops.segment_attention.kernels.tiles import _key_range, _load_rows, _query_range, _query_tile_rows, _visible
 
 
 @triton.jit

@@ -14,7 +14,7 @@ two loads (:func:`_query_tile`).
 import triton
 import triton.language as tl
 
-from custom_ops.varlen_attention.kernels.tiles import _key_range, _tiles_end
+from custom_ops.segment_attention.kernels.tiles import _key_range, _tiles_end
 
 
 @triton.jit

@@ -3,8 +3,8 @@ needs, its configuration and descriptors, and the kernel launches of the forward
 (:func:`forward`) and the backward (:func:`backward`: :func:`backward_dkdv`, then
 :func:`backward_dq`).
 
-Both launchers take an :class:`~custom_ops.varlen_attention.configs.AttentionSettings` as
-``settings``: the ops pass :data:`~custom_ops.varlen_attention.configs.ATTENTION_SETTINGS`,
+Both launchers take an :class:`~custom_ops.segment_attention.configs.AttentionSettings` as
+``settings``: the ops pass :data:`~custom_ops.segment_attention.configs.ATTENTION_SETTINGS`,
 the default, and a benchmark or a test passes others to time or check the kernels under
 other launch choices. Their inputs are what the ops' bodies pass: checked, the scale resolved,
 fp16/bf16/fp32 tensors on CUDA or on the CPU under ``TRITON_INTERPRET=1``.
@@ -22,7 +22,7 @@ from custom_ops.runtime.precompile import cuda_index
 from custom_ops.runtime.tiles import cdiv
 from custom_ops.runtime.words import unit_last_stride
 from custom_ops.thd.validation import Segments
-from custom_ops.varlen_attention.configs import (
+from custom_ops.segment_attention.configs import (
     ATTENTION_SETTINGS,
     DELTA_BLOCK,
     DELTA_WARPS,
@@ -34,13 +34,13 @@ from custom_ops.varlen_attention.configs import (
     has_tma_config,
     kernel_config,
 )
-from custom_ops.varlen_attention.kernels.backward import (
+from custom_ops.segment_attention.kernels.backward import (
     varlen_attn_bwd_delta_kernel,
     varlen_attn_bwd_dkdv_kernel,
     varlen_attn_bwd_dq_kernel,
 )
-from custom_ops.varlen_attention.kernels.forward import varlen_attn_fwd_kernel
-from custom_ops.varlen_attention.kernels.schedule import key_tile_segments_kernel, segment_tables_kernel
+from custom_ops.segment_attention.kernels.forward import varlen_attn_fwd_kernel
+from custom_ops.segment_attention.kernels.schedule import key_tile_segments_kernel, segment_tables_kernel
 
 _LOG2E = 1.4426950408889634
 
@@ -76,7 +76,7 @@ def segment_tables(
 def key_tile_segments(ql, ks, kl, block: int, num_tiles: int, num_k_rows: int):
     """``(order, first, last)`` for the dk/dv kernel, int32 on the device and sized from shapes:
     one launch of :func:`key_tile_segments_kernel`, which defines them
-    (:func:`custom_ops.varlen_attention.reference.key_tile_segments_reference` computes the
+    (:func:`custom_ops.segment_attention.reference.key_tile_segments_reference` computes the
     same with a dozen torch ops). Disjoint and identical key ranges (self-attention, all-gather
     CP) make ``order[first[t]:last[t]]`` exactly the segments that reach key tile t; other
     overlaps may add some that miss it, which the kernel skips (a few scalar loads each: one

@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from custom_ops.linear_cross_entropy.reference import accumulation_dtype
+from custom_ops.cross_entropy.reference import accumulation_dtype
 from custom_ops.runtime.registration import NAMESPACE, composite_op, opaque_op
 
 __all__ = ["linear_cross_entropy", "default_chunk_rows"]

@@ -4,7 +4,7 @@ The tuned launch configurations (tiles, warps, stages and the kernels' own const
 read-only tables here, and :func:`kernel_config` is the one lookup that picks a kernel's
 configuration. The launch choices (TMA loads or not, the launch order, the window's mask
 terms, a configuration in place of the tables') are an :class:`AttentionSettings`, which the
-launchers of :mod:`custom_ops.varlen_attention.launch` take as an argument; the ops launch
+launchers of :mod:`custom_ops.segment_attention.launch` take as an argument; the ops launch
 with :data:`ATTENTION_SETTINGS`. Benchmarks and tests build other settings with
 :meth:`AttentionSettings.with_kernel` / :meth:`AttentionSettings.with_every_kernel` or
 ``dataclasses.replace`` and pass them to the launchers.

@@ -14,12 +14,12 @@ import math
 
 import torch
 
-from custom_ops.permute_sections.kernels import permute_sections_kernel
-from custom_ops.permute_sections.reference import permute_sections_reference, unpermute_sections_reference
 from custom_ops.runtime.launch import launch, use_triton
 from custom_ops.runtime.registration import NAMESPACE, kernel_op
 from custom_ops.runtime.tiles import cdiv, next_power_of_2
 from custom_ops.runtime.words import dense, from_row_matrix, to_words, word_dtype
+from custom_ops.sections.kernels import permute_sections_kernel
+from custom_ops.sections.reference import permute_sections_reference, unpermute_sections_reference
 from custom_ops.thd.checks import check_cp_size
 
 

@@ -6,7 +6,7 @@ two ops, ``torch.ops.cp_ops.varlen_attention_backward_dkdv`` (dk, dv and the row
 ``varlen_attention_backward_dq``, in that order, so that a collective on dk and dv can overlap
 the dq kernel (docs/design.md section 4.2). All are opaque custom ops
 (``kernel_op(opaque=True)``, docs/design.md section 2) launching through launch.py with
-:data:`~custom_ops.varlen_attention.configs.ATTENTION_SETTINGS`.
+:data:`~custom_ops.segment_attention.configs.ATTENTION_SETTINGS`.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ import torch
 from custom_ops.runtime import precompile
 from custom_ops.runtime.launch import use_triton
 from custom_ops.runtime.registration import NAMESPACE, kernel_op
+from custom_ops.segment_attention.configs import ATTENTION_SETTINGS
+from custom_ops.segment_attention.launch import backward, backward_dkdv, backward_dq, forward
 from custom_ops.thd.checks import check_index_tensor
 from custom_ops.thd.validation import Segments, checked
-from custom_ops.varlen_attention.configs import ATTENTION_SETTINGS
-from custom_ops.varlen_attention.launch import backward, backward_dkdv, backward_dq, forward
-from custom_ops.varlen_attention.reference import (
+from custom_ops.segment_attention.reference import (
     _attention,
     backward_delta_reference,
     lse_dtype,

@@ -12,8 +12,8 @@ apply it (with the window's terms only in launches that have a window, ``WINDOW`
 import triton
 import triton.language as tl
 
-from custom_ops.varlen_attention.kernels.schedule import _query_tile
-from custom_ops.varlen_attention.kernels.tiles import _key_range, _load_rows, _query_tile_rows, _visible
+from custom_ops.segment_attention.kernels.schedule import _query_tile
+from custom_ops.segment_attention.kernels.tiles import _key_range, _load_rows, _query_tile_rows, _visible
 
 
 @triton.jit

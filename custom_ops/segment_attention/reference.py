@@ -233,7 +233,7 @@ def varlen_attention_loop(
 
 def key_tile_segments_reference(ql, ks, kl, block: int, num_tiles: int, num_k_rows: int):
     """``(order, first, last)`` of the dk/dv kernel's key tiles in torch ops, the definition
-    ``custom_ops.varlen_attention.kernels.schedule.key_tile_segments_kernel`` is tested against.
+    ``custom_ops.segment_attention.kernels.schedule.key_tile_segments_kernel`` is tested against.
 
     ``order``: the segments sorted by key start (stable), those with no query or no key last
     (and in no tile's slice). Key tile t (rows ``[t*block, (t+1)*block)``) can only be
