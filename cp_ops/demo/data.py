@@ -14,7 +14,7 @@ import torch
 
 import cp_ops
 import custom_ops
-from cp_ops_demo.model import IGNORE_INDEX
+from cp_ops.demo.model import IGNORE_INDEX
 
 __all__ = ["make_batch", "random_seqlens", "num_targets", "Batches", "shard"]
 

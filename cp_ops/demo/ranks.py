@@ -11,9 +11,9 @@ import tempfile
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from cp_ops.demo.report import reduce_results
+from cp_ops.demo.train import train
 from cp_ops.local_ranks import init_local_rank, leave_local_rank, local_rendezvous
-from cp_ops_demo.report import reduce_results
-from cp_ops_demo.train import train
 
 __all__ = ["run_ranks"]
 

@@ -1,4 +1,4 @@
-"""``python -m cp_ops demo`` (the example application ``cp_ops_demo``): the CP training step
+"""``python -m cp_ops demo`` (the demo, :mod:`cp_ops.demo`): the CP training step
 matches one device, compiles each region once, no graph breaks.
 
 The spawned test compiles a tiny one-block model (Inductor, fullgraph) on 2 gloo
@@ -25,7 +25,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import cp_ops_demo as demo
+import cp_ops.demo
+from cp_ops.demo.cli import parse_args, run
+from cp_ops.demo.data import make_batch
+from cp_ops.demo.model import IGNORE_INDEX
+from cp_ops.demo.report import verdict
+from cp_ops.demo.train import REGIONS, TOLERANCE
 
 TINY = ["--device", "cpu", "--blocks", "1", "--hidden", "32", "--mlp", "64", "--vocab", "64",
         "--seqlens", "37,0,1,20,5", "--quiet"]  # fmt: skip
@@ -34,13 +39,13 @@ TINY = ["--device", "cpu", "--blocks", "1", "--hidden", "32", "--mlp", "64", "--
 @pytest.mark.slow
 @pytest.mark.dist
 def test_compiled_two_ranks_match_one_device():
-    res = demo.run(TINY + ["--cp-size", "2", "--steps", "2", "--data", "fresh"])
+    res = run(TINY + ["--cp-size", "2", "--steps", "2", "--data", "fresh"])
     assert res["backend"] == "gloo" and res["ranks"] == 2 and res["compiled"]
     assert res["graph_breaks"] == 0
-    assert res["compiles"] == demo.REGIONS and res["recompiles"] == 0
-    assert res["unique_graphs"] == demo.REGIONS
+    assert res["compiles"] == REGIONS and res["recompiles"] == 0
+    assert res["unique_graphs"] == REGIONS
     assert res["reference"] == "compiled" and res["check_skipped"] is None
-    assert res["max_rel_error"] < demo.TOLERANCE["float32"], res["errors"]
+    assert res["max_rel_error"] < TOLERANCE["float32"], res["errors"]
     assert set(res["errors"]) >= {"loss", "embed.weight", "blocks.0.gdn.in_proj.weight", "blocks.0.attn.q_proj.weight"}
     assert len(res["losses"]) == 2 and all(torch.isfinite(torch.tensor(res["losses"])))
     assert res["ok"] and not res["failures"]
@@ -51,11 +56,11 @@ def test_eager_two_ranks_match_one_device():
     """The CP step without the compiler, training in bfloat16: step 1 of a float32 copy on 2 gloo
     ranks (--check-dtype float32) against the eager one-device run at the float32 tolerance."""
     argv = ["--cp-size", "2", "--steps", "2", "--eager", "--dtype", "bfloat16", "--check-dtype", "float32"]
-    res = demo.run(TINY + argv)
+    res = run(TINY + argv)
     assert res["backend"] == "gloo" and res["ranks"] == 2 and not res["compiled"]
     assert res["dtype"] == "bfloat16" and res["check_dtype"] == "float32"
     assert res["reference"] == "eager" and res["check_skipped"] is None
-    assert res["max_rel_error"] < demo.TOLERANCE["float32"], res["errors"]
+    assert res["max_rel_error"] < TOLERANCE["float32"], res["errors"]
     assert set(res["errors"]) >= {"loss", "embed.weight", "blocks.0.gdn.in_proj.weight", "blocks.0.attn.q_proj.weight"}
     assert len(res["losses"]) == 2 and all(torch.isfinite(torch.tensor(res["losses"])))
     assert res["ok"] and not res["failures"]
@@ -92,22 +97,22 @@ def test_bfloat16_check_fails_on_rotary_positions_off_by_one(tmp_path, monkeypat
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert proc.stdout.splitlines()[-1].startswith("FAIL: max rel error"), proc.stdout[-2000:]
     res = json.loads(out.read_text())
-    assert res["check_dtype"] == "bfloat16" and res["tol"] == demo.TOLERANCE["bfloat16"]
-    assert res["max_rel_error"] > demo.TOLERANCE["bfloat16"], res["errors"]
+    assert res["check_dtype"] == "bfloat16" and res["tol"] == TOLERANCE["bfloat16"]
+    assert res["max_rel_error"] > TOLERANCE["bfloat16"], res["errors"]
     assert res["worst"].startswith("blocks.0.attn.") and not res["ok"]
 
 
 def test_the_last_line_says_pass_or_fail():
     base = dict(ok=True, failures=[], compiled=True, check_skipped=None, tol=1e-4)
-    assert demo.verdict(base) == "PASS: no graph break, step 1 within 0.0001 of one device"
-    assert demo.verdict({**base, "compiled": False, "check_skipped": "W = 1"}) == "PASS (nothing checked: W = 1)"
+    assert verdict(base) == "PASS: no graph break, step 1 within 0.0001 of one device"
+    assert verdict({**base, "compiled": False, "check_skipped": "W = 1"}) == "PASS (nothing checked: W = 1)"
     failed = {**base, "ok": False, "failures": ["2 graph breaks", "max rel error 0.3 > tol 0.0001 (loss)"]}
-    assert demo.verdict(failed) == "FAIL: 2 graph breaks; max rel error 0.3 > tol 0.0001 (loss)"
+    assert verdict(failed) == "FAIL: 2 graph breaks; max rel error 0.3 > tol 0.0001 (loss)"
 
 
 def test_one_rank_eager_in_process():
     """W = 1 runs here, group=None; the loss falls on the memorised batch."""
-    res = demo.run(TINY + ["--cp-size", "1", "--steps", "4", "--eager", "--lr", "1e-2"])
+    res = run(TINY + ["--cp-size", "1", "--steps", "4", "--eager", "--lr", "1e-2"])
     assert res["ranks"] == 1 and not res["compiled"] and res["compiles"] == 0
     assert res["check_skipped"] == "W = 1: the run is the one-device run" and not res["errors"]
     assert res["losses"][-1] < res["losses"][0]
@@ -115,16 +120,16 @@ def test_one_rank_eager_in_process():
 
 
 def _assert_compiled_float32_check(res: dict) -> None:
-    assert res["tol"] == demo.TOLERANCE["float32"]
-    assert 0 < res["max_rel_error"] < demo.TOLERANCE["float32"], res["errors"]
-    assert res["compiles"] == demo.REGIONS and res["recompiles"] == 0 and res["graph_breaks"] == 0
+    assert res["tol"] == TOLERANCE["float32"]
+    assert 0 < res["max_rel_error"] < TOLERANCE["float32"], res["errors"]
+    assert res["compiles"] == REGIONS and res["recompiles"] == 0 and res["graph_breaks"] == 0
     assert res["ok"]
 
 
 def test_compiled_step_matches_eager():
     """--reference eager on one rank: the compiled step 1 (float32) against the eager one-device
     run at the float32 tolerance, each region compiled once."""
-    res = demo.run(TINY + ["--cp-size", "1", "--steps", "2", "--dtype", "float32", "--reference", "eager"])
+    res = run(TINY + ["--cp-size", "1", "--steps", "2", "--dtype", "float32", "--reference", "eager"])
     assert res["dtype"] == "float32" and res["check_dtype"] == "float32" and res["reference"] == "eager"
     _assert_compiled_float32_check(res)
 
@@ -136,23 +141,23 @@ def test_float32_check_of_a_bfloat16_run():
     training then compiles afresh and runs in bfloat16. Two compiles: the slow tier; the fast
     one covers the copy eagerly on two ranks and the compiled check in one dtype."""
     argv = ["--cp-size", "1", "--steps", "2", "--dtype", "bfloat16", "--check-dtype", "float32", "--reference", "eager"]
-    res = demo.run(TINY + argv)
+    res = run(TINY + argv)
     assert res["dtype"] == "bfloat16" and res["check_dtype"] == "float32" and res["reference"] == "eager"
     _assert_compiled_float32_check(res)
 
 
 def test_batch_labels_and_padding():
-    tokens, labels, cu, cup = demo.make_batch([5, 0, 1, 3], 2, 50, seed=0)
+    tokens, labels, cu, cup = make_batch([5, 0, 1, 3], 2, 50, seed=0)
     assert cup.tolist() == [0, 8, 8, 12, 16] and cu.tolist() == [0, 5, 5, 6, 9]
-    assert torch.equal(labels[0:4], tokens[1:5]) and (labels[4:8] == demo.IGNORE_INDEX).all()
-    assert (labels[8:12] == demo.IGNORE_INDEX).all()  # a one-token sequence has no target
-    assert torch.equal(labels[12:14], tokens[13:15]) and (labels[14:] == demo.IGNORE_INDEX).all()
+    assert torch.equal(labels[0:4], tokens[1:5]) and (labels[4:8] == IGNORE_INDEX).all()
+    assert (labels[8:12] == IGNORE_INDEX).all()  # a one-token sequence has no target
+    assert torch.equal(labels[12:14], tokens[13:15]) and (labels[14:] == IGNORE_INDEX).all()
     assert (tokens[5:8] == 0).all() and (tokens[9:12] == 0).all()  # padding rows
     # a zero-length first sequence, and the real tokens do not depend on the CP size
-    tokens2, labels2, _, cup2 = demo.make_batch([0, 5, 0, 1, 3], 1, 50, seed=0)
+    tokens2, labels2, _, cup2 = make_batch([0, 5, 0, 1, 3], 1, 50, seed=0)
     assert cup2.tolist() == [0, 0, 6, 6, 8, 12]
     assert torch.equal(tokens2[:5], tokens[:5]) and torch.equal(labels2[:4], labels[:4])
-    assert (labels2[4:6] == demo.IGNORE_INDEX).all() and (labels2[6:8] == demo.IGNORE_INDEX).all()
+    assert (labels2[4:6] == IGNORE_INDEX).all() and (labels2[6:8] == IGNORE_INDEX).all()
 
 
 @pytest.mark.parametrize(
@@ -170,21 +175,21 @@ def test_batch_labels_and_padding():
 )
 def test_bad_options_are_argparse_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as err:
-        demo.parse_args(["--device", "cpu"] + argv)
+        parse_args(["--device", "cpu"] + argv)
     assert err.value.code == 2
     assert message in capsys.readouterr().err
 
 
 def test_defaults():
-    args = demo.parse_args(["--device", "cpu"])
-    assert args.cp_size == 2 and args.dtype == "float32" and args.tol == demo.TOLERANCE["float32"]
+    args = parse_args(["--device", "cpu"])
+    assert args.cp_size == 2 and args.dtype == "float32" and args.tol == TOLERANCE["float32"]
     assert args.check_dtype == "float32" and args.reference == "same"
-    args = demo.parse_args(["--device", "cpu", "--dtype", "bfloat16"])
-    assert args.check_dtype == "bfloat16" and args.tol == demo.TOLERANCE["bfloat16"]
+    args = parse_args(["--device", "cpu", "--dtype", "bfloat16"])
+    assert args.check_dtype == "bfloat16" and args.tol == TOLERANCE["bfloat16"]
     assert 0 in args.seqlens and 1 in args.seqlens
     assert args.gdn_k_heads % args.cp_size == 0 and args.gdn_v_heads % args.gdn_k_heads == 0
-    assert demo.parse_args(["--device", "cpu", "--cp-size", "3"]).gdn_k_heads == 3
-    random_lens = demo.parse_args(["--device", "cpu", "--num-seqs", "6", "--max-len", "40"]).seqlens
+    assert parse_args(["--device", "cpu", "--cp-size", "3"]).gdn_k_heads == 3
+    random_lens = parse_args(["--device", "cpu", "--num-seqs", "6", "--max-len", "40"]).seqlens
     assert len(random_lens) == 6 and random_lens[:2] == [0, 1] and max(random_lens) <= 40
 
 
@@ -199,19 +204,18 @@ def test_help_lists_options():
         assert default in text
 
 
-def test_cp_ops_main_says_when_the_demo_is_not_installed(monkeypatch, capsys):
+def test_cp_ops_main_names_its_one_command(capsys):
     from cp_ops.__main__ import _main
 
-    monkeypatch.setitem(sys.modules, "cp_ops_demo", None)  # import cp_ops_demo now fails
-    assert _main(["demo"]) == 2
-    err = capsys.readouterr().err
-    assert "cp_ops_demo" in err and "not installed" in err and "pip install -e ." in err
+    assert _main(["train"]) == 2
+    assert "unknown command 'train'" in capsys.readouterr().err
+    assert _main([]) == 2 and "demo" in capsys.readouterr().out
 
 
-# --- the example is an application of the public API ----------------------------------------------
+# --- the demo is an application of the public API ---------------------------------------------------
 
-EXAMPLE = Path(demo.__file__).resolve().parent
-SOURCES = sorted(EXAMPLE.glob("*.py"))
+DEMO = Path(cp_ops.demo.__file__).resolve().parent
+SOURCES = sorted(DEMO.glob("*.py"))
 
 
 def _imports(tree):
@@ -224,27 +228,27 @@ def _imports(tree):
                 yield node.lineno, node.module, alias.name
 
 
-def test_example_lives_outside_the_library_and_uses_its_public_api_only():
+def test_demo_uses_the_public_api_only():
     import cp_ops
     import cp_ops.local_ranks
     import cp_ops.modules
     import custom_ops
 
-    assert EXAMPLE.name == "cp_ops_demo" and EXAMPLE.parent.name == "examples" and len(SOURCES) >= 4
+    assert DEMO == Path(cp_ops.__file__).resolve().parent / "demo" and len(SOURCES) >= 4
     public = {"cp_ops": set(cp_ops.__all__), "custom_ops": set(custom_ops.__all__),
               "cp_ops.modules": set(cp_ops.modules.__all__),
               "cp_ops.local_ranks": {"init_local_rank", "leave_local_rank", "local_rendezvous"}}  # fmt: skip
     bad = []
     for path in SOURCES:
         for line, module, name in _imports(ast.parse(path.read_text(), filename=str(path))):
-            if module.split(".")[0] not in ("cp_ops", "custom_ops"):
+            if module.split(".")[0] not in ("cp_ops", "custom_ops") or module.startswith("cp_ops.demo"):
                 continue
             if module not in public or (name is not None and name not in public[module]):
                 bad.append(f"{path.name}:{line}: {module} {name or ''}")
-    assert not bad, "the example imports library internals:\n" + "\n".join(bad)
+    assert not bad, "the demo imports library internals:\n" + "\n".join(bad)
 
 
-def test_example_sets_no_global_compiler_config():
+def test_demo_sets_no_global_compiler_config():
     """Compile options are scoped (config.patch around the compiles); nothing assigns to
     torch._inductor.config / torch._dynamo.config or sets attributes of a module."""
     bad = []
@@ -262,7 +266,7 @@ def test_example_sets_no_global_compiler_config():
     assert not bad, "\n".join(bad)
 
 
-def test_example_comments_carry_no_measurements():
+def test_demo_comments_carry_no_measurements():
     from tests.test_code_comments import DATE, MEASURE, _texts
 
     bad = [

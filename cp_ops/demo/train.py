@@ -46,9 +46,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import cp_ops
+from cp_ops.demo.data import Batches, num_targets, shard
+from cp_ops.demo.model import HybridLM
 from custom_ops import env
-from cp_ops_demo.data import Batches, num_targets, shard
-from cp_ops_demo.model import HybridLM
 
 __all__ = ["REGIONS", "TOLERANCE", "train", "compile_options", "reference_is_eager", "check_skipped"]
 

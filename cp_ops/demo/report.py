@@ -10,8 +10,7 @@ import torch
 import torch.distributed as dist
 
 import custom_ops
-
-from cp_ops_demo.train import REGIONS, check_skipped, reference_is_eager
+from cp_ops.demo.train import REGIONS, check_skipped, reference_is_eager
 
 __all__ = ["reduce_results", "summarise", "format_table"]
 

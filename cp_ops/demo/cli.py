@@ -2,7 +2,7 @@
 
 :func:`parse_args` fills in the defaults that depend on the device and refuses sizes the
 layers cannot take; :func:`run` trains in this process (W = 1, ``group=None``: the layers'
-single-device path) or on W ranks it spawns (:mod:`cp_ops_demo.ranks`), prints the table
+single-device path) or on W ranks it spawns (:mod:`cp_ops.demo.ranks`), prints the table
 and returns the results as a dict (the tests and ``notebooks/03_training_with_cp.ipynb``
 call it); :func:`main` turns them into an exit code. On CUDA the default W is the number
 of visible GPUs (so one GPU gives W = 1).
@@ -17,9 +17,9 @@ from collections.abc import Sequence
 
 import torch
 
-from cp_ops_demo.data import num_targets, random_seqlens
-from cp_ops_demo.report import format_table, summarise, verdict
-from cp_ops_demo.train import TOLERANCE, train
+from cp_ops.demo.data import num_targets, random_seqlens
+from cp_ops.demo.report import format_table, summarise, verdict
+from cp_ops.demo.train import TOLERANCE, train
 
 __all__ = ["DEVICE_DEFAULTS", "build_parser", "parse_args", "run", "main"]
 
@@ -220,7 +220,7 @@ def run(argv: Sequence[str] | None = None) -> dict:
         res = train(0, 1, None, args, device)
         res["backend"] = "none (one process, group=None)"
     else:
-        from cp_ops_demo.ranks import run_ranks
+        from cp_ops.demo.ranks import run_ranks
 
         res = run_ranks(args)
     res = summarise(args, res)

@@ -32,7 +32,7 @@ import cp_ops
 from cp_ops.modules import RMSNorm
 from custom_ops import linear_cross_entropy
 
-__all__ = ["IGNORE_INDEX", "RMSNorm", "MLP", "HybridBlock", "HybridLM", "fla_dt_bias_"]
+__all__ = ["IGNORE_INDEX", "MLP", "HybridBlock", "HybridLM", "fla_dt_bias_"]
 
 # the label of rows without a target: padding, and the last token of each sequence
 IGNORE_INDEX = -100
@@ -88,7 +88,7 @@ class HybridLM(nn.Module):
 
     ``cfg`` carries the sizes (``vocab``, ``hidden``, ``blocks``, ``mlp``, ``gdn_k_heads``,
     ``gdn_v_heads``, ``gdn_head_dim``, ``attn_heads``, ``attn_kv_heads``, ``attn_head_dim``),
-    as :func:`cp_ops_demo.parse_args` returns them.
+    as :func:`cp_ops.demo.cli.parse_args` returns them.
 
     ``forward(tokens, labels, cu_seqlens, cu_seqlens_padded, group=None)``: tokens and
     labels ``[T/W]`` (this rank's shard; the whole batch when group is None), labels

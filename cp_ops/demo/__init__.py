@@ -1,4 +1,4 @@
-"""An example application of cp_ops: train a small hybrid GDN / attention stack with context parallelism.
+"""The demo: train a small hybrid GDN / attention stack with context parallelism.
 
 ``python -m cp_ops demo [options]`` (or ``make demo``) runs it; ``--help`` lists the
 options. A Qwen3-Next-style stack (:class:`cp_ops.GatedDeltaNet`, gated
@@ -12,7 +12,7 @@ tokens/s, step and compile time, graph breaks, recompiles, the error against one
 and peak memory.
 
 The check runs in ``--check-dtype`` (default: ``--dtype``), at the tolerance
-:data:`TOLERANCE` gives that dtype. Two correct bfloat16 runs that round differently differ by
+:data:`~cp_ops.demo.train.TOLERANCE` gives that dtype. Two correct bfloat16 runs that round differently differ by
 several percent in every gradient of this model at initialisation, so a bfloat16 check
 catches faults the size of one rank's rotary positions off by one, not subtler ones; ``--dtype
 bfloat16 --check-dtype float32`` checks a float32 copy at a tight tolerance instead. On GPUs a
@@ -20,34 +20,13 @@ float32 check is only as good as Triton's float32 dots, TF32 unless ``TRITON_F32
 is set, and it compiles and autotunes a second set of kernels (FLA's included), which makes a
 cold-cache start take minutes longer (docs/benchmarks.md, section "The whole model").
 
-It uses only the public API of ``cp_ops`` and ``custom_ops``. The modules, by job:
+It uses only the public API of ``cp_ops`` and ``custom_ops``, and nothing of the library imports
+it. The modules, by job:
 
-- :mod:`cp_ops_demo.model`: the hybrid stack (``HybridLM``);
-- :mod:`cp_ops_demo.data`: the packed random batches (``make_batch``);
-- :mod:`cp_ops_demo.train`: one rank's training loop and the check of step 1 (``train``);
-- :mod:`cp_ops_demo.report`: the results over ranks, the summary, the printed table and its last line, PASS or FAIL;
-- :mod:`cp_ops_demo.ranks`: spawning the local ranks and joining their group;
-- :mod:`cp_ops_demo.cli`: the options, ``run`` (results as a dict) and ``main``.
+- :mod:`cp_ops.demo.model`: the hybrid stack (``HybridLM``);
+- :mod:`cp_ops.demo.data`: the packed random batches (``make_batch``);
+- :mod:`cp_ops.demo.train`: one rank's training loop and the check of step 1 (``train``);
+- :mod:`cp_ops.demo.report`: the results over ranks, the summary, the printed table and its last line, PASS or FAIL;
+- :mod:`cp_ops.demo.ranks`: spawning the local ranks and joining their group;
+- :mod:`cp_ops.demo.cli`: the options, ``run`` (results as a dict) and ``main``.
 """
-
-from cp_ops_demo.cli import DEVICE_DEFAULTS, build_parser, main, parse_args, run
-from cp_ops_demo.data import make_batch
-from cp_ops_demo.model import IGNORE_INDEX, HybridLM, fla_dt_bias_
-from cp_ops_demo.report import format_table, verdict
-from cp_ops_demo.train import REGIONS, TOLERANCE
-
-__all__ = [
-    "HybridLM",
-    "fla_dt_bias_",
-    "IGNORE_INDEX",
-    "make_batch",
-    "TOLERANCE",
-    "REGIONS",
-    "DEVICE_DEFAULTS",
-    "build_parser",
-    "parse_args",
-    "run",
-    "main",
-    "format_table",
-    "verdict",
-]
