@@ -18,9 +18,11 @@ from custom_ops.ag_attention.reference import ag_thd_attention_reference
 from custom_ops.ag_attention.segments import ag_thd_segments
 from custom_ops.all_to_all.op import check_cp2hp, check_hp2cp, thd_cp2hp, thd_hp2cp
 from custom_ops.all_to_all.reference import thd_cp2hp_reference, thd_hp2cp_reference
-import custom_ops.check_layout.op  # noqa: F401  (registers cp_ops::check_layout)
+from custom_ops.check_layout import op as _check_layout  # noqa: F401  (registers cp_ops::check_layout)
 from custom_ops.conv1d.op import causal_conv1d, causal_conv1d_gather
 from custom_ops.conv1d.reference import causal_conv1d_gather_reference, causal_conv1d_reference
+from custom_ops.cross_entropy.op import default_chunk_rows, linear_cross_entropy
+from custom_ops.cross_entropy.reference import linear_cross_entropy_reference
 from custom_ops.gated_delta_rule.fla import fla_module
 from custom_ops.gated_delta_rule.op import chunk_gated_delta_rule, chunk_gated_delta_rule_with_state
 from custom_ops.gated_delta_rule.reference import (
@@ -28,19 +30,21 @@ from custom_ops.gated_delta_rule.reference import (
     chunk_gated_delta_rule_with_state_reference,
     state_dtype,
 )
-from custom_ops.cross_entropy.op import default_chunk_rows, linear_cross_entropy
-from custom_ops.cross_entropy.reference import linear_cross_entropy_reference
+from custom_ops.grouped_matmul.op import segment_matmul
+from custom_ops.grouped_matmul.reference import segment_matmul_reference
+from custom_ops.runtime.collectives import all_gather_rows, all_to_all_rows, overlapped_exchange, reduce_scatter_rows
+from custom_ops.runtime.compile_cache import tag_compile_caches
+from custom_ops.runtime.groups import group_rank, group_size, resolve_group
+from custom_ops.runtime.registration import NAMESPACE, kernels_visible_to_compiler
 from custom_ops.sections.op import (
     permute_sections,
     rank_blocks_to_sections,
     sections_to_rank_blocks,
     unpermute_sections,
 )
-from custom_ops.runtime.collectives import all_gather_rows, all_to_all_rows, overlapped_exchange, reduce_scatter_rows
-from custom_ops.runtime.compile_cache import tag_compile_caches
-from custom_ops.runtime.groups import group_rank, group_size, resolve_group
-from custom_ops.runtime.registration import NAMESPACE, kernels_visible_to_compiler
 from custom_ops.sections.reference import permute_sections_reference, unpermute_sections_reference
+from custom_ops.segment_attention.op import check_gqa_heads, varlen_attention
+from custom_ops.segment_attention.reference import varlen_attention_reference
 from custom_ops.thd.checked_mode import call_checked, checks_enabled, set_checks
 from custom_ops.thd.checks import check_cp_size, check_index_tensor
 from custom_ops.thd.index import (
@@ -64,10 +68,6 @@ from custom_ops.thd.validation import (
     validate_thd,
     validate_varlen_segments,
 )
-from custom_ops.grouped_matmul.op import segment_matmul
-from custom_ops.grouped_matmul.reference import segment_matmul_reference
-from custom_ops.segment_attention.op import check_gqa_heads, varlen_attention
-from custom_ops.segment_attention.reference import varlen_attention_reference
 from custom_ops.thd_reorder.op import thd_rank_to_seq_order, thd_seq_to_rank_order
 from custom_ops.thd_reorder.reference import thd_rank_to_seq_order_reference, thd_seq_to_rank_order_reference
 from custom_ops.valid_tokens.op import thd_copy_valid_tokens, thd_copy_valid_tokens_

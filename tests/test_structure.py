@@ -459,12 +459,10 @@ def _code_sources() -> list[tuple[str, str]]:
     """(where, source) of every piece of Python in the repository: its files, the notebooks'
     code cells and the python blocks of README and docs/."""
     sources = [(_rel(p), p.read_text()) for p in _python_files()]
-    for nb in sorted((ROOT / "notebooks").glob("*.ipynb")):
-        cells = json.loads(nb.read_text())["cells"]
-        for i, cell in enumerate(cells):
-            if cell["cell_type"] == "code":
-                text = "".join(cell["source"])
-                sources.append((f"{_rel(nb)} cell {i}", "\n".join(ln for ln in text.splitlines() if not ln.startswith(("%", "!")))))
+    for nb in sorted((ROOT / "notebooks").glob("*.ipynb")):  # its code cells as one script
+        cells = [c for c in json.loads(nb.read_text())["cells"] if c["cell_type"] == "code"]
+        lines = [ln for c in cells for ln in "".join(c["source"]).splitlines() if not ln.startswith(("%", "!"))]
+        sources.append((_rel(nb), "\n".join(lines)))
     for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
         for i, block in enumerate(re.findall(r"```python\n(.*?)```", doc.read_text(), re.S)):
             sources.append((f"{_rel(doc)} block {i}", block))
@@ -531,3 +529,71 @@ def test_the_address_check_sees_each_form():
     )
     bad = _imports_off_address("probe", src)
     assert len(bad) == 3, bad
+
+
+# --- the library and its examples ------------------------------------------------------------------
+
+
+def _example_modules() -> set[str]:
+    """The top-level names examples/ provides when it is on the path: its scripts and packages."""
+    return {p.stem for p in (ROOT / "examples").glob("*.py")} | {
+        p.parent.name for p in (ROOT / "examples").glob("*/__init__.py")
+    }
+
+
+def _loads_of_examples(path: Path) -> list[str]:
+    """Imports of an examples/ module in ``path``, and loads of a file or module under examples/
+    by importlib or runpy."""
+    examples = _example_modules()
+    hits = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module]
+        elif isinstance(node, ast.Call) and (getattr(node.func, "attr", None) or getattr(node.func, "id", "")) in (
+            "import_module", "run_path", "run_module", "spec_from_file_location", "__import__"
+        ):  # fmt: skip
+            names = [a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+            names = [n.split(".")[0] if "examples" not in n else "examples" for n in names]
+        else:
+            continue
+        hits += [f"{_rel(path)}:{node.lineno}: {n}" for n in names if n.split(".")[0] in examples | {"examples"}]
+    return hits
+
+
+def test_the_library_never_imports_its_examples():
+    """custom_ops and cp_ops run without examples/: no import of its modules, no load of its files
+    (the demo that ``python -m cp_ops demo`` runs is cp_ops.demo)."""
+    hits = [h for p in _python_files(*LIBRARY) for h in _loads_of_examples(p)]
+    assert not hits, "the library loads examples/:\n" + "\n".join(hits)
+
+
+def test_the_examples_check_sees_each_form(tmp_path):
+    f = tmp_path / "probe.py"
+    f.write_text(
+        "import train_qwen3_next\n"
+        "from finetune_qwen3_next import main\n"
+        "importlib.import_module('sft_qwen3_next_trainer')\n"
+        "runpy.run_path('examples/train_qwen3_next.py')\n"
+        "import cp_ops.demo\n"
+    )
+    assert len(_loads_of_examples(f)) == 4, _loads_of_examples(f)
+
+
+def test_examples_import_only_public_names():
+    """examples/ takes from the library only what a module lists in ``__all__`` (a root's public
+    names, or those of a public module such as ``cp_ops.integrations.transformers``)."""
+    modules = _library_modules()
+    bad = []
+    for path in _python_files("examples"):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if not (isinstance(node, ast.ImportFrom) and node.module and node.level == 0):
+                continue
+            if node.module.split(".")[0] not in LIBRARY:
+                continue
+            public = set(getattr(modules[node.module], "__all__", ()))
+            for a in node.names:
+                if f"{node.module}.{a.name}" not in modules and a.name not in public:
+                    bad.append(f"{_rel(path)}:{node.lineno}: {a.name} from {node.module}")
+    assert not bad, "examples import names outside the public API:\n" + "\n".join(bad)
