@@ -205,6 +205,17 @@ def test_compare_child_imports_this_repository_when_asked():
     assert all(Path(f).resolve().is_relative_to(ROOT) for f in files.values()), files
 
 
+def test_compare_child_finds_a_module_at_either_checkout_s_path():
+    from benchmarks.checkout_cases import moved_module
+    from custom_ops.thd import validation
+
+    # this checkout's path first; an older checkout's path for the same module after it
+    assert moved_module("custom_ops.thd.validation", "custom_ops.runtime.validation") is validation
+    assert moved_module("custom_ops.runtime.validation", "custom_ops.thd.validation") is validation
+    with pytest.raises(ModuleNotFoundError, match="none of"):
+        moved_module("custom_ops.runtime.validation", "custom_ops.varlen_attention.launch")
+
+
 # --- gpu_suite ------------------------------------------------------------------------------------
 
 
