@@ -1,10 +1,11 @@
 """Context-parallel building blocks for hybrid linear-attention models on packed THD sequences.
 
-``cp_ops`` is the public Python API of the layers and what prepares their data (layout helpers,
-overlapped exchanges, layers); the torch.library ops, collectives, index maps and checks it builds
-on are ``custom_ops``'s, exported there, and are registered as ``torch.ops.cp_ops.*`` on import.
-Each name here is defined in one module of this package and exported here alone. ``COMPILE_OPTIONS`` are the Inductor options that keep the
-layers' all-to-alls overlapped with work: ``torch.compile(model, options=COMPILE_OPTIONS)``.
+``cp_ops`` is the public Python API of the layers and of what prepares their data (layout
+helpers, overlapped exchanges, layers); the torch.library ops, collectives, index maps and checks
+it builds on are exported by ``custom_ops`` and registered as ``torch.ops.cp_ops.*`` on import.
+Each name here is defined in one module of this package and exported here alone.
+``COMPILE_OPTIONS`` are the Inductor options that keep the layers' all-to-alls overlapped with
+work: ``torch.compile(model, options=COMPILE_OPTIONS)``.
 """
 
 import custom_ops  # noqa: F401  (registers torch.ops.cp_ops.*)

@@ -1,15 +1,14 @@
-"""Checks of layout *values* (cumulative lengths, offsets, permutations) where the checked mode
-asks for them.
+"""Checks of layout *values* (cumulative lengths, offsets, permutations), run where asked.
 
 Shapes, dtypes and devices are checked on every call for free (:mod:`custom_ops.thd.checks`);
-values live on the device, so checking them costs a host sync. The checked mode
-(``CP_OPS_CHECKS`` or :func:`~custom_ops.thd.checked_mode.set_checks`):
-``"eager"`` (the default) validates eager calls, made from Python through the ops' Python
-objects, the wrappers and the layers, and nothing in compiled graphs or CUDA graph captures;
-``True`` validates every call, compiled graphs included (the opaque op ``cp_ops::check_layout``
-of custom_ops/check_layout/, in the graph when it is traced: set the mode before compiling);
-``False`` validates nothing. A check raises ``ValueError`` naming the argument and the sequence, where the op would otherwise
-return finite, wrong rows (docs/design.md section 1, "What is checked when").
+values live on the device, so checking them costs a host sync. The checked mode (``CP_OPS_CHECKS``
+or :func:`~custom_ops.thd.checked_mode.set_checks`): ``"eager"`` (the default) validates eager
+calls, made from Python through the ops' Python objects, the wrappers and the layers, and nothing
+in compiled graphs or CUDA graph captures; ``True`` validates every call, compiled graphs included
+(the opaque op ``cp_ops::check_layout`` of custom_ops/check_layout/, in the graph when it is
+traced: set the mode before compiling); ``False`` validates nothing. A check raises ``ValueError``
+naming the argument and the sequence, where the op would otherwise return finite, wrong rows
+(docs/design.md section 1, "What is checked when").
 """
 
 from __future__ import annotations
