@@ -8,7 +8,7 @@
 # make test-all     everything: the same passes with the slow tests, hypothesis's thorough profile (8x the
 #                   examples) and, on a machine with a GPU, the gpu tests; on demand and on the GPU machine
 # make demo         the same install, then train a small hybrid GDN / attention model with CP (python -m cp_ops demo,
-#                   the example application in examples/cp_ops_demo)
+#                   the demo in cp_ops/demo)
 # make test-latest  the fast tier in .venv-latest against the newest versions pyproject.toml allows
 # make pins         regenerate constraints.txt from a fresh environment (the notebooks extra's pins last)
 # GPU tests and benchmarks (on a GPU machine): python benchmarks/gpu_suite.py
@@ -81,7 +81,7 @@ test-opaque:
 		tests/custom_ops tests/cp_ops/test_comm.py tests/cp_ops/test_attention.py \
 		--deselect tests/custom_ops/test_gdn_ops.py::test_compiled_fullgraph_forward_backward
 	CP_OPS_OPAQUE_KERNELS=1 $(PYTEST) -q $(if $(NOT_SLOW),-m "not slow") -k compiled \
-		tests/cp_ops/test_gdn_cp.py tests/cp_ops/test_gdn_layer.py tests/examples/test_demo.py tests/test_checked_mode.py \
+		tests/cp_ops/test_gdn_cp.py tests/cp_ops/test_gdn_layer.py tests/cp_ops/test_demo.py tests/test_checked_mode.py \
 		$(if $(NOT_SLOW),--deselect tests/cp_ops/test_gdn_cp.py::test_cp_layer_compiled_matches_one_rank)
 
 demo: deps

@@ -43,7 +43,8 @@ from benchmarks.internals import CONFIGS, DEFAULT_SETTINGS, AttentionSettings, r
 from benchmarks.internals import attention_launch as launch
 from benchmarks.runner import Result, add_out_argument, checks_off, emit, environment
 from benchmarks.timing import kernel_breakdown, median_ms, median_ms_counted
-from cp_ops import COMPILE_OPTIONS, ag_thd_attention, all_gather_rows, pad_cu_seqlens, resolve_group, shard_thd
+from cp_ops import COMPILE_OPTIONS, pad_cu_seqlens, shard_thd
+from custom_ops import ag_thd_attention, all_gather_rows, resolve_group
 from custom_ops.testing import TOLERANCE, rel_error
 
 # --- shared: the op, its forward and fwd+bwd closures, the compiled form -------------------------
@@ -88,7 +89,7 @@ def _compiled(fn, cudagraphs: bool, options: dict | None = None):
 
 # --- kernel and tune: launch settings ------------------------------------------------------------------------------
 # The ops launch with the library's DEFAULT_SETTINGS. The tuner and the runs with other settings
-# (--pointer-loads) call the launchers of custom_ops.varlen_attention.launch with an
+# (--pointer-loads) call the launchers of custom_ops.segment_attention.launch with an
 # AttentionSettings instead.
 
 
@@ -370,7 +371,7 @@ def tune(
             i = min(totals, key=totals.get)
             best[(kind, d)] = candidates[i]
             print(f"best D={d} {kind}: {candidates[i]} (sum over cases {totals[i]:.3f} ms)")
-    print("\n# paste into custom_ops/varlen_attention/configs.py")
+    print("\n# paste into custom_ops/segment_attention/configs.py")
     for kind in kinds:
         entries = ", ".join(f"{d}: dict({_fmt(best[(kind, d)])})" for d in sorted(head_dims))
         print(f'{tables[kind]} "{kind}": {{{entries}}},')
@@ -593,7 +594,7 @@ def tile_pairs(q_len, q_pos, k_len, block_m: int, block_n: int) -> int:
 def work_model(head_dim: int = HEAD_DIM) -> Result:
     """The --work-model table (CPU only, no kernels run): at the forward's query tile for
     ``head_dim`` and at half of it, the same key tile."""
-    from cp_ops import ag_thd_segments
+    from custom_ops import ag_thd_segments
     from benchmarks.internals import kernel_config
 
     cfg = kernel_config("fwd", head_dim, interpreting=False)
@@ -629,7 +630,7 @@ def rank_kernels(
     batch's K/V in sequence order, as ``varlen_attention_kv`` runs them): the layout's extra
     kernel work per rank, without the collectives and at any W."""
     from benchmarks.common import named_kernels_ms, profile_kernels
-    from cp_ops import ag_thd_segments
+    from custom_ops import ag_thd_segments
 
     kv_heads = HEADS // gqa
     rows = []

@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 
 import cp_ops
+
+import custom_ops
 from benchmarks.baselines import cp2hp_per_sequence, hp2cp_per_sequence
 from benchmarks.common import default_world, max_over_ranks, spawn_ranks
 from benchmarks.runner import Result, add_out_argument, checks_off, emit, environment
@@ -50,10 +52,10 @@ def _worker(rank: int, world: int, device, out: str | None, smoke: bool, profile
         flat = torch.randn(rows_global, features // world, device=device, generator=gen).to(torch.bfloat16)
         flat_out = torch.empty_like(flat)
 
-        x_hp = cp_ops.thd_cp2hp(x_cp, cup, sections, group)
+        x_hp = custom_ops.thd_cp2hp(x_cp, cup, sections, group)
         if not torch.equal(cp2hp_per_sequence(x_cp, cup, sections, group), x_hp):
             raise AssertionError(f"per-sequence baseline and thd_cp2hp disagree at T={total}, B={num_seqs}")
-        if not torch.equal(cp_ops.thd_hp2cp(x_hp, cup, local_sections, group), x_cp):
+        if not torch.equal(custom_ops.thd_hp2cp(x_hp, cup, local_sections, group), x_cp):
             raise AssertionError(f"thd_hp2cp(thd_cp2hp(x)) != x at T={total}, B={num_seqs}")
         if not torch.equal(hp2cp_per_sequence(x_hp, cup, local_sections, group), x_cp):
             raise AssertionError(f"per-sequence hp2cp and thd_hp2cp disagree at T={total}, B={num_seqs}")
@@ -63,15 +65,15 @@ def _worker(rank: int, world: int, device, out: str | None, smoke: bool, profile
         peers = [0 if d == rank else block for d in range(world)]
         flat_peers, peers_out = flat[: block * (world - 1)], flat_out[: block * (world - 1)]
         t_peers = timed(lambda: dist.all_to_all_single(peers_out, flat_peers, peers, peers, group=group))
-        t_cp2hp = timed(lambda: cp_ops.thd_cp2hp(x_cp, cup, sections, group))
-        t_hp2cp = timed(lambda: cp_ops.thd_hp2cp(x_hp, cup, local_sections, group))
+        t_cp2hp = timed(lambda: custom_ops.thd_cp2hp(x_cp, cup, sections, group))
+        t_hp2cp = timed(lambda: custom_ops.thd_hp2cp(x_hp, cup, local_sections, group))
         t_seq = timed(lambda: cp2hp_per_sequence(x_cp, cup, sections, group), per_sequence=True)
         t_seq_back = timed(lambda: hp2cp_per_sequence(x_hp, cup, local_sections, group), per_sequence=True)
         if profile:  # every rank profiles (the calls meet in the all-to-all); rank 0 reports
             for name, fn in (
                 ("bare a2a", lambda: dist.all_to_all_single(flat_out, flat, group=group)),
-                ("cp2hp", lambda: cp_ops.thd_cp2hp(x_cp, cup, sections, group)),
-                ("hp2cp", lambda: cp_ops.thd_hp2cp(x_hp, cup, local_sections, group)),
+                ("cp2hp", lambda: custom_ops.thd_cp2hp(x_cp, cup, sections, group)),
+                ("hp2cp", lambda: custom_ops.thd_hp2cp(x_hp, cup, local_sections, group)),
             ):
                 parts = kernel_breakdown(fn, runs=5, warmup=1, device=device)
                 listed = "; ".join(f"{k[:50]} {ms:.3f}" for k, ms in parts[:6])

@@ -42,17 +42,8 @@ from benchmarks.common import (
 from benchmarks.internals import fla_varlen_indices, valid_token_mask
 from benchmarks.runner import Result, add_out_argument, checks_off, emit, environment, fla_environment, format_cell
 from benchmarks.timing import kernel_ms, median_ms, median_ms_counted
-from cp_ops import (
-    COMPILE_OPTIONS,
-    GatedDeltaNet,
-    StatePassing,
-    group_rank,
-    pad_cu_seqlens,
-    resolve_group,
-    shard_thd,
-    thd_cp2hp,
-    thd_hp2cp,
-)
+from cp_ops import COMPILE_OPTIONS, GatedDeltaNet, StatePassing, pad_cu_seqlens, shard_thd
+from custom_ops import group_rank, resolve_group, thd_cp2hp, thd_hp2cp
 from custom_ops.testing import rel_error
 
 HIDDEN, HK, HV, DK, DV = 2048, 16, 32, 128, 128
@@ -297,7 +288,7 @@ def bench_conv(total: int, num_seqs: int, channels: int) -> dict[str, float]:
 
 def bench_conv_gather(total: int, num_seqs: int, channels: int = 4096, extra: int = 32, world: int = 2) -> dict:
     """ms of the two forms of the conv on permuted rows (docs/benchmarks.md), compiled."""
-    from custom_ops.thd_index import rank_to_seq_index
+    from custom_ops.thd.index import rank_to_seq_index
 
     lens = _lengths(total, num_seqs, torch.Generator().manual_seed(total + num_seqs))
     _, cup = pad_cu_seqlens(lens, world, device="cuda")

@@ -17,7 +17,8 @@ from benchmarks.cases import layout_shapes as shapes
 from benchmarks.internals import thd_seq_to_rank_order_loop
 from benchmarks.runner import Result, add_out_argument, checks_off, emit, environment
 from benchmarks.timing import median_ms
-from cp_ops import pad_cu_seqlens, seq_to_rank_index
+from cp_ops import pad_cu_seqlens
+from custom_ops import seq_to_rank_index
 
 
 def run() -> Result:

@@ -11,6 +11,7 @@ suite that raised. The suites: docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
 import json
 import statistics
@@ -44,6 +45,17 @@ def check_imports(checkout: str) -> dict[str, str]:
     return files
 
 
+def moved_module(*names: str):
+    """The first of ``names``, one module's paths from the newest to the oldest, that the checkout
+    has: the two checkouts compared may place it differently."""
+    for name in names:
+        try:
+            return importlib.import_module(name)
+        except ModuleNotFoundError:
+            continue
+    raise ModuleNotFoundError(f"the checkout has none of {names}")
+
+
 def report(suite: str, case: dict, metric: str, ms: float | None) -> None:
     print("RESULT " + json.dumps({"suite": suite, "case": case, "metric": metric, "ms": ms}), flush=True)
 
@@ -51,8 +63,8 @@ def report(suite: str, case: dict, metric: str, ms: float | None) -> None:
 def attention(timing, cases) -> None:
     import torch
 
-    from custom_ops.runtime.validation import Segments
-    from custom_ops.varlen_attention import launch
+    launch = moved_module("custom_ops.segment_attention.launch", "custom_ops.varlen_attention.launch")
+    Segments = moved_module("custom_ops.thd.validation", "custom_ops.runtime.validation").Segments
 
     for d in cases.ATTENTION_HEAD_DIMS:
         for name, lens in cases.attention_cases():

@@ -127,10 +127,9 @@ def part_command(part: str, out: str, world: int | None, name: str, quick: bool 
 
 
 def child_pythonpath(existing: str | None) -> str:
-    """The parts' PYTHONPATH: the repository's root and its examples/ (the demo parts import the
-    example application ``cp_ops_demo``, which an installed package would provide) before
-    ``existing``."""
-    return os.pathsep.join(p for p in (ROOT, os.path.join(ROOT, "examples"), existing) if p)
+    """The parts' PYTHONPATH: the repository's root, so that the parts run this checkout's library
+    whatever is installed, before ``existing``."""
+    return os.pathsep.join(p for p in (ROOT, existing) if p)
 
 
 def main() -> None:

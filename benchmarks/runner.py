@@ -40,7 +40,7 @@ def checks_off() -> None:
     the benchmarks time the ops as production steps run them, so an eager figure is the op's own
     and holds no layout check's host sync (docs/environment.md). Each benchmark's ``main`` calls it."""
     os.environ["CP_OPS_CHECKS"] = "0"
-    from custom_ops.validation import set_checks
+    from custom_ops import set_checks
 
     set_checks(False)
 

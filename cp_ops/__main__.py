@@ -1,15 +1,9 @@
-"""``python -m cp_ops demo [options]``: runs the example application ``cp_ops_demo``
-(examples/cp_ops_demo/; ``--help`` lists the options)."""
+"""``python -m cp_ops demo [options]``: runs the demo, :mod:`cp_ops.demo` (``--help`` lists the
+options)."""
 
 import sys
 
 USAGE = "usage: python -m cp_ops demo [options]   (python -m cp_ops demo --help for the options)"
-
-NOT_INSTALLED = (
-    "python -m cp_ops demo runs the example application cp_ops_demo (examples/cp_ops_demo/ in the "
-    "repository), which is not installed: install the repository (pip install -e . or make deps), "
-    "or put its examples/ folder on PYTHONPATH"
-)
 
 
 def _main(argv: list[str]) -> int:
@@ -20,14 +14,9 @@ def _main(argv: list[str]) -> int:
     if argv[0] != "demo":
         print(f"unknown command {argv[0]!r}\n{USAGE}", file=sys.stderr)
         return 2
-    try:
-        import cp_ops_demo
-    except ModuleNotFoundError as err:
-        if err.name != "cp_ops_demo":
-            raise
-        print(f"error: {NOT_INSTALLED}", file=sys.stderr)
-        return 2
-    return cp_ops_demo.main(argv[1:])
+    from cp_ops.demo.cli import main  # the demo's imports are for its command alone
+
+    return main(argv[1:])
 
 
 if __name__ == "__main__":

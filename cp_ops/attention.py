@@ -10,16 +10,10 @@ import torch
 import torch.nn as nn
 
 from cp_ops.inputs import check_hidden_states, check_layout_tensors
-from cp_ops.layout import local_positions
 from cp_ops.modules import RMSNorm, apply_rotary
-from custom_ops import ag_thd_attention, group_rank, resolve_group
-from custom_ops.validation import checked
+from custom_ops import ag_thd_attention, checked, group_rank, local_positions, resolve_group
 
-__all__ = [
-    "Attention",
-    "RMSNorm",
-    "apply_rotary",
-]
+__all__ = ["Attention"]
 
 
 # --- the layer ------------------------------------------------------------------------------------

@@ -11,10 +11,17 @@ import torch.nn.functional as F
 
 from cp_ops.exchange import thd_cp2hp_blocks, thd_cp2hp_overlap, thd_hp2cp_blocks
 from cp_ops.inputs import check_hidden_states, check_layout_tensors
-from cp_ops.layout import rank_to_seq_index
 from cp_ops.modules import GatedRMSNorm, l2norm
-from custom_ops import causal_conv1d, causal_conv1d_gather, chunk_gated_delta_rule, group_rank, resolve_group, thd_hp2cp
-from custom_ops.validation import checked
+from custom_ops import (
+    causal_conv1d,
+    causal_conv1d_gather,
+    checked,
+    chunk_gated_delta_rule,
+    group_rank,
+    rank_to_seq_index,
+    resolve_group,
+    thd_hp2cp,
+)
 
 __all__ = [
     "GatedDeltaNet",

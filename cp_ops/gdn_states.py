@@ -14,12 +14,12 @@ from custom_ops import (
     all_gather_rows,
     causal_conv1d,
     chunk_gated_delta_rule_with_state,
+    chunk_rows,
     group_rank,
     resolve_group,
     segment_matmul,
     state_dtype,
 )
-from custom_ops.thd_index import chunk_rows
 
 __all__ = ["StatePassing", "chunk_gated_delta_rule_cp_states", "state_maps"]
 

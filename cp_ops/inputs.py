@@ -1,7 +1,7 @@
 """Checks of what a user passes to the layers, with errors in the user's terms.
 
 Shapes, dtypes and devices are checked on every call (free, and done while tracing under
-``torch.compile``); layout values only in the checked mode (:mod:`custom_ops.validation`).
+``torch.compile``); layout values only in the checked mode (:mod:`custom_ops.thd.validation`).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The THD layout with load-balanced CP sharding (docs/design.md section 1): construction,
-validation, (un)sharding.
+"""Preparing data in the THD layout with load-balanced CP sharding (docs/design.md section 1):
+construction and (un)sharding, over the index maps and checks of :mod:`custom_ops.thd`.
 
 A batch is B sequences packed along dim 0 of ``[T, ...]``; ``cu_seqlens`` and
 ``cu_seqlens_padded`` (int32, ``[B+1]``) are the cumulative real and padded lengths
@@ -16,30 +16,24 @@ from collections.abc import Sequence
 
 import torch
 
-from custom_ops import check_cp_size, check_index_tensor, thd_rank_to_seq_order
-from custom_ops.thd_index import (
+from custom_ops import (
+    check_cp_size,
+    check_index_tensor,
     local_offsets,
-    local_positions,
     padding_multiple,
-    rank_to_seq_index,
-    seq_to_rank_index,
     shard_rows,
+    thd_rank_to_seq_order,
+    validate_padded,
 )
-from custom_ops.validation import validate_offsets, validate_padded, validate_thd
 
 __all__ = [
     "pad_cu_seqlens",
-    "validate_thd",
-    "validate_offsets",
     "local_cu_seqlens",
-    "local_positions",
     "shard_thd",
     "unshard_thd",
     "pack",
     "static_seqlens",
     "static_num_tokens",
-    "seq_to_rank_index",
-    "rank_to_seq_index",
 ]
 
 
@@ -92,7 +86,7 @@ def pad_cu_seqlens(
 def local_cu_seqlens(cu_seqlens_padded: torch.Tensor, cp_size: int) -> torch.Tensor:
     """Offsets of the sequences in every rank's local shard: ``cu_seqlens_padded / cp_size``.
 
-    Validates ``cu_seqlens_padded`` (:func:`custom_ops.validation.validate_padded`), so reads values.
+    Validates ``cu_seqlens_padded`` (:func:`custom_ops.validate_padded`), so reads values.
     """
     validate_padded(cu_seqlens_padded, cp_size)
     return local_offsets(cu_seqlens_padded, cp_size)

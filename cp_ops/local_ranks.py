@@ -23,6 +23,8 @@ import torch.distributed as dist
 
 from custom_ops import env
 
+__all__ = ["host_threads", "init_local_rank", "leave_local_rank", "local_rendezvous"]
+
 
 @contextlib.contextmanager
 def local_rendezvous() -> Iterator[str]:

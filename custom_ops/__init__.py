@@ -3,22 +3,26 @@
 Importing this package registers every op, reachable as ``custom_ops.<name>`` and
 ``torch.ops.cp_ops.<name>`` (:data:`custom_ops.ops.OPS` lists them), each family a folder
 ``custom_ops/<family>/`` with its shared machinery in ``custom_ops/runtime/`` (docs/design.md
-section 6). This module is the public API: the op wrappers, their references and the helpers
-the layers in ``cp_ops`` build on. Public modules beside it: :mod:`custom_ops.thd_index`
-(index maps), :mod:`custom_ops.validation` (value checks, the checked mode),
-:mod:`custom_ops.env` (environment variables, docs/environment.md) and :mod:`custom_ops.testing`.
+section 6) and the THD layout they share in ``custom_ops/thd/`` (its index maps, checks and the
+checked mode). This module is the public API: the op wrappers, their references and the helpers
+the layers in ``cp_ops`` build on, each defined in one module of the package and exported here
+alone. Public modules beside it: :mod:`custom_ops.env` (environment variables,
+docs/environment.md) and :mod:`custom_ops.testing`.
 ``NAMESPACE`` is the ops' namespace, ``"cp_ops"``. Importing it also tags torch.compile's
 caches with the library's source (:mod:`custom_ops.runtime.compile_cache`).
 """
 
-from custom_ops import env, thd_index
+from custom_ops import env
 from custom_ops.ag_attention.op import ag_thd_attention
 from custom_ops.ag_attention.reference import ag_thd_attention_reference
 from custom_ops.ag_attention.segments import ag_thd_segments
 from custom_ops.all_to_all.op import check_cp2hp, check_hp2cp, thd_cp2hp, thd_hp2cp
 from custom_ops.all_to_all.reference import thd_cp2hp_reference, thd_hp2cp_reference
-from custom_ops.causal_conv1d.op import causal_conv1d, causal_conv1d_gather
-from custom_ops.causal_conv1d.reference import causal_conv1d_gather_reference, causal_conv1d_reference
+from custom_ops.check_layout import op as _check_layout  # noqa: F401  (registers cp_ops::check_layout)
+from custom_ops.conv1d.op import causal_conv1d, causal_conv1d_gather
+from custom_ops.conv1d.reference import causal_conv1d_gather_reference, causal_conv1d_reference
+from custom_ops.cross_entropy.op import default_chunk_rows, linear_cross_entropy
+from custom_ops.cross_entropy.reference import linear_cross_entropy_reference
 from custom_ops.gated_delta_rule.fla import fla_module
 from custom_ops.gated_delta_rule.op import chunk_gated_delta_rule, chunk_gated_delta_rule_with_state
 from custom_ops.gated_delta_rule.reference import (
@@ -26,29 +30,48 @@ from custom_ops.gated_delta_rule.reference import (
     chunk_gated_delta_rule_with_state_reference,
     state_dtype,
 )
-from custom_ops.linear_cross_entropy.op import default_chunk_rows, linear_cross_entropy
-from custom_ops.linear_cross_entropy.reference import linear_cross_entropy_reference
-from custom_ops.permute_sections.op import (
+from custom_ops.grouped_matmul.op import segment_matmul
+from custom_ops.grouped_matmul.reference import segment_matmul_reference
+from custom_ops.runtime.collectives import all_gather_rows, all_to_all_rows, overlapped_exchange, reduce_scatter_rows
+from custom_ops.runtime.compile_cache import tag_compile_caches
+from custom_ops.runtime.groups import group_rank, group_size, resolve_group
+from custom_ops.runtime.registration import NAMESPACE, kernels_visible_to_compiler
+from custom_ops.sections.op import (
     permute_sections,
     rank_blocks_to_sections,
     sections_to_rank_blocks,
     unpermute_sections,
 )
-from custom_ops.permute_sections.reference import permute_sections_reference, unpermute_sections_reference
-from custom_ops.runtime.checks import check_cp_size, check_index_tensor
-from custom_ops.runtime.collectives import all_gather_rows, all_to_all_rows, overlapped_exchange, reduce_scatter_rows
-from custom_ops.runtime.compile_cache import tag_compile_caches
-from custom_ops.runtime.groups import group_rank, group_size, resolve_group
-from custom_ops.runtime.registration import NAMESPACE, kernels_visible_to_compiler
-from custom_ops.runtime.validation import validate_varlen_segments
-from custom_ops.segment_matmul.op import segment_matmul
-from custom_ops.segment_matmul.reference import segment_matmul_reference
-from custom_ops.thd_copy_valid_tokens.op import thd_copy_valid_tokens, thd_copy_valid_tokens_
-from custom_ops.thd_copy_valid_tokens.reference import thd_copy_valid_tokens_reference
+from custom_ops.sections.reference import permute_sections_reference, unpermute_sections_reference
+from custom_ops.segment_attention.op import check_gqa_heads, varlen_attention
+from custom_ops.segment_attention.reference import varlen_attention_reference
+from custom_ops.thd.checked_mode import call_checked, checks_enabled, set_checks
+from custom_ops.thd.checks import check_cp_size, check_index_tensor
+from custom_ops.thd.index import (
+    chunk_rows,
+    chunk_spans,
+    local_chunks,
+    local_offsets,
+    local_positions,
+    padding_multiple,
+    rank_to_seq_index,
+    seq_to_rank_index,
+    shard_rows,
+    valid_rows,
+)
+from custom_ops.thd.validation import (
+    checked,
+    validate_cumulative,
+    validate_offsets,
+    validate_padded,
+    validate_permutation,
+    validate_thd,
+    validate_varlen_segments,
+)
 from custom_ops.thd_reorder.op import thd_rank_to_seq_order, thd_seq_to_rank_order
 from custom_ops.thd_reorder.reference import thd_rank_to_seq_order_reference, thd_seq_to_rank_order_reference
-from custom_ops.varlen_attention.op import check_gqa_heads, varlen_attention
-from custom_ops.varlen_attention.reference import varlen_attention_reference
+from custom_ops.valid_tokens.op import thd_copy_valid_tokens, thd_copy_valid_tokens_
+from custom_ops.valid_tokens.reference import thd_copy_valid_tokens_reference
 
 tag_compile_caches()  # compiled graphs cached by another version of these ops are not loaded
 
@@ -95,7 +118,30 @@ __all__ = [
     "chunk_gated_delta_rule_with_state_reference",
     "segment_matmul_reference",
     "linear_cross_entropy_reference",
-    # helpers: groups, collectives, checks, the index maps
+    # the THD layout: index maps, checks, the checked mode
+    "padding_multiple",
+    "local_chunks",
+    "local_offsets",
+    "chunk_rows",
+    "valid_rows",
+    "local_positions",
+    "shard_rows",
+    "seq_to_rank_index",
+    "rank_to_seq_index",
+    "chunk_spans",
+    "check_index_tensor",
+    "check_cp_size",
+    "validate_cumulative",
+    "validate_padded",
+    "validate_thd",
+    "validate_offsets",
+    "validate_permutation",
+    "validate_varlen_segments",
+    "set_checks",
+    "checks_enabled",
+    "checked",
+    "call_checked",
+    # helpers: groups, collectives, op checks
     "resolve_group",
     "group_size",
     "group_rank",
@@ -103,14 +149,10 @@ __all__ = [
     "reduce_scatter_rows",
     "all_to_all_rows",
     "overlapped_exchange",
-    "check_index_tensor",
-    "check_cp_size",
     "check_gqa_heads",
     "check_cp2hp",
     "check_hp2cp",
-    "validate_varlen_segments",
     "kernels_visible_to_compiler",
     "NAMESPACE",
-    "thd_index",
     "env",
 ]

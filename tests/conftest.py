@@ -64,7 +64,7 @@ def poison_empty():
 def _checked_mode():
     """Each test leaves the checked mode and ``CP_OPS_CHECKS`` as it found them: a benchmark's
     ``main`` that a test calls turns the checks off for its process (``benchmarks.runner.checks_off``)."""
-    from custom_ops.validation import checks_enabled, set_checks
+    from custom_ops import checks_enabled, set_checks
 
     mode, variable = checks_enabled(), os.environ.get("CP_OPS_CHECKS")
     yield

@@ -212,6 +212,17 @@ def test_compare_child_imports_this_repository_when_asked():
     assert all(Path(f).resolve().is_relative_to(ROOT) for f in files.values()), files
 
 
+def test_compare_child_finds_a_module_at_either_checkout_s_path():
+    from benchmarks.checkout_cases import moved_module
+    from custom_ops.thd import validation
+
+    # this checkout's path first; an older checkout's path for the same module after it
+    assert moved_module("custom_ops.thd.validation", "custom_ops.runtime.validation") is validation
+    assert moved_module("custom_ops.runtime.validation", "custom_ops.thd.validation") is validation
+    with pytest.raises(ModuleNotFoundError, match="none of"):
+        moved_module("custom_ops.runtime.validation", "custom_ops.varlen_attention.launch")
+
+
 # --- gpu_suite ------------------------------------------------------------------------------------
 
 
@@ -219,15 +230,15 @@ def test_gpu_suite_parts_find_the_library_and_the_demo_in_the_checkout(tmp_path)
     from benchmarks import gpu_suite
 
     path = gpu_suite.child_pythonpath("/elsewhere")
-    assert path.split(os.pathsep) == [gpu_suite.ROOT, os.path.join(gpu_suite.ROOT, "examples"), "/elsewhere"]
+    assert path.split(os.pathsep) == [gpu_suite.ROOT, "/elsewhere"]
     # -I: no site-packages and no environment, so only the checkout's folders can serve the modules
     code = (f"import sys, importlib.util as u; sys.path[:0] = {path.split(os.pathsep)!r}; "
-            "print(u.find_spec('cp_ops').origin, u.find_spec('cp_ops_demo').origin)")  # fmt: skip
+            "print(u.find_spec('cp_ops').origin, u.find_spec('cp_ops.demo').origin)")  # fmt: skip
     out = subprocess.run([sys.executable, "-I", "-c", code], cwd=tmp_path, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     library, demo = out.stdout.split()
     assert library == os.path.join(gpu_suite.ROOT, "cp_ops", "__init__.py")
-    assert demo == os.path.join(gpu_suite.ROOT, "examples", "cp_ops_demo", "__init__.py")
+    assert demo == os.path.join(gpu_suite.ROOT, "cp_ops", "demo", "__init__.py")
 
 
 def test_gpu_suite_quick_appends_options_its_parts_take():
@@ -240,7 +251,7 @@ def test_gpu_suite_quick_appends_options_its_parts_take():
         assert gpu_suite.PARTS[part][0] >= 2 and quick == full + extra, part
         module = full[full.index("-m") + 1]
         if module == "cp_ops":  # python -m cp_ops demo: the demo application's options
-            source = root / "examples" / "cp_ops_demo" / "cli.py"
+            source = root / "cp_ops" / "demo" / "cli.py"
         else:
             source = root / (module.replace(".", "/") + ".py")
         text = source.read_text()
@@ -254,7 +265,7 @@ def test_gpu_suite_demo_parts_keep_the_demos_results():
     """The demo parts write the demo's results (each parameter's step-1 error among them) beside
     the other parts' results, the options parsed by the demo itself."""
     from benchmarks import gpu_suite
-    from cp_ops_demo import build_parser
+    from cp_ops.demo.cli import build_parser
 
     for part, world in (("demo", None), ("demo-cp", 2)):
         name = part if world is None else f"{part}-w{world}"

@@ -15,10 +15,9 @@ import torch
 
 import cp_ops
 import custom_ops
-from custom_ops import env
-from custom_ops.runtime import validation
+from custom_ops import checks_enabled, env, set_checks
 from custom_ops.testing import rel_error
-from custom_ops.validation import checks_enabled, set_checks
+from custom_ops.thd import validation
 from tests._dist import run_ranks
 
 PATHS = [pytest.param("reference", id="reference"), pytest.param("kernel", id="kernel", marks=pytest.mark.interpret)]
@@ -211,7 +210,7 @@ def test_environment_variable_and_bad_values(monkeypatch):
         monkeypatch.setenv("CP_OPS_CHECKS", value)
         assert env.checks() == want
     # read on import: a process that starts with it set is in that mode
-    probe = "import cp_ops; print(cp_ops.checks_enabled())"
+    probe = "import custom_ops; print(custom_ops.checks_enabled())"
     out = subprocess.run([sys.executable, "-c", probe], env={**os.environ, "CP_OPS_CHECKS": "0"},
                          capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
     assert out == "False"
@@ -228,15 +227,15 @@ def _cp_checks(rank, world):
     cu, cup = cp_ops.pad_cu_seqlens([5, 7], world)  # padded 8 and 8: 16 rows, 8 per rank
     bad_cup = _idx([0, 8, 4, 16])
     x = torch.randn(8, 4)
-    for fn in (cp_ops.thd_cp2hp, cp_ops.thd_hp2cp):
-        src = x if fn is cp_ops.thd_cp2hp else torch.randn(16, 2)
-        sections = [4] if fn is cp_ops.thd_cp2hp else [2]
+    for fn in (custom_ops.thd_cp2hp, custom_ops.thd_hp2cp):
+        src = x if fn is custom_ops.thd_cp2hp else torch.randn(16, 2)
+        sections = [4] if fn is custom_ops.thd_cp2hp else [2]
         with pytest.raises(ValueError, match="non-decreasing"):
             fn(src, bad_cup, sections, group)
         fn(src, cup, sections, group)
     q, k = torch.randn(8, 2, 8), torch.randn(8, 1, 8)
     with pytest.raises(ValueError, match="swapped"):
-        cp_ops.ag_thd_attention(q, k, k, cup, cu, group=group)
+        custom_ops.ag_thd_attention(q, k, k, cup, cu, group=group)
     gdn = cp_ops.GatedDeltaNet(32, 2, 4, 8, 8)
     with pytest.raises(ValueError, match="input has 8 rows, but its shard of the layout has cu_seqlens_padded\\[-1\\] / cp_size = 12 / 2"):
         gdn(torch.randn(8, 32), cu, group=group)  # real lengths where the padded ones belong
@@ -277,7 +276,7 @@ def test_default_mode_refuses_swapped_cumulative_lengths():
     _, attn = _layers()
     x, cu, cup = cp_ops.pack([torch.randn(n, 32) for n in (5, 7)], 1)
     q, kv = torch.randn(14, 4, 8), torch.randn(14, 2, 8)
-    for call in (lambda: attn(x, cup, cu), lambda: cp_ops.ag_thd_attention(q, kv, kv, cup, cu)):
+    for call in (lambda: attn(x, cup, cu), lambda: custom_ops.ag_thd_attention(q, kv, kv, cup, cu)):
         with pytest.raises(ValueError, match="are cu_seqlens and cu_seqlens_padded swapped"):
             call()
 
@@ -313,5 +312,5 @@ def test_checks_off_name_the_mode_where_a_reference_indexes_out_of_range():
     x, _, cup = cp_ops.pack([torch.randn(n, 4) for n in (5, 7)], 2)
     long = cup.clone()
     long[-1] += 4
-    with pytest.raises(ValueError, match="CP_OPS_CHECKS=1 or cp_ops.set_checks\\(True\\)"):
+    with pytest.raises(ValueError, match="CP_OPS_CHECKS=1 or custom_ops.set_checks\\(True\\)"):
         custom_ops.thd_rank_to_seq_order(x, long, 2)

@@ -7,7 +7,7 @@ asserts are the checks. Plots go to the Agg backend.
 
 Three runs are slow tests (make test-all), their code being tested elsewhere in the fast tier:
 02 (the ops under torch.compile: each op's compiled tests in tests/custom_ops), 03 (the
-demo's CP training against one rank: tests/examples/test_demo.py) and 04 (transformers' model
+demo's CP training against one rank: tests/cp_ops/test_demo.py) and 04 (transformers' model
 with CP on two ranks: tests/cp_ops/test_transformers.py). In the fast tier every
 notebook's code still compiles.
 """

@@ -23,7 +23,7 @@ def _run(code: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
 
 
 def test_importing_the_packages_prints_nothing():
-    out = _run("import custom_ops, cp_ops, cp_ops_demo, cp_ops.integrations.transformers")
+    out = _run("import custom_ops, cp_ops, cp_ops.demo.cli, cp_ops.integrations.transformers")
     assert out.returncode == 0, out.stderr
     assert (out.stdout, out.stderr) == ("", "")
 

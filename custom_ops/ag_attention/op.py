@@ -16,15 +16,16 @@ import torch
 import torch.distributed as dist
 
 from custom_ops.ag_attention.segments import ag_thd_segments
-from custom_ops.runtime.checks import check_index_tensor
 from custom_ops.runtime.collectives import all_gather_rows
 from custom_ops.runtime.groups import check_group_size, resolve_group
 from custom_ops.runtime.registration import NAMESPACE, composite_op, opaque_op
-from custom_ops.runtime.thd_index import rank_to_seq_index
-from custom_ops.runtime.validation import call_checked, checked
-from custom_ops.thd_copy_valid_tokens.op import thd_copy_valid_tokens
-from custom_ops.varlen_attention.kv_rows import varlen_attention_kv
-from custom_ops.varlen_attention.op import check_gqa_heads, varlen_attention, window_pair
+from custom_ops.segment_attention.kv_rows import varlen_attention_kv
+from custom_ops.segment_attention.op import check_gqa_heads, varlen_attention, window_pair
+from custom_ops.thd.checked_mode import call_checked
+from custom_ops.thd.checks import check_index_tensor
+from custom_ops.thd.index import rank_to_seq_index
+from custom_ops.thd.validation import checked
+from custom_ops.valid_tokens.op import thd_copy_valid_tokens
 
 __all__ = ["ag_thd_attention", "group_rank_tensor"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from custom_ops.varlen_attention.reference import varlen_attention_reference
+from custom_ops.segment_attention.reference import varlen_attention_reference
 
 
 def ag_thd_attention_reference(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from custom_ops.runtime.thd_index import chunk_rows, local_chunks, local_offsets, valid_rows
+from custom_ops.thd.index import chunk_rows, local_chunks, local_offsets, valid_rows
 
 
 def _chunk_segments(cu_seqlens, cu_seqlens_padded, cp_size: int, chunk, second: bool, causal: bool, right):

@@ -13,18 +13,18 @@ from collections.abc import Sequence
 
 import torch
 
-from custom_ops.permute_sections.op import (
+from custom_ops.sections.op import (
     check_sections,
     permute_sections,
     rank_blocks_to_sections,
     sections_to_rank_blocks,
     unpermute_sections,
 )
-from custom_ops.runtime.checks import check_index_tensor
 from custom_ops.runtime.collectives import all_to_all_rows
 from custom_ops.runtime.groups import check_group_size, resolve_group
 from custom_ops.runtime.registration import NAMESPACE, kernel_op
-from custom_ops.runtime.thd_index import padding_multiple
+from custom_ops.thd.checks import check_index_tensor
+from custom_ops.thd.index import padding_multiple
 from custom_ops.thd_reorder.op import thd_rank_to_seq_order, thd_seq_to_rank_order
 
 __all__ = ["thd_cp2hp", "thd_hp2cp", "check_cp2hp", "check_hp2cp"]

@@ -6,8 +6,8 @@ from collections.abc import Sequence
 
 import torch
 
-from custom_ops.permute_sections.reference import permute_sections_reference, unpermute_sections_reference
-from custom_ops.runtime.thd_index import shard_rows
+from custom_ops.sections.reference import permute_sections_reference, unpermute_sections_reference
+from custom_ops.thd.index import shard_rows
 
 
 def thd_cp2hp_reference(x: torch.Tensor, sections: Sequence[int], cp_size: int, rank: int) -> torch.Tensor:

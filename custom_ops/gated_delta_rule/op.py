@@ -34,9 +34,10 @@ from custom_ops.gated_delta_rule.reference import (
     chunk_gated_delta_rule_with_state_reference_backward,
     state_dtype,
 )
-from custom_ops.runtime.checks import check_index_tensor
 from custom_ops.runtime.registration import NAMESPACE, composite_op, opaque_op
-from custom_ops.runtime.validation import call_checked, checked
+from custom_ops.thd.checked_mode import call_checked
+from custom_ops.thd.checks import check_index_tensor
+from custom_ops.thd.validation import checked
 
 __all__ = ["chunk_gated_delta_rule", "chunk_gated_delta_rule_with_state"]
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from custom_ops.runtime.thd_index import row_positions
+from custom_ops.thd.index import row_positions
 
 
 def state_dtype(q: torch.Tensor) -> torch.dtype:

@@ -1,3 +1,3 @@
-"""What every op family uses: registration, launching, ahead-of-time compiles, argument checks,
-word views and row tiles, the THD index maps, process groups and collectives, and value
-validation. Nothing here imports an op family."""
+"""What every op family uses to become an op: registration, launching, ahead-of-time compiles,
+word views and row tiles, process groups and collectives. The THD layout it serves is in
+:mod:`custom_ops.thd`; nothing here imports an op family."""

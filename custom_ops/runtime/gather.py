@@ -11,10 +11,10 @@ import torch
 import triton
 import triton.language as tl
 
-from custom_ops.runtime.checks import layout_index_error
 from custom_ops.runtime.launch import launch_rows, use_triton
 from custom_ops.runtime.tiles import ROW_SETTINGS
 from custom_ops.runtime.words import from_row_matrix, index_select_any, row_matrix
+from custom_ops.thd.checks import layout_index_error
 
 __all__ = ["gather_rows", "launch_gather_rows"]
 

@@ -9,7 +9,7 @@
 The ``custom_op`` and ``triton_op`` forms also register their body directly as the op's CPU
 and CUDA kernel (:func:`_register_eager_kernels`), so an eager call reaches it without going
 through ``custom_op``'s Python backend wrapper; their Python objects call it through
-:func:`~custom_ops.runtime.checked_mode.call_checked` (:class:`_CheckedOpDef`).
+:func:`~custom_ops.thd.checked_mode.call_checked` (:class:`_CheckedOpDef`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from torch._library.triton import set_wrap_triton_enabled
 from torch.library import custom_op, triton_op
 
 from custom_ops import env
-from custom_ops.runtime.checked_mode import call_checked
+from custom_ops.thd.checked_mode import call_checked
 
 __all__ = ["NAMESPACE", "composite_op", "kernel_op", "kernels_visible_to_compiler", "opaque_op"]
 
@@ -140,7 +140,7 @@ def opaque_op(qualname: str, *, mutates_args):
 
 
 class _CheckedOpDef(CustomOpDef):
-    """A ``CustomOpDef`` whose Python call is :func:`~custom_ops.runtime.checked_mode.call_checked`:
+    """A ``CustomOpDef`` whose Python call is :func:`~custom_ops.thd.checked_mode.call_checked`:
     an eager call runs its body's layout checks in the eager checked mode. The compiler inlines
     this call (under tracing it is the bare op) and a compiled graph calls the op itself."""
 

@@ -1,6 +1,6 @@
 """Triton kernel for the THD reorders: a row gather whose index map is computed on the device.
 
-The kernel evaluates :mod:`custom_ops.runtime.thd_index`'s maps (``seq_to_rank_index``,
+The kernel evaluates :mod:`custom_ops.thd.index`'s maps (``seq_to_rank_index``,
 ``rank_to_seq_index``) per row, in closed form; everything on the host takes them from there.
 """
 

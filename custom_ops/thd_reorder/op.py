@@ -2,13 +2,13 @@
 
 import torch
 
-from custom_ops.runtime.checks import check_cp_size, check_index_tensor, check_rows
 from custom_ops.runtime.launch import launch_rows, use_triton
 from custom_ops.runtime.registration import NAMESPACE, kernel_op
-from custom_ops.runtime.thd_index import padding_multiple
-from custom_ops.runtime.validation import checked
 from custom_ops.runtime.tiles import ROW_SETTINGS
 from custom_ops.runtime.words import from_row_matrix, row_matrix
+from custom_ops.thd.checks import check_cp_size, check_index_tensor, check_rows
+from custom_ops.thd.index import padding_multiple
+from custom_ops.thd.validation import checked
 from custom_ops.thd_reorder.kernels import thd_reorder_kernel
 from custom_ops.thd_reorder.reference import thd_rank_to_seq_order_reference, thd_seq_to_rank_order_reference
 

@@ -3,7 +3,7 @@
 Rank order is the concatenation of the W local shards, rank 0 first. Rank r
 holds, for every sequence i in order, chunk r then chunk 2W-1-r of its padded
 rows, each chunk ``c_i = P_i / (2W)`` rows long (see docs/design.md section 1);
-the index maps are :mod:`custom_ops.runtime.thd_index`'s.
+the index maps are :mod:`custom_ops.thd.index`'s.
 
 ``thd_*_reference`` are vectorised (no host sync) and are what the ops run on
 CPU. ``thd_*_loop`` spell the definition out as a Python loop over (rank,
@@ -12,8 +12,8 @@ sequence): an independent oracle for tests and the baseline in the benchmark.
 
 import torch
 
-from custom_ops.runtime.thd_index import chunk_spans, rank_to_seq_index, seq_to_rank_index
 from custom_ops.runtime.words import index_select_any
+from custom_ops.thd.index import chunk_spans, rank_to_seq_index, seq_to_rank_index
 
 
 def thd_seq_to_rank_order_reference(x: torch.Tensor, cu_seqlens_padded: torch.Tensor, cp_size: int) -> torch.Tensor:

@@ -28,10 +28,11 @@ from hypothesis import strategies as st
 
 import cp_ops
 import custom_ops
-from cp_ops import Attention, ag_thd_attention, ag_thd_attention_reference, ag_thd_segments, pad_cu_seqlens, shard_thd
-from cp_ops.attention import apply_rotary
+from cp_ops import Attention, pad_cu_seqlens, shard_thd
+from cp_ops.modules import apply_rotary
+from custom_ops import ag_thd_attention, ag_thd_attention_reference, ag_thd_segments
 from custom_ops.testing import TOLERANCE, random_seqlens, rel_error, thd_layouts
-from custom_ops.thd_copy_valid_tokens.reference import valid_token_mask
+from custom_ops.valid_tokens.reference import valid_token_mask
 from tests._dist import collective_windows, run_ranks
 
 TOL = TOLERANCE[torch.float64]
@@ -236,7 +237,7 @@ def test_rotary_on_every_shard_matches_the_formula(layout, factor):
     want = _rope_formula(x, _sequence_positions(cu, cup), 500.0, rotary_dim)
     for rank in range(world):
         local = shard_thd(x, cup, world, rank)
-        pos = cp_ops.local_positions(cup, world, rank, local.shape[0])
+        pos = custom_ops.local_positions(cup, world, rank, local.shape[0])
         got = apply_rotary(local, pos, 500.0, rotary_dim)
         assert rel_error(got, shard_thd(want, cup, world, rank)) < TOL, f"rank {rank}"
         assert torch.equal(got[..., rotary_dim:], local[..., rotary_dim:])  # passed through untouched
@@ -328,7 +329,7 @@ def _op_rank(rank, world, compiled):
                                 launches=launches, head_groups=2)  # fmt: skip
                 _assert_close(split, got, TOL, f"head_groups=2 launches={launches} W={world} rank {rank} case {i}")
 
-    group_name, _ = cp_ops.resolve_group(group)
+    group_name, _ = custom_ops.resolve_group(group)
     rank_t = torch.ops.cp_ops.group_rank_tensor(torch.zeros(3, dtype=torch.int32), group_name)
     assert rank_t.dtype == torch.int64 and rank_t.shape == () and int(rank_t) == rank
     torch.library.opcheck(torch.ops.cp_ops.group_rank_tensor.default, (torch.zeros(3), group_name))

@@ -16,27 +16,24 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cp_ops import (
-    COMPILE_OPTIONS,
+from cp_ops import COMPILE_OPTIONS, pad_cu_seqlens, shard_thd, thd_cp2hp_blocks, thd_cp2hp_overlap, thd_hp2cp_blocks
+from cp_ops import scheduling
+from custom_ops import (
     all_gather_rows,
-    pad_cu_seqlens,
-    reduce_scatter_rows,
     group_size,
+    kernels_visible_to_compiler,
+    rank_blocks_to_sections,
+    reduce_scatter_rows,
     resolve_group,
-    shard_thd,
+    sections_to_rank_blocks,
     thd_cp2hp,
-    thd_cp2hp_blocks,
-    thd_cp2hp_overlap,
     thd_cp2hp_reference,
     thd_hp2cp,
-    thd_hp2cp_blocks,
     thd_hp2cp_reference,
     validate_thd,
 )
-from cp_ops import scheduling
-from custom_ops import kernels_visible_to_compiler, rank_blocks_to_sections, sections_to_rank_blocks
-from custom_ops.thd_index import rank_to_seq_index
 from custom_ops.testing import check_fake, random_tensor
+from custom_ops.thd.index import rank_to_seq_index
 from tests._dist import exchange_windows, run_ranks
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64)

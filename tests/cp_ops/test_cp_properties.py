@@ -35,9 +35,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import cp_ops
-from cp_ops import Attention, GatedDeltaNet, ag_thd_attention, shard_thd
+
+import custom_ops
+from cp_ops import Attention, GatedDeltaNet, shard_thd
 from cp_ops.gdn import FusedExchange, SectionExchange
 from cp_ops.gdn_states import StatePassing
+from custom_ops import ag_thd_attention
 from custom_ops.testing import (
     MEMORY_LAYOUTS,
     TOLERANCE,
@@ -309,7 +312,7 @@ def _check_attention(case: AttentionCase, group, rank):
 
 
 def _check_collectives(case: CollectiveCase, group, rank):
-    name, w = cp_ops.resolve_group(group)
+    name, w = custom_ops.resolve_group(group)
     gen = torch.Generator().manual_seed(case.seed)
 
     def ints(shape):  # integer-valued, so sums over ranks are exact in any order
@@ -323,10 +326,10 @@ def _check_collectives(case: CollectiveCase, group, rank):
     what = f"{case} rank {rank}"
 
     mine = as_memory_layout(shards[rank], case.layout).requires_grad_(differentiable)
-    gathered = cp_ops.all_gather_rows(mine, name)
+    gathered = custom_ops.all_gather_rows(mine, name)
     assert torch.equal(gathered, torch.cat(shards)), what
     full = as_memory_layout(fulls[rank], case.layout).requires_grad_(differentiable)
-    scattered = cp_ops.reduce_scatter_rows(full, name)
+    scattered = custom_ops.reduce_scatter_rows(full, name)
     assert torch.equal(scattered, sum(fulls)[rank * case.rows : (rank + 1) * case.rows]), what
     if differentiable:  # each one's gradient is the other applied to the output gradient
         gathered.backward(grad_gathered[rank])

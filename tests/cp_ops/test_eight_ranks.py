@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cp_ops import ag_thd_attention, shard_thd
+from cp_ops import shard_thd
+from custom_ops import ag_thd_attention
 from tests._dist import run_ranks
 from tests.cp_ops.test_attention import CASES, TOL, _assert_close, _cp_run, _global_case, _reference
 from tests.cp_ops.test_comm import _check_cases, _drawn_cases

@@ -16,7 +16,7 @@ from cp_ops import COMPILE_OPTIONS, GatedDeltaNet, pad_cu_seqlens, shard_thd
 from cp_ops.gdn_states import StatePassing, chunk_gated_delta_rule_cp_states, state_maps
 from custom_ops import chunk_gated_delta_rule, chunk_gated_delta_rule_with_state
 from custom_ops.testing import rel_error
-from custom_ops.thd_copy_valid_tokens.reference import valid_token_mask
+from custom_ops.valid_tokens.reference import valid_token_mask
 from tests._dist import run_ranks
 from tests.custom_ops.test_gdn_ops import _gdn_case
 

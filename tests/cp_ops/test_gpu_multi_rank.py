@@ -19,16 +19,8 @@ from torch._inductor.utils import run_and_get_code
 
 import cp_ops
 import custom_ops
-from cp_ops import (
-    Attention,
-    GatedDeltaNet,
-    StatePassing,
-    ag_thd_attention,
-    local_cu_seqlens,
-    pad_cu_seqlens,
-    shard_thd,
-    unshard_thd,
-)
+from cp_ops import Attention, GatedDeltaNet, StatePassing, local_cu_seqlens, pad_cu_seqlens, shard_thd, unshard_thd
+from custom_ops import ag_thd_attention
 from custom_ops.testing import TOLERANCE, rel_error
 from tests._dist import check_gdn_overlap, run_ranks
 
@@ -104,14 +96,14 @@ def _cp2hp_rank(rank, world):
     x = torch.randn(int(cup[-1]), sum(SECTIONS), dtype=torch.bfloat16)
     x_cp = shard_thd(x, cup, world, rank).cuda().requires_grad_()
     cup = cup.cuda()
-    x_hp = cp_ops.thd_cp2hp(x_cp, cup, SECTIONS, dist.group.WORLD)
-    assert torch.equal(x_hp.cpu(), cp_ops.thd_cp2hp_reference(x, SECTIONS, world, rank))
-    back = cp_ops.thd_hp2cp(x_hp, cup, [s // world for s in SECTIONS], dist.group.WORLD)
+    x_hp = custom_ops.thd_cp2hp(x_cp, cup, SECTIONS, dist.group.WORLD)
+    assert torch.equal(x_hp.cpu(), custom_ops.thd_cp2hp_reference(x, SECTIONS, world, rank))
+    back = custom_ops.thd_hp2cp(x_hp, cup, [s // world for s in SECTIONS], dist.group.WORLD)
     assert torch.equal(back, x_cp)
     grad = torch.randn_like(x_hp)
     x_hp.backward(grad)
-    assert torch.equal(x_cp.grad, cp_ops.thd_hp2cp(grad, cup, [s // world for s in SECTIONS], dist.group.WORLD))
-    compiled = torch.compile(lambda t: cp_ops.thd_cp2hp(t, cup, SECTIONS, dist.group.WORLD), fullgraph=True)
+    assert torch.equal(x_cp.grad, custom_ops.thd_hp2cp(grad, cup, [s // world for s in SECTIONS], dist.group.WORLD))
+    compiled = torch.compile(lambda t: custom_ops.thd_cp2hp(t, cup, SECTIONS, dist.group.WORLD), fullgraph=True)
     assert torch.equal(compiled(x_cp.detach()), x_hp.detach())
 
 

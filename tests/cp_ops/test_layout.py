@@ -5,6 +5,8 @@ import torch
 from hypothesis import given
 
 import cp_ops
+
+import custom_ops
 from custom_ops.testing import random_tensor, thd_layouts, trailing_shapes
 from custom_ops.thd_reorder.reference import thd_seq_to_rank_order_loop
 
@@ -18,7 +20,7 @@ def test_pad_cu_seqlens_formula(layout):
     padded = cup.diff().tolist()
     for n, p in zip(seqlens, padded):
         assert p % (2 * cp_size) == 0 and n <= p < n + 2 * cp_size
-    cp_ops.validate_thd(cu, cup, cp_size, int(cup[-1]))
+    custom_ops.validate_thd(cu, cup, cp_size, int(cup[-1]))
 
 
 def test_pad_cu_seqlens_from_tensor_keeps_device_and_rejects_negative():
@@ -69,28 +71,28 @@ def _valid():
 def test_validate_thd_rejects(mutate, message):
     cu, cup = mutate(*_valid())
     with pytest.raises((ValueError, TypeError), match=message):
-        cp_ops.validate_thd(cu, cup, 2)
+        custom_ops.validate_thd(cu, cup, 2)
 
 
 def test_validate_thd_rows_and_cp_size():
     cu, cup = _valid()
-    cp_ops.validate_thd(cu, cup, 2, 20)
+    custom_ops.validate_thd(cu, cup, 2, 20)
     with pytest.raises(ValueError, match="cu_seqlens_padded\\[-1\\] = 20 but the tensor has 24 rows"):
-        cp_ops.validate_thd(cu, cup, 2, 24)
+        custom_ops.validate_thd(cu, cup, 2, 24)
     with pytest.raises(ValueError, match="cp_size must be >= 1"):
-        cp_ops.validate_thd(cu, cup, 0)
+        custom_ops.validate_thd(cu, cup, 0)
 
 
 def test_validate_offsets():
     cu = torch.tensor([0, 3, 3, 5], dtype=torch.int32)
-    cp_ops.validate_offsets(torch.tensor([0, 4, 4, 8]), cu, 8)
-    cp_ops.validate_offsets(torch.tensor([0, 3, 3]), cu, 5)
+    custom_ops.validate_offsets(torch.tensor([0, 4, 4, 8]), cu, 8)
+    custom_ops.validate_offsets(torch.tensor([0, 3, 3]), cu, 5)
     with pytest.raises(ValueError, match="sequence 2 starts at row 2, inside sequence 1"):
-        cp_ops.validate_offsets(torch.tensor([0, 3, 2]), torch.tensor([0, 3, 4, 5]), 8)
+        custom_ops.validate_offsets(torch.tensor([0, 3, 2]), torch.tensor([0, 3, 4, 5]), 8)
     with pytest.raises(ValueError, match="ends at row 10, past the 8 rows"):
-        cp_ops.validate_offsets(torch.tensor([0, 4, 8]), cu, 8)
+        custom_ops.validate_offsets(torch.tensor([0, 4, 8]), cu, 8)
     with pytest.raises(ValueError, match="negative row"):
-        cp_ops.validate_offsets(torch.tensor([-1, 4, 4]), cu, 8)
+        custom_ops.validate_offsets(torch.tensor([-1, 4, 4]), cu, 8)
 
 
 def test_shard_thd_bad_input():
@@ -109,7 +111,7 @@ def test_local_positions_match_shard_of_global_positions(layout):
     global_pos = torch.cat([torch.arange(int(n)) for n in cup.diff()] + [torch.zeros(0, dtype=torch.long)])
     for r in range(cp_size):
         expected = cp_ops.shard_thd(global_pos, cup, cp_size, r)
-        assert torch.equal(cp_ops.local_positions(cup, cp_size, r, int(cup[-1]) // cp_size), expected)
+        assert torch.equal(custom_ops.local_positions(cup, cp_size, r, int(cup[-1]) // cp_size), expected)
 
 
 # --- data preparation refuses layouts it would turn into wrong rows ------------------------------
@@ -169,4 +171,4 @@ def test_unshard_refuses_shards_that_differ():
 def test_validate_thd_names_swapped_lengths():
     cu, cup = cp_ops.pad_cu_seqlens([5, 7], 2)
     with pytest.raises(ValueError, match="swapped"):
-        cp_ops.validate_thd(cup, cu, 2)
+        custom_ops.validate_thd(cup, cu, 2)

@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import custom_ops
-from custom_ops.causal_conv1d.reference import (
+from custom_ops.conv1d.reference import (
     causal_conv1d_loop,
     causal_conv1d_reference,
     causal_conv1d_reference_backward,
@@ -670,8 +670,8 @@ def test_conv_kernels_compile_for_hopper(kind, row_map):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from custom_ops.causal_conv1d import kernels
-    from custom_ops.causal_conv1d.op import CONV_SETTINGS
+    from custom_ops.conv1d import kernels
+    from custom_ops.conv1d.op import CONV_SETTINGS
 
     kernel = kernels.cp_causal_conv1d_fwd_kernel if kind == "fwd" else kernels.cp_causal_conv1d_bwd_kernel
     rows, block_c, warps, stages = CONV_SETTINGS.config(kind, on_gpu=True)
@@ -699,9 +699,9 @@ def test_conv_kernels_compile_for_hopper(kind, row_map):
 def test_conv_positions_kernel_matches_reference(seqlens, extra_rows, index_dtype):
     """The positions kernel against the reference's row positions capped at MAX_TAPS: zero-length
     sequences, rows past ``cu[-1]``, layouts spanning several of the kernel's blocks."""
-    from custom_ops.causal_conv1d import op as conv
-    from custom_ops.causal_conv1d.kernels import MAX_TAPS
-    from custom_ops.runtime.thd_index import row_positions
+    from custom_ops.conv1d import op as conv
+    from custom_ops.conv1d.kernels import MAX_TAPS
+    from custom_ops.thd.index import row_positions
 
     cu = _cu([s * 150 for s in seqlens], dtype=index_dtype)  # up to 16200 rows: up to 16 blocks
     num_rows = int(cu[-1]) + extra_rows
@@ -716,7 +716,7 @@ def test_conv_positions_kernel_compiles_for_hopper():
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from custom_ops.causal_conv1d.kernels import MAX_TAPS, POSITIONS_BLOCK, conv_positions_kernel
+    from custom_ops.conv1d.kernels import MAX_TAPS, POSITIONS_BLOCK, conv_positions_kernel
 
     constants = dict(CAP=MAX_TAPS, BLOCK=POSITIONS_BLOCK)
     names = conv_positions_kernel.arg_names

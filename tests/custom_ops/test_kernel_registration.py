@@ -10,11 +10,11 @@ import pytest
 import torch
 import triton
 
-from custom_ops.permute_sections.kernels import permute_sections_kernel
 from custom_ops.runtime import registration
+from custom_ops.sections.kernels import permute_sections_kernel
 from custom_ops.testing import kernel_constexprs
-from custom_ops.thd_copy_valid_tokens.kernels import thd_copy_valid_tokens_kernel
 from custom_ops.thd_reorder.kernels import thd_reorder_kernel
+from custom_ops.valid_tokens.kernels import thd_copy_valid_tokens_kernel
 
 
 def rule(pin, installed, env=None):
@@ -68,7 +68,7 @@ def test_pin_is_read_from_torch_metadata():
 
 # Every kernel a visible op launches through wrap_triton: (kernel, constexprs, tensors it writes,
 # large inputs it only reads). The attention ops pass host TMA descriptors and always register
-# as opaque ops (custom_ops.varlen_attention.op), so their kernels are not here.
+# as opaque ops (custom_ops.segment_attention.op), so their kernels are not here.
 _VISIBLE_KERNELS = {
     "thd_reorder": (thd_reorder_kernel, dict(TO_RANK=True, BLOCK_R=16, BLOCK_D=64), {"out_ptr"}, {"x_ptr"}),
     "permute_sections": (permute_sections_kernel, dict(LOFF=(0, 8, 24), BLOCKS=(8, 16), TO_BLOCKS=True, BLOCK_R=16),

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import custom_ops
-from custom_ops.causal_conv1d import op as conv
-from custom_ops.causal_conv1d.op import CONV_SETTINGS, ConvConfig, ConvSettings
+from custom_ops.conv1d import op as conv
+from custom_ops.conv1d.op import CONV_SETTINGS, ConvConfig, ConvSettings
 from custom_ops.runtime.launch import launch
 from custom_ops.runtime.tiles import ROW_SETTINGS, RowSettings, cdiv, row_tile
 from custom_ops.testing import random_tensor
@@ -82,10 +82,10 @@ def test_conv_launchers_take_settings():
 # (op module, its launchers, the settings constant each call passes): docs/design.md section 5
 LAUNCH_CALLS = [
     ("thd_reorder/op.py", ("launch_rows",), "ROW_SETTINGS"),
-    ("thd_copy_valid_tokens/op.py", ("launch_rows",), "ROW_SETTINGS"),
-    ("permute_sections/op.py", ("_launch",), "SECTION_SETTINGS"),
-    ("causal_conv1d/op.py", ("_conv_forward", "_conv_backward_kernel"), "CONV_SETTINGS"),
-    ("varlen_attention/op.py", ("forward", "backward"), "ATTENTION_SETTINGS"),
+    ("valid_tokens/op.py", ("launch_rows",), "ROW_SETTINGS"),
+    ("sections/op.py", ("_launch",), "SECTION_SETTINGS"),
+    ("conv1d/op.py", ("_conv_forward", "_conv_backward_kernel"), "CONV_SETTINGS"),
+    ("segment_attention/op.py", ("forward", "backward"), "ATTENTION_SETTINGS"),
 ]
 
 

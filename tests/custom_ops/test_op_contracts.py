@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 
 import custom_ops
 from custom_ops.ops import OPS
-from custom_ops.permute_sections.op import sections_to_rank_blocks
+from custom_ops.sections.op import sections_to_rank_blocks
 from custom_ops.testing import (
     FLOAT_DTYPES,
     MEMORY_LAYOUTS,

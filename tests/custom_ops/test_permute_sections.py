@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import custom_ops
-from custom_ops.permute_sections.op import rank_blocks_to_sections, sections_to_rank_blocks
-from custom_ops.permute_sections.reference import (
+from custom_ops.sections.op import rank_blocks_to_sections, sections_to_rank_blocks
+from custom_ops.sections.reference import (
     permute_sections_loop,
     permute_sections_reference,
     unpermute_sections_reference,
@@ -273,8 +273,8 @@ def test_kernel_moves_whole_vectors_on_hopper(to_blocks):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from custom_ops.permute_sections.kernels import permute_sections_kernel as kernel
-    from custom_ops.permute_sections.op import SECTION_SETTINGS, section_tiles
+    from custom_ops.sections.kernels import permute_sections_kernel as kernel
+    from custom_ops.sections.op import SECTION_SETTINGS, section_tiles
 
     local = [s // 2 for s in (2048, 2048, 4096, 4096, 32, 32)]
     loff = [0]

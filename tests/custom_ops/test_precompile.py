@@ -15,7 +15,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import custom_ops
-from custom_ops.causal_conv1d import op as conv_mod
+from custom_ops.conv1d import op as conv_mod
 from custom_ops.runtime import launch as launch_mod, precompile
 
 triton = pytest.importorskip("triton")
@@ -169,13 +169,13 @@ def test_compiled_attention_compiles_its_kernels_in_the_workers(monkeypatch):
     workers while the graph is traced, none at launch, and the results are eager's."""
     from collections import defaultdict
 
-    from custom_ops.varlen_attention.kernels.backward import (
+    from custom_ops.segment_attention.kernels.backward import (
         varlen_attn_bwd_delta_kernel,
         varlen_attn_bwd_dkdv_kernel,
         varlen_attn_bwd_dq_kernel,
     )
-    from custom_ops.varlen_attention.kernels.forward import varlen_attn_fwd_kernel
-    from custom_ops.varlen_attention.kernels.schedule import key_tile_segments_kernel, segment_tables_kernel
+    from custom_ops.segment_attention.kernels.forward import varlen_attn_fwd_kernel
+    from custom_ops.segment_attention.kernels.schedule import key_tile_segments_kernel, segment_tables_kernel
 
     kernels = [segment_tables_kernel, varlen_attn_fwd_kernel, varlen_attn_bwd_delta_kernel, varlen_attn_bwd_dq_kernel,
                key_tile_segments_kernel, varlen_attn_bwd_dkdv_kernel]  # fmt: skip

@@ -9,8 +9,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from custom_ops.segment_matmul.op import segment_matmul
-from custom_ops.segment_matmul.reference import segment_matmul_reference, segment_matmul_weight_grad_reference
+from custom_ops.grouped_matmul.op import segment_matmul
+from custom_ops.grouped_matmul.reference import segment_matmul_reference, segment_matmul_weight_grad_reference
 from custom_ops.testing import TOLERANCE, rel_error
 
 

@@ -19,7 +19,7 @@ from custom_ops.testing import (
     thd_layouts,
     trailing_shapes,
 )
-from custom_ops.thd_copy_valid_tokens.reference import thd_copy_valid_tokens_loop, thd_copy_valid_tokens_reference
+from custom_ops.valid_tokens.reference import thd_copy_valid_tokens_loop, thd_copy_valid_tokens_reference
 
 
 def _case(cp_size, seqlens, trailing, dtype, local=False, offsets_len="B+1", index_dtype=torch.int32):

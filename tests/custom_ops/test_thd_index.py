@@ -1,12 +1,12 @@
-"""custom_ops.thd_index: the worked example of docs/design.md section 1, and every map against
+"""custom_ops.thd.index: the worked example of docs/design.md section 1, and every map against
 the definition written as a loop over (rank, sequence, chunk)."""
 
 import torch
 from hypothesis import given
 
 import cp_ops
-from custom_ops import thd_index
 from custom_ops.testing import thd_layouts
+from custom_ops.thd import index as thd_index
 
 
 def test_worked_example():

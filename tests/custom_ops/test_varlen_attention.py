@@ -16,18 +16,18 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import custom_ops
-from custom_ops.runtime.validation import Segments
+from custom_ops.segment_attention import configs, launch
+from custom_ops.segment_attention.configs import ATTENTION_SETTINGS
 from custom_ops.testing import TOLERANCE, kernel_constexprs, poisoned_allocations, random_tensor, rel_error
-from custom_ops.validation import validate_varlen_segments
-from custom_ops.varlen_attention import configs, launch
-from custom_ops.varlen_attention.configs import ATTENTION_SETTINGS
-from custom_ops.varlen_attention.kernels.backward import (
+from custom_ops.thd.validation import Segments
+from custom_ops.thd.validation import validate_varlen_segments
+from custom_ops.segment_attention.kernels.backward import (
     varlen_attn_bwd_dkdv_kernel,
     varlen_attn_bwd_dq_kernel,
 )
-from custom_ops.varlen_attention.kernels.forward import varlen_attn_fwd_kernel
-from custom_ops.varlen_attention.kernels.schedule import key_tile_segments_kernel, segment_tables_kernel
-from custom_ops.varlen_attention.reference import (
+from custom_ops.segment_attention.kernels.forward import varlen_attn_fwd_kernel
+from custom_ops.segment_attention.kernels.schedule import key_tile_segments_kernel, segment_tables_kernel
+from custom_ops.segment_attention.reference import (
     _expand_kv,
     _group_sum,
     _scores,
@@ -778,7 +778,7 @@ def key_tile_cases(draw):
 def test_key_tile_kernel_matches_torch(case):
     """The dk/dv kernel's tables from one launch equal the torch definition's: the stable order
     by key start with dead segments last, and each key tile's slice of it."""
-    from custom_ops.varlen_attention.reference import key_tile_segments_reference
+    from custom_ops.segment_attention.reference import key_tile_segments_reference
 
     ql, ks, kl, block, num_tiles, tk = case
     with poisoned_allocations():

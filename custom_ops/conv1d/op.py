@@ -1,0 +1,388 @@
+"""The causal depthwise conv1d ops of the GDN core on packed THD sequences (docs/design.md
+section 2, "Gated DeltaNet core"): ``causal_conv1d``, ``causal_conv1d_gather`` (the conv of
+rows held in another order, read and written through a row map by the same kernels) and
+their backward ops.
+
+Opaque custom ops (:func:`custom_ops.runtime.registration.opaque_op`): Inductor calls each as one
+extern node and never traces into FLA. On CUDA the conv runs this package's Triton kernels
+for kernel widths up to 4 (:mod:`custom_ops.conv1d.kernels`, which read every row once) and
+FLA's for wider ones; on CPU the torch references of :mod:`custom_ops.conv1d.reference`, and
+under ``TRITON_INTERPRET=1`` the kernels in Triton's interpreter (how they are tested
+without a GPU). No host syncs: the kernels' grids are sized from shapes, and the rows'
+positions in their sequences are computed on the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Optional
+
+import torch
+
+from custom_ops.conv1d.kernels import (
+    MAX_TAPS,
+    POSITIONS_BLOCK,
+    conv_positions_kernel,
+    cp_causal_conv1d_bwd_kernel,
+    cp_causal_conv1d_fwd_kernel,
+)
+from custom_ops.conv1d.reference import (
+    causal_conv1d_gather_reference,
+    causal_conv1d_reference,
+    causal_conv1d_reference_backward,
+    check_activation,
+)
+from custom_ops.gated_delta_rule.fla import FLA_CHUNK, fla_call, fla_module, fla_varlen_indices
+from custom_ops.runtime import precompile
+from custom_ops.runtime.launch import launch_direct, use_triton
+from custom_ops.runtime.precompile import cuda_index
+from custom_ops.runtime.registration import NAMESPACE, opaque_op
+from custom_ops.runtime.tiles import cdiv
+from custom_ops.runtime.words import unit_last_stride
+from custom_ops.thd.checks import check_index_tensor
+from custom_ops.thd.validation import checked
+
+__all__ = ["causal_conv1d", "causal_conv1d_gather"]
+
+
+class ConvConfig(NamedTuple):
+    """The launch of one conv kernel: ``rows`` rows per program (ROWS), ``block_c`` channels
+    (BLOCK_C), ``num_warps``, ``num_stages``."""
+
+    rows: int
+    block_c: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class ConvSettings:
+    """The launch configs of the conv kernels, which the launchers below take as ``settings``.
+    ``fwd`` and ``bwd`` serve CUDA tensors: the fastest of a sweep of configs (docs/benchmarks.md's
+    git history, section "The causal conv1d kernels"). ``interpreter`` serves CPU tensors in
+    Triton's interpreter: small blocks, so that a test's few rows span many programs (the rows
+    carried over block boundaries) and the interpreter's loops stay short."""
+
+    fwd: ConvConfig = ConvConfig(rows=64, block_c=1024, num_warps=4, num_stages=4)
+    bwd: ConvConfig = ConvConfig(rows=256, block_c=512, num_warps=4, num_stages=4)
+    interpreter: ConvConfig = ConvConfig(rows=8, block_c=16, num_warps=1, num_stages=1)
+
+    def config(self, kernel: str, on_gpu: bool) -> ConvConfig:
+        """The config of ``kernel`` ("fwd" or "bwd") for CUDA tensors (``on_gpu``) or the interpreter."""
+        if kernel not in ("fwd", "bwd"):
+            raise ValueError(f"kernel must be 'fwd' or 'bwd', got {kernel!r}")
+        if not on_gpu:
+            return self.interpreter
+        return self.fwd if kernel == "fwd" else self.bwd
+
+
+# the settings every op passes to the launchers; a benchmark or test passes others
+CONV_SETTINGS = ConvSettings()
+
+
+def _check_conv(x, weight, bias, cu_seqlens, activation) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"x must be [T, C], got shape {tuple(x.shape)}")
+    if weight.dim() != 2 or weight.shape[0] != x.shape[1]:
+        raise ValueError(f"weight must be [C, K] with C = {x.shape[1]}, got shape {tuple(weight.shape)}")
+    if bias is not None and tuple(bias.shape) != (x.shape[1],):
+        raise ValueError(f"bias must be [C] with C = {x.shape[1]}, got shape {tuple(bias.shape)}")
+    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
+        if t is not None and not t.dtype.is_floating_point:
+            raise TypeError(f"{name} must be floating point, got {t.dtype}")
+        if t is not None and t.device != x.device:
+            raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
+    check_index_tensor("cu_seqlens", cu_seqlens, x.device)
+    check_activation(activation)
+
+
+@opaque_op(f"{NAMESPACE}::causal_conv1d", mutates_args=())
+def causal_conv1d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    cu_seqlens: torch.Tensor,
+    activation: Optional[str] = "silu",
+) -> torch.Tensor:
+    """Depthwise causal conv1d over packed sequences, zero history at every sequence start.
+
+    ``y[t, c] = act(bias[c] + sum_{j<K} weight[c, K-1-j] * x[t-j, c])`` with
+    ``x[t-j]`` taken as zero before the row's sequence starts.
+    x ``[T, C]`` (may be a column slice of a wider tensor), weight ``[C, K]``,
+    bias ``[C]`` or None, cu_seqlens ``[B+1]`` (int32/int64, ``cu[-1] = T``),
+    activation ``"silu"``/``"swish"`` or ``None``/``"identity"``. Returns ``[T, C]``
+    in x's dtype. Differentiable in x, weight and bias. CUDA: for K <= 4 the Triton
+    kernels of :mod:`custom_ops.conv1d.kernels` (the backward recomputes the
+    pre-activation in registers), for wider kernels FLA's ``causal_conv1d_fwd`` /
+    ``causal_conv1d_bwd``; either way only the inputs are saved.
+    """
+    _check_conv(x, weight, bias, cu_seqlens, activation)
+    cu_seqlens = checked("cumulative", cu_seqlens, (), x.shape[0])
+    if not use_triton(x) or x.numel() == 0:
+        return causal_conv1d_reference(x, weight, bias, cu_seqlens, activation).contiguous()
+    if weight.shape[1] > MAX_TAPS:
+        return _fla_conv_forward(x, weight, bias, cu_seqlens, activation)
+    return _conv_forward(x, weight, bias, cu_seqlens, activation, CONV_SETTINGS)
+
+
+def _precompile(x, weight, bias, cu_seqlens, activation, rows=None) -> None:
+    """Start compiling the forward's and the backward's kernels of :func:`causal_conv1d` (with
+    ``rows``, of :func:`causal_conv1d_gather`) for these arguments, the fake tensors of a graph
+    being traced, in the background (:mod:`custom_ops.runtime.precompile`); the backward for a
+    contiguous upstream gradient."""
+    if weight.shape[1] > MAX_TAPS:
+        return
+    channels = weight.shape[0]
+
+    def launchers(mx, mw, mb, mcu, mrows):
+        y = _conv_forward(mx[:, :channels], mw, mb, mcu, activation, CONV_SETTINGS, mrows)
+        dx = None if rows is None else torch.empty(mx.shape, dtype=mx.dtype, device="meta")[:, :channels]
+        _conv_backward_kernel(torch.empty_like(y), mx[:, :channels], mw, mb, mcu, activation, CONV_SETTINGS, mrows, dx)
+
+    precompile.schedule("causal_conv1d", launchers, x, weight, bias, cu_seqlens, rows, args=activation)
+
+
+@causal_conv1d.register_fake
+def _(x, weight, bias, cu_seqlens, activation="silu"):
+    _check_conv(x, weight, bias, cu_seqlens, activation)
+    _precompile(x, weight, bias, cu_seqlens, activation)
+    return x.new_empty(x.shape)
+
+
+@opaque_op(f"{NAMESPACE}::causal_conv1d_backward", mutates_args=())
+def causal_conv1d_backward(
+    grad_y: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    cu_seqlens: torch.Tensor,
+    activation: Optional[str],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx ``[T, C]``, dweight ``[C, K]``, dbias ``[C]``) of :func:`causal_conv1d` (dbias even without bias)."""
+    if not use_triton(x) or x.numel() == 0:
+        grads = causal_conv1d_reference_backward(grad_y, x, weight, bias, cu_seqlens, activation)
+        return tuple(g.contiguous() for g in grads)  # the fake's layout, whatever x's
+    if weight.shape[1] > MAX_TAPS:
+        return _fla_conv_backward(grad_y, x, weight, bias, cu_seqlens, activation)
+    return _conv_backward_kernel(grad_y, x, weight, bias, cu_seqlens, activation, CONV_SETTINGS)
+
+
+def _conv_positions(cu_seqlens: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """Each row's position in its sequence capped at MAX_TAPS, int32 ``[T]`` (what the kernels'
+    taps test): one launch of :func:`conv_positions_kernel`, where the same from torch ops
+    (:func:`custom_ops.thd.index.row_positions`) would take nine."""
+    pos = torch.empty(num_rows, dtype=torch.int32, device=cu_seqlens.device)
+    if num_rows > 0:
+        bounds = cu_seqlens.shape[0]
+        launch_direct(
+            conv_positions_kernel, (cdiv(num_rows, POSITIONS_BLOCK),),
+            cu_seqlens, pos, bounds, num_rows, bounds.bit_length(), CAP=MAX_TAPS, BLOCK=POSITIONS_BLOCK,
+        )  # fmt: skip
+    return pos
+
+
+def _conv_forward(x, weight, bias, cu_seqlens, activation, settings: ConvSettings, rows=None) -> torch.Tensor:
+    """Our forward kernel under ``settings``; with ``rows``, sequence row t of x is its row ``rows[t]``."""
+    x = unit_last_stride(x)
+    weight = weight.contiguous()
+    num_rows, channels = x.shape
+    block_rows, block_c, warps, stages = settings.config("fwd", cuda_index(x) is not None)
+    y = torch.empty(num_rows, channels, dtype=x.dtype, device=x.device)
+    pos = _conv_positions(cu_seqlens, num_rows)
+    grid = (cdiv(num_rows, block_rows), cdiv(channels, block_c))
+    launch_direct(
+        cp_causal_conv1d_fwd_kernel, grid,
+        x, weight, weight if bias is None else bias.contiguous(), y, pos, pos if rows is None else rows, num_rows,
+        channels, x.stride(0), K=weight.shape[1], HAS_BIAS=bias is not None, SILU=_is_silu(activation),
+        ROWS=block_rows, BLOCK_C=block_c, GATHER=rows is not None, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return y
+
+
+def _conv_backward_kernel(grad_y, x, weight, bias, cu_seqlens, activation, settings: ConvSettings, rows=None, dx=None):
+    """Our backward kernel under ``settings``; with ``rows``, sequence row t of x is its row ``rows[t]`` and so is
+    that of dx (written into ``dx`` when given, an x-shaped view, else a new tensor)."""
+    x, grad_y = unit_last_stride(x), unit_last_stride(grad_y)
+    w = weight.contiguous()
+    num_rows, channels = x.shape
+    kernel = w.shape[1]
+    block_rows, block_c, warps, stages = settings.config("bwd", cuda_index(x) is not None)
+    programs = cdiv(num_rows, block_rows)
+    if dx is None:
+        dx = torch.empty(num_rows, channels, dtype=x.dtype, device=x.device)
+    dw_parts = torch.empty(programs, channels, MAX_TAPS, dtype=torch.float32, device=x.device)
+    db_parts = torch.empty(programs, channels, dtype=torch.float32, device=x.device)
+    pos = _conv_positions(cu_seqlens, num_rows)
+    launch_direct(
+        cp_causal_conv1d_bwd_kernel, (programs, cdiv(channels, block_c)),
+        x, w, w if bias is None else bias.contiguous(), grad_y, dx, dw_parts, db_parts, pos,
+        pos if rows is None else rows, num_rows, channels, x.stride(0), grad_y.stride(0), dx.stride(0), K=kernel,
+        HAS_BIAS=bias is not None, SILU=_is_silu(activation), ROWS=block_rows, BLOCK_C=block_c,
+        GATHER=rows is not None, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    dw = dw_parts.sum(0)[:, :kernel].to(weight.dtype).contiguous()  # the fake's layout, also for K < MAX_TAPS
+    db = db_parts.sum(0).to(bias.dtype if bias is not None else weight.dtype)
+    return dx, dw, db
+
+
+def _is_silu(activation: Optional[str]) -> bool:
+    return activation in ("silu", "swish")
+
+
+def _fla_conv_forward(x, weight, bias, cu_seqlens, activation) -> torch.Tensor:
+    causal_conv1d_fwd = fla_module("fla.modules.causal_conv1d.ops").causal_conv1d_fwd
+
+    cu_ext, chunk_indices = fla_varlen_indices(cu_seqlens, x.shape[0])
+    with fla_call(x.device):
+        y, _ = causal_conv1d_fwd(
+            x=x.unsqueeze(0), weight=weight.contiguous(), bias=None if bias is None else bias.contiguous(),
+            residual=None, initial_state=None, output_final_state=False,
+            activation="silu" if _is_silu(activation) else None, cu_seqlens=cu_ext, chunk_indices=chunk_indices,
+            chunk_size=FLA_CHUNK,
+        )  # fmt: skip
+    return y.view(x.shape)
+
+
+def _fla_conv_backward(grad_y, x, weight, bias, cu_seqlens, activation):
+    causal_conv1d_bwd = fla_module("fla.modules.causal_conv1d.ops").causal_conv1d_bwd
+
+    cu_ext, chunk_indices = fla_varlen_indices(cu_seqlens, x.shape[0])
+    # FLA sums dbias only for a bias; a zero one gives the sum the op returns without one
+    b = weight.new_zeros(weight.shape[0]) if bias is None else bias.contiguous()
+    with fla_call(x.device):
+        dx, dw, db, _, _ = causal_conv1d_bwd(
+            x=x.unsqueeze(0), dy=grad_y.unsqueeze(0), dht=None, weight=weight.contiguous(), bias=b, residual=None,
+            initial_state=None, activation="silu" if _is_silu(activation) else None, cu_seqlens=cu_ext,
+            chunk_indices=chunk_indices, chunk_size=FLA_CHUNK,
+        )  # fmt: skip
+    return dx.view(x.shape).contiguous(), dw, db
+
+
+@causal_conv1d_backward.register_fake
+def _(grad_y, x, weight, bias, cu_seqlens, activation):
+    db_dtype = bias.dtype if bias is not None else weight.dtype
+    return x.new_empty(x.shape), weight.new_empty(weight.shape), weight.new_empty(weight.shape[0], dtype=db_dtype)
+
+
+def _conv_setup_context(ctx, inputs, output):
+    x, weight, bias, cu_seqlens, activation = inputs
+    ctx.save_for_backward(x, weight, bias, cu_seqlens)
+    ctx.activation = activation
+
+
+def _conv_backward(ctx, grad_y):
+    x, weight, bias, cu_seqlens = ctx.saved_tensors
+    dx, dw, db = torch.ops.cp_ops.causal_conv1d_backward(grad_y, x, weight, bias, cu_seqlens, ctx.activation)
+    return dx, dw, (db if bias is not None else None), None, None
+
+
+causal_conv1d.register_autograd(_conv_backward, setup_context=_conv_setup_context)
+
+
+# --- causal_conv1d_gather ---------------------------------------------------------------------
+
+
+def _check_conv_gather(x, rows, weight, bias, cu_seqlens, activation) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"x must be [T, F], got shape {tuple(x.shape)}")
+    check_index_tensor("rows", rows, x.device, min_numel=0)
+    if rows.dim() != 1 or rows.shape[0] != x.shape[0]:
+        raise ValueError(f"rows must be [T] with T = {x.shape[0]} (a permutation of x's rows), got {tuple(rows.shape)}")
+    if weight.dim() != 2 or weight.shape[0] > x.shape[1]:
+        raise ValueError(f"weight must be [C, K] with C <= F = {x.shape[1]}, got shape {tuple(weight.shape)}")
+    _check_conv(x[:, : weight.shape[0]], weight, bias, cu_seqlens, activation)
+
+
+@opaque_op(f"{NAMESPACE}::causal_conv1d_gather", mutates_args=())
+def causal_conv1d_gather(
+    x: torch.Tensor,
+    rows: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    cu_seqlens: torch.Tensor,
+    activation: Optional[str] = "silu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`causal_conv1d` of x's rows taken in the order ``rows``, on its first C columns:
+    ``(causal_conv1d(x[rows, :C], weight, bias, cu_seqlens, activation), x[rows, C:])``.
+
+    x ``[T, F]`` with ``C = weight.shape[0] <= F``; rows ``[T]`` (int32/int64) a permutation of
+    ``range(T)``: sequence row t (the layout ``cu_seqlens`` describes) is x's row ``rows[t]``.
+    Both outputs are in sequence order. The point is the pass it saves: on CUDA (K <= 4) the
+    kernels read x's rows where they are and the backward writes dx ``[T, F]`` the same way,
+    both column ranges, so a caller whose rows arrive permuted (:class:`cp_ops.GatedDeltaNet`,
+    its all-to-all's rank order) never reorders them in memory, in either direction. rows
+    must be a permutation: the CUDA backward writes every row of dx once, through rows (the
+    reference adds, as the gradient of ``x[rows]`` does; the two agree on permutations).
+    """
+    _check_conv_gather(x, rows, weight, bias, cu_seqlens, activation)
+    rows = checked("permutation", rows, (), x.shape[0])
+    cu_seqlens = checked("cumulative", cu_seqlens, (), x.shape[0])
+    channels = weight.shape[0]
+    if not use_triton(x) or x.numel() == 0:
+        return causal_conv1d_gather_reference(x, rows, weight, bias, cu_seqlens, activation)
+    if weight.shape[1] > MAX_TAPS:  # FLA's kernels, on the gathered rows
+        xs = x.index_select(0, rows)
+        y = _fla_conv_forward(xs[:, :channels], weight, bias, cu_seqlens, activation)
+        return y, xs[:, channels:].clone(memory_format=torch.contiguous_format)
+    y = _conv_forward(x[:, :channels], weight, bias, cu_seqlens, activation, CONV_SETTINGS, rows)
+    return y, x[:, channels:].index_select(0, rows)
+
+
+@causal_conv1d_gather.register_fake
+def _(x, rows, weight, bias, cu_seqlens, activation="silu"):
+    _check_conv_gather(x, rows, weight, bias, cu_seqlens, activation)
+    _precompile(x, weight, bias, cu_seqlens, activation, rows)
+    channels = weight.shape[0]
+    return x.new_empty(x.shape[0], channels), x.new_empty(x.shape[0], x.shape[1] - channels)
+
+
+@opaque_op(f"{NAMESPACE}::causal_conv1d_gather_backward", mutates_args=())
+def causal_conv1d_gather_backward(
+    grad_y: torch.Tensor,
+    grad_rest: torch.Tensor,
+    x: torch.Tensor,
+    rows: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    cu_seqlens: torch.Tensor,
+    activation: Optional[str],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx ``[T, F]``, dweight, dbias) of :func:`causal_conv1d_gather` for the gradients of its
+    two outputs."""
+    channels = weight.shape[0]
+    if not use_triton(x) or x.numel() == 0 or weight.shape[1] > MAX_TAPS:
+        # the backward of the conv on the gathered rows (causal_conv1d_backward, which picks the
+        # reference or FLA's kernels), then that of the gather (an index_add)
+        xs = x.index_select(0, rows)
+        dxs, dw, db = causal_conv1d_backward(grad_y, xs[:, :channels], weight, bias, cu_seqlens, activation)
+        dx = torch.zeros_like(x).index_add_(0, rows.long(), torch.cat([dxs, grad_rest.to(dxs.dtype)], 1))
+        return dx, dw, db
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _, dw, db = _conv_backward_kernel(
+        grad_y, x[:, :channels], weight, bias, cu_seqlens, activation, CONV_SETTINGS, rows, dx[:, :channels]
+    )
+    dx[:, channels:].index_copy_(0, rows.long(), grad_rest.to(dx.dtype))
+    return dx, dw, db
+
+
+@causal_conv1d_gather_backward.register_fake
+def _(grad_y, grad_rest, x, rows, weight, bias, cu_seqlens, activation):
+    db_dtype = bias.dtype if bias is not None else weight.dtype
+    return x.new_empty(x.shape), weight.new_empty(weight.shape), weight.new_empty(weight.shape[0], dtype=db_dtype)
+
+
+def _conv_gather_setup_context(ctx, inputs, output):
+    x, rows, weight, bias, cu_seqlens, activation = inputs
+    ctx.save_for_backward(x, rows, weight, bias, cu_seqlens)
+    ctx.activation = activation
+
+
+def _conv_gather_backward(ctx, grad_y, grad_rest):
+    x, rows, weight, bias, cu_seqlens = ctx.saved_tensors
+    dx, dw, db = torch.ops.cp_ops.causal_conv1d_gather_backward(
+        grad_y, grad_rest, x, rows, weight, bias, cu_seqlens, ctx.activation
+    )
+    return dx, None, dw, (db if bias is not None else None), None, None
+
+
+causal_conv1d_gather.register_autograd(_conv_gather_backward, setup_context=_conv_gather_setup_context)

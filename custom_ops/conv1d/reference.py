@@ -1,0 +1,141 @@
+"""Torch references of the causal depthwise conv1d ops on packed (THD) sequences.
+
+``*_reference`` is what the ops run on CPU, with the ops' signatures: no host syncs, float32
+compute (float64 for float64 inputs), differentiable by torch autograd. ``causal_conv1d_loop``
+spells the definition out per sequence in float64, an independent oracle for the tests.
+
+Per sequence, with zero history before its first row (FLA's convention)::
+
+    y[t, c] = act( bias[c] + sum_{j=0}^{K-1} weight[c, K-1-j] * x[t-j, c] )
+
+which is ``nn.Conv1d(groups=C, padding=K-1)`` cut to the first T outputs, with the Conv1d
+weight ``[C, 1, K]`` squeezed to ``[C, K]``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from custom_ops.thd.index import row_positions
+
+
+def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+_ACTIVATIONS = (None, "identity", "silu", "swish")
+
+
+def _activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
+    if activation in ("silu", "swish"):
+        return F.silu(y)
+    return y
+
+
+def check_activation(activation) -> None:
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"activation must be one of {_ACTIVATIONS}, got {activation!r}")
+
+
+def causal_conv1d_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    cu_seqlens: torch.Tensor,
+    activation: str | None = "silu",
+) -> torch.Tensor:
+    """Depthwise causal conv1d per packed sequence (see the module docstring).
+
+    x ``[T, C]``, weight ``[C, K]``, bias ``[C]`` or None, cu_seqlens ``[B+1]``.
+    Returns ``[T, C]`` in x's dtype. Tap j (looking j rows back) is masked where
+    the row's position in its sequence is below j: the zero history.
+    """
+    check_activation(activation)
+    dtype = _compute_dtype(x)
+    num_rows, kernel = x.shape[0], weight.shape[1]
+    pos = row_positions(cu_seqlens, num_rows)
+    xc, wc = x.to(dtype), weight.to(dtype)
+    y = torch.zeros_like(xc)
+    for j in range(kernel):
+        shifted = F.pad(xc, (0, 0, j, 0))[:num_rows]  # shifted[t] = x[t - j]
+        visible = (pos >= j).unsqueeze(-1)
+        y = y + torch.where(visible, shifted, 0.0) * wc[:, kernel - 1 - j]
+    if bias is not None:
+        y = y + bias.to(dtype)
+    return _activate(y, activation).to(x.dtype)
+
+
+def causal_conv1d_gather_reference(
+    x: torch.Tensor,
+    rows: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    cu_seqlens: torch.Tensor,
+    activation: str | None = "silu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(causal_conv1d_reference(x[rows, :C], ...), x[rows, C:])`` with ``C = weight.shape[0]``:
+    the conv of x's rows taken in the order ``rows`` and the rest of those rows."""
+    xs = x.index_select(0, rows)
+    channels = weight.shape[0]
+    y = causal_conv1d_reference(xs[:, :channels], weight, bias, cu_seqlens, activation)
+    return y, xs[:, channels:].clone(memory_format=torch.contiguous_format)  # new memory, even when empty
+
+
+def causal_conv1d_loop(x, weight, bias, cu_seqlens, activation="silu"):
+    """The conv definition as loops over sequences, rows and taps, in float64."""
+    x64, w64 = x.double(), weight.double()
+    kernel = w64.shape[1]
+    out = torch.zeros_like(x64)
+    cu = cu_seqlens.tolist()
+    for start, end in zip(cu[:-1], cu[1:]):
+        for t in range(start, end):
+            acc = bias.double().clone() if bias is not None else torch.zeros_like(x64[0])
+            for j in range(kernel):
+                if t - j >= start:
+                    acc = acc + w64[:, kernel - 1 - j] * x64[t - j]
+            out[t] = F.silu(acc) if activation in ("silu", "swish") else acc
+    return out
+
+
+def causal_conv1d_reference_backward(
+    grad_y: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    cu_seqlens: torch.Tensor,
+    activation: str | None = "silu",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx ``[T, C]``, dweight ``[C, K]``, dbias ``[C]``) of :func:`causal_conv1d_reference`.
+
+    With ``pre`` the conv before the activation and ``dpre = dy * act'(pre)``:
+    ``dx[s] = sum_j [pos(s+j) >= j] dpre[s+j] w[:, K-1-j]``,
+    ``dw[:, K-1-j] = sum_t [pos(t) >= j] dpre[t] x[t-j]``, ``db = sum_t dpre[t]``.
+    dbias is returned (as the sum) even when bias is None.
+    """
+    dtype = _compute_dtype(x)
+    num_rows, kernel = x.shape[0], weight.shape[1]
+    pos = row_positions(cu_seqlens, num_rows)
+    xc, wc, dy = x.to(dtype), weight.to(dtype), grad_y.to(dtype)
+    taps = []
+    pre = torch.zeros_like(xc)
+    for j in range(kernel):
+        visible = (pos >= j).unsqueeze(-1)
+        shifted = torch.where(visible, F.pad(xc, (0, 0, j, 0))[:num_rows], 0.0)
+        taps.append((visible, shifted))
+        pre = pre + shifted * wc[:, kernel - 1 - j]
+    if bias is not None:
+        pre = pre + bias.to(dtype)
+    if activation in ("silu", "swish"):
+        sig = torch.sigmoid(pre)
+        dpre = dy * sig * (1 + pre * (1 - sig))
+    else:
+        dpre = dy
+    dx = torch.zeros_like(xc)
+    dw = torch.zeros_like(wc)
+    for j, (visible, shifted) in enumerate(taps):
+        masked = torch.where(visible, dpre, 0.0)
+        dx = dx + F.pad(masked, (0, 0, 0, j))[j:] * wc[:, kernel - 1 - j]  # row s gets dpre[s + j]
+        dw[:, kernel - 1 - j] = (masked * shifted).sum(0)
+    db = dpre.sum(0)
+    return dx.to(x.dtype), dw.to(weight.dtype), db.to(bias.dtype if bias is not None else weight.dtype)
