@@ -19,7 +19,7 @@ from custom_ops.all_to_all.op import check_cp2hp, check_hp2cp, thd_cp2hp, thd_hp
 from custom_ops.all_to_all.reference import thd_cp2hp_reference, thd_hp2cp_reference
 from custom_ops.causal_conv1d.op import causal_conv1d, causal_conv1d_gather
 from custom_ops.causal_conv1d.reference import causal_conv1d_gather_reference, causal_conv1d_reference
-from custom_ops.gated_delta_rule.fla import fla_module
+from custom_ops.fla.adapter import fla_module
 from custom_ops.gated_delta_rule.op import chunk_gated_delta_rule, chunk_gated_delta_rule_with_state
 from custom_ops.gated_delta_rule.reference import (
     chunk_gated_delta_rule_reference,

@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from custom_ops.gated_delta_rule import backends
-from custom_ops.gated_delta_rule.fla import (
+from custom_ops.fla.adapter import (
     FLA_CHUNK,
     fla_call,
     fla_grads,
@@ -85,7 +85,7 @@ def _check_state(name: str, state: Optional[torch.Tensor], q, v, cu_seqlens) -> 
 
 
 def _check_fla_indices(cu_seqlens, fla_cu_seqlens, chunk_indices, num_rows: int) -> None:
-    """The shapes :func:`custom_ops.gated_delta_rule.fla.fla_varlen_indices` gives for ``cu_seqlens`` and T rows."""
+    """The shapes :func:`custom_ops.fla.adapter.fla_varlen_indices` gives for ``cu_seqlens`` and T rows."""
     num_seqs = cu_seqlens.shape[0] - 1
     check_index_tensor("fla_cu_seqlens", fla_cu_seqlens, cu_seqlens.device)
     if fla_cu_seqlens.shape[0] != num_seqs + 2 or tuple(chunk_indices.shape) != (num_rows // FLA_CHUNK + num_seqs, 2):
@@ -196,7 +196,7 @@ def chunk_gated_delta_rule_forward(
     """``(o [T, Hv, dv], g_cum, A, fla_cu_seqlens, chunk_indices)``: the output of
     :func:`chunk_gated_delta_rule` and what its backward needs.
 
-    ``fla_cu_seqlens`` and ``chunk_indices`` are :func:`custom_ops.gated_delta_rule.fla.fla_varlen_indices`
+    ``fla_cu_seqlens`` and ``chunk_indices`` are :func:`custom_ops.fla.adapter.fla_varlen_indices`
     of ``cu_seqlens``, returned so that the backward reuses them instead of building them again;
     ``chunk_indices`` flattened to ``[2 * rows]``, a length that is never 1, so that compiling
     for shapes that vary does not guard on its row count being 1.

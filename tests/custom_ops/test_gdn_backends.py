@@ -9,7 +9,7 @@ import torch
 import custom_ops
 from custom_ops import env
 from custom_ops.gated_delta_rule import backends
-from custom_ops.gated_delta_rule.fla import fla_varlen_indices
+from custom_ops.fla.adapter import fla_varlen_indices
 from custom_ops.gated_delta_rule.flash_qla import _prepared
 from custom_ops.gated_delta_rule.reference import chunk_gated_delta_rule_reference
 from tests.custom_ops.test_gdn_ops import _cu, _gdn_case

@@ -18,7 +18,7 @@ from custom_ops.causal_conv1d.reference import (
 )
 from custom_ops.gated_delta_rule import backends
 from custom_ops.gated_delta_rule import op as gdn_op
-from custom_ops.gated_delta_rule.fla import fla_varlen_indices
+from custom_ops.fla.adapter import fla_varlen_indices
 from custom_ops.gated_delta_rule.reference import (
     chunk_gated_delta_rule_loop,
     chunk_gated_delta_rule_reference,
@@ -306,7 +306,7 @@ def test_fla_calls_keep_nothing_alive():
     import fla.utils
     from fla.ops.utils.index import prepare_chunk_offsets
 
-    from custom_ops.gated_delta_rule.fla import fla_call
+    from custom_ops.fla.adapter import fla_call
 
     before = fla.utils.FLA_DISABLE_TENSOR_CACHE
     for uncached in (False, True):
@@ -743,7 +743,7 @@ def test_fla_chunk_indices_kernel_matches_reference(seqlens, extra_rows, index_d
     """The chunk-index kernel against the torch reference: empty sequences, several of the
     kernel's sequence blocks and row blocks, rows past ``cu[-1]`` and ``cu[-1]`` past the rows,
     and an invalid layout with a step down (an empty sequence to both)."""
-    from custom_ops.gated_delta_rule.fla import fla_varlen_indices_reference
+    from custom_ops.fla.adapter import fla_varlen_indices_reference
 
     cu = _cu(seqlens, dtype=index_dtype)
     if len(seqlens) > 1 and data.draw(st.booleans()):
@@ -762,7 +762,7 @@ def test_fla_chunk_indices_kernel_compiles_for_hopper():
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from custom_ops.gated_delta_rule.fla import INDICES_BLOCK, INDICES_SEQ_BLOCK, fla_chunk_indices_kernel
+    from custom_ops.fla.adapter import INDICES_BLOCK, INDICES_SEQ_BLOCK, fla_chunk_indices_kernel
 
     constants = dict(CHUNK=64, BLOCK=INDICES_BLOCK, SEQ_BLOCK=INDICES_SEQ_BLOCK)
     names = fla_chunk_indices_kernel.arg_names
