@@ -21,7 +21,8 @@ import torch.nn as nn
 from cp_ops.attention import Attention
 from cp_ops.integrations.causal_lm_loss import check_fused_loss, set_fused_loss
 from custom_ops import fla_module, resolve_group
-from cp_ops.gdn import GatedDeltaNet, GDNContextParallel, from_qwen3_next_state_dict
+from cp_ops.gdn import GatedDeltaNet, from_qwen3_next_state_dict
+from cp_ops.gdn_strategies import GDNContextParallel
 from cp_ops.layout import pack, shard_thd, static_seqlens
 
 try:  # transformers' module imports FLA when it is installed: loaded here first, without its CPU notice

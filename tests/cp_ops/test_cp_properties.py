@@ -36,8 +36,8 @@ from hypothesis import strategies as st
 
 import cp_ops
 from cp_ops import Attention, GatedDeltaNet, ag_thd_attention, shard_thd
-from cp_ops.gdn import FusedExchange, SectionExchange
-from cp_ops.gdn_states import StatePassing
+from cp_ops.gdn_strategies import FusedExchange, SectionExchange
+from cp_ops.gdn_strategies import StatePassing
 from custom_ops.testing import (
     MEMORY_LAYOUTS,
     TOLERANCE,
