@@ -45,8 +45,6 @@ OPS = (
     Op("chunk_gated_delta_rule_with_state", "custom_ops.gated_delta_rule.op", True),
     Op("chunk_gated_delta_rule_forward", "custom_ops.gated_delta_rule.op", False),
     Op("chunk_gated_delta_rule_backward", "custom_ops.gated_delta_rule.op", False),
-    Op("chunk_gated_delta_rule_with_state_forward", "custom_ops.gated_delta_rule.op", False),
-    Op("chunk_gated_delta_rule_with_state_backward", "custom_ops.gated_delta_rule.op", False),
     Op("segment_matmul", "custom_ops.segment_matmul.op", True),
     Op("segment_matmul_weight_grad", "custom_ops.segment_matmul.op", False),
     Op("linear_cross_entropy", "custom_ops.linear_cross_entropy.op", True),

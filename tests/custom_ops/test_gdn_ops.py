@@ -368,20 +368,21 @@ def test_opcheck_chunk_gated_delta_rule():
 
 
 def test_opcheck_chunk_gated_delta_rule_with_state():
+    """The public stateful op, and the forward and backward ops with a state in or out."""
     for *tensors, scale in _gdn_samples():
         q, v, cu = tensors[0], tensors[2], tensors[5]
         h0 = _states(cu.shape[0] - 1, v.shape[1], q.shape[2], v.shape[2], q.dtype).requires_grad_(q.requires_grad)
         for state in (None, h0):
             torch.library.opcheck(torch.ops.cp_ops.chunk_gated_delta_rule_with_state.default, (*tensors, scale, state))
             torch.library.opcheck(
-                torch.ops.cp_ops.chunk_gated_delta_rule_with_state_forward.default, (*tensors, scale, state)
+                torch.ops.cp_ops.chunk_gated_delta_rule_forward.default, (*tensors, scale, state, True)
             )
     q, k, v, g, beta, cu = _gdn_case([5, 0, 4], 1, 2, 4, 3, torch.float32)
     h0, dht = _states(3, 2, 4, 3, torch.float32), _states(3, 2, 4, 3, torch.float32)
     aux = q.new_empty(0)
     for state, grad_final in ((h0, dht), (None, dht), (h0, None)):
         torch.library.opcheck(
-            torch.ops.cp_ops.chunk_gated_delta_rule_with_state_backward.default,
+            torch.ops.cp_ops.chunk_gated_delta_rule_backward.default,
             (torch.randn_like(v), q, k, v, g, beta, cu, *_flat_fla_indices(cu, q.shape[0]), aux.float(), aux, None,
              state, grad_final),
         )  # fmt: skip
@@ -919,8 +920,8 @@ def test_cuda_backends_agree_bf16(hk, group):
     runs = {}
     for backend in ("fla", "flashqla"):
         leaves = [t.clone().requires_grad_() for t in (q, k, v, g, beta, h0)]
-        o, final, *_ = torch.ops.cp_ops.chunk_gated_delta_rule_with_state_forward(
-            *leaves[:5], cu, None, leaves[5], backend
+        o, final, *_ = torch.ops.cp_ops.chunk_gated_delta_rule_forward(
+            *leaves[:5], cu, None, leaves[5], True, backend
         )
         torch.autograd.backward([o, final], [grad_o, grad_final])
         runs[backend] = [o, final] + [t.grad for t in leaves]
@@ -990,7 +991,7 @@ def test_bad_state():
         custom_ops.chunk_gated_delta_rule_with_state(q, k, v, g, beta, cu, None, h0.to("meta"))
     aux = q.new_empty(0)
     with pytest.raises(ValueError, match="grad_final_state must be"):
-        torch.ops.cp_ops.chunk_gated_delta_rule_with_state_backward(
+        torch.ops.cp_ops.chunk_gated_delta_rule_backward(
             torch.randn_like(v), q, k, v, g, beta, cu, *_flat_fla_indices(cu, q.shape[0]), aux.float(), aux, None,
             h0, h0[:, :2],
         )  # fmt: skip
