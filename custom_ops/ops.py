@@ -33,8 +33,6 @@ OPS = (
     Op("varlen_attention", "custom_ops.varlen_attention.op", True),
     Op("varlen_attention_backward_dkdv", "custom_ops.varlen_attention.op", False),
     Op("varlen_attention_backward_dq", "custom_ops.varlen_attention.op", False),
-    Op("varlen_attention_kv", "custom_ops.varlen_attention.kv_rows", False),
-    Op("varlen_attention_kv_backward_dkdv", "custom_ops.varlen_attention.kv_rows", False),
     Op("ag_thd_attention", "custom_ops.ag_attention.op", True),
     Op("group_rank_tensor", "custom_ops.ag_attention.op", False),
     Op("causal_conv1d", "custom_ops.causal_conv1d.op", True),

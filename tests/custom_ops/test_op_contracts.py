@@ -124,7 +124,7 @@ def _attention_samples(params, dtype, grad):
     q, k, v, seg = _attention_tensors(layout, heads, d, dtype)
     q, k, v = (_floats(as_memory_layout(t, memory), grad) for t in (q, k, v))
     mask = _mask(causal, window)
-    out, lse = _detached(ops.varlen_attention(q, k, v, *seg, **mask))
+    out, lse, _ = _detached(ops.varlen_attention(q, k, v, *seg, **mask))
     dout, dlse = torch.randn_like(out), torch.randn_like(lse)
     qd, kd, vd = _detached((q, k, v))
     delta = ops.varlen_attention_backward_dkdv(dout, dlse, qd, kd, vd, out, lse, *seg, **mask)[2]
@@ -140,11 +140,12 @@ def _attention_kv_samples(params, dtype, grad):
     q, kv, rows, seg = _kv_case(layout, heads, d, dtype, 0)
     q, kv = _floats(as_memory_layout(q, memory), grad), _floats(as_memory_layout(kv, memory), grad)
     mask = _mask(causal, window)
-    out, lse, kv_rows = _detached(ops.varlen_attention_kv(q, kv, rows, *seg, **mask))
+    out, lse, kv_rows = _detached(ops.varlen_attention(q, kv, None, *seg, **mask, key_rows=rows))
     dout, dlse = torch.randn_like(out), torch.randn_like(lse)
     return [
-        (ops.varlen_attention_kv.default, (q, kv, rows, *seg), mask),
-        (ops.varlen_attention_kv_backward_dkdv.default, (dout, dlse, q.detach(), kv_rows, out, lse, rows, *seg), mask),
+        (ops.varlen_attention.default, (q, kv, None, *seg), dict(mask, key_rows=rows)),
+        (ops.varlen_attention_backward_dkdv.default, (dout, dlse, q.detach(), kv_rows, None, out, lse, *seg),
+         dict(mask, key_rows=rows)),
     ]
 
 
@@ -256,8 +257,8 @@ FAMILIES = {
         ("varlen_attention", "varlen_attention_backward_dkdv", "varlen_attention_backward_dq"),
         _attention, _ATTENTION_EXAMPLE, FLOAT_DTYPES, _attention_samples,
     ),
-    "varlen_attention_kv": Family(
-        ("varlen_attention_kv", "varlen_attention_kv_backward_dkdv"),
+    "varlen_attention_key_rows": Family(  # the same ops with a key-row map
+        ("varlen_attention", "varlen_attention_backward_dkdv"),
         _attention, _ATTENTION_EXAMPLE, FLOAT_DTYPES, _attention_kv_samples,
     ),
     "ag_thd_attention": Family(
@@ -334,7 +335,7 @@ def test_fakes_match_the_ops(name, dtype, data):
 
 # the families whose ops launch Triton kernels on CPU tensors under TRITON_INTERPRET=1
 KERNEL_FAMILIES = ("thd_reorder", "thd_copy_valid_tokens", "permute_sections", "varlen_attention",
-                   "varlen_attention_kv", "ag_thd_attention", "causal_conv1d", "segment_matmul")  # fmt: skip
+                   "varlen_attention_key_rows", "ag_thd_attention", "causal_conv1d", "segment_matmul")  # fmt: skip
 
 
 @pytest.mark.interpret
