@@ -196,21 +196,16 @@ def chunk_gated_delta_rule_forward(
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(o [T, Hv, dv], final_state, g_cum, A, fla_cu_seqlens, chunk_indices)``: the outputs of
-    :func:`chunk_gated_delta_rule` (``initial_state`` None, ``output_final_state`` False) or of
-    :func:`chunk_gated_delta_rule_with_state`, and what their backward needs.
+    :func:`chunk_gated_delta_rule` (no states) or :func:`chunk_gated_delta_rule_with_state`
+    and what their backward needs. ``final_state`` ``[B, Hv, dk, dv]`` (the state dtype) where
+    ``output_final_state``, else empty. ``fla_cu_seqlens`` and ``chunk_indices`` are
+    :func:`custom_ops.fla.adapter.fla_varlen_indices` of ``cu_seqlens``, for the backward to
+    reuse; ``chunk_indices`` flattened to ``[2 * rows]``, never of length 1 (no guard on it).
 
-    ``final_state`` ``[B, Hv, dk, dv]`` (:func:`custom_ops.gated_delta_rule.reference.state_dtype`)
-    where ``output_final_state``, else empty. ``fla_cu_seqlens`` and ``chunk_indices`` are
-    :func:`custom_ops.fla.adapter.fla_varlen_indices` of ``cu_seqlens``, returned so that the
-    backward reuses them instead of building them again; ``chunk_indices`` flattened to
-    ``[2 * rows]``, a length that is never 1, so that compiling for shapes that vary does not
-    guard on its row count being 1.
-
-    CUDA: ``backend``'s ``chunk_gated_delta_rule_fwd`` (``auto``: resolved at the call) with
-    ``initial_state`` and ``output_final_state``; ``g_cum [T, Hv]`` (fp32, g cumulated per 64-row
-    chunk in the backend's units) and ``A [T, Hv, 64]`` (q's dtype, the solved
-    ``(I + tril(beta K K^T))^{-1}`` blocks) are what its backward needs. CPU reference path (the
-    stateless reference, or the stateful one where a state goes in or comes out): both are empty.
+    CUDA: ``backend``'s ``chunk_gated_delta_rule_fwd`` (``auto``: resolved at the call); ``g_cum
+    [T, Hv]`` (fp32, g cumulated per 64-row chunk) and ``A [T, Hv, 64]`` (q's dtype, the solved
+    ``(I + tril(beta K K^T))^{-1}`` blocks) are what its backward needs. CPU: the stateless
+    reference, or the stateful one where a state goes in or comes out; both empty.
     """
     _check_gdn(q, k, v, g, beta, cu_seqlens)
     _check_state("initial_state", initial_state, q, v, cu_seqlens)

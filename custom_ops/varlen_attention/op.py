@@ -1,20 +1,14 @@
 """Segment ("varlen") attention as torch.library ops: forward, backward, fake, autograd.
 
-``torch.ops.cp_ops.varlen_attention`` returns ``(out, lse, kv_rows)`` and takes the window as
-two ints; ``custom_ops.varlen_attention`` is the same op with ``window=(left, right)``,
-returning ``(out, lse)``. Given a key-row map ``key_rows``, the op reads its keys and values
-from one tensor ``kv [Tk, 2*Hkv, D]`` (K's heads, then V's) through the map: the attention of
-all-gather CP (docs/design.md section 4.2) on the gathered K/V as the all-gather delivers it,
-in rank order (:func:`varlen_attention_kv`); ``kv_rows = kv[key_rows]`` is the output its
-backward reads, empty without a map. Its gradient comes back in ``kv``'s row order in one
-tensor: the dk/dv kernel stores row b's gradients at row ``key_rows[b]``, so neither a reorder
-nor a concatenation of dk and dv runs between the kernel and the reduce-scatter.
-
-The backward is two ops, ``torch.ops.cp_ops.varlen_attention_backward_dkdv`` (dk, dv and the
-rows' delta; dkv with a key-row map) and ``varlen_attention_backward_dq``, in that order, so
-that a collective on dk and dv can overlap the dq kernel (docs/design.md section 4.2). All are
-opaque custom ops (``kernel_op(opaque=True)``, docs/design.md section 2) launching through
-launch.py with :data:`~custom_ops.varlen_attention.configs.ATTENTION_SETTINGS`.
+``torch.ops.cp_ops.varlen_attention`` returns ``(out, lse, kv_rows)``, the window as two ints;
+``custom_ops.varlen_attention`` returns ``(out, lse)``, the window a pair. With a key-row map
+``key_rows`` the op reads K and V from one tensor ``kv [Tk, 2*Hkv, D]`` through it, all-gather
+CP's gathered K/V in rank order (:func:`varlen_attention_kv`), returns ``kv_rows = kv[key_rows]``
+for its backward (empty without a map) and gets kv's gradient back in kv's row order, one tensor.
+The backward is two ops, ``varlen_attention_backward_dkdv`` (dk, dv and the rows' delta; dkv
+with a map) and ``varlen_attention_backward_dq``, in that order, so that a collective on dk and
+dv can overlap the dq kernel (docs/design.md section 4.2). All are opaque custom ops
+(``kernel_op(opaque=True)``, section 2) launching through launch.py with ``ATTENTION_SETTINGS``.
 """
 
 from __future__ import annotations
