@@ -201,7 +201,8 @@ def main(argv: list[str] | None = None) -> None:
         dist.all_gather_object(reports, report)
         if rank == 0:
             print(format_reports(reports), flush=True)
-            Path(ours.json).write_text(json.dumps({"settings": dataclasses.asdict(cfg), "world": world, "ranks": reports}))
+            settings = dataclasses.asdict(cfg)
+            Path(ours.json).write_text(json.dumps({"settings": settings, "world": world, "ranks": reports}, default=str))
         dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -169,13 +169,16 @@ class TrainConfig:
         dp = world // self.cp if self.dp is None else self.dp
         if dp < 1 or dp * self.cp != world:
             raise ValueError(f"--dp {dp} x --cp {self.cp} must equal the world size {world} (torchrun's ranks)")
-        num_layers = {"tiny": 4, "slice4": 4, "qwen3-next-80b": 48}[self.preset] if self.num_layers is None \
-            else self.num_layers  # fmt: skip
+        num_layers = self.num_layers
+        if num_layers is None:
+            num_layers = {"tiny": 4, "slice4": 4, "qwen3-next-80b": 48}[self.preset]
         if num_layers < 1:
             raise ValueError(f"--num-layers must be >= 1, got {num_layers}")
         if self.vocab_size is not None and self.vocab_size < 2:
             raise ValueError(f"--vocab-size must be >= 2, got {self.vocab_size}")
-        tokens = self.tokens_per_step or (256 * dp if self.preset == "tiny" else 32768)
+        tokens = self.tokens_per_step
+        if tokens is None:
+            tokens = 256 * dp if self.preset == "tiny" else 32768
         shards = dp if self.batch_shards is None else self.batch_shards
         if shards < 1 or shards % dp:
             raise ValueError(f"--batch-shards {shards} must be a positive multiple of --dp {dp}")
@@ -422,7 +425,7 @@ class TokenStream:
 @dataclass
 class Run:
     cfg: TrainConfig
-    config: object
+    model_config: object  # the Qwen3NextConfig
     device: torch.device
     mesh: object
     model: torch.nn.Module
@@ -724,7 +727,7 @@ def save_checkpoint(run: Run, step: int) -> Path:
     inject_fault(run.cfg, "kill-in-save", step, run.rank)
     dist.barrier()
     if run.rank == 0:
-        meta = {"format": 1, "step": step, "config": run.cfg.resume_config(), "model": run.config.to_dict()}
+        meta = {"format": 1, "step": step, "config": run.cfg.resume_config(), "model": run.model_config.to_dict()}
         with open(partial / "recipe.json", "w") as f:
             f.write(json.dumps(meta, indent=1, default=str))
             f.flush()
@@ -821,7 +824,7 @@ def train(cfg: TrainConfig, rank: int, world: int, device: torch.device) -> dict
     if rank == 0:
         params = sum(p.numel() for p in run.model.parameters())  # the DTensors' global sizes
         print(f"[train] world {world} = dp {cfg.dp} x cp {cfg.cp} on {log['device']}; {cfg.preset}, "
-              f"{cfg.num_layers} layers, {params / 1e6:.1f}M parameters ({active_params(run.config) / 1e6:.1f}M "
+              f"{cfg.num_layers} layers, {params / 1e6:.1f}M parameters ({active_params(run.model_config) / 1e6:.1f}M "
               f"active, non-embedding); {cfg.tokens_per_step} tokens per step, {run.num_tokens} rows per replica "
               f"batch; steps {start + 1}..{cfg.steps}" + (" (the first compiles)" if cfg.compile else ""),
               flush=True)  # fmt: skip
@@ -847,7 +850,7 @@ def train(cfg: TrainConfig, rank: int, world: int, device: torch.device) -> dict
         step = rec["step"]
         rec["tokens_per_s"] = rec["tokens"] / (rec["step_ms"] / 1e3)
         rec["lengths"] = [run.data.lengths(step, k) for k in range(cfg.batch_shards)]  # the step's packing
-        flops = count_flops_per_step(run.config, rec["lengths"])
+        flops = count_flops_per_step(run.model_config, rec["lengths"])
         rec["mfu"] = flops / (rec["step_ms"] / 1e3) / (world * peak * 1e12) if peak else None
         # this rank's peak so far; the largest over ranks replaces it at the end of the run (a
         # collective here would wait for the step issued after this one)
