@@ -172,7 +172,7 @@ def _core_steps(hk: int, hv: int, tokens: int, num_seqs: int, backend: str) -> d
     grad = torch.randn_like(v)
 
     def forward():
-        return torch.ops.cp_ops.chunk_gated_delta_rule_forward(q, k, v, g, beta, cu, None, backend)[0]
+        return torch.ops.cp_ops.chunk_gated_delta_rule_forward(q, k, v, g, beta, cu, None, backend=backend)[0]
 
     return {"fwd": forward, "fwd+bwd": _fwd_bwd(forward, [q, k, v, g, beta], grad)}
 

@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 from benchmarks.common import KERNEL_CLASSES, collective_waits, timeline_summary
-from benchmarks.memory_map import SCRIPT, load_recipe
+from benchmarks.memory_map import SCRIPT
 from benchmarks.runner import ROOT, Result, add_out_argument, checks_off, emit, fla_environment
 
 COLUMNS = ["tokens", "graphs", "GDN core", "W", "dp", "cp", "step ms", "tokens/s", "scaling", "host ms", "GPU ms",
@@ -88,6 +88,16 @@ def torchrun(world: int, recipe_args: list[str], timeout: int, entry: list[str] 
         status = "timeout"
     print(f"[bench_train]   {status} in {time.perf_counter() - start:.0f} s", flush=True)
     return status
+
+
+def dry_run(recipe_args: list[str], log: Path) -> dict:
+    """The recipe's checked settings and model configuration for ``recipe_args`` (its ``--dry-run``,
+    one process on the CPU, read back from its ``--log-json``); ``RuntimeError`` with its error."""
+    cmd = [sys.executable, str(SCRIPT), *recipe_args, "--device", "cpu", "--dry-run", "--log-json", str(log)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(f"{' '.join(cmd[1:])} failed: {proc.stderr.strip()}")
+    return json.loads(log.read_text())
 
 
 def cp_run_args(args: argparse.Namespace, world: int, tokens, graphs: bool, log: Path) -> list[str]:
@@ -194,8 +204,8 @@ def curves(args: argparse.Namespace) -> list[Result]:
     (:func:`markov_tokens`); the (dp 1, cp 4) run saves a checkpoint at step ``--steps // 2``, from
     which one step is resumed. A summary of the runs and every run's loss per step."""
     tmp = Path(tempfile.mkdtemp())
-    recipe = load_recipe()
-    data = markov_tokens(tmp / "tokens.npy", recipe.model_config(args.preset, 4, args.vocab_size).vocab_size)
+    model = dry_run(["--preset", args.preset, *vocab_args(args)], tmp / "dry-run.json")["model"]
+    data = markov_tokens(tmp / "tokens.npy", model["vocab_size"])
     tokens = args.tokens.split(",")[0]
     # two batch shards: the one-GPU run trains on what the two replicas of (dp 2, cp 2) split
     common = ["--preset", args.preset, "--tokens-per-step", tokens, "--max-seqs", str(args.max_seqs), "--batch-shards",

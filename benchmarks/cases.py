@@ -88,5 +88,5 @@ def attention_op_inputs(lens, d, gqa, device, heads=ATTENTION_HEADS):
     the forward's outputs, random ``dout``, zero ``dlse``."""
     q, k, v = (t.detach() for t in attention_inputs(sum(lens), heads, heads // gqa, d, device))
     seg = segments_for(lens, device)
-    out, lse = torch.ops.cp_ops.varlen_attention(q, k, v, *seg, True)
+    out, lse = torch.ops.cp_ops.varlen_attention(q, k, v, *seg, True)[:2]  # out and lse
     return q, k, v, seg, out, lse, torch.randn_like(out), torch.zeros_like(lse)

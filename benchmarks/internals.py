@@ -2,8 +2,8 @@
 module moving inside custom_ops changes this file only. The rest of benchmarks/ uses the public
 API (``custom_ops``, ``custom_ops.thd.index``, ``custom_ops.testing``, ``cp_ops``)."""
 
-from custom_ops.gated_delta_rule.fla import fla_varlen_indices
-from custom_ops.gated_delta_rule.fla_configs import autotuner_of, recorded_configs_path
+from custom_ops.fla.adapter import fla_varlen_indices
+from custom_ops.fla.configs import autotuner_of, recorded_configs_path
 from custom_ops.segment_attention import launch as attention_launch
 from custom_ops.segment_attention.configs import ATTENTION_SETTINGS as DEFAULT_SETTINGS
 from custom_ops.segment_attention.configs import CONFIGS, KERNELS, AttentionSettings, kernel_config

@@ -17,6 +17,7 @@ viewable at pytorch.org/memory_viz) to ``DIR/rank<R>.pickle``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import sys
@@ -27,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.runner import ROOT
+from custom_ops import env
 
 SCRIPT = ROOT / "examples" / "train_qwen3_next.py"
 GIB = 2**30
@@ -162,15 +164,15 @@ def load_recipe():
     return recipe
 
 
-def measure(recipe, args: argparse.Namespace, rank: int, world: int, device: torch.device,
-            snapshot: str | None = None) -> dict:  # fmt: skip
-    """Run the recipe's ``args.steps`` steps with the probe on the last; this rank's map."""
-    run = recipe.setup(args, rank, world, device)
+def measure(recipe, cfg, rank: int, world: int, device: torch.device, snapshot: str | None = None) -> dict:
+    """Run the recipe's ``cfg.steps`` steps (``cfg`` its ``TrainConfig``) with the probe on the last;
+    this rank's map."""
+    run = recipe.setup(cfg, rank, world, device)
     clock, staging = recipe.Clock(device), recipe.Staging(device)
     probe = MemoryProbe.for_device(device)
-    for step in range(1, args.steps + 1):
+    for step in range(1, cfg.steps + 1):
         batch = staging.batch_to_device(step, recipe.replica_batch(run, step))
-        if step == args.steps:
+        if step == cfg.steps:
             probe.install(run.model, run.model.model.layers, run.model.model.norm, run.optimizer)
             if snapshot and device.type == "cuda":
                 torch.cuda.memory._record_memory_history(max_entries=1_000_000)
@@ -191,17 +193,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--snapshot", metavar="DIR", help="each rank's allocator history of the measured step (CUDA)")
     ours = p.parse_args(argv[:split])
     recipe = load_recipe()
-    parser = recipe.parser()
-    args = parser.parse_args(argv[split + 1 :])
-    rank, world, device = recipe.init_distributed(args.device)
+    cfg = recipe.TrainConfig.from_args(argv[split + 1 :], (env.torchrun_ranks() or (0, 1))[1])
+    rank, world, device = recipe.init_distributed(cfg.device)
     try:
-        recipe.check_args(args, world)
-        report = measure(recipe, args, rank, world, device, ours.snapshot)
+        report = measure(recipe, cfg, rank, world, device, ours.snapshot)
         reports = [None] * world
         dist.all_gather_object(reports, report)
         if rank == 0:
             print(format_reports(reports), flush=True)
-            Path(ours.json).write_text(json.dumps({"settings": vars(args), "world": world, "ranks": reports}))
+            settings = dataclasses.asdict(cfg)
+            Path(ours.json).write_text(json.dumps({"settings": settings, "world": world, "ranks": reports}, default=str))
         dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -7,8 +7,8 @@ One eager forward and backward of ``cp_ops.GatedDeltaNet`` per ``Hk,Hv`` pair (b
 default pairs are Qwen3-Next-80B's heads per rank at W = 1, 2, 4, 8, the demo's among them; FLA's
 autotuning keys hold no token count, so one run covers every packing) lets FLA autotune every kernel
 the layer launches. Every FLA autotuner's cache is then written, as the JSON that
-:mod:`custom_ops.gated_delta_rule.fla_configs` reads, to ``--write`` (default: the package's
-``custom_ops/gated_delta_rule/fla_configs_sm<major><minor>.json`` for this GPU), and copied to ``--out``:
+:mod:`custom_ops.fla.configs` reads, to ``--write`` (default: the package's
+``custom_ops/fla/fla_configs_sm<major><minor>.json`` for this GPU), and copied to ``--out``:
 
     {"fla": "0.6.0", "capability": [9, 0], "recorded_with": {device, torch, triton, ...},
      "entries": [{"kernel": "fla.ops.common.chunk_o.chunk_fwd_kernel_o",

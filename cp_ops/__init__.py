@@ -12,7 +12,7 @@ import custom_ops  # noqa: F401  (registers torch.ops.cp_ops.*)
 from cp_ops.attention import Attention
 from cp_ops.exchange import thd_cp2hp_blocks, thd_cp2hp_overlap, thd_hp2cp_blocks
 from cp_ops.gdn import GatedDeltaNet, from_qwen3_next_state_dict
-from cp_ops.gdn_states import StatePassing
+from cp_ops.gdn_strategies import StatePassing
 from cp_ops.layout import local_cu_seqlens, pack, pad_cu_seqlens, shard_thd, unshard_thd
 from cp_ops.scheduling import COMPILE_OPTIONS
 

@@ -23,7 +23,7 @@ from custom_ops.conv1d.op import causal_conv1d, causal_conv1d_gather
 from custom_ops.conv1d.reference import causal_conv1d_gather_reference, causal_conv1d_reference
 from custom_ops.cross_entropy.op import default_chunk_rows, linear_cross_entropy
 from custom_ops.cross_entropy.reference import linear_cross_entropy_reference
-from custom_ops.gated_delta_rule.fla import fla_module
+from custom_ops.fla.adapter import fla_module
 from custom_ops.gated_delta_rule.op import chunk_gated_delta_rule, chunk_gated_delta_rule_with_state
 from custom_ops.gated_delta_rule.reference import (
     chunk_gated_delta_rule_reference,

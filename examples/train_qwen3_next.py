@@ -30,7 +30,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -70,105 +70,10 @@ class Parser(argparse.ArgumentParser):
         raise ValueError(message)
 
 
-def parser() -> argparse.ArgumentParser:
-    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", choices=PRESETS, default="tiny")
-    p.add_argument("--num-layers", type=int, help="decoder layers, in the 3:1 linear / full attention pattern")
-    p.add_argument("--vocab-size", type=int, help="the vocabulary (default: the preset's; Qwen3-Next's is 151936)")
-    p.add_argument("--dp", type=int, default=None, help="data-parallel replicas (default: world / cp)")
-    p.add_argument("--cp", type=int, default=1, help="context-parallel ranks per replica")
-    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--tokens-per-step", type=int, default=None, help="global real tokens per step")
-    p.add_argument("--max-seqs", type=int, default=8, help="static maximum number of sequences per batch shard")
-    p.add_argument("--batch-shards", type=int, default=None,
-                   help="shards of each step's global batch, split over the dp replicas (default: dp); the same "
-                        "value gives every dp x cp layout the same data")
-    p.add_argument("--lr", type=float, default=3e-4)
-    p.add_argument("--clip-grad-norm", type=float, default=1.0, help="0: no clipping (the norm is still logged)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
-    p.add_argument("--compile", action="store_true", help="torch.compile(fullgraph=True) every decoder layer")
-    p.add_argument("--ac", action="store_true", help="activation checkpointing per decoder layer")
-    p.add_argument("--loss", choices=("fused", "unfused"), default="fused",
-                   help="fused: the loss from the hidden states in row chunks, never the logits "
-                        "(custom_ops.linear_cross_entropy); unfused: transformers' loss over the whole logits")
-    p.add_argument("--reshard-after-forward", choices=("always", "never"), default="always",
-                   help="FSDP2: free each layer's unsharded parameters after its forward (always: all-gathered "
-                        "again for the backward) or keep them until the backward (never: one all-gather a step)")
-    p.add_argument("--cuda-graphs", action="store_true", help="CUDA graphs in the compiled layers (needs --compile)")
-    p.add_argument("--gdn-cp", choices=("heads", "states"), default="heads",
-                   help="Gated DeltaNet CP: by heads (all-to-all; cp must divide the key heads) or by chunk states")
-    p.add_argument("--data", help="a .npy file of one 1-D integer array of token ids (default: synthetic)")
-    p.add_argument("--checkpoint-dir")
-    p.add_argument("--save-every", type=int, default=0, help="save a checkpoint every N steps (0: never)")
-    p.add_argument("--resume", nargs="?", const="latest",
-                   help="continue from checkpoint PATH; without a value from the latest complete one in "
-                        "--checkpoint-dir; 'auto': from the latest if there is one, else from the start (a job "
-                        "that torchrun --max-restarts restarts)")
-    p.add_argument("--nonfinite", choices=("stop", "skip"), default="stop",
-                   help="a step whose loss or gradient norm is not finite: its update is never applied; stop: the "
-                        "run stops with an error, skip: it goes on with the next step")
-    p.add_argument("--log-json", help="rank 0 writes the per-step log here")
-    p.add_argument("--peak-tflops", type=float, help="the device's peak for MFU (default: 989 on H100 / H200)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--profile", metavar="DIR",
-                   help=f"profile the run's steps {PROFILE_STEPS.start}-{PROFILE_STEPS.stop - 1} (compiled, warm) and "
-                        "write each rank's op tables, by host and by GPU time, to DIR")
-    p.add_argument("--fault", action="append", default=[], metavar="KIND:STEP:RANK[:ATTEMPT]",
-                   help=f"testing only: inject a fault, one of {', '.join(FAULT_KINDS)}, at STEP on global rank "
-                        "RANK in torchrun's attempt ATTEMPT (default 0: the first; TORCHELASTIC_RESTART_COUNT)")
-    return p
-
-
-def check_args(args: argparse.Namespace, world: int) -> None:
-    """Fill in defaults and refuse inconsistent settings (``ValueError``) before anything starts."""
-    if args.cp < 1:
-        raise ValueError(f"--cp must be >= 1, got {args.cp}")
-    if args.dp is None:
-        args.dp = world // args.cp
-    if args.dp < 1 or args.dp * args.cp != world:
-        raise ValueError(f"--dp {args.dp} x --cp {args.cp} must equal the world size {world} (torchrun's ranks)")
-    if args.num_layers is None:
-        args.num_layers = {"tiny": 4, "slice4": 4, "qwen3-next-80b": 48}[args.preset]
-    if args.num_layers < 1:
-        raise ValueError(f"--num-layers must be >= 1, got {args.num_layers}")
-    if args.vocab_size is not None and args.vocab_size < 2:
-        raise ValueError(f"--vocab-size must be >= 2, got {args.vocab_size}")
-    if args.tokens_per_step is None:
-        args.tokens_per_step = 256 * args.dp if args.preset == "tiny" else 32768
-    if args.batch_shards is None:
-        args.batch_shards = args.dp
-    if args.batch_shards < 1 or args.batch_shards % args.dp:
-        raise ValueError(f"--batch-shards {args.batch_shards} must be a positive multiple of --dp {args.dp}")
-    shards = args.batch_shards
-    if args.tokens_per_step % shards or args.tokens_per_step // shards <= args.max_seqs or args.max_seqs < 1:
-        raise ValueError(
-            f"--tokens-per-step {args.tokens_per_step} must split evenly into --batch-shards {shards} shards of more "
-            f"than --max-seqs {args.max_seqs} (>= 1) tokens each (a shard of one-token sequences has no label)"
-        )
-    config = model_config(args.preset, args.num_layers, args.vocab_size)
-    if config.linear_num_key_heads % args.cp or config.linear_num_value_heads % args.cp:
-        raise ValueError(
-            f"--cp {args.cp} must divide the Gated DeltaNet's {config.linear_num_key_heads} key and "
-            f"{config.linear_num_value_heads} value heads (preset {args.preset})"
-        )
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: no CUDA device is available (use --device cpu)")
-    if args.profile and args.steps < PROFILE_STEPS.stop - 1:
-        last = PROFILE_STEPS.stop - 1
-        raise ValueError(f"--profile records steps {PROFILE_STEPS.start}-{last}: --steps must be at least {last}")
-    if args.cuda_graphs and (not args.compile or args.device != "cuda"):
-        raise ValueError("--cuda-graphs needs --compile and --device cuda")
-    needs_dir = args.save_every or args.resume in ("latest", "auto")
-    if needs_dir and not args.checkpoint_dir:
-        raise ValueError("--save-every and --resume need --checkpoint-dir (or --resume PATH)")
-    if args.data:
-        check_token_file(args.data, args.tokens_per_step // shards)
-    args.fault = [parse_fault(f) if isinstance(f, str) else f for f in args.fault]
-    args.resume_from = find_checkpoint(args) if args.resume else None
-    if args.resume_from is not None:
-        check_resume(args.resume_from, args)
+def flag(default=None, **argparse_kw):
+    """A :class:`TrainConfig` field and its command-line flag (``num_layers``: ``--num-layers``),
+    the field's default the flag's; ``argparse_kw`` go to ``add_argument``."""
+    return field(default=default, metadata={"argparse": argparse_kw})
 
 
 @dataclass(frozen=True)
@@ -183,6 +88,165 @@ class Fault:
     attempt: int = 0
 
 
+@dataclass(frozen=True)
+class TrainConfig:
+    """The recipe's settings, one field per command-line flag, built and checked once by
+    :meth:`from_args`: the fields left None there (``dp``, ``num_layers``, ``tokens_per_step``,
+    ``batch_shards``) are filled in, ``fault`` holds the parsed faults and ``resume_from`` the
+    checkpoint ``--resume`` names (None: the run starts from step 1)."""
+
+    preset: str = flag("tiny", choices=PRESETS)
+    num_layers: int | None = flag(type=int, help="decoder layers, in the 3:1 linear / full attention pattern")
+    vocab_size: int | None = flag(type=int, help="the vocabulary (default: the preset's; Qwen3-Next's is 151936)")
+    dp: int | None = flag(type=int, help="data-parallel replicas (default: world / cp)")
+    cp: int = flag(1, type=int, help="context-parallel ranks per replica")
+    device: str = flag("cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"))
+    steps: int = flag(20, type=int)
+    tokens_per_step: int | None = flag(type=int, help="global real tokens per step")
+    max_seqs: int = flag(8, type=int, help="static maximum number of sequences per batch shard")
+    batch_shards: int | None = flag(
+        type=int, help="shards of each step's global batch, split over the dp replicas (default: dp); the same "
+                       "value gives every dp x cp layout the same data")  # fmt: skip
+    lr: float = flag(3e-4, type=float)
+    clip_grad_norm: float = flag(1.0, type=float, help="0: no clipping (the norm is still logged)")
+    seed: int = flag(0, type=int)
+    dtype: str = flag("bf16", choices=("bf16", "fp32"))
+    compile: bool = flag(False, action="store_true", help="torch.compile(fullgraph=True) every decoder layer")
+    ac: bool = flag(False, action="store_true", help="activation checkpointing per decoder layer")
+    loss: str = flag(
+        "fused", choices=("fused", "unfused"),
+        help="fused: the loss from the hidden states in row chunks, never the logits "
+             "(custom_ops.linear_cross_entropy); unfused: transformers' loss over the whole logits")  # fmt: skip
+    reshard_after_forward: str = flag(
+        "always", choices=("always", "never"),
+        help="FSDP2: free each layer's unsharded parameters after its forward (always: all-gathered again for "
+             "the backward) or keep them until the backward (never: one all-gather a step)")  # fmt: skip
+    cuda_graphs: bool = flag(False, action="store_true", help="CUDA graphs in the compiled layers (needs --compile)")
+    gdn_cp: str = flag(
+        "heads", choices=("heads", "states"),
+        help="Gated DeltaNet CP: by heads (all-to-all; cp must divide the key heads) or by chunk states")  # fmt: skip
+    data: str | None = flag(help="a .npy file of one 1-D integer array of token ids (default: synthetic)")
+    checkpoint_dir: str | None = flag()
+    save_every: int = flag(0, type=int, help="save a checkpoint every N steps (0: never)")
+    resume: str | None = flag(
+        nargs="?", const="latest",
+        help="continue from checkpoint PATH; without a value from the latest complete one in --checkpoint-dir; "
+             "'auto': from the latest if there is one, else from the start (a job that torchrun --max-restarts "
+             "restarts)")  # fmt: skip
+    nonfinite: str = flag(
+        "stop", choices=("stop", "skip"),
+        help="a step whose loss or gradient norm is not finite: its update is never applied; stop: the run stops "
+             "with an error, skip: it goes on with the next step")  # fmt: skip
+    log_json: str | None = flag(help="rank 0 writes the per-step log here")
+    peak_tflops: float | None = flag(type=float, help="the device's peak for MFU (default: 989 on H100 / H200)")
+    no_progress: bool = flag(False, action="store_true", help="no progress bar")
+    profile: str | None = flag(
+        metavar="DIR",
+        help=f"profile the run's steps {PROFILE_STEPS.start}-{PROFILE_STEPS.stop - 1} (compiled, warm) and write "
+             "each rank's op tables, by host and by GPU time, to DIR")  # fmt: skip
+    dry_run: bool = flag(
+        False, action="store_true",
+        help="check the settings, write them and the model's configuration (to --log-json, else to stdout) and "
+             "exit without training")  # fmt: skip
+    fault: tuple[Fault, ...] = flag(
+        (), action="append", metavar="KIND:STEP:RANK[:ATTEMPT]",
+        help=f"testing only: inject a fault, one of {', '.join(FAULT_KINDS)}, at STEP on global rank RANK in "
+             "torchrun's attempt ATTEMPT (default 0: the first; TORCHELASTIC_RESTART_COUNT)")  # fmt: skip
+    resume_from: Path | None = None
+
+    @classmethod
+    def from_args(cls, argv: list[str] | None, world: int) -> TrainConfig:
+        """The settings of a command line for ``world`` ranks: parsed, defaults filled in, checked;
+        ``ValueError`` for a bad command line or inconsistent settings, before anything starts."""
+        raw = vars(parser().parse_args(argv))
+        return cls(**dict(raw, fault=tuple(raw["fault"]))).checked(world)
+
+    def checked(self, world: int) -> TrainConfig:
+        """These settings with the defaults that depend on others filled in; ``ValueError`` for
+        inconsistent ones."""
+        if self.cp < 1:
+            raise ValueError(f"--cp must be >= 1, got {self.cp}")
+        dp = world // self.cp if self.dp is None else self.dp
+        if dp < 1 or dp * self.cp != world:
+            raise ValueError(f"--dp {dp} x --cp {self.cp} must equal the world size {world} (torchrun's ranks)")
+        num_layers = self.num_layers
+        if num_layers is None:
+            num_layers = {"tiny": 4, "slice4": 4, "qwen3-next-80b": 48}[self.preset]
+        if num_layers < 1:
+            raise ValueError(f"--num-layers must be >= 1, got {num_layers}")
+        if self.vocab_size is not None and self.vocab_size < 2:
+            raise ValueError(f"--vocab-size must be >= 2, got {self.vocab_size}")
+        tokens = self.tokens_per_step
+        if tokens is None:
+            tokens = 256 * dp if self.preset == "tiny" else 32768
+        shards = dp if self.batch_shards is None else self.batch_shards
+        if shards < 1 or shards % dp:
+            raise ValueError(f"--batch-shards {shards} must be a positive multiple of --dp {dp}")
+        if tokens % shards or tokens // shards <= self.max_seqs or self.max_seqs < 1:
+            raise ValueError(
+                f"--tokens-per-step {tokens} must split evenly into --batch-shards {shards} shards of more than "
+                f"--max-seqs {self.max_seqs} (>= 1) tokens each (a shard of one-token sequences has no label)"
+            )
+        faults = tuple(parse_fault(f) if isinstance(f, str) else f for f in self.fault)
+        cfg = dataclasses.replace(self, dp=dp, num_layers=num_layers, tokens_per_step=tokens, batch_shards=shards,
+                                  fault=faults)  # fmt: skip
+        config = cfg.model_config()
+        if config.linear_num_key_heads % cfg.cp or config.linear_num_value_heads % cfg.cp:
+            raise ValueError(
+                f"--cp {cfg.cp} must divide the Gated DeltaNet's {config.linear_num_key_heads} key and "
+                f"{config.linear_num_value_heads} value heads (preset {cfg.preset})"
+            )
+        if cfg.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda: no CUDA device is available (use --device cpu)")
+        if cfg.profile and cfg.steps < PROFILE_STEPS.stop - 1:
+            last = PROFILE_STEPS.stop - 1
+            raise ValueError(f"--profile records steps {PROFILE_STEPS.start}-{last}: --steps must be at least {last}")
+        if cfg.cuda_graphs and (not cfg.compile or cfg.device != "cuda"):
+            raise ValueError("--cuda-graphs needs --compile and --device cuda")
+        if (cfg.save_every or cfg.resume in ("latest", "auto")) and not cfg.checkpoint_dir:
+            raise ValueError("--save-every and --resume need --checkpoint-dir (or --resume PATH)")
+        if cfg.data:
+            check_token_file(cfg.data, cfg.shard_tokens)
+        resume_from = find_checkpoint(cfg) if cfg.resume else None
+        if resume_from is not None:
+            check_resume(resume_from, cfg)
+        return dataclasses.replace(cfg, resume_from=resume_from)
+
+    def model_config(self):
+        """The ``Qwen3NextConfig`` these settings train (:func:`model_config`)."""
+        return model_config(self.preset, self.num_layers, self.vocab_size)
+
+    @property
+    def shard_tokens(self) -> int:
+        """The real tokens of one batch shard."""
+        return self.tokens_per_step // self.batch_shards
+
+    @property
+    def replica_max_seqs(self) -> int:
+        """The static maximum number of sequences of a replica's batch: its shards' together."""
+        return self.max_seqs * (self.batch_shards // self.dp)
+
+    def replica_shards(self, dp_rank: int) -> range:
+        """The shards of each step's global batch that replica ``dp_rank`` trains on."""
+        per = self.batch_shards // self.dp
+        return range(dp_rank * per, (dp_rank + 1) * per)
+
+    def resume_config(self) -> dict:
+        """What a checkpoint must agree on to be resumed (:data:`RESUME_KEYS`)."""
+        return {k: getattr(self, k) for k in RESUME_KEYS}
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line of :class:`TrainConfig`: a flag per field."""
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for f in dataclasses.fields(TrainConfig):
+        if "argparse" in f.metadata:
+            kw = f.metadata["argparse"]
+            p.add_argument(f"--{f.name.replace('_', '-')}", default=[] if kw.get("action") == "append" else f.default,
+                           **kw)  # fmt: skip
+    return p
+
+
 def parse_fault(spec: str) -> Fault:
     parts = spec.split(":")
     if len(parts) not in (3, 4) or parts[0] not in FAULT_KINDS or not all(p.isdigit() for p in parts[1:]):
@@ -190,13 +254,13 @@ def parse_fault(spec: str) -> Fault:
     return Fault(parts[0], *map(int, parts[1:]))
 
 
-def fault_here(args: argparse.Namespace, kind: str, step: int, rank: int) -> bool:
-    return bool(args.fault) and Fault(kind, step, rank, env.torchrun_restart_count()) in args.fault
+def fault_here(cfg: TrainConfig, kind: str, step: int, rank: int) -> bool:
+    return Fault(kind, step, rank, env.torchrun_restart_count()) in cfg.fault
 
 
-def inject_fault(args: argparse.Namespace, kind: str, step: int, rank: int) -> None:
+def inject_fault(cfg: TrainConfig, kind: str, step: int, rank: int) -> None:
     """Kill this process here (SIGKILL: no cleanup, as a crash) if ``--fault`` asks for it."""
-    if fault_here(args, kind, step, rank):
+    if fault_here(cfg, kind, step, rank):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -321,7 +385,7 @@ def check_token_file(path: str, min_tokens: int = 0):
     return tokens
 
 
-class Batches:
+class TokenStream:
     """The sequences of shard ``k`` of step ``s``'s global batch: a pure function of (seed, s, k),
     so a resumed run continues the same stream, and every dp x cp layout with the same number of
     shards (``--batch-shards``) trains on the same data. Between 1 and ``max_seqs`` sequences of
@@ -341,7 +405,7 @@ class Batches:
     def lengths(self, step: int, shard: int) -> list[int]:
         return self._lengths(step, shard)[1]
 
-    def __call__(self, step: int, shard: int) -> list[torch.Tensor]:
+    def sequences(self, step: int, shard: int) -> list[torch.Tensor]:
         gen, lens = self._lengths(step, shard)
         if self.data is None:
             return [torch.randint(0, self.vocab_size, (n,), generator=gen) for n in lens]
@@ -360,13 +424,13 @@ class Batches:
 
 @dataclass
 class Run:
-    args: argparse.Namespace
-    config: object
+    cfg: TrainConfig
+    model_config: object  # the Qwen3NextConfig
     device: torch.device
     mesh: object
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
-    batches: Batches
+    data: TokenStream
     num_tokens: int  # static padded rows of a replica's batch
     rank: int
     dp_rank: int
@@ -407,55 +471,44 @@ def flatten(mesh):
     return mesh["dp", "cp"]._flatten("dp_cp")  # private, but torchtitan's way on torch 2.11 and 2.13 alike
 
 
-def setup(args: argparse.Namespace, rank: int, world: int, device: torch.device) -> Run:
+def setup(cfg: TrainConfig, rank: int, world: int, device: torch.device) -> Run:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from cp_ops import StatePassing
     from cp_ops.integrations.transformers import apply_context_parallel
 
-    mesh = init_device_mesh(device.type, (args.dp, args.cp), mesh_dim_names=("dp", "cp"))
-    config = model_config(args.preset, args.num_layers, args.vocab_size)
-    on_meta = args.preset == "qwen3-next-80b"  # too large to build whole on every rank first
-    model = build_model(config, args.seed, "meta" if on_meta else "cpu")
+    mesh = init_device_mesh(device.type, (cfg.dp, cfg.cp), mesh_dim_names=("dp", "cp"))
+    config = cfg.model_config()
+    on_meta = cfg.preset == "qwen3-next-80b"  # too large to build whole on every rank first
+    model = build_model(config, cfg.seed, "meta" if on_meta else "cpu")
     # the patch changes no parameter and the CP layers read their weights inside the forward,
     # where FSDP2 has unsharded them; either order works, the patch comes first here
-    gdn_cp = StatePassing() if args.gdn_cp == "states" else None
-    apply_context_parallel(model, mesh["cp"] if args.cp > 1 else None, gdn_cp, fused_loss=args.loss == "fused")
+    gdn_cp = StatePassing() if cfg.gdn_cp == "states" else None
+    apply_context_parallel(model, mesh["cp"] if cfg.cp > 1 else None, gdn_cp, fused_loss=cfg.loss == "fused")
     for layer in model.model.layers:
-        wrap_layer(layer, args)
+        wrap_layer(layer, cfg)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    shard_kw = dict(mesh=flatten(mesh), **({"mp_policy": policy} if args.dtype == "bf16" else {}))
+    shard_kw = dict(mesh=flatten(mesh), **({"mp_policy": policy} if cfg.dtype == "bf16" else {}))
     # units in the order the backward finishes them: the output head's gradients are reduced
     # while the layers' backward runs; only the embedding's (the last) wait at the end
     fully_shard(model.model.embed_tokens, **shard_kw)
     for layer in model.model.layers:
-        fully_shard(layer, reshard_after_forward=args.reshard_after_forward == "always", **shard_kw)
+        fully_shard(layer, reshard_after_forward=cfg.reshard_after_forward == "always", **shard_kw)
     fully_shard([model.model.norm, model.lm_head], **shard_kw)
     fully_shard(model, **shard_kw)
     if on_meta:
-        init_meta_model(model, config, device, args.seed)
+        init_meta_model(model, config, device, cfg.seed)
     model.train()
     # fused on the CPU too: it alone takes found_inf, which skips a non-finite step's update
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=True, **ADAMW)
-    batches = Batches(args.tokens_per_step // args.batch_shards, args.max_seqs, config.vocab_size, args.seed, args.data)
-    num_tokens = static_num_tokens(args.tokens_per_step // args.dp, replica_max_seqs(args), args.cp)
-    return Run(args, config, device, mesh, model, optimizer, batches, num_tokens, rank, mesh["dp"].get_local_rank(),
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, fused=True, **ADAMW)
+    data = TokenStream(cfg.shard_tokens, cfg.max_seqs, config.vocab_size, cfg.seed, cfg.data)
+    num_tokens = static_num_tokens(cfg.tokens_per_step // cfg.dp, cfg.replica_max_seqs, cfg.cp)
+    return Run(cfg, config, device, mesh, model, optimizer, data, num_tokens, rank, mesh["dp"].get_local_rank(),
                mesh["cp"].get_local_rank())  # fmt: skip
 
 
-def replica_max_seqs(args: argparse.Namespace) -> int:
-    """The static maximum number of sequences of a replica's batch: its shards' together."""
-    return args.max_seqs * (args.batch_shards // args.dp)
-
-
-def replica_shards(args: argparse.Namespace, dp_rank: int) -> range:
-    """The shards of each step's global batch that replica ``dp_rank`` trains on."""
-    per = args.batch_shards // args.dp
-    return range(dp_rank * per, (dp_rank + 1) * per)
-
-
-def wrap_layer(layer: torch.nn.Module, args: argparse.Namespace) -> None:
+def wrap_layer(layer: torch.nn.Module, cfg: TrainConfig) -> None:
     """Activation checkpointing and compilation of one decoder layer's forward. The forward is
     replaced (not the module), so parameter names stay transformers' and FSDP2's hooks, which
     are not traceable, run eagerly around the compiled code."""
@@ -464,13 +517,13 @@ def wrap_layer(layer: torch.nn.Module, args: argparse.Namespace) -> None:
     import cp_ops
 
     forward = layer.forward
-    if args.ac:
+    if cfg.ac:
         from torch.utils.checkpoint import checkpoint
 
         forward = functools.partial(checkpoint, forward, use_reentrant=False)
-    if args.compile:
+    if cfg.compile:
         options = dict(cp_ops.COMPILE_OPTIONS)
-        if args.cuda_graphs:
+        if cfg.cuda_graphs:
             # mode="reduce-overhead" is triton.cudagraphs=True; it cannot be combined with options
             options["triton.cudagraphs"] = True
             forward = with_parameters_as_inputs(layer, forward, options)
@@ -505,9 +558,9 @@ def replica_batch(run: Run, step: int):
     """This rank's static-shape shard of its dp replica's batch of ``step``, on the host."""
     from cp_ops.integrations.transformers import shard_batch
 
-    seqs = [seq for k in replica_shards(run.args, run.dp_rank) for seq in run.batches(step, k)]
-    return shard_batch(seqs, run.args.cp, run.cp_rank, num_tokens=run.num_tokens,
-                       max_sequences=replica_max_seqs(run.args))  # fmt: skip
+    seqs = [seq for k in run.cfg.replica_shards(run.dp_rank) for seq in run.data.sequences(step, k)]
+    return shard_batch(seqs, run.cfg.cp, run.cp_rank, num_tokens=run.num_tokens,
+                       max_sequences=run.cfg.replica_max_seqs)  # fmt: skip
 
 
 class Staging:
@@ -588,19 +641,19 @@ class IssuedStep:
 
 def issue_step(run: Run, step: int, batch, clock: Clock, staging: Staging, recordings: Callable[[], int]) -> IssuedStep:
     """Queue one optimizer step on ``batch`` (this rank's shard); nothing in it waits for the GPU."""
-    model, args = run.model, run.args
+    model, cfg = run.model, run.cfg
     recorded = recordings()
-    if args.cuda_graphs:
+    if cfg.cuda_graphs:
         torch.compiler.cudagraph_mark_step_begin()
     t0 = time.perf_counter()
     start = clock.mark()
     loss = model(**batch.model_inputs()).loss  # this cp rank's share of its replica's batch loss
-    if fault_here(args, "nan", step, run.rank):
+    if fault_here(cfg, "nan", step, run.rank):
         loss = loss * float("nan")
     # FSDP2 averages gradients over all dp x cp ranks; the cp shares must add up instead, so each
     # is scaled by cp: mean over (dp, cp) of cp x share = mean over dp of the replica gradients
-    (loss * args.cp).backward()
-    norm = clip_gradients(model, args.clip_grad_norm)
+    (loss * cfg.cp).backward()
+    norm = clip_gradients(model, cfg.clip_grad_norm)
     total = loss.detach().float().reshape(1)
     dist.all_reduce(total)  # the sum of every rank's share = dp x the replica-mean loss
     values = torch.cat([total, norm.detach().float().reshape(1)])
@@ -630,8 +683,8 @@ def read_step(run: Run, issued: IssuedStep, clock: Clock, previous_end=None) -> 
     loss, norm = issued.values.tolist()
     step_ms = clock.ms(issued.start if previous_end is None else previous_end, issued.end)
     return dict(
-        step=issued.step, loss=loss / run.args.dp, grad_norm=norm, skipped=not math.isfinite(loss + norm),
-        tokens=run.args.tokens_per_step, step_ms=step_ms, host_ms=issued.host_ms,
+        step=issued.step, loss=loss / run.cfg.dp, grad_norm=norm, skipped=not math.isfinite(loss + norm),
+        tokens=run.cfg.tokens_per_step, step_ms=step_ms, host_ms=issued.host_ms,
         gpu_ms=clock.ms(issued.start, issued.end) if clock.cuda else None, wait_ms=wait_ms,
         cudagraph_recordings=issued.cudagraph_recordings, time=time.time(),
     )  # fmt: skip
@@ -652,10 +705,6 @@ def clip_gradients(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
 # --- checkpoints --------------------------------------------------------------------------------
 
 
-def resume_config(args: argparse.Namespace) -> dict:
-    return {k: getattr(args, k) for k in RESUME_KEYS}
-
-
 def checkpoint_path(root: str, step: int) -> Path:
     return Path(root) / f"step-{step:08d}"
 
@@ -668,17 +717,17 @@ def save_checkpoint(run: Run, step: int) -> Path:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    path = checkpoint_path(run.args.checkpoint_dir, step)
+    path = checkpoint_path(run.cfg.checkpoint_dir, step)
     partial = path.with_name(f"{path.name}.partial")
     if run.rank == 0 and partial.exists():
         shutil.rmtree(partial)  # left by a crash during an earlier save of this step
     dist.barrier()
     model_sd, optim_sd = get_state_dict(run.model, run.optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(partial))
-    inject_fault(run.args, "kill-in-save", step, run.rank)
+    inject_fault(run.cfg, "kill-in-save", step, run.rank)
     dist.barrier()
     if run.rank == 0:
-        meta = {"format": 1, "step": step, "config": resume_config(run.args), "model": run.config.to_dict()}
+        meta = {"format": 1, "step": step, "config": run.cfg.resume_config(), "model": run.model_config.to_dict()}
         with open(partial / "recipe.json", "w") as f:
             f.write(json.dumps(meta, indent=1, default=str))
             f.flush()
@@ -708,18 +757,18 @@ def complete_checkpoints(root: str) -> list[Path]:
     return sorted(p for p in found if (p / "recipe.json").is_file())
 
 
-def find_checkpoint(args: argparse.Namespace) -> Path | None:
+def find_checkpoint(cfg: TrainConfig) -> Path | None:
     """The checkpoint ``--resume`` names: PATH, or the latest complete one in --checkpoint-dir
     (``auto``: None where there is none). ``ValueError`` for a path that is missing or not a
     complete checkpoint."""
-    if args.resume in ("latest", "auto"):
-        done = complete_checkpoints(args.checkpoint_dir)
+    if cfg.resume in ("latest", "auto"):
+        done = complete_checkpoints(cfg.checkpoint_dir)
         if done:
             return done[-1]
-        if args.resume == "auto":
+        if cfg.resume == "auto":
             return None
-        raise ValueError(f"--resume: no complete checkpoint (step-*/recipe.json) in {args.checkpoint_dir}")
-    path = Path(args.resume)
+        raise ValueError(f"--resume: no complete checkpoint (step-*/recipe.json) in {cfg.checkpoint_dir}")
+    path = Path(cfg.resume)
     if not path.is_dir():
         raise ValueError(f"--resume {path}: no such directory")
     if not (path / "recipe.json").is_file():
@@ -727,10 +776,10 @@ def find_checkpoint(args: argparse.Namespace) -> Path | None:
     return path
 
 
-def check_resume(path: Path, args: argparse.Namespace) -> int:
+def check_resume(path: Path, cfg: TrainConfig) -> int:
     """The step a checkpoint was saved at; ``ValueError`` naming every setting that differs."""
     meta = json.loads((path / "recipe.json").read_text())
-    saved, now = meta["config"], resume_config(args)
+    saved, now = meta["config"], cfg.resume_config()
     diff = [f"--{k.replace('_', '-')} {saved.get(k)!r} -> {now[k]!r}" for k in RESUME_KEYS if saved.get(k) != now[k]]
     if diff:
         raise ValueError(f"--resume {path}: the checkpoint was trained with other settings: {'; '.join(diff)}")
@@ -741,7 +790,7 @@ def load_checkpoint(run: Run, path: Path) -> int:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    step = check_resume(path, run.args)
+    step = check_resume(path, run.cfg)
     model_sd, optim_sd = get_state_dict(run.model, run.optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(path))
@@ -752,56 +801,56 @@ def load_checkpoint(run: Run, path: Path) -> int:
 # --- the loop -----------------------------------------------------------------------------------
 
 
-def peak_tflops(args: argparse.Namespace, device: torch.device) -> float | None:
-    if args.peak_tflops:
-        return args.peak_tflops
+def peak_tflops(cfg: TrainConfig, device: torch.device) -> float | None:
+    if cfg.peak_tflops:
+        return cfg.peak_tflops
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
     return None
 
 
-def train(args: argparse.Namespace, rank: int, world: int, device: torch.device) -> dict:
+def train(cfg: TrainConfig, rank: int, world: int, device: torch.device) -> dict:
     from torch._dynamo.utils import counters
 
-    run = setup(args, rank, world, device)
-    start = load_checkpoint(run, args.resume_from) if args.resume_from else 0
-    peak = peak_tflops(args, device)
-    log = {"settings": vars(args), "world": world, "device": str(torch.cuda.get_device_name(device))
+    run = setup(cfg, rank, world, device)
+    start = load_checkpoint(run, cfg.resume_from) if cfg.resume_from else 0
+    peak = peak_tflops(cfg, device)
+    log = {"settings": dataclasses.asdict(cfg), "world": world, "device": str(torch.cuda.get_device_name(device))
            if device.type == "cuda" else "cpu", "torch": torch.__version__, "num_tokens": run.num_tokens,
            "resumed_from": start, "steps": [], "restarts": []}  # fmt: skip
     if start:
-        log["steps"], log["restarts"] = earlier_attempts(args, start)
+        log["steps"], log["restarts"] = earlier_attempts(cfg, start)
     if rank == 0:
         params = sum(p.numel() for p in run.model.parameters())  # the DTensors' global sizes
-        print(f"[train] world {world} = dp {args.dp} x cp {args.cp} on {log['device']}; {args.preset}, "
-              f"{args.num_layers} layers, {params / 1e6:.1f}M parameters ({active_params(run.config) / 1e6:.1f}M "
-              f"active, non-embedding); {args.tokens_per_step} tokens per step, {run.num_tokens} rows per replica "
-              f"batch; steps {start + 1}..{args.steps}" + (" (the first compiles)" if args.compile else ""),
+        print(f"[train] world {world} = dp {cfg.dp} x cp {cfg.cp} on {log['device']}; {cfg.preset}, "
+              f"{cfg.num_layers} layers, {params / 1e6:.1f}M parameters ({active_params(run.model_config) / 1e6:.1f}M "
+              f"active, non-embedding); {cfg.tokens_per_step} tokens per step, {run.num_tokens} rows per replica "
+              f"batch; steps {start + 1}..{cfg.steps}" + (" (the first compiles)" if cfg.compile else ""),
               flush=True)  # fmt: skip
     bar = None
-    if rank == 0 and not args.no_progress:
+    if rank == 0 and not cfg.no_progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=args.steps, initial=start, desc=f"train dp={args.dp} cp={args.cp}", file=sys.stdout)
+        bar = tqdm(total=cfg.steps, initial=start, desc=f"train dp={cfg.dp} cp={cfg.cp}", file=sys.stdout)
     graphs_after_first = None
     profiler = None
     clock = Clock(device)
-    first, last = start + 1, args.steps
+    first, last = start + 1, cfg.steps
 
     def synced(step: int) -> bool:
         """Whether ``step`` is read back before the next is issued: the first (compilation), the one
         before the profiled steps and the last of them, a checkpoint's, the run's last."""
-        profiled = args.profile and step - start in (PROFILE_STEPS.start - 1, PROFILE_STEPS.stop - 1)
-        return step in (first, last) or bool(profiled) or bool(args.save_every and step % args.save_every == 0)
+        profiled = cfg.profile and step - start in (PROFILE_STEPS.start - 1, PROFILE_STEPS.stop - 1)
+        return step in (first, last) or bool(profiled) or bool(cfg.save_every and step % cfg.save_every == 0)
 
     def finish(issued: IssuedStep, previous_end) -> None:
         nonlocal graphs_after_first
         rec = read_step(run, issued, clock, previous_end)
         step = rec["step"]
         rec["tokens_per_s"] = rec["tokens"] / (rec["step_ms"] / 1e3)
-        rec["lengths"] = [run.batches.lengths(step, k) for k in range(args.batch_shards)]  # the step's packing
-        flops = count_flops_per_step(run.config, rec["lengths"])
+        rec["lengths"] = [run.data.lengths(step, k) for k in range(cfg.batch_shards)]  # the step's packing
+        flops = count_flops_per_step(run.model_config, rec["lengths"])
         rec["mfu"] = flops / (rec["step_ms"] / 1e3) / (world * peak * 1e12) if peak else None
         # this rank's peak so far; the largest over ranks replaces it at the end of the run (a
         # collective here would wait for the step issued after this one)
@@ -813,11 +862,11 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
         if bar:
             bar.set_postfix(loss=f"{rec['loss']:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}", ms=f"{rec['step_ms']:.0f}")
             bar.update()
-        if rank == 0 and args.log_json:
-            write_log(log, args.log_json)
+        if rank == 0 and cfg.log_json:
+            write_log(log, cfg.log_json)
         if rec["skipped"]:
             what = f"step {step}: loss {rec['loss']}, gradient norm {rec['grad_norm']}; its update was not applied"
-            if args.nonfinite == "stop":
+            if cfg.nonfinite == "stop":
                 raise NonFiniteStep(f"{what}. The run stops (--nonfinite skip would go on with the next step)")
             if rank == 0:
                 print(f"[train] {what} (--nonfinite skip)", flush=True)
@@ -831,8 +880,8 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
         pending = None  # (the issued step not read yet, the end of the step before it or None)
         previous_end = None
         for step in range(first, last + 1):
-            inject_fault(args, "kill", step, rank)
-            if args.profile and step - start == PROFILE_STEPS.start:
+            inject_fault(cfg, "kill", step, rank)
+            if cfg.profile and step - start == PROFILE_STEPS.start:
                 profiler = start_profiler()
             issued = issue_step(run, step, batch, clock, staging, recordings)
             if step < last:
@@ -845,9 +894,9 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
                 finish(*pending)
                 pending, previous_end = None, None
                 if profiler and step - start == PROFILE_STEPS.stop - 1:
-                    write_profile(profiler, args.profile, rank)
+                    write_profile(profiler, cfg.profile, rank)
                     profiler = None
-                if args.save_every and step % args.save_every == 0:
+                if cfg.save_every and step % cfg.save_every == 0:
                     save_checkpoint(run, step)
     if device.type == "cuda" and log["steps"]:
         peaks = torch.tensor([r["peak_mem_gib"] for r in log["steps"]], device=device)
@@ -863,11 +912,11 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
     log["summary"] = {"first_step_ms": log["steps"][0]["step_ms"] if log["steps"] else None,
                       "median_step_ms": statistics.median(times) if times else None}  # fmt: skip
     if rank == 0:
-        if args.log_json:
-            write_log(log, args.log_json)
-        if args.compile:
+        if cfg.log_json:
+            write_log(log, cfg.log_json)
+        if cfg.compile:
             skips = (f", CUDA graphs recorded per step: {[r['cudagraph_recordings'] for r in log['steps']]}, "
-                     f"skipped: {log['cudagraph_skips']}" if args.cuda_graphs else "")  # fmt: skip
+                     f"skipped: {log['cudagraph_skips']}" if cfg.cuda_graphs else "")  # fmt: skip
             print(f"[train] compiled graphs: {log['graphs']}, recompiles after the first step: {log['recompiles']}"
                   + skips)  # fmt: skip
         if log["steps"]:
@@ -929,7 +978,7 @@ class NonFiniteStep(FloatingPointError):
     """A step's loss or gradient norm is not finite and ``--nonfinite stop`` is set."""
 
 
-def earlier_attempts(args: argparse.Namespace, start: int) -> tuple[list[dict], list[dict]]:
+def earlier_attempts(cfg: TrainConfig, start: int) -> tuple[list[dict], list[dict]]:
     """What the ``--log-json`` an earlier run of these settings left says, for a run resumed from
     step ``start``: its records of steps 1 to ``start``, and its restarts with this one appended:
     ``resumed_from``, ``redone`` (its records of the steps after ``start``, which this run trains
@@ -937,12 +986,12 @@ def earlier_attempts(args: argparse.Namespace, start: int) -> tuple[list[dict], 
     back there: the steps lost, the failure, the restart and the loading). Nothing where there is
     no such log."""
     try:
-        with open(args.log_json) as f:
+        with open(cfg.log_json) as f:
             old = json.load(f)
     except (TypeError, OSError, ValueError):  # no --log-json, no file, not a log
         return [], []
     settings = old.get("settings", {}) if isinstance(old, dict) else {}
-    if {k: settings.get(k) for k in RESUME_KEYS} != json.loads(json.dumps(resume_config(args), default=str)):
+    if {k: settings.get(k) for k in RESUME_KEYS} != json.loads(json.dumps(cfg.resume_config(), default=str)):
         return [], []
     steps = old.get("steps", [])
     at_start = [r for r in steps if r["step"] == start and "time" in r]
@@ -969,17 +1018,27 @@ def refuse(prog: str, message: str, rank: int):
     sys.exit(2)
 
 
+def dry_run(cfg: TrainConfig, world: int) -> dict:
+    """What ``--dry-run`` writes: the checked settings, the world size and the model's configuration."""
+    return {"settings": dataclasses.asdict(cfg), "world": world, "model": cfg.model_config().to_dict()}
+
+
 def main(argv: list[str] | None = None) -> None:
-    p = parser()
     rank, world = (env.torchrun_ranks() or (0, 1))[:2]
     try:
-        args = p.parse_args(argv)
-        check_args(args, world)
+        cfg = TrainConfig.from_args(argv, world)
     except ValueError as err:
-        refuse(p.prog, str(err), rank)
-    rank, world, device = init_distributed(args.device)
+        refuse(parser().prog, str(err), rank)
+    if cfg.dry_run:
+        if rank == 0:
+            if cfg.log_json:
+                write_log(dry_run(cfg, world), cfg.log_json)
+            else:
+                print(json.dumps(dry_run(cfg, world), indent=1, default=str))
+        return
+    rank, world, device = init_distributed(cfg.device)
     try:
-        train(args, rank, world, device)
+        train(cfg, rank, world, device)
         dist.barrier()
     except NonFiniteStep as err:
         # every rank stops at the same step; rank 0 says why before any of them exits
@@ -988,7 +1047,7 @@ def main(argv: list[str] | None = None) -> None:
         dist.barrier()
         sys.exit(1)
     finally:
-        if args.cuda_graphs:
+        if cfg.cuda_graphs:
             # recorded graphs keep the NCCL communicators they captured alive, which
             # destroy_process_group would then wait on
             torch.compiler.reset()

@@ -150,10 +150,9 @@ def test_memory_probe_phases_and_sizes():
 
 def _recipe_rank(rank: int, world: int) -> None:
     recipe = load_recipe()
-    args = recipe.parser().parse_args(["--preset", "tiny", "--device", "cpu", "--dtype", "fp32", "--steps", "2",
-                                       "--no-progress"])  # fmt: skip
-    recipe.check_args(args, world)
-    report = measure(recipe, args, rank, world, torch.device("cpu"))
+    cfg = recipe.TrainConfig.from_args(["--preset", "tiny", "--device", "cpu", "--dtype", "fp32", "--steps", "2",
+                                        "--no-progress"], world)  # fmt: skip
+    report = measure(recipe, cfg, rank, world, torch.device("cpu"))
     names = [p[0] for p in report["phases"]]
     assert names == ["embedding", "layer 0", "layer 1", "layer 2", "layer 3", "head and loss", "backward",
                      "optimizer step"], names  # fmt: skip

@@ -303,6 +303,15 @@ def test_compare_children_keep_other_packages_on_the_path(tmp_path, monkeypatch)
 # --- bench_train ----------------------------------------------------------------------------------
 
 
+def test_bench_train_reads_the_recipes_settings_from_a_dry_run(tmp_path):
+    """bench_train learns the recipe's model from a ``--dry-run`` process (its --log-json), not by
+    importing it."""
+    from benchmarks import bench_train
+
+    got = bench_train.dry_run(["--preset", "slice4", "--vocab-size", "1000"], tmp_path / "dry.json")
+    assert got["model"]["vocab_size"] == 1000 and got["settings"]["tokens_per_step"] == 32768
+
+
 def _train_log(losses, recordings, lengths):
     steps = [{"step": i + 1, "loss": loss, "step_ms": 100.0 + i, "cudagraph_recordings": r, "lengths": [n]}
              for i, (loss, r, n) in enumerate(zip(losses, recordings, lengths))]  # fmt: skip

@@ -30,7 +30,7 @@ def test_importing_the_packages_prints_nothing():
 
 def test_importing_fla_through_the_ops_prints_nothing():
     out = _run("""
-        from custom_ops.gated_delta_rule.fla import fla_module
+        from custom_ops.fla.adapter import fla_module
         fla_module("fla.ops.gated_delta_rule.chunk")
         fla_module("fla.modules.causal_conv1d.ops")
         import fla.utils.hardware  # loaded: a later import by anyone warns no more
@@ -47,7 +47,7 @@ def test_other_warnings_pass(tmp_path):
         "warnings.warn('Triton is not supported on current platform, roll back to CPU.')\n"
         "warnings.warn('something else')\n"
     )
-    out = _run("from custom_ops.gated_delta_rule.fla import fla_module; fla_module('noisy')", cwd=tmp_path)
+    out = _run("from custom_ops.fla.adapter import fla_module; fla_module('noisy')", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert "roll back to CPU" in out.stderr and "something else" in out.stderr
 

@@ -18,7 +18,11 @@ from __future__ import annotations
 
 import torch
 
-from cp_ops.integrations.transformers import ContextParallelQwen3NextAttention, ContextParallelQwen3NextGatedDeltaNet
+from cp_ops.integrations.transformers import (
+    ContextParallelQwen3NextAttention,
+    ContextParallelQwen3NextGatedDeltaNet,
+    shard_labelled,
+)
 from cp_ops.layout import pack, shard_thd
 
 try:
@@ -61,11 +65,13 @@ class ContextParallelCollator:
     boundaries as ``cu_seq_lens_q`` or ``position_ids``) becomes CP rank ``cp_rank``'s shard.
 
     The labels are shifted within each sequence (``-100`` at its last token), each sequence is
-    padded to a multiple of ``2 * cp_size`` (``pad_token_id``; labels ``-100``) and the tokens,
-    labels and positions are sharded like :func:`cp_ops.integrations.transformers.shard_batch`.
-    Returns ``input_ids``, ``labels`` (= ``shift_labels``), ``shift_labels``, ``position_ids``
-    ``[1, T/W]`` and ``cu_seq_lens_q`` = ``cu_seq_lens_k`` (int32, the global real lengths);
-    other keys are dropped. ``ValueError`` for a padded batch (several rows or an
+    padded to a multiple of ``2 * cp_size`` (``pad_token_id``; labels ``-100``) and the tokens
+    and labels are sharded into a :class:`~cp_ops.integrations.transformers.ShardedBatch`
+    (:func:`~cp_ops.integrations.transformers.shard_labelled`), the positions alike. Returns its
+    model inputs but ``num_items_in_batch`` (the Trainer counts the label tokens of the whole
+    accumulated batch itself): ``input_ids``, ``labels`` (= ``shift_labels``), ``shift_labels``
+    ``[1, T/W]`` and ``cu_seq_lens_q`` = ``cu_seq_lens_k`` (int32, the global real lengths), with
+    ``position_ids`` ``[1, T/W]``; other keys are dropped. ``ValueError`` for a padded batch (several rows or an
     ``attention_mask`` with zeros).
     """
 
@@ -90,15 +96,12 @@ class ContextParallelCollator:
             shifted = torch.cat([labels[1:], labels.new_full((1,), -100)])
             shifted[cu[1:] - 1] = -100  # the last token of each sequence has no target
         lens = cu.diff().tolist()
-        positions = [torch.arange(n) for n in lens]
-        packed = [pack(list(t.split(lens)), self.cp_size, padding_value=v)
-                  for t, v in ((ids, self.pad_token_id), (shifted, -100))]  # fmt: skip
-        packed_positions, _, _ = pack(positions, self.cp_size)
-        (packed_ids, cu32, cup), (packed_labels, _, _) = packed
-        shard = {name: shard_thd(t, cup, self.cp_size, self.cp_rank)[None]
-                 for name, t in (("input_ids", packed_ids), ("shift_labels", packed_labels),
-                                 ("position_ids", packed_positions.to(torch.int64)))}  # fmt: skip
-        return dict(shard, labels=shard["shift_labels"], cu_seq_lens_q=cu32, cu_seq_lens_k=cu32)
+        batch = shard_labelled(ids.split(lens), shifted.split(lens), self.cp_size, self.cp_rank,
+                               pad_token_id=self.pad_token_id)  # fmt: skip
+        positions, _, cup = pack([torch.arange(n) for n in lens], self.cp_size)
+        inputs = batch.model_inputs()
+        del inputs["num_items_in_batch"]
+        return dict(inputs, position_ids=shard_thd(positions.to(torch.int64), cup, self.cp_size, self.cp_rank)[None])
 
 
 def _patched_cp_size(model: torch.nn.Module) -> int:

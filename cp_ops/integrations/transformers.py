@@ -21,7 +21,8 @@ import torch.nn as nn
 from cp_ops.attention import Attention
 from cp_ops.integrations.causal_lm_loss import check_fused_loss, set_fused_loss
 from custom_ops import fla_module, resolve_group
-from cp_ops.gdn import GatedDeltaNet, GDNContextParallel, from_qwen3_next_state_dict
+from cp_ops.gdn import GatedDeltaNet, from_qwen3_next_state_dict
+from cp_ops.gdn_strategies import GDNContextParallel
 from cp_ops.layout import pack, shard_thd, static_seqlens
 
 try:  # transformers' module imports FLA when it is installed: loaded here first, without its CPU notice
@@ -38,6 +39,7 @@ __all__ = [
     "apply_context_parallel",
     "shard_batch",
     "ShardedBatch",
+    "shard_labelled",
     "cu_seqlens_padded",
     "ContextParallelQwen3NextGatedDeltaNet",
     "ContextParallelQwen3NextAttention",
@@ -471,8 +473,22 @@ def shard_batch(
     for n in lens[len(ids) :]:  # the zero-length sequences, then the filler
         ids.append(ids[0].new_full((n,), pad_token_id))
         labels.append(ids[0].new_full((n,), ignore_index))
-    packed_ids, cu, cup = pack(ids, cp_size, padding_value=pad_token_id)
-    packed_labels, _, _ = pack(labels, cp_size, padding_value=ignore_index)
+    return shard_labelled(ids, labels, cp_size, rank, ignore_index, pad_token_id)
+
+
+def shard_labelled(
+    ids: Sequence[torch.Tensor],
+    shift_labels: Sequence[torch.Tensor],
+    cp_size: int,
+    rank: int,
+    ignore_index: int = -100,
+    pad_token_id: int = 0,
+) -> ShardedBatch:
+    """Rank ``rank``'s share of sequences with their shifted labels (``shift_labels[i]`` as long
+    as ``ids[i]``): packed, each padded to a multiple of ``2 * cp_size`` (``pad_token_id``; labels
+    ``ignore_index``), sharded. :func:`shard_batch` after its shift; the Trainer's collator."""
+    packed_ids, cu, cup = pack(list(ids), cp_size, padding_value=pad_token_id)
+    packed_labels, _, _ = pack(list(shift_labels), cp_size, padding_value=ignore_index)
     return ShardedBatch(
         input_ids=shard_thd(packed_ids, cup, cp_size, rank),
         shift_labels=shard_thd(packed_labels, cup, cp_size, rank),

@@ -4,7 +4,7 @@
 sequence) exactly what attention over the whole sequence gives: K and V all-gathered in one
 collective, then one segment-attention launch with two segments per sequence
 (:func:`custom_ops.ag_thd_segments`) over the gathered rows read in sequence order
-(``varlen_attention_kv``). The backward is autograd through those pieces: the dk/dv kernel
+(``varlen_attention`` with a key-row map). The backward is autograd through those pieces: the dk/dv kernel
 writes the gradients in rank order, then a reduce-scatter. A composite op, so the rank is read at run time
 (``group_rank_tensor``) and the CP size is an argument (docs/design.md section 3).
 ``launches=2`` and ``head_groups=G`` are the variants of section 4.2.
@@ -19,8 +19,7 @@ from custom_ops.ag_attention.segments import ag_thd_segments
 from custom_ops.runtime.collectives import all_gather_rows
 from custom_ops.runtime.groups import check_group_size, resolve_group
 from custom_ops.runtime.registration import NAMESPACE, composite_op, opaque_op
-from custom_ops.segment_attention.kv_rows import varlen_attention_kv
-from custom_ops.segment_attention.op import check_gqa_heads, varlen_attention, window_pair
+from custom_ops.segment_attention.op import check_gqa_heads, varlen_attention, varlen_attention_kv, window_pair
 from custom_ops.thd.checked_mode import call_checked
 from custom_ops.thd.checks import check_index_tensor
 from custom_ops.thd.index import rank_to_seq_index
@@ -117,8 +116,8 @@ def _ag_thd_attention(q, k, v, cu_seqlens, cu_seqlens_padded, causal, window_lef
 
 
 # CompositeImplicitAutograd: the op is its decomposition, so autograd, fake tensors and
-# torch.compile see all_gather / varlen_attention_kv / varlen_attention, each with its own
-# fake and backward; nothing here needs a fake or an autograd formula of its own. cp_size is
+# torch.compile see all_gather / varlen_attention (with a key-row map or without), each with its
+# own fake and backward; nothing here needs a fake or an autograd formula of its own. cp_size is
 # in the schema (checked against the group) so that a compiled graph's cache key holds it:
 # group names repeat across runs of different sizes.
 @composite_op(

@@ -32,7 +32,7 @@ from custom_ops.conv1d.reference import (
     causal_conv1d_reference_backward,
     check_activation,
 )
-from custom_ops.gated_delta_rule.fla import FLA_CHUNK, fla_call, fla_module, fla_varlen_indices
+from custom_ops.fla.adapter import FLA_CHUNK, fla_call, fla_module, fla_varlen_indices
 from custom_ops.runtime import precompile
 from custom_ops.runtime.launch import launch_direct, use_triton
 from custom_ops.runtime.precompile import cuda_index

@@ -2,7 +2,7 @@
 
 Three backends compute the same function: ``reference`` (the torch reference of
 :mod:`custom_ops.gated_delta_rule.reference`, every CPU tensor), ``fla`` (FLA's Triton kernels,
-:mod:`custom_ops.gated_delta_rule.fla`) and ``flashqla`` (FlashQLA's fused TileLang kernels,
+:mod:`custom_ops.fla.adapter`) and ``flashqla`` (FlashQLA's fused TileLang kernels,
 :mod:`custom_ops.gated_delta_rule.flash_qla`, the ``flashqla`` extra). :func:`resolve` picks one
 for a call from ``CP_OPS_GDN_BACKEND`` (``auto``, ``fla`` or ``flashqla``) and what it knows
 without reading a tensor's values: the device, its compute capability, dtypes and head dims. The

@@ -4,7 +4,7 @@
 FlashQLA's low-level ``chunk_gated_delta_rule_fwd`` / ``_bwd`` take FLA's varlen form. Where they
 would read ``cu_seqlens`` on the host they first look for its ``_flash_qla_prepared_varlen``
 attribute, which :func:`_prepared` sets from FLA-form indices built on the device
-(:func:`custom_ops.gated_delta_rule.fla.fla_varlen_indices`). Their intra-card split (``auto_cp``)
+(:func:`custom_ops.fla.adapter.fla_varlen_indices`). Their intra-card split (``auto_cp``)
 decides on the host, so it is off. The forward returns FLA's auxiliary outputs, so the ops' fakes
 hold for both backends; its cumulated gate goes back to its own backward only.
 """
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from custom_ops.gated_delta_rule.backends import FLASH_QLA_HEAD_DIM
-from custom_ops.gated_delta_rule.fla import FLA_CHUNK, fla_grads, fla_state, fla_varlen_indices
+from custom_ops.fla.adapter import FLA_CHUNK, fla_grads, fla_state, fla_varlen_indices
 
 __all__ = ["flash_qla_backward", "flash_qla_forward", "warm_up"]
 

@@ -1,12 +1,12 @@
 """The chunked gated delta rule ops of the GDN core on packed THD sequences (docs/design.md
 section 2, "Gated DeltaNet core" and "Kernel backends").
 
-``chunk_gated_delta_rule_forward`` / ``_backward`` (and the ``_with_state_`` pair, with
-per-sequence initial and final states) are opaque custom ops around a kernel backend's internal
+``chunk_gated_delta_rule_forward`` / ``_backward`` (with optional per-sequence initial and
+final states) are opaque custom ops around a kernel backend's internal
 forward and backward (FLA's or FlashQLA's, :mod:`custom_ops.gated_delta_rule.backends`), whose
 own autograd entry points are ``@torch.compiler.disable``: Inductor calls each as one extern node.
 The public ``chunk_gated_delta_rule`` and ``chunk_gated_delta_rule_with_state`` are composites
-(:func:`custom_ops.runtime.registration.composite_op`) over their forward ops. CPU tensors run
+(:func:`custom_ops.runtime.registration.composite_op`) over the forward op. CPU tensors run
 the torch references of :mod:`custom_ops.gated_delta_rule.reference`.
 """
 
@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from custom_ops.gated_delta_rule import backends
-from custom_ops.gated_delta_rule.fla import (
+from custom_ops.fla.adapter import (
     FLA_CHUNK,
     fla_call,
     fla_grads,
@@ -86,7 +86,7 @@ def _check_state(name: str, state: Optional[torch.Tensor], q, v, cu_seqlens) -> 
 
 
 def _check_fla_indices(cu_seqlens, fla_cu_seqlens, chunk_indices, num_rows: int) -> None:
-    """The shapes :func:`custom_ops.gated_delta_rule.fla.fla_varlen_indices` gives for ``cu_seqlens`` and T rows."""
+    """The shapes :func:`custom_ops.fla.adapter.fla_varlen_indices` gives for ``cu_seqlens`` and T rows."""
     num_seqs = cu_seqlens.shape[0] - 1
     check_index_tensor("fla_cu_seqlens", fla_cu_seqlens, cu_seqlens.device)
     if fla_cu_seqlens.shape[0] != num_seqs + 2 or tuple(chunk_indices.shape) != (num_rows // FLA_CHUNK + num_seqs, 2):
@@ -192,35 +192,50 @@ def chunk_gated_delta_rule_forward(
     beta: torch.Tensor,
     cu_seqlens: torch.Tensor,
     scale: Optional[float] = None,
+    initial_state: Optional[torch.Tensor] = None,
+    output_final_state: bool = False,
     backend: str = "auto",
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(o [T, Hv, dv], g_cum, A, fla_cu_seqlens, chunk_indices)``: the output of
-    :func:`chunk_gated_delta_rule` and what its backward needs.
-
-    ``fla_cu_seqlens`` and ``chunk_indices`` are :func:`custom_ops.gated_delta_rule.fla.fla_varlen_indices`
-    of ``cu_seqlens``, returned so that the backward reuses them instead of building them again;
-    ``chunk_indices`` flattened to ``[2 * rows]``, a length that is never 1, so that compiling
-    for shapes that vary does not guard on its row count being 1.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(o [T, Hv, dv], final_state, g_cum, A, fla_cu_seqlens, chunk_indices)``: the outputs of
+    :func:`chunk_gated_delta_rule` (no states) or :func:`chunk_gated_delta_rule_with_state`
+    and what their backward needs. ``final_state`` ``[B, Hv, dk, dv]`` (the state dtype) where
+    ``output_final_state``, else empty. ``fla_cu_seqlens`` and ``chunk_indices`` are
+    :func:`custom_ops.fla.adapter.fla_varlen_indices` of ``cu_seqlens``, for the backward to
+    reuse; ``chunk_indices`` flattened to ``[2 * rows]``, never of length 1 (no guard on it).
 
     CUDA: ``backend``'s ``chunk_gated_delta_rule_fwd`` (``auto``: resolved at the call); ``g_cum
-    [T, Hv]`` (fp32, g cumulated per 64-row chunk in the backend's units) and ``A [T, Hv, 64]``
-    (q's dtype, the solved ``(I + tril(beta K K^T))^{-1}`` blocks) are what its backward needs.
-    CPU reference path: both are empty.
+    [T, Hv]`` (fp32, g cumulated per 64-row chunk) and ``A [T, Hv, 64]`` (q's dtype, the solved
+    ``(I + tril(beta K K^T))^{-1}`` blocks) are what its backward needs. CPU: the stateless
+    reference, or the stateful one where a state goes in or comes out; both empty.
     """
     _check_gdn(q, k, v, g, beta, cu_seqlens)
+    _check_state("initial_state", initial_state, q, v, cu_seqlens)
     backend = backends.resolve(q, v, backend)
     scale = _resolve_scale(q, scale)
     fla_cu_seqlens, chunk_indices = fla_varlen_indices(cu_seqlens, q.shape[0])
+    no_state = q.new_empty(0, dtype=state_dtype(q))
     if backend == "reference":
-        o = chunk_gated_delta_rule_reference(q, k, v, g, beta, cu_seqlens, scale)
-        return o, g.new_empty(0, dtype=torch.float32), q.new_empty(0), fla_cu_seqlens, chunk_indices.view(-1)
-    o, g_cum, A, _ = _KERNEL_FORWARD[backend](q, k, v, g, beta, scale, fla_cu_seqlens, chunk_indices)
-    return o, g_cum, A, fla_cu_seqlens, chunk_indices.view(-1)
+        if initial_state is None and not output_final_state:
+            o, final_state = chunk_gated_delta_rule_reference(q, k, v, g, beta, cu_seqlens, scale), no_state
+        else:
+            o, final_state = chunk_gated_delta_rule_with_state_reference(
+                q, k, v, g, beta, cu_seqlens, scale, initial_state
+            )
+        g_cum, A = g.new_empty(0, dtype=torch.float32), q.new_empty(0)
+    else:
+        o, g_cum, A, final_state = _KERNEL_FORWARD[backend](
+            q, k, v, g, beta, scale, fla_cu_seqlens, chunk_indices, initial_state, output_final_state=output_final_state
+        )
+    final_state = final_state.to(state_dtype(q)) if output_final_state else no_state
+    return o, final_state, g_cum, A, fla_cu_seqlens, chunk_indices.view(-1)
 
 
 @chunk_gated_delta_rule_forward.register_fake
-def _(q, k, v, g, beta, cu_seqlens, scale=None, backend="auto"):
-    return _forward_fake(q, k, v, g, beta, cu_seqlens, backend)
+def _(q, k, v, g, beta, cu_seqlens, scale=None, initial_state=None, output_final_state=False, backend="auto"):
+    o, g_cum, A, fla_cu_seqlens, chunk_indices = _forward_fake(q, k, v, g, beta, cu_seqlens, backend)
+    _check_state("initial_state", initial_state, q, v, cu_seqlens)
+    state_shape = (cu_seqlens.shape[0] - 1, v.shape[1], q.shape[2], v.shape[2]) if output_final_state else (0,)
+    return o, q.new_empty(state_shape, dtype=state_dtype(q)), g_cum, A, fla_cu_seqlens, chunk_indices
 
 
 @opaque_op(f"{NAMESPACE}::chunk_gated_delta_rule_backward", mutates_args=())
@@ -237,114 +252,18 @@ def chunk_gated_delta_rule_backward(
     g_cum: torch.Tensor,
     A: torch.Tensor,
     scale: Optional[float] = None,
-    backend: str = "auto",
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv, dg, dbeta) of :func:`chunk_gated_delta_rule`, from the forward's saved tensors
-    (``backend``: the forward's).
-
-    CUDA: the backend's ``chunk_gated_delta_rule_bwd`` (it recomputes w, u and the chunk
-    states h from A and g_cum, as in its own autograd). GVA: the key-head gradients are
-    summed over each group of value heads. CPU: the reverse scan of the reference.
-    """
-    chunk_indices = chunk_indices.view(-1, 2)
-    _check_fla_indices(cu_seqlens, fla_cu_seqlens, chunk_indices, q.shape[0])
-    backend = backends.resolve(q, v, backend)
-    scale = _resolve_scale(q, scale)
-    if backend == "reference":
-        grads = chunk_gated_delta_rule_reference_backward(grad_o, q, k, v, g, beta, cu_seqlens, scale)
-        return tuple(t.contiguous() for t in grads)  # the fake's layout, whatever the inputs' strides
-    return _KERNEL_BACKWARD[backend](grad_o, q, k, v, g, beta, fla_cu_seqlens, chunk_indices, g_cum, A, scale)[:5]
-
-
-@chunk_gated_delta_rule_backward.register_fake
-def _(grad_o, q, k, v, g, beta, cu_seqlens, fla_cu_seqlens, chunk_indices, g_cum, A, scale=None, backend="auto"):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), g.new_empty(g.shape), beta.new_empty(beta.shape)
-
-
-def _gdn_setup_context(ctx, inputs, output):
-    q, k, v, g, beta, cu_seqlens, scale, backend = inputs
-    _, g_cum, A, fla_cu_seqlens, chunk_indices = output
-    ctx.save_for_backward(q, k, v, g, beta, cu_seqlens, fla_cu_seqlens, chunk_indices, g_cum, A)
-    ctx.scale = scale
-    ctx.backend = backends.resolve(q, v, backend)
-
-
-def _gdn_backward(ctx, grad_o, *_grad_aux):
-    dq, dk, dv, dg, dbeta = torch.ops.cp_ops.chunk_gated_delta_rule_backward(
-        grad_o, *ctx.saved_tensors, ctx.scale, ctx.backend
-    )
-    return dq, dk, dv, dg, dbeta, None, None, None
-
-
-chunk_gated_delta_rule_forward.register_autograd(_gdn_backward, setup_context=_gdn_setup_context)
-
-
-@opaque_op(f"{NAMESPACE}::chunk_gated_delta_rule_with_state_forward", mutates_args=())
-def chunk_gated_delta_rule_with_state_forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    scale: Optional[float] = None,
-    initial_state: Optional[torch.Tensor] = None,
-    backend: str = "auto",
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(o, final_state, g_cum, A, fla_cu_seqlens, chunk_indices)``: the outputs of
-    :func:`chunk_gated_delta_rule_with_state` and what its backward needs, the auxiliary
-    outputs and ``backend`` as in :func:`chunk_gated_delta_rule_forward`.
-
-    CUDA: the backend's ``chunk_gated_delta_rule_fwd`` with ``initial_state`` and
-    ``output_final_state``. CPU: the stateful reference.
-    """
-    _check_gdn(q, k, v, g, beta, cu_seqlens)
-    _check_state("initial_state", initial_state, q, v, cu_seqlens)
-    backend = backends.resolve(q, v, backend)
-    scale = _resolve_scale(q, scale)
-    fla_cu_seqlens, chunk_indices = fla_varlen_indices(cu_seqlens, q.shape[0])
-    if backend == "reference":
-        o, final_state = chunk_gated_delta_rule_with_state_reference(q, k, v, g, beta, cu_seqlens, scale, initial_state)
-        g_cum, A = g.new_empty(0, dtype=torch.float32), q.new_empty(0)
-        return o, final_state, g_cum, A, fla_cu_seqlens, chunk_indices.view(-1)
-    o, g_cum, A, final_state = _KERNEL_FORWARD[backend](
-        q, k, v, g, beta, scale, fla_cu_seqlens, chunk_indices, initial_state, output_final_state=True
-    )
-    return o, final_state.to(state_dtype(q)), g_cum, A, fla_cu_seqlens, chunk_indices.view(-1)
-
-
-@chunk_gated_delta_rule_with_state_forward.register_fake
-def _(q, k, v, g, beta, cu_seqlens, scale=None, initial_state=None, backend="auto"):
-    o, g_cum, A, fla_cu_seqlens, chunk_indices = _forward_fake(q, k, v, g, beta, cu_seqlens, backend)
-    _check_state("initial_state", initial_state, q, v, cu_seqlens)
-    state_shape = (cu_seqlens.shape[0] - 1, v.shape[1], q.shape[2], v.shape[2])
-    return o, q.new_empty(state_shape, dtype=state_dtype(q)), g_cum, A, fla_cu_seqlens, chunk_indices
-
-
-@opaque_op(f"{NAMESPACE}::chunk_gated_delta_rule_with_state_backward", mutates_args=())
-def chunk_gated_delta_rule_with_state_backward(
-    grad_o: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    fla_cu_seqlens: torch.Tensor,
-    chunk_indices: torch.Tensor,
-    g_cum: torch.Tensor,
-    A: torch.Tensor,
-    scale: Optional[float] = None,
     initial_state: Optional[torch.Tensor] = None,
     grad_final_state: Optional[torch.Tensor] = None,
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv, dg, dbeta, d_initial_state) of :func:`chunk_gated_delta_rule_with_state`,
-    from the forward's saved tensors and the final state's gradient (None: zero).
+    """(dq, dk, dv, dg, dbeta, d_initial_state) of :func:`chunk_gated_delta_rule_forward`, from its
+    saved tensors and the final state's gradient (None: zero, or no final state); ``backend``
+    the forward's. ``d_initial_state`` is empty where ``initial_state`` is None.
 
-    CUDA: the backend's ``chunk_gated_delta_rule_bwd`` with ``initial_state`` and ``dht``, as in
-    :func:`chunk_gated_delta_rule_backward`. CPU: the reverse scan of the stateful reference.
-    ``d_initial_state`` is empty where ``initial_state`` is None.
+    CUDA: the backend's ``chunk_gated_delta_rule_bwd`` with ``initial_state`` and ``dht`` (it
+    recomputes w, u and the chunk states h from A and g_cum, as in its own autograd). GVA: the
+    key-head gradients are summed over each group of value heads. CPU: the reverse scan of the
+    reference, the stateful one where a state goes in or a final state's gradient comes back.
     """
     chunk_indices = chunk_indices.view(-1, 2)
     _check_fla_indices(cu_seqlens, fla_cu_seqlens, chunk_indices, q.shape[0])
@@ -352,19 +271,22 @@ def chunk_gated_delta_rule_with_state_backward(
     _check_state("grad_final_state", grad_final_state, q, v, cu_seqlens)
     backend = backends.resolve(q, v, backend)
     scale = _resolve_scale(q, scale)
+    no_state = q.new_empty(0, dtype=state_dtype(q))
     if backend == "reference":
-        grads = chunk_gated_delta_rule_with_state_reference_backward(
-            grad_o, grad_final_state, q, k, v, g, beta, cu_seqlens, scale, initial_state
-        )
+        if initial_state is None and grad_final_state is None:
+            grads = (*chunk_gated_delta_rule_reference_backward(grad_o, q, k, v, g, beta, cu_seqlens, scale), no_state)
+        else:
+            grads = chunk_gated_delta_rule_with_state_reference_backward(
+                grad_o, grad_final_state, q, k, v, g, beta, cu_seqlens, scale, initial_state
+            )
         return tuple(t.contiguous() for t in grads)  # the fake's layout, whatever the inputs' strides
     *grads, dh0 = _KERNEL_BACKWARD[backend](
         grad_o, q, k, v, g, beta, fla_cu_seqlens, chunk_indices, g_cum, A, scale, initial_state, grad_final_state
     )
-    d_state = q.new_empty(0, dtype=state_dtype(q)) if initial_state is None else dh0.to(initial_state.dtype)
-    return (*grads, d_state)
+    return (*grads, no_state if initial_state is None else dh0.to(initial_state.dtype))
 
 
-@chunk_gated_delta_rule_with_state_backward.register_fake
+@chunk_gated_delta_rule_backward.register_fake
 def _(grad_o, q, k, v, g, beta, cu_seqlens, fla_cu_seqlens, chunk_indices, g_cum, A, scale=None,
       initial_state=None, grad_final_state=None, backend="auto"):  # fmt: skip
     _check_state("initial_state", initial_state, q, v, cu_seqlens)
@@ -376,42 +298,42 @@ def _(grad_o, q, k, v, g, beta, cu_seqlens, fla_cu_seqlens, chunk_indices, g_cum
     )  # fmt: skip
 
 
-def _gdn_with_state_setup_context(ctx, inputs, output):
-    q, k, v, g, beta, cu_seqlens, scale, initial_state, backend = inputs
+def _gdn_setup_context(ctx, inputs, output):
+    q, k, v, g, beta, cu_seqlens, scale, initial_state, output_final_state, backend = inputs
     _, _, g_cum, A, fla_cu_seqlens, chunk_indices = output
     ctx.save_for_backward(q, k, v, g, beta, cu_seqlens, fla_cu_seqlens, chunk_indices, g_cum, A, initial_state)
-    ctx.scale = scale
+    ctx.scale, ctx.output_final_state = scale, output_final_state
     ctx.backend = backends.resolve(q, v, backend)
 
 
-def _gdn_with_state_backward(ctx, grad_o, grad_final_state, *_grad_aux):
+def _gdn_backward(ctx, grad_o, grad_final_state, *_grad_aux):
     *saved, initial_state = ctx.saved_tensors
-    *grads, d_state = torch.ops.cp_ops.chunk_gated_delta_rule_with_state_backward(
+    # without a final state its gradient is autograd's zeros for the empty output: none
+    grad_final_state = grad_final_state if ctx.output_final_state else None
+    *grads, d_state = torch.ops.cp_ops.chunk_gated_delta_rule_backward(
         grad_o, *saved, ctx.scale, initial_state, grad_final_state, ctx.backend
     )
-    return (*grads, None, None, None if initial_state is None else d_state, None)
+    return (*grads, None, None, None if initial_state is None else d_state, None, None)
 
 
-chunk_gated_delta_rule_with_state_forward.register_autograd(
-    _gdn_with_state_backward, setup_context=_gdn_with_state_setup_context
-)
+chunk_gated_delta_rule_forward.register_autograd(_gdn_backward, setup_context=_gdn_setup_context)
 
 
-# The public op returns o alone. It is CompositeImplicitAutograd over the forward op above,
-# so autograd and tracing see chunk_gated_delta_rule_forward (with its fake and backward)
-# and the auxiliary outputs reach the backward without being recomputed. The kernel backend is
-# resolved here, so a traced graph holds it as a constant.
+# The public ops return o alone, or o and the final states. They are CompositeImplicitAutograd
+# over the forward op above, so autograd and tracing see chunk_gated_delta_rule_forward (with its
+# fake and backward) and the auxiliary outputs reach the backward without being recomputed. The
+# kernel backend is resolved here, so a traced graph holds it as a constant.
 @composite_op(
     f"{NAMESPACE}::chunk_gated_delta_rule",
     "(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor cu_seqlens, float? scale=None) -> Tensor",
 )
 def _chunk_gated_delta_rule_composite(q, k, v, g, beta, cu_seqlens, scale=None):
     cu_seqlens = checked("cumulative", cu_seqlens, (), q.shape[0])
-    backend = backends.resolve(q, v)
-    return torch.ops.cp_ops.chunk_gated_delta_rule_forward(q, k, v, g, beta, cu_seqlens, scale, backend)[0]
+    return torch.ops.cp_ops.chunk_gated_delta_rule_forward(
+        q, k, v, g, beta, cu_seqlens, scale, backend=backends.resolve(q, v)
+    )[0]
 
 
-# The same over the stateful forward op, returning o and the final states.
 @composite_op(
     f"{NAMESPACE}::chunk_gated_delta_rule_with_state",
     "(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor cu_seqlens, float? scale=None, "
@@ -419,8 +341,8 @@ def _chunk_gated_delta_rule_composite(q, k, v, g, beta, cu_seqlens, scale=None):
 )
 def _chunk_gated_delta_rule_with_state_composite(q, k, v, g, beta, cu_seqlens, scale=None, initial_state=None):
     cu_seqlens = checked("cumulative", cu_seqlens, (), q.shape[0])
-    o, final_state, *_ = torch.ops.cp_ops.chunk_gated_delta_rule_with_state_forward(
-        q, k, v, g, beta, cu_seqlens, scale, initial_state, backends.resolve(q, v)
+    o, final_state, *_ = torch.ops.cp_ops.chunk_gated_delta_rule_forward(
+        q, k, v, g, beta, cu_seqlens, scale, initial_state, True, backends.resolve(q, v)
     )
     return o, final_state
 

@@ -1,6 +1,6 @@
 """Row gather by an index map on the device: ``x[rows]`` as one row-moving Triton kernel.
 
-Used where an op gathers whole rows by a map it is given (``varlen_attention_kv``): the rows move
+Used where an op gathers whole rows by a map it is given (``varlen_attention`` with a key-row map): the rows move
 as contiguous words, as the THD reorder kernel moves them, where ``index_select`` addresses every
 element on its own.
 """

@@ -38,8 +38,7 @@ import cp_ops
 
 import custom_ops
 from cp_ops import Attention, GatedDeltaNet, shard_thd
-from cp_ops.gdn import FusedExchange, SectionExchange
-from cp_ops.gdn_states import StatePassing
+from cp_ops.gdn_strategies import FusedExchange, SectionExchange, StatePassing
 from custom_ops import ag_thd_attention
 from custom_ops.testing import (
     MEMORY_LAYOUTS,

@@ -17,7 +17,7 @@ from torch._inductor.utils import run_and_get_code
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from cp_ops import COMPILE_OPTIONS, GatedDeltaNet, pad_cu_seqlens, shard_thd
-from cp_ops.gdn import FusedExchange
+from cp_ops.gdn_strategies import FusedExchange
 from custom_ops.testing import gdn_layouts, rel_error, thd_packing
 from custom_ops.valid_tokens.reference import valid_token_mask
 from tests._dist import check_gdn_overlap, gemms_write_the_first_send_buffer, run_ranks

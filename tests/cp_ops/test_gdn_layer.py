@@ -7,7 +7,7 @@ import torch
 
 import cp_ops
 from cp_ops import GatedDeltaNet, from_qwen3_next_state_dict, pad_cu_seqlens
-from cp_ops.gdn import FusedExchange, SectionExchange, SingleDevice, default_context_parallel
+from cp_ops.gdn_strategies import FusedExchange, SectionExchange, SingleDevice, default_context_parallel
 from custom_ops.testing import TOLERANCE, random_tensor, rel_error
 
 # Small, pairwise different dims; no packed row count below equals one of them (duck sizing).

@@ -1,4 +1,4 @@
-"""GatedDeltaNet CP by state passing (cp_ops.gdn_states) against the one-rank layer, float64.
+"""GatedDeltaNet CP by state passing (cp_ops.gdn_strategies) against the one-rank layer, float64.
 
 The state maps compose exactly (a sequence split anywhere runs from the composed state of its
 head); the strategy on gloo ranks equals the layer on one rank to 1e-10 in outputs, input
@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch._dynamo.utils import counters
 
 from cp_ops import COMPILE_OPTIONS, GatedDeltaNet, pad_cu_seqlens, shard_thd
-from cp_ops.gdn_states import StatePassing, chunk_gated_delta_rule_cp_states, state_maps
+from cp_ops.gdn_strategies import StatePassing, chunk_gated_delta_rule_cp_states, state_maps
 from custom_ops import chunk_gated_delta_rule, chunk_gated_delta_rule_with_state
 from custom_ops.testing import rel_error
 from custom_ops.valid_tokens.reference import valid_token_mask

@@ -106,7 +106,9 @@ def test_cp_trainer_equals_one_process(tmp_path, kind, dp):
 # --- the collator ----------------------------------------------------------------------------------
 
 
-@given(st.lists(st.integers(1, 30), min_size=1, max_size=6), st.sampled_from([1, 2, 3, 4]), st.data())
+# a batch of one-token sequences only has no label, which shard_batch refuses
+@given(st.lists(st.integers(1, 30), min_size=1, max_size=6).filter(lambda lens: max(lens) > 1),
+       st.sampled_from([1, 2, 3, 4]), st.data())  # fmt: skip
 def test_collator_shards_like_shard_batch(lengths, cp_size, data):
     from transformers import DataCollatorWithFlattening
 

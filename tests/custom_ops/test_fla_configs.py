@@ -11,7 +11,7 @@ import torch
 
 fla = pytest.importorskip("fla")
 
-from custom_ops.gated_delta_rule.fla_configs import _autotuner, recorded_configs_path, seed_autotuners, use_recorded_configs  # noqa: E402
+from custom_ops.fla.configs import _autotuner, recorded_configs_path, seed_autotuners, use_recorded_configs  # noqa: E402
 
 HOPPER = (9, 0)
 

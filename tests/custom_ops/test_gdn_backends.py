@@ -9,7 +9,7 @@ import torch
 import custom_ops
 from custom_ops import env
 from custom_ops.gated_delta_rule import backends
-from custom_ops.gated_delta_rule.fla import fla_varlen_indices
+from custom_ops.fla.adapter import fla_varlen_indices
 from custom_ops.gated_delta_rule.flash_qla import _prepared
 from custom_ops.gated_delta_rule.reference import chunk_gated_delta_rule_reference
 from tests.custom_ops.test_gdn_ops import _cu, _gdn_case
@@ -89,7 +89,7 @@ def test_bad_names(monkeypatch):
         backends.resolve(torch.zeros(1, 1, 1), torch.zeros(1, 1, 1), "triton")
     q, k, v, g, beta, cu = _gdn_case([3, 2], 1, 2, 4, 3, torch.float32)
     with pytest.raises(ValueError, match="backend must be one of"):
-        torch.ops.cp_ops.chunk_gated_delta_rule_forward(q, k, v, g, beta, cu, None, "triton")
+        torch.ops.cp_ops.chunk_gated_delta_rule_forward(q, k, v, g, beta, cu, None, backend="triton")
     monkeypatch.setenv("CP_OPS_GDN_BACKEND", "triton")
     with pytest.raises(ValueError, match="CP_OPS_GDN_BACKEND must be auto, fla or flashqla, got 'triton'"):
         env.gdn_backend()
@@ -98,7 +98,7 @@ def test_bad_names(monkeypatch):
 def test_a_kernel_backend_given_for_cpu_tensors_runs_the_reference():
     q, k, v, g, beta, cu = _gdn_case([5, 0, 3], 1, 2, 4, 3, torch.float64)
     for backend in ("fla", "flashqla"):
-        o = torch.ops.cp_ops.chunk_gated_delta_rule_forward(q, k, v, g, beta, cu, None, backend)[0]
+        o = torch.ops.cp_ops.chunk_gated_delta_rule_forward(q, k, v, g, beta, cu, None, backend=backend)[0]
         assert torch.equal(o, chunk_gated_delta_rule_reference(q, k, v, g, beta, cu))
     assert torch.equal(custom_ops.chunk_gated_delta_rule(q, k, v, g, beta, cu), o)
 

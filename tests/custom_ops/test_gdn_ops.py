@@ -18,7 +18,7 @@ from custom_ops.conv1d.reference import (
 )
 from custom_ops.gated_delta_rule import backends
 from custom_ops.gated_delta_rule import op as gdn_op
-from custom_ops.gated_delta_rule.fla import fla_varlen_indices
+from custom_ops.fla.adapter import fla_varlen_indices
 from custom_ops.gated_delta_rule.reference import (
     chunk_gated_delta_rule_loop,
     chunk_gated_delta_rule_reference,
@@ -306,7 +306,7 @@ def test_fla_calls_keep_nothing_alive():
     import fla.utils
     from fla.ops.utils.index import prepare_chunk_offsets
 
-    from custom_ops.gated_delta_rule.fla import fla_call
+    from custom_ops.fla.adapter import fla_call
 
     before = fla.utils.FLA_DISABLE_TENSOR_CACHE
     for uncached in (False, True):
@@ -368,20 +368,21 @@ def test_opcheck_chunk_gated_delta_rule():
 
 
 def test_opcheck_chunk_gated_delta_rule_with_state():
+    """The public stateful op, and the forward and backward ops with a state in or out."""
     for *tensors, scale in _gdn_samples():
         q, v, cu = tensors[0], tensors[2], tensors[5]
         h0 = _states(cu.shape[0] - 1, v.shape[1], q.shape[2], v.shape[2], q.dtype).requires_grad_(q.requires_grad)
         for state in (None, h0):
             torch.library.opcheck(torch.ops.cp_ops.chunk_gated_delta_rule_with_state.default, (*tensors, scale, state))
             torch.library.opcheck(
-                torch.ops.cp_ops.chunk_gated_delta_rule_with_state_forward.default, (*tensors, scale, state)
+                torch.ops.cp_ops.chunk_gated_delta_rule_forward.default, (*tensors, scale, state, True)
             )
     q, k, v, g, beta, cu = _gdn_case([5, 0, 4], 1, 2, 4, 3, torch.float32)
     h0, dht = _states(3, 2, 4, 3, torch.float32), _states(3, 2, 4, 3, torch.float32)
     aux = q.new_empty(0)
     for state, grad_final in ((h0, dht), (None, dht), (h0, None)):
         torch.library.opcheck(
-            torch.ops.cp_ops.chunk_gated_delta_rule_with_state_backward.default,
+            torch.ops.cp_ops.chunk_gated_delta_rule_backward.default,
             (torch.randn_like(v), q, k, v, g, beta, cu, *_flat_fla_indices(cu, q.shape[0]), aux.float(), aux, None,
              state, grad_final),
         )  # fmt: skip
@@ -743,7 +744,7 @@ def test_fla_chunk_indices_kernel_matches_reference(seqlens, extra_rows, index_d
     """The chunk-index kernel against the torch reference: empty sequences, several of the
     kernel's sequence blocks and row blocks, rows past ``cu[-1]`` and ``cu[-1]`` past the rows,
     and an invalid layout with a step down (an empty sequence to both)."""
-    from custom_ops.gated_delta_rule.fla import fla_varlen_indices_reference
+    from custom_ops.fla.adapter import fla_varlen_indices_reference
 
     cu = _cu(seqlens, dtype=index_dtype)
     if len(seqlens) > 1 and data.draw(st.booleans()):
@@ -762,7 +763,7 @@ def test_fla_chunk_indices_kernel_compiles_for_hopper():
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from custom_ops.gated_delta_rule.fla import INDICES_BLOCK, INDICES_SEQ_BLOCK, fla_chunk_indices_kernel
+    from custom_ops.fla.adapter import INDICES_BLOCK, INDICES_SEQ_BLOCK, fla_chunk_indices_kernel
 
     constants = dict(CHUNK=64, BLOCK=INDICES_BLOCK, SEQ_BLOCK=INDICES_SEQ_BLOCK)
     names = fla_chunk_indices_kernel.arg_names
@@ -919,8 +920,8 @@ def test_cuda_backends_agree_bf16(hk, group):
     runs = {}
     for backend in ("fla", "flashqla"):
         leaves = [t.clone().requires_grad_() for t in (q, k, v, g, beta, h0)]
-        o, final, *_ = torch.ops.cp_ops.chunk_gated_delta_rule_with_state_forward(
-            *leaves[:5], cu, None, leaves[5], backend
+        o, final, *_ = torch.ops.cp_ops.chunk_gated_delta_rule_forward(
+            *leaves[:5], cu, None, leaves[5], True, backend
         )
         torch.autograd.backward([o, final], [grad_o, grad_final])
         runs[backend] = [o, final] + [t.grad for t in leaves]
@@ -990,7 +991,7 @@ def test_bad_state():
         custom_ops.chunk_gated_delta_rule_with_state(q, k, v, g, beta, cu, None, h0.to("meta"))
     aux = q.new_empty(0)
     with pytest.raises(ValueError, match="grad_final_state must be"):
-        torch.ops.cp_ops.chunk_gated_delta_rule_with_state_backward(
+        torch.ops.cp_ops.chunk_gated_delta_rule_backward(
             torch.randn_like(v), q, k, v, g, beta, cu, *_flat_fla_indices(cu, q.shape[0]), aux.float(), aux, None,
             h0, h0[:, :2],
         )  # fmt: skip

@@ -174,7 +174,8 @@ def test_torch_ops_namespace_is_the_same_op():
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     assert inspect.signature(custom_ops.varlen_attention) == inspect.signature(varlen_attention_reference)
     schema = torch.ops.cp_ops.varlen_attention.default._schema
-    assert [a.name for a in schema.arguments][-4:] == ["causal", "window_left", "window_right", "scale"]
+    assert [a.name for a in schema.arguments][-5:] == ["causal", "window_left", "window_right", "scale", "key_rows"]
+    assert a[2].numel() == 0  # kv_rows: empty without a key-row map
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -272,7 +273,7 @@ def test_opcheck():
 def test_opcheck_backward():
     for args, kwargs in _opcheck_samples():
         q, k, v, *seg = (a.detach() if a.is_floating_point() else a for a in args)
-        out, lse = torch.ops.cp_ops.varlen_attention(q, k, v, *seg, **kwargs)
+        out, lse, _ = torch.ops.cp_ops.varlen_attention(q, k, v, *seg, **kwargs)
         dout, dlse = torch.randn_like(out), torch.randn_like(lse)
         torch.library.opcheck(
             torch.ops.cp_ops.varlen_attention_backward_dkdv.default, (dout, dlse, q, k, v, out, lse, *seg), kwargs
@@ -313,7 +314,7 @@ def test_compiled_fullgraph_dynamic_no_recompile():
     counter = CompileCounterWithBackend("inductor")
 
     def step(q, k, v, q_start, q_len, q_pos, k_start, k_len):
-        out, lse = torch.ops.cp_ops.varlen_attention(q * 2, k, v, q_start, q_len, q_pos, k_start, k_len, True, 6, -1)
+        out, lse, _ = torch.ops.cp_ops.varlen_attention(q * 2, k, v, q_start, q_len, q_pos, k_start, k_len, True, 6, -1)
         return out.sin(), lse
 
     compiled = torch.compile(step, backend=counter, fullgraph=True, dynamic=True)

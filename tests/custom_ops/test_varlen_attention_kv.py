@@ -9,9 +9,9 @@ from hypothesis import strategies as st
 import custom_ops
 from custom_ops.segment_attention import launch
 from custom_ops.segment_attention.configs import ATTENTION_SETTINGS
-from custom_ops.segment_attention.kv_rows import varlen_attention_kv
 from custom_ops.segment_attention.reference import resolve_scale, varlen_attention_reference
 from custom_ops.testing import poisoned_allocations
+from custom_ops.segment_attention.op import varlen_attention_kv
 from custom_ops.thd.index import rank_to_seq_index
 from tests._profiles import examples
 from tests.custom_ops.test_varlen_attention import (
@@ -99,16 +99,19 @@ def _opcheck_samples():
 
 
 def test_opcheck():
-    for args, kwargs in _opcheck_samples():
-        torch.library.opcheck(torch.ops.cp_ops.varlen_attention_kv.default, args, kwargs)
-        q, kv, rows, *seg = (a.detach() if a.is_floating_point() else a for a in args)
-        out, lse, kv_rows = torch.ops.cp_ops.varlen_attention_kv(q, kv, rows, *seg, **kwargs)
+    """The attention ops with the key-row map: the forward (kv in k, v None) returns kv[rows]
+    for its backward, whose dk/dv op takes those rows and the map."""
+    for (q, kv, rows, *seg), kwargs in _opcheck_samples():
+        with_rows = dict(kwargs, key_rows=rows)
+        torch.library.opcheck(torch.ops.cp_ops.varlen_attention.default, (q, kv, None, *seg), with_rows)
+        q, kv = q.detach(), kv.detach()
+        out, lse, kv_rows = torch.ops.cp_ops.varlen_attention(q, kv, None, *seg, **with_rows)
         assert torch.equal(kv_rows, kv[rows])
         dout, dlse = torch.randn_like(out), torch.randn_like(lse)
         torch.library.opcheck(
-            torch.ops.cp_ops.varlen_attention_kv_backward_dkdv.default,
-            (dout, dlse, q, kv_rows, out, lse, rows, *seg),
-            kwargs,
+            torch.ops.cp_ops.varlen_attention_backward_dkdv.default,
+            (dout, dlse, q, kv_rows, None, out, lse, *seg),
+            with_rows,
         )
 
 
@@ -123,6 +126,10 @@ def test_bad_input():
         varlen_attention_kv(q, kv, rows.float(), *seg)
     with pytest.raises(TypeError, match="window must be a pair"):
         varlen_attention_kv(q, kv, rows, *seg, window=3)
+    with pytest.raises(ValueError, match="with key_rows, k holds K's and V's heads .* v must be None"):
+        torch.ops.cp_ops.varlen_attention(q, kv, kv, *seg, key_rows=rows)
+    with pytest.raises(ValueError, match="v is None: give v, or key_rows"):
+        torch.ops.cp_ops.varlen_attention(q, kv, None, *seg)
 
 
 # --- the Triton kernels (CPU tensors, TRITON_INTERPRET=1) ---------------------------------------

@@ -17,6 +17,7 @@ slow tier.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -43,10 +44,8 @@ CLIP = ["--clip-grad-norm", "0.3"]  # below the (dp 2) run's gradient norms (abo
 recipe = load_recipe()
 
 
-def _args(*argv: str, world: int = 2):
-    args = recipe.parser().parse_args([*BASE, *argv])
-    recipe.check_args(args, world)
-    return args
+def _cfg(*argv: str, world: int = 2):
+    return recipe.TrainConfig.from_args([*BASE, *argv], world)
 
 
 def _torchrun_process(*argv: str, restarts: int = 0, timeout: int = 240) -> subprocess.CompletedProcess:
@@ -77,16 +76,16 @@ def _check_redone(log: dict, resumed_from: list[int]) -> None:
 
 def _one_process(dp: int, *argv: str, steps: int = STEPS) -> list[tuple[float, float]]:
     """(loss, gradient norm) of every step: every replica's batch in this process, averaged."""
-    args = _args("--dp", str(dp), "--cp", "1", *argv, world=dp)
-    config = recipe.model_config(args.preset, args.num_layers, args.vocab_size)
-    model = apply_context_parallel(recipe.build_model(config, args.seed), None, fused_loss=args.loss == "fused")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, **recipe.ADAMW)
-    batches = recipe.Batches(args.tokens_per_step // dp, args.max_seqs, config.vocab_size, args.seed)
+    cfg = _cfg("--dp", str(dp), "--cp", "1", *argv, world=dp)
+    config = cfg.model_config()
+    model = apply_context_parallel(recipe.build_model(config, cfg.seed), None, fused_loss=cfg.loss == "fused")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, **recipe.ADAMW)
+    data = recipe.TokenStream(cfg.tokens_per_step // dp, cfg.max_seqs, config.vocab_size, cfg.seed)
     out = []
     for step in range(1, steps + 1):
-        loss = sum(model(**shard_batch(batches(step, d), 1, 0).model_inputs()).loss for d in range(dp)) / dp
+        loss = sum(model(**shard_batch(data.sequences(step, d), 1, 0).model_inputs()).loss for d in range(dp)) / dp
         loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad_norm or math.inf)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad_norm or math.inf)
         optimizer.step()
         optimizer.zero_grad()
         out.append((loss.item(), norm.item()))
@@ -111,7 +110,7 @@ def _more_runs(rank: int, world: int, ckpt: str, out: str) -> None:
     states = ["--cp", "2", "--gdn-cp", "states", "--steps", str(STEPS)]
     unfused = ["--cp", "2", "--loss", "unfused", "--steps", str(STEPS)]
     for name, argv in (("resumed", resume), ("dp2", dp2), ("states", states), ("unfused", unfused)):
-        recipe.train(_args(*argv, "--log-json", f"{out}/{name}.json"), rank, world, torch.device("cpu"))
+        recipe.train(_cfg(*argv, "--log-json", f"{out}/{name}.json"), rank, world, torch.device("cpu"))
 
 
 @pytest.mark.dist
@@ -138,20 +137,20 @@ def test_recipe_equals_one_process_and_resumes_exactly(tmp_path):
     assert run["settings"]["loss"] == "fused"
     # --resume without a path takes the latest complete checkpoint; other settings are refused
     # with the command line, before any rank starts
-    latest = _args("--cp", "2", "--checkpoint-dir", str(ckpt), "--resume")
+    latest = _cfg("--cp", "2", "--checkpoint-dir", str(ckpt), "--resume")
     assert latest.resume_from == ckpt / "step-00000004"
     assert recipe.check_resume(latest.resume_from, latest) == 4
     with pytest.raises(ValueError, match=r"trained with other settings: --max-seqs 8 -> 4; --lr 0.0003 -> 0.001"):
-        _args("--cp", "2", "--checkpoint-dir", str(ckpt), "--resume", "--lr", "1e-3", "--max-seqs", "4")
+        _cfg("--cp", "2", "--checkpoint-dir", str(ckpt), "--resume", "--lr", "1e-3", "--max-seqs", "4")
 
 
 # --- faults ---------------------------------------------------------------------------------------
 
 
-def _checkpoint(folder: Path, args) -> None:
-    """A folder that passes for a complete checkpoint of ``args`` (its recipe.json; no shards)."""
+def _checkpoint(folder: Path, cfg) -> None:
+    """A folder that passes for a complete checkpoint of ``cfg`` (its recipe.json; no shards)."""
     folder.mkdir(parents=True)
-    meta = {"format": 1, "step": int(folder.name.split("-")[1].split(".")[0]), "config": recipe.resume_config(args)}
+    meta = {"format": 1, "step": int(folder.name.split("-")[1].split(".")[0]), "config": cfg.resume_config()}
     (folder / "recipe.json").write_text(json.dumps(meta, default=str))
 
 
@@ -159,23 +158,23 @@ def test_resume_finds_complete_checkpoints_only(tmp_path):
     """``--resume`` resolves with the command line: a missing path is named as such, folders
     without recipe.json and partial saves are passed over, ``auto`` starts afresh without one."""
     root = tmp_path / "ckpt"
-    args = _args("--checkpoint-dir", str(root))
+    cfg = _cfg("--checkpoint-dir", str(root))
     with pytest.raises(ValueError, match=f"--resume {tmp_path / 'nowhere'}: no such directory"):
-        _args("--resume", str(tmp_path / "nowhere"))
-    assert _args("--checkpoint-dir", str(root), "--resume", "auto").resume_from is None
+        _cfg("--resume", str(tmp_path / "nowhere"))
+    assert _cfg("--checkpoint-dir", str(root), "--resume", "auto").resume_from is None
     with pytest.raises(ValueError, match="no complete checkpoint"):
-        _args("--checkpoint-dir", str(root), "--resume")
+        _cfg("--checkpoint-dir", str(root), "--resume")
     for name in ("step-00000002", "step-00000004", "step-00000006.partial", "step-00000008.old", "step-10"):
-        _checkpoint(root / name, args)
+        _checkpoint(root / name, cfg)
     (root / "step-00000005").mkdir()  # shards without recipe.json: a save that did not finish
     for how in ("auto", None):
-        assert _args("--checkpoint-dir", str(root), "--resume", *([how] if how else [])).resume_from == (
+        assert _cfg("--checkpoint-dir", str(root), "--resume", *([how] if how else [])).resume_from == (
             root / "step-00000004"
         )
     with pytest.raises(ValueError, match="step-00000005: not a complete checkpoint of this recipe"):
-        _args("--resume", str(root / "step-00000005"))
+        _cfg("--resume", str(root / "step-00000005"))
     with pytest.raises(ValueError, match="--resume need --checkpoint-dir"):
-        _args("--resume", "auto")
+        _cfg("--resume", "auto")
     # a save of a step already saved replaces it whole
     (root / "step-00000004.partial").mkdir()
     (root / "step-00000004.partial" / "new").write_text("")
@@ -185,15 +184,15 @@ def test_resume_finds_complete_checkpoints_only(tmp_path):
 
 
 def test_faults_parse_and_act_in_their_attempt(monkeypatch):
-    args = _args("--fault", "kill:7:1", "--fault", "kill-in-save:8:0:1")
-    assert args.fault == [recipe.Fault("kill", 7, 1, 0), recipe.Fault("kill-in-save", 8, 0, 1)]
-    assert recipe.fault_here(args, "kill", 7, 1) and not recipe.fault_here(args, "kill", 7, 0)
-    assert not recipe.fault_here(args, "kill-in-save", 8, 0)
+    cfg = _cfg("--fault", "kill:7:1", "--fault", "kill-in-save:8:0:1")
+    assert cfg.fault == (recipe.Fault("kill", 7, 1, 0), recipe.Fault("kill-in-save", 8, 0, 1))
+    assert recipe.fault_here(cfg, "kill", 7, 1) and not recipe.fault_here(cfg, "kill", 7, 0)
+    assert not recipe.fault_here(cfg, "kill-in-save", 8, 0)
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # torchrun's first restart
-    assert recipe.fault_here(args, "kill-in-save", 8, 0) and not recipe.fault_here(args, "kill", 7, 1)
+    assert recipe.fault_here(cfg, "kill-in-save", 8, 0) and not recipe.fault_here(cfg, "kill", 7, 1)
     for bad in ("kill:7", "crash:7:1", "kill:x:1"):
         with pytest.raises(ValueError, match="expected KIND:STEP:RANK"):
-            _args("--fault", bad)
+            _cfg("--fault", bad)
 
 
 def _nonfinite_runs(rank: int, world: int, out: str) -> None:
@@ -201,11 +200,11 @@ def _nonfinite_runs(rank: int, world: int, out: str) -> None:
     step; with stop (the default) it stops at step 3 on both ranks, before saving it."""
     run = ["--cp", "2", "--steps", "4", "--save-every", "1", "--fault", "nan:3:1", "--tokens-per-step", "64",
            "--max-seqs", "4"]  # fmt: skip
-    skip = _args(*run, "--checkpoint-dir", f"{out}/skip", "--nonfinite", "skip", "--log-json", f"{out}/skip.json")
+    skip = _cfg(*run, "--checkpoint-dir", f"{out}/skip", "--nonfinite", "skip", "--log-json", f"{out}/skip.json")
     recipe.train(skip, rank, world, torch.device("cpu"))
     with pytest.raises(recipe.NonFiniteStep, match=r"step 3: loss nan, gradient norm nan; its update was not "
                                                    r"applied\. The run stops \(--nonfinite skip"):  # fmt: skip
-        recipe.train(_args(*run, "--checkpoint-dir", f"{out}/stop"), rank, world, torch.device("cpu"))
+        recipe.train(_cfg(*run, "--checkpoint-dir", f"{out}/stop"), rank, world, torch.device("cpu"))
 
 
 def _saved_state(folder: Path, tmp_path: Path) -> dict:
@@ -330,13 +329,13 @@ def test_cudagraph_recordings_counts_inductors_recording_events():
 
 def test_static_batches_and_their_stream():
     """Every step's shard has one shape; a step's batch depends on (seed, step, dp rank) only."""
-    args = _args("--cp", "2")
-    batches = recipe.Batches(256, 8, 64, seed=0)
-    assert [len(s) for s in batches(3, 1)] == [len(s) for s in recipe.Batches(256, 8, 64, seed=0)(3, 1)]
-    assert sum(map(len, batches(3, 0))) == 256 and batches.lengths(3, 0) != batches.lengths(3, 1)
+    cfg = _cfg("--cp", "2")
+    data = recipe.TokenStream(256, 8, 64, seed=0)
+    assert [len(s) for s in data.sequences(3, 1)] == [len(s) for s in recipe.TokenStream(256, 8, 64, 0).sequences(3, 1)]
+    assert sum(map(len, data.sequences(3, 0))) == 256 and data.lengths(3, 0) != data.lengths(3, 1)
     num_tokens = 280  # 256 real tokens, at most 2W - 1 = 3 padding rows for each of 8 sequences
-    assert recipe.static_num_tokens(256, args.max_seqs, 2) == num_tokens
-    shapes = {tuple(shard_batch(batches(step, 0), 2, 1, num_tokens=num_tokens, max_sequences=args.max_seqs)
+    assert recipe.static_num_tokens(256, cfg.max_seqs, 2) == num_tokens
+    shapes = {tuple(shard_batch(data.sequences(step, 0), 2, 1, num_tokens=num_tokens, max_sequences=cfg.max_seqs)
                     .input_ids.shape) for step in range(1, 6)}  # fmt: skip
     assert shapes == {(num_tokens // 2,)}
 
@@ -345,60 +344,77 @@ def test_batch_shards_give_every_layout_the_same_data():
     """With --batch-shards K, dp = 1 trains on the K shards that dp = K's replicas split, in order,
     with a static maximum of the shards' sequences together; K must be a multiple of dp."""
     tokens = ("--tokens-per-step", "512")
-    one = _args("--dp", "1", "--cp", "2", "--batch-shards", "2", *tokens)
-    two = _args("--dp", "2", "--cp", "1", *tokens)
+    one = _cfg("--dp", "1", "--cp", "2", "--batch-shards", "2", *tokens)
+    two = _cfg("--dp", "2", "--cp", "1", *tokens)
     assert one.tokens_per_step == two.tokens_per_step == 512 and two.batch_shards == 2
-    assert list(recipe.replica_shards(one, 0)) == [0, 1]
-    assert [list(recipe.replica_shards(two, d)) for d in (0, 1)] == [[0], [1]]
-    assert recipe.replica_max_seqs(one) == 2 * one.max_seqs and recipe.replica_max_seqs(two) == two.max_seqs
+    assert list(one.replica_shards(0)) == [0, 1]
+    assert [list(two.replica_shards(d)) for d in (0, 1)] == [[0], [1]]
+    assert one.replica_max_seqs == 2 * one.max_seqs and two.replica_max_seqs == two.max_seqs
     with pytest.raises(ValueError, match="--batch-shards 3 must be a positive multiple of --dp 2"):
-        _args("--dp", "2", "--cp", "1", "--batch-shards", "3")
+        _cfg("--dp", "2", "--cp", "1", "--batch-shards", "3")
 
 
 def test_data_file(tmp_path):
     good = tmp_path / "tokens.npy"
     np.save(good, np.arange(1000, dtype=np.uint16) % 64)
-    batches = recipe.Batches(256, 8, 64, seed=0, data=str(good))
-    for seq in batches(1, 0):
+    data = recipe.TokenStream(256, 8, 64, seed=0, data=str(good))
+    for seq in data.sequences(1, 0):
         assert torch.equal(seq[1:], (seq[:-1] + 1) % 64)  # consecutive windows of the file
     for name, array in (("two_d.npy", np.zeros((4, 4), np.int32)), ("floats.npy", np.zeros(300, np.float32))):
         np.save(tmp_path / name, array)
         with pytest.raises(ValueError, match="expected one 1-D integer array of token ids, got shape"):
-            _args("--data", str(tmp_path / name))
+            _cfg("--data", str(tmp_path / name))
     (tmp_path / "tokens.bin").write_bytes(b"\0" * 64)
     with pytest.raises(ValueError, match="expected a .npy file"):
-        _args("--data", str(tmp_path / "tokens.bin"))
+        _cfg("--data", str(tmp_path / "tokens.bin"))
     (tmp_path / "broken.npy").write_bytes(b"not an array")
     with pytest.raises(ValueError, match="not a readable .npy array"):
-        _args("--data", str(tmp_path / "broken.npy"))
+        _cfg("--data", str(tmp_path / "broken.npy"))
     np.save(tmp_path / "short.npy", np.zeros(100, np.int64))
     with pytest.raises(ValueError, match="100 tokens, fewer than one batch shard"):
-        recipe.Batches(256, 8, 64, seed=0, data=str(tmp_path / "short.npy"))
+        recipe.TokenStream(256, 8, 64, seed=0, data=str(tmp_path / "short.npy"))
     with pytest.raises(ValueError, match=r"100 tokens, fewer than one batch shard \(256\)"):  # with the command line
-        _args("--data", str(tmp_path / "short.npy"), "--dp", "2", "--cp", "1")
+        _cfg("--data", str(tmp_path / "short.npy"), "--dp", "2", "--cp", "1")
     np.save(tmp_path / "big_ids.npy", np.full(1000, 64, np.int64))
     with pytest.raises(ValueError, match=r"token ids outside \[0, 64\)"):
-        recipe.Batches(256, 8, 64, seed=0, data=str(tmp_path / "big_ids.npy"))(1, 0)
+        recipe.TokenStream(256, 8, 64, seed=0, data=str(tmp_path / "big_ids.npy")).sequences(1, 0)
 
 
 def test_bad_settings(capsys):
     with pytest.raises(ValueError, match="--cp 3 must divide the Gated DeltaNet's 4 key and 8 value heads"):
-        _args("--cp", "3", world=3)
+        _cfg("--cp", "3", world=3)
     with pytest.raises(ValueError, match="--dp 2 x --cp 2 must equal the world size 2"):
-        _args("--dp", "2", "--cp", "2")
+        _cfg("--dp", "2", "--cp", "2")
     with pytest.raises(ValueError, match="--steps must be at least 5"):
-        _args("--profile", "prof", "--steps", "3")
+        _cfg("--profile", "prof", "--steps", "3")
     with pytest.raises(ValueError, match="--cuda-graphs needs --compile and --device cuda"):
-        _args("--cuda-graphs")
+        _cfg("--cuda-graphs")
     with pytest.raises(ValueError, match="--save-every and --resume need --checkpoint-dir"):
-        _args("--save-every", "2")
+        _cfg("--save-every", "2")
     with pytest.raises(ValueError, match="--vocab-size must be >= 2, got 1"):
-        _args("--vocab-size", "1")
+        _cfg("--vocab-size", "1")
     with pytest.raises(ValueError, match=r"shards of more than --max-seqs 8 .* one-token sequences has no label"):
-        _args("--tokens-per-step", "8", "--cp", "2")
+        _cfg("--tokens-per-step", "8", "--cp", "2")
     with pytest.raises(SystemExit) as exit_info:  # the command line reports it before any group starts
         recipe.main([*BASE, "--cp", "3"])
     assert exit_info.value.code == 2 and "must equal the world size 1" in capsys.readouterr().err
+
+
+def test_one_flag_per_setting_and_dry_run(tmp_path):
+    """Every TrainConfig field but ``resume_from`` is a flag whose default is the field's;
+    --dry-run writes the checked settings (the defaults that depend on others filled in) and the
+    model's configuration, and trains nothing."""
+    flags = {a.dest: a.default for a in recipe.parser()._actions if a.dest != "help"}
+    fields = {f.name: f.default for f in dataclasses.fields(recipe.TrainConfig) if f.name != "resume_from"}
+    assert flags == dict(fields, fault=[])
+    log = tmp_path / "dry.json"
+    recipe.main([*BASE, "--dry-run", "--num-layers", "8", "--log-json", str(log)])
+    written = json.loads(log.read_text())
+    cfg = _cfg("--dry-run", "--num-layers", "8", "--log-json", str(log), world=1)
+    assert written["settings"] == json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
+    assert written["settings"]["dp"] == 1 and written["settings"]["batch_shards"] == 1
+    assert written["model"]["num_hidden_layers"] == 8 and written["model"]["vocab_size"] == 64
+    assert written["world"] == 1 and "steps" not in written
 
 
 def test_flop_count():

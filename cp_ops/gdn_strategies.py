@@ -1,30 +1,173 @@
-"""Gated DeltaNet CP by state passing on the dual-chunk layout (docs/design.md section 4.3):
-each rank runs the delta rule on its own chunks and the ranks exchange per-chunk state maps,
-not activations, so W is not bound to the key heads."""
+"""The strategies that run a :class:`cp_ops.gdn.GatedDeltaNet` over a CP group of W ranks
+(docs/design.md section 4): by heads, every token of the batch for 1/W of the heads between two
+all-to-alls (:class:`SectionExchange`, :class:`FusedExchange`; :class:`SingleDevice` at W = 1),
+or by chunk states on the dual-chunk layout (:class:`StatePassing`, section 4.3), where each
+rank runs the delta rule on its own chunks and the ranks exchange per-chunk state maps, not
+activations, so W is not bound to the key heads. The layer imports this module, not the other
+way round: a strategy's ``layer`` is that GatedDeltaNet, typed as the module it is."""
 
 from __future__ import annotations
 
+from functools import partial
 from typing import NamedTuple
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
-from cp_ops.gdn import GatedDeltaNet, GDNContextParallel
+from cp_ops.exchange import thd_cp2hp_blocks, thd_cp2hp_overlap, thd_hp2cp_blocks
 from custom_ops import (
     all_gather_rows,
     causal_conv1d,
     chunk_gated_delta_rule_with_state,
     chunk_rows,
     group_rank,
+    rank_to_seq_index,
     resolve_group,
     segment_matmul,
     state_dtype,
+    thd_hp2cp,
 )
 
-__all__ = ["StatePassing", "chunk_gated_delta_rule_cp_states", "state_maps"]
+__all__ = [
+    "GDNContextParallel",
+    "SingleDevice",
+    "SectionExchange",
+    "FusedExchange",
+    "StatePassing",
+    "default_context_parallel",
+    "chunk_gated_delta_rule_cp_states",
+    "state_maps",
+]
 
 # FLA's chunked kernels take head dims up to 256: wider state maps run as two passes
 _FLA_MAX_HEAD_DIM = 256
+
+
+class GDNContextParallel:
+    """How a :class:`cp_ops.gdn.GatedDeltaNet` runs over a CP group of W ranks; the layer's
+    forward is ``h, z = exchange_in(layer, x, cu, group)``, ``o = mix(layer, h, cu, group)``,
+    ``exchange_out(layer, o, z, cu, group)``. ``x`` and the result are this rank's rows
+    ``[T/W, hidden]``; ``h`` and ``o`` are in whatever layout the strategy's mix reads and
+    writes; ``z`` is the gate projection, which stays on its rank. Every step is
+    differentiable. Subclasses: :class:`SingleDevice`, :class:`SectionExchange`,
+    :class:`FusedExchange` (by heads), :class:`StatePassing` (by chunk states).
+    """
+
+    def check(self, layer: nn.Module, world: int) -> None:
+        """Raises ``ValueError`` if the layer cannot run this way over ``world`` ranks."""
+
+    def exchange_in(
+        self, layer: nn.Module, x: torch.Tensor, cu_seqlens_padded: torch.Tensor, group
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``in_proj`` of the local rows, brought to the mix's layout: ``(h, z [T/W, Hv*dv])``."""
+        raise NotImplementedError
+
+    def mix(self, layer: nn.Module, h: torch.Tensor, cu_seqlens_padded: torch.Tensor, group) -> torch.Tensor:
+        """Conv, gates and delta rule on ``h``: the delta-rule output ``o``."""
+        raise NotImplementedError
+
+    def exchange_out(
+        self, layer: nn.Module, o: torch.Tensor, z: torch.Tensor, cu_seqlens_padded: torch.Tensor, group
+    ) -> torch.Tensor:
+        """``o`` back to the local rows, gated by ``z``, through ``out_proj``: ``[T/W, hidden]``."""
+        raise NotImplementedError
+
+
+class _HeadParallel(GDNContextParallel):
+    """The mix on every token of the batch for this rank's 1/W of the heads."""
+
+    def check(self, layer: nn.Module, world: int) -> None:
+        if layer.num_k_heads % world or layer.num_v_heads % world:
+            raise ValueError(
+                f"num_k_heads = {layer.num_k_heads} and num_v_heads = {layer.num_v_heads} must be divisible by "
+                f"the CP size {world} to split the heads over the ranks; "
+                "GatedDeltaNet(..., context_parallel=cp_ops.StatePassing()) runs at any CP size"
+            )
+
+    @staticmethod
+    def key_heads(layer: nn.Module, group) -> tuple[int, int]:
+        """``(first, count)``: the key heads this rank mixes."""
+        heads = layer.num_k_heads // resolve_group(group)[1]
+        return group_rank(group) * heads, heads
+
+
+class SingleDevice(GDNContextParallel):
+    """The whole batch on this device, all heads: what the layer runs whenever W = 1."""
+
+    def check(self, layer: nn.Module, world: int) -> None:
+        if world != 1:
+            raise ValueError(f"SingleDevice runs without CP, but the group has {world} ranks")
+
+    def exchange_in(self, layer, x, cu_seqlens_padded, group):
+        return layer._project(x)
+
+    def mix(self, layer, h, cu_seqlens_padded, group):
+        return layer._head_parallel_core(h, cu_seqlens_padded, 0, layer.num_k_heads)
+
+    def exchange_out(self, layer, o, z, cu_seqlens_padded, group):
+        return layer._project_out(o, z)
+
+
+class SectionExchange(_HeadParallel):
+    """Head parallel over section-layout tensors: :func:`cp_ops.thd_cp2hp_overlap` in,
+    :func:`cp_ops.thd_hp2cp` out, a layout pass on each side of each all-to-all. The eager
+    default for W > 1."""
+
+    def exchange_in(self, layer, x, cu_seqlens_padded, group):
+        # the z projection runs while q, k, v, b, a travel (and its backward while their gradients do)
+        overlap = partial(layer._project_z, x)
+        return thd_cp2hp_overlap(layer._project_qkvba(x), cu_seqlens_padded, layer._exchanged_sections(), group, overlap)
+
+    def mix(self, layer, h, cu_seqlens_padded, group):
+        return layer._head_parallel_core(h, cu_seqlens_padded, *self.key_heads(layer, group))
+
+    def exchange_out(self, layer, o, z, cu_seqlens_padded, group):
+        return layer._project_out(thd_hp2cp(o, cu_seqlens_padded, [o.shape[-1]], group), z)
+
+
+class FusedExchange(_HeadParallel):
+    """Head parallel with the layouts folded into the neighbours of the all-to-alls: in_proj
+    writes the send buffer, the conv reads the received rows in rank order, the gated norm
+    reads the received blocks in place. The compiled default for W > 1; equal to
+    :class:`SectionExchange` to rounding (out_proj's sum over heads is grouped by rank)."""
+
+    def exchange_in(self, layer, x, cu_seqlens_padded, group):
+        send = layer._project_send_blocks(x, resolve_group(group)[1])
+        overlap = partial(layer._project_z, x)
+        return thd_cp2hp_blocks(send, cu_seqlens_padded, group, overlap, seq_order=False)
+
+    def mix(self, layer, h, cu_seqlens_padded, group):
+        rows = rank_to_seq_index(cu_seqlens_padded, resolve_group(group)[1], h.shape[0])
+        return layer._head_parallel_core(h, cu_seqlens_padded, *self.key_heads(layer, group), rows)
+
+    def exchange_out(self, layer, o, z, cu_seqlens_padded, group):
+        # out_proj sums over value heads, so it splits by the blocks of the exchange back: this
+        # rank's own block is projected while the others are in flight
+        world, rank = resolve_group(group)[1], group_rank(group)
+        width = layer.num_v_heads // world * layer.head_v_dim
+        z_blocks = z.view(z.shape[0], world, width)
+
+        def block(s: int) -> dict:  # rank s's value heads: its z columns and out_proj's input columns
+            return {"z": z_blocks[:, s], "cols": slice(s * width, (s + 1) * width)}
+
+        o_blocks, out = thd_hp2cp_blocks(o, cu_seqlens_padded, group, partial(layer._project_out, **block(rank)))
+        for s in range(world):
+            if s != rank:
+                out = out + layer._project_out(o_blocks[s], **block(s))
+        return out
+
+
+def default_context_parallel(world: int) -> GDNContextParallel:
+    """:class:`SingleDevice` for W = 1, else :class:`FusedExchange` under ``torch.compile`` and
+    :class:`SectionExchange` eagerly (where the fused layouts would be copies of their own)."""
+    if world == 1:
+        return _SINGLE_DEVICE
+    return _FUSED_EXCHANGE if torch.compiler.is_compiling() else _SECTION_EXCHANGE
+
+
+_SINGLE_DEVICE, _SECTION_EXCHANGE, _FUSED_EXCHANGE = SingleDevice(), SectionExchange(), FusedExchange()
+
 
 
 class StatePassing(GDNContextParallel):
@@ -37,14 +180,14 @@ class StatePassing(GDNContextParallel):
     ``Hv * dk * (dk + dv)`` floats (docs/design.md section 4.3 compares the modes).
     """
 
-    def exchange_in(self, layer: GatedDeltaNet, x, cu_seqlens_padded, group):
+    def exchange_in(self, layer: nn.Module, x, cu_seqlens_padded, group):
         qkvba, z = layer._project(x)
         name, world = resolve_group(group)
         chunks = _Chunks.of(cu_seqlens_padded, world, group_rank(group), x.shape[0], layer.conv_kernel_size - 1)
         conv_in = qkvba[:, : layer.conv_dim]
         return (_with_halos(conv_in, chunks, name, world), qkvba[:, layer.conv_dim :], chunks), z
 
-    def mix(self, layer: GatedDeltaNet, h, cu_seqlens_padded, group):
+    def mix(self, layer: nn.Module, h, cu_seqlens_padded, group):
         extended, ba, chunks = h
         weight = layer._conv_weight(0, layer.num_k_heads)
         mixed = causal_conv1d(extended, weight, None, chunks.extended_cu, "silu").index_select(0, chunks.rows)
@@ -52,7 +195,7 @@ class StatePassing(GDNContextParallel):
         o = _run_from_composed_states(q, k, v, g, beta, chunks.local_cu, group)
         return o.flatten(1)
 
-    def exchange_out(self, layer: GatedDeltaNet, o, z, cu_seqlens_padded, group):
+    def exchange_out(self, layer: nn.Module, o, z, cu_seqlens_padded, group):
         return layer._project_out(o, z)
 
 

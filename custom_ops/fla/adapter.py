@@ -5,7 +5,7 @@ fixed by shapes, ``T // 64 + B``, so FLA never calls ``prepare_chunk_indices`` (
 docs/design.md section 3): one launch of :func:`fla_chunk_indices_kernel` on CUDA, the torch
 ops of :func:`fla_varlen_indices_reference` on the CPU. :func:`fla_call` wraps each call into
 FLA: the recorded autotuning choices for the device
-(:mod:`custom_ops.gated_delta_rule.fla_configs`), and FLA's tensor cache switched off.
+(:mod:`custom_ops.fla.configs`), and FLA's tensor cache switched off.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from custom_ops.gated_delta_rule.fla_configs import use_recorded_configs
+from custom_ops.fla.configs import use_recorded_configs
 from custom_ops.runtime import precompile
 from custom_ops.runtime.launch import launch_direct, use_triton
 from custom_ops.runtime.tiles import cdiv
@@ -192,7 +192,7 @@ def fla_chunk_indices_kernel(
 @contextlib.contextmanager
 def fla_call(device: torch.device):
     """Around one call into FLA on ``device``: FLA's autotuners seeded with the choices recorded
-    for the device (:func:`custom_ops.gated_delta_rule.fla_configs.use_recorded_configs`, once per device),
+    for the device (:func:`custom_ops.fla.configs.use_recorded_configs`, once per device),
     and FLA's ``tensor_cache`` off.
 
     These ops pass FLA its ``chunk_indices``, so what FLA still caches is derived from the
