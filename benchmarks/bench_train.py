@@ -268,8 +268,8 @@ def loss_check(args: argparse.Namespace) -> Result:
     ``--steps`` steps at the first --tokens; a row per run, the fused one with its largest relative
     loss difference from the unfused one over the steps."""
     tmp = Path(tempfile.mkdtemp())
-    recipe = load_recipe()
-    data = markov_tokens(tmp / "tokens.npy", recipe.model_config(args.preset, 1, args.vocab_size).vocab_size)
+    model = dry_run(["--preset", args.preset, *vocab_args(args)], tmp / "dry-run.json")["model"]
+    data = markov_tokens(tmp / "tokens.npy", model["vocab_size"])
     tokens = int(args.tokens.split(",")[0])
     rows = []
     for world in [int(w) for w in args.worlds.split(",")]:

@@ -23,7 +23,7 @@ The GPU run beside the recipe (benchmarks/bench_trainer.py runs both):
 
 ``--preset slice4``: examples/train_qwen3_next.py's four Qwen3-Next-80B-width layers (``--vocab-size``
 as there). ``--tokens-per-step N``: instead of the 20 sequences, step ``s`` trains on the recipe's
-synthetic batches of step ``s`` (``Batches``: 1 to ``--max-seqs`` sequences of random lengths adding
+synthetic batches of step ``s`` (``TokenStream``: 1 to ``--max-seqs`` sequences of random lengths adding
 up to N real tokens over the dp replicas and accumulation steps, the recipe's ``--batch-shards dp x
 grad-accum``), one dataset row per replica's micro-batch, packed by the collator.
 ``--dtype bfloat16``: ``TrainingArguments(bf16=True)``, the Trainer's mixed precision (float32
@@ -48,7 +48,7 @@ import torch.distributed as dist
 from transformers import TrainerCallback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # train_qwen3_next, beside this script
-from train_qwen3_next import Batches, model_config  # noqa: E402
+from train_qwen3_next import TokenStream, model_config  # noqa: E402
 from train_qwen3_next import build_model as build_recipe_model  # noqa: E402
 
 from cp_ops.integrations.trainer import (  # noqa: E402
@@ -89,7 +89,7 @@ class PackedBatches(torch.utils.data.Dataset):
                 f"--tokens-per-step {tokens_per_step} must split evenly into dp x grad-accum = {shards} micro-batches "
                 f"of more than --max-seqs {max_seqs} (>= 1) tokens each"
             )
-        self.batches = Batches(tokens_per_step // shards, max_seqs, vocab_size, seed)
+        self.batches = TokenStream(tokens_per_step // shards, max_seqs, vocab_size, seed)
         self.steps, self.dp, self.grad_accum = steps, dp, grad_accum
 
     def __len__(self) -> int:
@@ -98,7 +98,7 @@ class PackedBatches(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> dict:
         micro, dp_rank = divmod(i, self.dp)
         step, accum = divmod(micro, self.grad_accum)
-        return {"sequences": [s.tolist() for s in self.batches(step + 1, dp_rank * self.grad_accum + accum)]}
+        return {"sequences": [s.tolist() for s in self.batches.sequences(step + 1, dp_rank * self.grad_accum + accum)]}
 
 
 class SequencesCollator:

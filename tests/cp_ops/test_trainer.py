@@ -215,16 +215,16 @@ def test_packed_batches_are_the_recipes_shards(dp, grad_accum, max_seqs, extra):
     """Row ``i`` is what dp rank ``i % dp`` reads as its ``i // dp``-th micro-batch: step ``s``'s
     rows, over every rank and accumulation step, are the recipe's step ``s + 1`` shards with
     ``--batch-shards dp * grad_accum``, ``tokens`` real tokens in all."""
-    from train_qwen3_next import Batches
+    from train_qwen3_next import TokenStream
 
     shards = dp * grad_accum
     tokens = shards * (max_seqs + 1 + extra)
     rows = example.PackedBatches(tokens, max_seqs, 64, 2, dp, grad_accum)
-    recipe = Batches(tokens // shards, max_seqs, 64, seed=0)
+    recipe = TokenStream(tokens // shards, max_seqs, 64, seed=0)
     assert len(rows) == 2 * shards
     for step in range(2):
         got = [rows[(step * grad_accum + a) * dp + r]["sequences"] for r in range(dp) for a in range(grad_accum)]
-        want = [[s.tolist() for s in recipe(step + 1, shard)] for shard in range(shards)]
+        want = [[s.tolist() for s in recipe.sequences(step + 1, shard)] for shard in range(shards)]
         assert got == want
         assert sum(len(s) for row in got for s in row) == tokens
         assert all(1 <= len(row) <= max_seqs for row in got)
