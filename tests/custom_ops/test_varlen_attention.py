@@ -949,9 +949,10 @@ def _compile_through(source, target, options: dict, last: str):
     def stop(ir, metadata):
         raise _Stopped(ir, metadata)
 
-    def hook(backend=None, stages=None, options=None, language=None, capability=None):
-        if stages is None:  # compile's call for its cache key: the stopped compile keyed apart
+    def hook(*args):
+        if not args:  # compile's call for its cache key: the stopped compile keyed apart
             return f"-through-{last}", last
+        stages = next(a for a in args if isinstance(a, dict))  # (backend,) stages, options, ...
         names = list(stages)
         for name in names[names.index(last) + 1 :] if last in names else ():
             stages[name] = stop
