@@ -73,15 +73,22 @@ test-interpret:
 
 # The compile tests again with the kernels registered as opaque ops, the form the ops take when the
 # installed triton is newer than the one torch pins (custom_ops.runtime.registration.kernels_visible_to_compiler):
-# layout, all-to-all and attention kernels in Triton's interpreter, the GDN layers on references
-# (the fast tier compiles them in one process; the two-rank compile with visible kernels is in test-cpu),
-# and the eager checked mode, whose compiled graphs call the opaque ops' bodies and read nothing.
+# layout, all-to-all and attention kernels in Triton's interpreter (the two-rank compiles with visible
+# kernels are in test-cpu), and the eager checked mode, whose compiled graphs call the opaque ops' bodies
+# and read nothing. Left out: the compiled tests whose graphs hold only ops registered opaque in either
+# form, on their torch references (the GDN core and the loss, one-rank GDN layers and demo steps), the
+# same graphs as test-cpu's.
+SAME_GRAPHS = --deselect tests/custom_ops/test_gdn_ops.py::test_compiled_fullgraph_forward_backward \
+	--deselect tests/custom_ops/test_gdn_ops.py::test_compiled_with_state_fullgraph_forward_backward \
+	--deselect 'tests/custom_ops/test_op_contracts.py::test_compiled_bf16[gated_delta_rule]' \
+	--deselect 'tests/custom_ops/test_op_contracts.py::test_compiled_bf16[linear_cross_entropy]' \
+	--deselect tests/custom_ops/test_linear_cross_entropy.py::test_compiled_fullgraph_two_packings_no_recompile \
+	--deselect tests/cp_ops/test_demo.py::test_compiled_step_matches_eager
 test-opaque:
 	CP_OPS_OPAQUE_KERNELS=1 TRITON_INTERPRET=1 $(PYTEST) -q $(if $(NOT_SLOW),-m "not slow") -k compiled \
-		tests/custom_ops tests/cp_ops/test_comm.py tests/cp_ops/test_attention.py \
-		--deselect tests/custom_ops/test_gdn_ops.py::test_compiled_fullgraph_forward_backward
+		tests/custom_ops tests/cp_ops/test_comm.py tests/cp_ops/test_attention.py $(SAME_GRAPHS)
 	CP_OPS_OPAQUE_KERNELS=1 $(PYTEST) -q $(if $(NOT_SLOW),-m "not slow") -k compiled \
-		tests/cp_ops/test_gdn_cp.py tests/cp_ops/test_gdn_layer.py tests/cp_ops/test_demo.py tests/test_checked_mode.py \
+		tests/cp_ops/test_gdn_cp.py tests/cp_ops/test_demo.py tests/test_checked_mode.py $(SAME_GRAPHS) \
 		$(if $(NOT_SLOW),--deselect tests/cp_ops/test_gdn_cp.py::test_cp_layer_compiled_matches_one_rank)
 
 demo: deps

@@ -313,7 +313,7 @@ def test_layer_matches_transformers_qwen3_next_attention():
 # --- spawned: the collective, the reorder and their gradients ------------------------------------------
 
 
-def _op_rank(rank, world, compiled):
+def _op_rank(rank, world):
     group = dist.group.WORLD
     for i, (seqlens, heads, d, causal, window) in enumerate(CASES):
         cu, cup, q, k, v, dout = _global_case(seqlens, heads, d, world, seed=i)
@@ -351,13 +351,15 @@ def _op_rank(rank, world, compiled):
         _assert_close(_cp_run(ag_thd_attention, q_cp, k_cp, v_cp, dout_cp, cu, cup, causal, window, group=mesh),
                       want, TOL, "DeviceMesh")  # fmt: skip
 
-    if compiled:
-        _compiled_op_rank(rank, world, group)
-        _pipelined_rank(rank, world, group)
     if world in (2, 3):
         _layer_rank(rank, world, group, compiled=False)
-    if compiled:
-        _layer_rank(rank, world, group, compiled=True)
+
+
+def _compiled_rank(rank, world):
+    group = dist.group.WORLD
+    _compiled_op_rank(rank, world, group)
+    _pipelined_rank(rank, world, group)
+    _layer_rank(rank, world, group, compiled=True)
 
 
 def _compiled_op_rank(rank, world, group):
@@ -475,16 +477,18 @@ def _layer_rank(rank, world, group, compiled):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("world", [1, 3, pytest.param(4, marks=pytest.mark.slow)])  # W = 8: test_eight_ranks.py
+@pytest.mark.parametrize("world", [1, 2, 3, pytest.param(4, marks=pytest.mark.slow)])  # W = 8: test_eight_ranks.py
 def test_ag_attention_matches_global(world):
-    """Every case on W gloo ranks, launches 1 and 2 (and the layer at W = 3)."""
-    run_ranks(world, _op_rank, False)
+    """Every case on W gloo ranks, launches 1 and 2 (and the layer at W = 2 and 3, a DeviceMesh
+    as the group at W = 2)."""
+    run_ranks(world, _op_rank)
 
 
 @pytest.mark.dist
 def test_ag_attention_matches_global_compiled_w2():
-    """W = 2: every eager case, the layer, then the op and the layer under torch.compile(fullgraph=True)."""
-    run_ranks(2, _op_rank, True)
+    """W = 2: the op and the layer under torch.compile(fullgraph=True) (the eager cases: the test
+    above, which test-opaque, selecting compiled tests, does not run again)."""
+    run_ranks(2, _compiled_rank)
 
 
 def test_random_layouts_through_the_op_in_process():

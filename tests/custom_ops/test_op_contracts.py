@@ -3,8 +3,9 @@ float64): its fake implementation against what the op returns, every output incl
 auxiliary ones: lse, delta, the GDN's saved tensors and FLA indices, the gathered rows, the
 conv's dbias), for dtype, shape, device, storage offset and strides, on drawn layouts and
 memory layouts (:func:`custom_ops.testing.check_fake`); ``torch.library.opcheck`` at bfloat16
-and float16 (the per-family test files run it at float32 and float64); and each family compiled
-with ``fullgraph=True`` in bfloat16, every output of the compiled graph against eager.
+and float16 (float16 in the slow tier; the per-family test files run it at float32 and float64);
+and each family compiled with ``fullgraph=True`` in bfloat16, every output of the compiled graph
+against eager.
 
 A wrong dtype of an auxiliary output shows only where it differs from the main one's, so the
 dtypes are the point: an lse or a GDN state that a fake gives in bf16 while the op computes it
@@ -303,6 +304,12 @@ def _cases(dtypes_of=lambda family: family.dtypes):
             for name, family in FAMILIES.items() for dtype in dtypes_of(family)]  # fmt: skip
 
 
+def _bf16_fast(cases: list) -> list:
+    """``cases`` at bf16 as they are, those at other dtypes in the slow tier (make test-all)."""
+    return [c if c.values[1] == torch.bfloat16 else pytest.param(*c.values, id=c.id, marks=pytest.mark.slow)
+            for c in cases]  # fmt: skip
+
+
 def _samples(name: str, params, dtype: torch.dtype, grad: bool = False) -> list:
     samples = FAMILIES[name].samples(params, dtype, grad)
     # every op of the family, some more than once (the GDN ops with a state and without)
@@ -338,8 +345,10 @@ KERNEL_FAMILIES = ("thd_reorder", "thd_copy_valid_tokens", "permute_sections", "
                    "varlen_attention_key_rows", "ag_thd_attention", "causal_conv1d", "segment_matmul")  # fmt: skip
 
 
+# bf16 in the fast tier: test_fakes_match_the_ops checks the fakes at every dtype, and one dtype
+# per op takes the kernels' dtype path
 @pytest.mark.interpret
-@pytest.mark.parametrize("name,dtype", [c for c in _cases() if c.values[0] in KERNEL_FAMILIES])
+@pytest.mark.parametrize("name,dtype", _bf16_fast([c for c in _cases() if c.values[0] in KERNEL_FAMILIES]))
 @settings(max_examples=examples(2))
 @given(data=st.data())
 def test_fakes_match_the_kernels(name, dtype, data):
@@ -347,7 +356,8 @@ def test_fakes_match_the_kernels(name, dtype, data):
     _check_fakes(name, dtype, data)
 
 
-@pytest.mark.parametrize("name,dtype", _cases(lambda family: [d for d in family.dtypes if d.itemsize == 2]))
+# fp16 in the slow tier: it takes bf16's paths, and test_fakes_match_the_ops checks its fakes
+@pytest.mark.parametrize("name,dtype", _bf16_fast(_cases(lambda family: [d for d in family.dtypes if d.itemsize == 2])))
 def test_opcheck_half_precision(name, dtype):
     """opcheck (schema, autograd registration, fake, AOT dispatch) at bf16 and fp16, the forward
     ops with inputs that require gradients."""

@@ -928,11 +928,53 @@ def test_bad_input():
 # --- code generation for Hopper (compiled here, no GPU needed) ------------------------------------
 
 
-def _compile_for_sm90(kernel, config: dict, head_dim: int = 128, float_type: str = "fp32", element: str = "*bf16"):
+class _Stopped(Exception):
+    """Raised by the first compile stage after the one a test reads, with that stage's output."""
+
+    def __init__(self, ir, metadata: dict):
+        super().__init__()
+        self.ir, self.metadata = ir, metadata
+
+
+def _compile_through(source, target, options: dict, last: str):
+    """``triton.compile`` stopped after stage ``last`` ("ttir", "ttgir", "llir", "ptx"): an object
+    with ``.asm[last]`` and ``.metadata`` as the stages up to ``last`` set it (``shared`` from
+    "llir" on). The stages after it (LLVM's code generation, ptxas) are most of a compile's time.
+    Where triton has no stage hook, or no stage ``last``, the whole compile."""
+    from types import SimpleNamespace
+
+    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+    if not hasattr(runtime, "add_stages_inspection_hook"):
+        return triton.compile(source, target=target, options=options)
+
+    def stop(ir, metadata):
+        raise _Stopped(ir, metadata)
+
+    def hook(*args):
+        if not args:  # compile's call for its cache key: the stopped compile keyed apart
+            return f"-through-{last}", last
+        stages = next(a for a in args if isinstance(a, dict))  # (backend,) stages, options, ...
+        names = list(stages)
+        for name in names[names.index(last) + 1 :] if last in names else ():
+            stages[name] = stop
+
+    previous, runtime.add_stages_inspection_hook = runtime.add_stages_inspection_hook, hook
+    try:
+        return triton.compile(source, target=target, options=options)
+    except _Stopped as stopped:
+        return SimpleNamespace(asm={last: str(stopped.ir)}, metadata=SimpleNamespace(**stopped.metadata))
+    finally:
+        runtime.add_stages_inspection_hook = previous
+
+
+def _compile_for_sm90(
+    kernel, config: dict, head_dim: int = 128, float_type: str = "fp32", element: str = "*bf16", through: str = "ptx"
+):  # fmt: skip
     """Compile ``kernel`` for sm_90 with ``config`` as the launcher would (q/k/v/o tensors of
     ``element``, int32 tables, 16-byte-aligned pointers and strides, float scalars of
     ``float_type``; with ``TMA`` in the config, tensor descriptors of the launcher's tiles,
-    else None) and return the compiled kernel (``.asm["ttgir"]``, ``.metadata.shared``)."""
+    else None) up to stage ``through`` (:func:`_compile_through`), and return the compiled kernel
+    (``.asm[through]``; ``.metadata.shared`` from "llir" on)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -972,7 +1014,7 @@ def _compile_for_sm90(kernel, config: dict, head_dim: int = 128, float_type: str
         constexprs={(names.index(k),): v for k, v in constants.items() if k in names},
         attrs=aligned,
     )
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    return _compile_through(source, GPUTarget("cuda", 90, 32), options, through)
 
 
 _KERNELS = {
@@ -998,7 +1040,7 @@ def test_key_and_query_loops_pipeline_on_hopper(kind, tma, window):
     pytest.importorskip("triton.backends.nvidia")
     config = dict(configs.kernel_config(kind, 128, interpreting=False, tma=tma), WINDOW=window)
     try:
-        ttgir = _compile_for_sm90(_KERNELS[kind], config).asm["ttgir"]
+        ttgir = _compile_for_sm90(_KERNELS[kind], config, through="ttgir").asm["ttgir"]
     except (ImportError, TypeError, AttributeError) as e:  # compile API of another triton release
         pytest.skip(f"cannot compile for sm_90 with triton {triton.__version__}: {e}")
     assert "ttng.warp_group_dot" in ttgir, "no wgmma: the dots are not on Hopper's matrix path"
@@ -1017,7 +1059,7 @@ def test_segment_table_kernel_compiles_for_hopper(by_work):
         num_warps=configs.TABLE_WARPS, num_stages=1,
     )  # fmt: skip
     try:
-        compiled = _compile_for_sm90(segment_tables_kernel, config)
+        compiled = _compile_for_sm90(segment_tables_kernel, config, through="ttir")
     except (ImportError, TypeError, AttributeError) as e:  # compile API of another triton release
         pytest.skip(f"cannot compile for sm_90 with triton {triton.__version__}: {e}")
     assert "tt.scan" in compiled.asm["ttir"]  # the running tile count is a scan, not a serial loop
@@ -1041,7 +1083,7 @@ def test_kernels_take_fp64_scales(kind):
     pytest.importorskip("triton.backends.nvidia")
     config = configs.kernel_config(kind, 64, interpreting=False)
     try:
-        ttgir = _compile_for_sm90(_KERNELS[kind], config, head_dim=64, float_type="fp64").asm["ttgir"]
+        ttgir = _compile_for_sm90(_KERNELS[kind], config, head_dim=64, float_type="fp64", through="ttgir").asm["ttgir"]
     except (ImportError, TypeError, AttributeError) as e:  # compile API of another triton release
         pytest.skip(f"cannot compile for sm_90 with triton {triton.__version__}: {e}")
     assert "ttng.warp_group_dot" in ttgir
@@ -1066,7 +1108,7 @@ def test_launch_configs_fit_hopper_shared_memory(kind, head_dim, element, tma):
     size = int(element[-2:]) // 8
     config = configs.kernel_config(kind, head_dim, interpreting=False, element_size=size, tma=tma)
     try:
-        compiled = _compile_for_sm90(_KERNELS[kind], config, head_dim=head_dim, element=element)
+        compiled = _compile_for_sm90(_KERNELS[kind], config, head_dim=head_dim, element=element, through="llir")
     except (ImportError, TypeError, AttributeError) as e:  # compile API of another triton release
         pytest.skip(f"cannot compile for sm_90 with triton {triton.__version__}: {e}")
     assert compiled.metadata.shared <= HOPPER_MAX_SHARED, (config, compiled.metadata.shared)
