@@ -28,9 +28,10 @@ TORCH_INDEX ?= $(if $(shell command -v nvidia-smi),,https://download.pytorch.org
 TORCH_PIN = --no-deps -c constraints.txt $(if $(TORCH_INDEX),--retries 1 --index-url $(TORCH_INDEX)) torch
 TORCH_FAILED = { echo "make: no torch from $(or $(TORCH_INDEX),pip's indexes); TORCH_INDEX=URL names another index"; exit 1; }
 EXTRAS = test,hf
-# pytest workers (pytest-xdist): most tests keep one core busy (tracing, Triton's interpreter)
+# pytest workers (pytest-xdist): most tests keep one core busy (tracing, Triton's interpreter); each pass
+# lists its 15 longest tests last, where a pass's time goes
 JOBS ?= 2
-PYTEST = $(PYTHON) -m pytest -n $(JOBS) --dist worksteal
+PYTEST = $(PYTHON) -m pytest -n $(JOBS) --dist worksteal --durations=15
 # the tier: make test-all sets it empty
 NOT_SLOW = and not slow
 
@@ -67,9 +68,10 @@ deps: venv
 test-cpu:
 	$(PYTEST) -m "not interpret $(NOT_SLOW)"
 
-# Triton kernels on CPU tensors: TRITON_INTERPRET must be set before triton is imported.
+# Triton kernels on CPU tensors: TRITON_INTERPRET must be set before triton is imported; fewer
+# hypothesis examples a property than test-cpu (tests/_profiles.py), a profile given is kept.
 test-interpret:
-	TRITON_INTERPRET=1 $(PYTEST) -m "interpret $(NOT_SLOW)"
+	TRITON_INTERPRET=1 HYPOTHESIS_PROFILE=$(or $(HYPOTHESIS_PROFILE),interpret) $(PYTEST) -m "interpret $(NOT_SLOW)"
 
 # The compile tests again with the kernels registered as opaque ops, the form the ops take when the
 # installed triton is newer than the one torch pins (custom_ops.runtime.registration.kernels_visible_to_compiler):

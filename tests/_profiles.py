@@ -6,6 +6,9 @@
   ``python -m pytest --hypothesis-seed=<seed> tests/<file>.py::<test>`` (each test draws from a
   generator of its own seeded with the run's seed, so alone it draws what it drew in the run).
   A failure found that way becomes an ``@example(...)`` on the test, checked by every run after.
+- ``interpret`` (``make test``'s Triton-interpreter pass): :data:`INTERPRET_EXAMPLES` a property
+  (and proportionally fewer for those counted with :func:`examples`): a kernel in the
+  interpreter costs about a hundred times its torch reference, which ``test-cpu`` draws 25 for.
 - ``thorough`` (``make test-all``, or ``HYPOTHESIS_PROFILE=thorough``): :data:`THOROUGH_FACTOR`
   times as many examples, for the properties of the profile and those that set their own count
   with :func:`examples`.
@@ -16,10 +19,14 @@ import os
 from hypothesis import HealthCheck, settings
 
 DEFAULT_EXAMPLES = 25
+INTERPRET_EXAMPLES = 10
 THOROUGH_FACTOR = 8
 
 settings.register_profile(
     "default", max_examples=DEFAULT_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.register_profile(
+    "interpret", max_examples=INTERPRET_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 settings.register_profile(
     "thorough",

@@ -22,10 +22,10 @@ def pytest_configure(config):
 def _seed_line(config) -> str:
     from hypothesis import settings
 
-    seed = config.getoption(SEED_OPTION)
-    return (f"hypothesis seed {seed}, profile {settings.get_current_profile_name()!r} "
-            f"({settings.default.max_examples} examples); reproduce: HYPOTHESIS_SEED={seed} make test, "
-            f"or python -m pytest {SEED_OPTION}={seed} TEST")  # fmt: skip
+    seed, profile = config.getoption(SEED_OPTION), settings.get_current_profile_name()
+    env = "" if profile == "default" else f"HYPOTHESIS_PROFILE={profile} "
+    return (f"hypothesis seed {seed}, profile {profile!r} ({settings.default.max_examples} examples); reproduce: "
+            f"HYPOTHESIS_SEED={seed} make test, or {env}python -m pytest {SEED_OPTION}={seed} TEST")  # fmt: skip
 
 
 def pytest_report_header(config):
