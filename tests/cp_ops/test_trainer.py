@@ -9,7 +9,7 @@ step and end with the same weights, within 1e-5, over 5 steps with gradient accu
 collator is checked against shard_batch on drawn packings; the refusals by their messages. The
 example's benchmark options: its rows of the recipe's synthetic batches (drawn dp and gradient
 accumulation) and the step log it writes at (dp 1, cp 2), its real tokens a step counted once.
-Needs the trainer extra (accelerate, and TRL for the SFTTrainer tests): skipped without it.
+Needs accelerate (the test extra); the SFTTrainer tests need TRL too (the trainer extra).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 from hypothesis import given, strategies as st
 
 pytest.importorskip("transformers")
-pytest.importorskip("accelerate", reason="the trainer extra is not installed (pip install -e '.[hf,trainer]')")
+pytest.importorskip("accelerate", reason="accelerate is not installed (pip install -e '.[test,hf]')")
 
 from cp_ops.integrations.trainer import ContextParallelCollator, ContextParallelTrainer  # noqa: E402
 from cp_ops.integrations.transformers import apply_context_parallel, shard_batch  # noqa: E402
