@@ -162,7 +162,6 @@ def test_collator_refuses_padding():
 
 def _refusals_rank(rank, world, out):
     from accelerate.parallelism_config import ParallelismConfig
-    from datasets import IterableDataset
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import DataCollatorWithFlattening
 
@@ -185,12 +184,15 @@ def _refusals_rank(rank, world, out):
     with pytest.raises(ValueError, match="average_tokens_across_devices=False"):
         ContextParallelTrainer(model=model, **common)
     args.average_tokens_across_devices = True
-    # a datasets IterableDataset of several shards: accelerate splits its shards over the processes
-    stream = IterableDataset.from_generator(lambda shards: (r for s in shards for r in s),
-                                            gen_kwargs={"shards": [rows[:10], rows[10:]]})  # fmt: skip
-    trainer = ContextParallelTrainer(model=model, **dict(common, train_dataset=stream))
-    with pytest.raises(ValueError, match="is not sharded by accelerate's BatchSamplerShard or IterableDatasetShard"):
-        trainer.get_train_dataloader()
+    if importlib.util.find_spec("datasets") is not None:  # TRL's dependency: the trainer extra
+        from datasets import IterableDataset
+
+        # a datasets IterableDataset of several shards: accelerate splits its shards over the processes
+        stream = IterableDataset.from_generator(lambda shards: (r for s in shards for r in s),
+                                                gen_kwargs={"shards": [rows[:10], rows[10:]]})  # fmt: skip
+        trainer = ContextParallelTrainer(model=model, **dict(common, train_dataset=stream))
+        with pytest.raises(ValueError, match="is not sharded by accelerate's BatchSamplerShard or IterableDataset"):
+            trainer.get_train_dataloader()
     trainer = ContextParallelTrainer(model=model, **common)  # a map-style dataset: every CP rank the same rows
     assert trainer.get_train_dataloader().batch_sampler.num_processes == 1
     assert trainer.get_total_train_batch_size(args) == 2 * GRAD_ACCUM
