@@ -198,14 +198,19 @@ def markov_tokens(path: Path, vocab_size: int, count: int = 1 << 21, seed: int =
     return path
 
 
+def learnable_tokens(args: argparse.Namespace, tmp: Path) -> Path:
+    """A :func:`markov_tokens` file in ``tmp`` over the vocabulary of the recipe's model at ``args``."""
+    model = dry_run(["--preset", args.preset, *vocab_args(args)], tmp / "dry-run.json")["model"]
+    return markov_tokens(tmp / "tokens.npy", model["vocab_size"])
+
+
 def curves(args: argparse.Namespace) -> list[Result]:
     """The ``--curves`` runs: the same model from the same seed for ``--steps`` steps on one GPU,
     at (dp 1, cp 4) and at (dp 2, cp 2), on a token file with learnable structure
     (:func:`markov_tokens`); the (dp 1, cp 4) run saves a checkpoint at step ``--steps // 2``, from
     which one step is resumed. A summary of the runs and every run's loss per step."""
     tmp = Path(tempfile.mkdtemp())
-    model = dry_run(["--preset", args.preset, *vocab_args(args)], tmp / "dry-run.json")["model"]
-    data = markov_tokens(tmp / "tokens.npy", model["vocab_size"])
+    data = learnable_tokens(args, tmp)
     tokens = args.tokens.split(",")[0]
     # two batch shards: the one-GPU run trains on what the two replicas of (dp 2, cp 2) split
     common = ["--preset", args.preset, "--tokens-per-step", tokens, "--max-seqs", str(args.max_seqs), "--batch-shards",
@@ -268,16 +273,15 @@ def loss_check(args: argparse.Namespace) -> Result:
     ``--steps`` steps at the first --tokens; a row per run, the fused one with its largest relative
     loss difference from the unfused one over the steps."""
     tmp = Path(tempfile.mkdtemp())
-    model = dry_run(["--preset", args.preset, *vocab_args(args)], tmp / "dry-run.json")["model"]
-    data = markov_tokens(tmp / "tokens.npy", model["vocab_size"])
+    data = learnable_tokens(args, tmp)
     tokens = int(args.tokens.split(",")[0])
     rows = []
     for world in [int(w) for w in args.worlds.split(",")]:
         logs = {}
         for loss in ("unfused", "fused"):
             log = tmp / f"w{world}-{loss}.json"
-            extra = argparse.Namespace(**{**vars(args), "extra": ["--data", str(data), "--loss", loss, *args.extra]})
-            status = torchrun(world, cp_run_args(extra, world, tokens, False, log), args.timeout)
+            recipe_args = cp_run_args(args, world, tokens, False, log) + ["--data", str(data), "--loss", loss]
+            status = torchrun(world, recipe_args, args.timeout)
             logs[loss] = json.loads(log.read_text()) if status == "ok" and log.exists() else None
             row = {"W": world, "loss": loss, "status": status}
             if logs[loss]:
