@@ -203,7 +203,7 @@ def core_main(tokens, heads, out) -> None:
                 try:
                     steps = _core_steps(hk, hv, t, CORE_SEQS, backend)
                     with torch.no_grad():
-                        outputs[backend] = steps["fwd"]().float()
+                        outputs[backend] = steps["fwd"]()
                     row += [median_ms(steps["fwd"]), median_ms(steps["fwd+bwd"])]
                 except torch.OutOfMemoryError:
                     row += [math.nan, math.nan]

@@ -55,14 +55,21 @@ MEMORY_LAYOUTS = ("contiguous", "offset", "row_strided", "transposed", "last_dim
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
-def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """``||out - ref|| / ||ref||`` in float64 (0 when both are zero; inf on NaN)."""
-    out, ref = out.detach().double(), ref.detach().double()
-    if not torch.isfinite(out).all():
-        return float("inf")
-    num = (out - ref).norm()
-    den = ref.norm()
-    return float(num / den) if den > 0 else float(num)
+def rel_error(out: torch.Tensor, ref: torch.Tensor, chunk: int = 1 << 24) -> float:
+    """``||out - ref|| / ||ref||`` in float64 (0 when both are zero; inf on NaN), summed over
+    ``chunk`` elements at a time so that a tensor of many GiB needs no float64 copy of itself."""
+    out, ref = out.detach(), ref.detach()
+    if out.shape != ref.shape:
+        out, ref = torch.broadcast_tensors(out, ref)
+    out, ref = out.reshape(-1), ref.reshape(-1)
+    num = den = 0.0
+    for start in range(0, out.numel(), chunk):
+        o, r = out[start : start + chunk].double(), ref[start : start + chunk].double()
+        if not torch.isfinite(o).all():
+            return float("inf")
+        num += float((o - r).square().sum())
+        den += float(r.square().sum())
+    return (num / den) ** 0.5 if den > 0 else num**0.5
 
 
 def random_tensor(shape, dtype: torch.dtype, device="cpu", generator: torch.Generator | None = None) -> torch.Tensor:
