@@ -1,9 +1,9 @@
-"""Attention benchmarks: segment attention on one GPU against SDPA flash, cuDNN and
-FlexAttention (``kernel``), its kernel-config tuner (``tune``), each all-gather CP rank's
-attention kernels on one GPU (``ranks``), and all-gather CP attention on W GPUs (NCCL)
-against segment attention on one GPU (``cp``).
+"""Attention benchmarks: segment attention on one GPU against SDPA flash, cuDNN, FlexAttention,
+FlashAttention 4 and cuDNN's varlen SDPA (``kernel``), its kernel-config tuner (``tune``), each
+all-gather CP rank's attention kernels on one GPU (``ranks``), and all-gather CP attention on W
+GPUs (NCCL) against segment attention on one GPU (``cp``).
 
-    python -m benchmarks.bench_attention kernel [--gqa G] [--head-dims D ...] [--pointer-loads]
+    python -m benchmarks.bench_attention kernel [--gqa G] [--head-dims D ...] [--tokens T ...] [--pointer-loads]
     python -m benchmarks.bench_attention kernel --profile  # CUDA time per kernel of one forward and one backward
     python -m benchmarks.bench_attention tune [--kinds fwd bwd_dkdv bwd_dq] [--rounds N]
     python -m benchmarks.bench_attention ranks [--worlds W ...] [--tokens T ...] [--gqa G] [--head-dim D]
@@ -12,8 +12,9 @@ against segment attention on one GPU (``cp``).
     python -m benchmarks.bench_attention cp --smoke        # 2 gloo ranks on the CPU, tiny shapes
     python -m benchmarks.bench_attention cp --work-model   # CPU only: kernel tiles per rank against one GPU
 
-Results (benchmarks/runner.py): ``attention`` (``attention-gqaG-dD..`` at other heads;
-``-pointer-loads`` with that flag), ``attention-profile...``; ``ag-attention-wW`` (``-gqaG-dD`` at
+Results (benchmarks/runner.py): ``attention`` (``attention-gqaG-dD..`` at other heads,
+``-tT..`` at other --tokens, e.g. ``attention-gqa8-d256-t32k-128k-512k``; ``-pointer-loads`` with
+that flag), ``attention-profile...``; ``ag-attention-wW`` (``-gqaG-dD`` at
 other heads, ``-cudagraphs``; ``ag-attention-smoke-wW``), ``...-profile``, ``ag-attention-work-model-dD``,
 ``ag-attention-rank-kernels-gqaG-dD``.
 docs/benchmarks.md gives the cases, the FLOP count and what each column measures.
@@ -25,6 +26,7 @@ import argparse
 import dataclasses
 import itertools
 import statistics
+import time
 
 import torch
 import torch.distributed as dist
@@ -33,15 +35,18 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import custom_ops
+from benchmarks.attention_baselines import PACKAGES as BASELINE_PACKAGES
+from benchmarks.attention_baselines import NotInstalled, compare, cudnn_varlen_fn, fa4_varlen_fn, fp32_reference
 from benchmarks.cases import ATTENTION_DTYPE as DTYPE
 from benchmarks.cases import ATTENTION_HEAD_DIMS as HEAD_DIMS
 from benchmarks.cases import ATTENTION_HEADS as HEADS
-from benchmarks.cases import attention_cases, attention_op_inputs, packed_lengths, segments_for, tflops, visible_pairs
+from benchmarks.cases import ATTENTION_TOKENS, attention_cases, attention_op_inputs, packed_lengths, segments_for
+from benchmarks.cases import tflops, tokens_label, visible_pairs
 from benchmarks.cases import attention_inputs as make_inputs
-from benchmarks.common import default_world, max_over_ranks, profile_step, spawn_ranks
+from benchmarks.common import default_world, max_over_ranks, profile_step, recompile_limit, spawn_ranks
 from benchmarks.internals import CONFIGS, DEFAULT_SETTINGS, AttentionSettings, resolve_scale
 from benchmarks.internals import attention_launch as launch
-from benchmarks.runner import Result, add_out_argument, checks_off, emit, environment
+from benchmarks.runner import Result, add_out_argument, checks_off, emit, environment, format_cell, package_versions
 from benchmarks.timing import kernel_breakdown, median_ms, median_ms_counted
 from cp_ops import COMPILE_OPTIONS, pad_cu_seqlens, shard_thd
 from custom_ops import ag_thd_attention, all_gather_rows, resolve_group
@@ -160,6 +165,11 @@ def sdpa_loop_fn(backend, lens):
     return fn
 
 
+# The eager block-mask builder materialises the [T, T] mask (16 GiB at 131072 tokens): above this
+# many tokens the mask is built compiled, which fuses the mask into its per-block reduction
+FLEX_EAGER_MASK_TOKENS = 65536
+
+
 def flex_fn(lens, device):
     """FlexAttention (compiled) over the packed sequence with a causal document mask."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -170,7 +180,8 @@ def flex_fn(lens, device):
     def mask_mod(b, h, q_idx, kv_idx):
         return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
 
-    block_mask = create_block_mask(mask_mod, None, None, total, total, device=device)
+    build = create_block_mask if total <= FLEX_EAGER_MASK_TOKENS else torch.compile(create_block_mask)
+    block_mask = build(mask_mod, None, None, total, total, device=device)
     flex = torch.compile(flex_attention, dynamic=False)
 
     def fn(q, k, v, seg):
@@ -183,81 +194,133 @@ def flex_fn(lens, device):
     return fn
 
 
-# --- kernel: timing------------------------------------------------------------------------------------
+def implementations(lens, device, ours_name: str = "varlen_attention", ours=varlen_fn) -> list[tuple[str, object]]:
+    """``[(row name, make)]`` of one case, ``make()`` returning the implementation's
+    ``fn(q, k, v, seg)``: ours; SDPA flash and cuDNN on a dense case, SDPA flash per document
+    on a packed one; FlexAttention, FlashAttention 4 and cuDNN's varlen SDPA on every case.
+    Each is built when its row runs, so a library that is missing fails its own row only."""
+    if len(set(lens)) == 1:
+        sdpa = [("SDPA flash", lambda: sdpa_dense_fn(SDPBackend.FLASH_ATTENTION, len(lens), lens[0])),
+                ("SDPA cuDNN", lambda: sdpa_dense_fn(SDPBackend.CUDNN_ATTENTION, len(lens), lens[0]))]  # fmt: skip
+    else:
+        sdpa = [("SDPA flash, loop over docs", lambda: sdpa_loop_fn(SDPBackend.FLASH_ATTENTION, lens))]
+    return [
+        (ours_name, lambda: ours), *sdpa,
+        ("FlexAttention doc mask", lambda: flex_fn(lens, device)),
+        ("FlashAttention 4 varlen", lambda: fa4_varlen_fn(lens, device)),
+        ("cuDNN frontend varlen", lambda: cudnn_varlen_fn(lens, device)),
+    ]  # fmt: skip
 
 
-def time_fwd_bwd(fn, q, k, v, seg):
-    """do_bench medians of ``fn``'s forward and of its forward + backward, in ms."""
-    fwd, step = _fwd_and_step(lambda *qkv: fn(*qkv, seg), q, k, v, torch.randn_like(q))
-    return median_ms(fwd, 25, 200), median_ms(step, 25, 200)
+# --- kernel: measuring ----------------------------------------------------------------------------
 
 
-def check_agreement(name, fn, ref_fn, q, k, v, seg):
-    """Output and gradients of ``fn`` vs ``ref_fn`` in bf16 (rel_error < bf16 tolerance)."""
-    dout = torch.randn_like(q)
-    results = []
-    for f in (fn, ref_fn):
-        qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
-        out = f(qq, kk, vv, seg)
-        out.backward(dout)
-        results.append((out.detach(), qq.grad, kk.grad, vv.grad))
-    errs = [rel_error(a, b) for a, b in zip(*results)]
-    ok = all(e < TOLERANCE[DTYPE] for e in errs)
-    print(f"  check {name}: rel_error out/dq/dk/dv = {', '.join(f'{e:.1e}' for e in errs)} {'ok' if ok else 'FAILED'}")
-    return ok
+def do_bench_ms(fn) -> float:
+    """do_bench median of ``fn()`` in ms, with the warm-up and repetition budgets of every row."""
+    return median_ms(fn, 25, 200)
 
 
-def _suffix(gqa: int, head_dims) -> str:
-    """The result-name suffix of a run at other heads than the default's."""
-    if gqa == 1 and tuple(head_dims) == HEAD_DIMS:
-        return ""
-    return f"-gqa{gqa}-d" + "-".join(str(d) for d in head_dims)
+def note_for(e: Exception) -> str:
+    """A failure as a row's note: a missing package's message, else the exception's type and the
+    first line of its message."""
+    if isinstance(e, NotInstalled):
+        return str(e)
+    first = (str(e).strip().splitlines() or [""])[0]
+    return f"{type(e).__name__}: {first[:100]}"
+
+
+def measure(make, q, k, v, seg, ref, dout, timer=do_bench_ms) -> dict:
+    """One implementation on one case: the max error of its output and of its gradients against
+    ``ref`` (:func:`fp32_reference`'s ``(out, dq, dk, dv)``), then, where each relative error is
+    within bf16's tolerance, ``timer``'s ms of its forward and of its forward + backward.
+
+    A failure is the row's note, not an exception: building it (its package missing), its
+    forward (nothing measured) or its backward (the forward's figures kept)."""
+    row = {"fwd ms": None, "fwd+bwd ms": None, "err out": None, "err grads": None}
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    try:
+        fn = make()
+        out = fn(*leaves, seg)
+    except Exception as e:  # a library missing, or refusing this shape
+        return {**row, "note": note_for(e)}
+    row["err out"], rel = compare(out, ref[0])
+    notes, rels = [], [rel]
+    try:
+        errors = [compare(g, r) for g, r in zip(torch.autograd.grad(out, leaves, dout), ref[1:])]
+        row["err grads"] = max(err for err, _ in errors)
+        rels += [r for _, r in errors]
+    except Exception as e:  # the backward alone may refuse a shape (D = 256, GQA)
+        notes.append("backward: " + note_for(e))
+    del out, leaves
+    if max(rels) >= TOLERANCE[DTYPE]:
+        return {**row, "note": "; ".join(notes + [f"disagrees with the fp32 reference (rel err {max(rels):.1e})"])}
+    fwd, step = _fwd_and_step(lambda *qkv: fn(*qkv, seg), q, k, v, dout)
+    try:
+        row["fwd ms"] = timer(fwd)
+        if row["err grads"] is not None:
+            row["fwd+bwd ms"] = timer(step)
+    except Exception as e:  # out of memory in the timing loop, say
+        notes.append("timing: " + note_for(e))
+    return {**row, "note": "; ".join(notes)}
+
+
+# The kernel table's columns after case, D and implementation, with their formats
+MEASURED = {"fwd ms": "{:.3f}", "fwd TFLOP/s": "{:.0f}", "fwd+bwd ms": "{:.3f}", "fwd+bwd TFLOP/s": "{:.0f}",
+            "max err vs fp32: out": "{:.1e}", "max err vs fp32: dq dk dv": "{:.1e}", "note": None}  # fmt: skip
+
+
+def bench_case(case: str, lens, d: int, gqa: int, impls, device, timer=do_bench_ms) -> list[list]:
+    """The table rows of one case at head dim ``d``: each of ``impls`` (:func:`implementations`)
+    measured (:func:`measure`) on the same inputs against one float32 reference, a progress line
+    printed for each as it ends."""
+    q, k, v = (t.detach() for t in make_inputs(sum(lens), HEADS, HEADS // gqa, d, device))
+    seg = segments_for(lens, device)
+    dout = torch.randn(q.shape, generator=torch.Generator(device=device).manual_seed(1), device=device).to(q.dtype)
+    pairs = visible_pairs(lens)
+    print(f"D={d} {case} ({len(lens)} docs, {pairs / 1e6:.1f}M visible pairs per head)", flush=True)
+    ref = fp32_reference(q, k, v, lens, dout)
+    rows = []
+    for name, make in impls:
+        start = time.perf_counter()
+        r = measure(make, q, k, v, seg, ref, dout, timer)
+        fwd, both = (None if ms is None else tflops(pairs, HEADS, d, ms, f)
+                     for ms, f in ((r["fwd ms"], 1.0), (r["fwd+bwd ms"], 3.5)))  # fmt: skip
+        rows.append([case, d, name, r["fwd ms"], fwd, r["fwd+bwd ms"], both, r["err out"], r["err grads"], r["note"]])
+        shown = [f"{col} {format_cell(x, fmt)}" if fmt else x for (col, fmt), x in zip(MEASURED.items(), rows[-1][3:])
+                 if x not in (None, "")]
+        print(f"  {name}: {', '.join(shown)} ({time.perf_counter() - start:.0f} s)", flush=True)
+    return rows
+
+
+def _suffix(gqa: int, head_dims, tokens=(ATTENTION_TOKENS,)) -> str:
+    """The result-name suffix of a run at other heads or token totals than the default's."""
+    heads = "" if gqa == 1 and tuple(head_dims) == HEAD_DIMS else f"-gqa{gqa}-d" + "-".join(map(str, head_dims))
+    totals = "" if tuple(tokens) == (ATTENTION_TOKENS,) else "-t" + "-".join(map(tokens_label, tokens))
+    return heads + totals
 
 
 def bench(gqa: int = 1, head_dims=HEAD_DIMS, settings: AttentionSettings = DEFAULT_SETTINGS,
-          label: str = "") -> list[Result]:  # fmt: skip
+          label: str = "", tokens=(ATTENTION_TOKENS,)) -> list[Result]:  # fmt: skip
     device = torch.device("cuda")
-    rows = []
-    cases = attention_cases()
     ours = varlen_fn if settings == DEFAULT_SETTINGS else settings_fn(settings)
-    for d in head_dims:
-        for case, lens in cases:
-            dense = len(set(lens)) == 1
-            q, k, v = make_inputs(sum(lens), HEADS, HEADS // gqa, d, device)
-            seg = segments_for(lens, device)
-            pairs = visible_pairs(lens)
-            impls = [("varlen_attention" + label, ours)]
-            if dense:
-                impls += [
-                    ("SDPA flash", sdpa_dense_fn(SDPBackend.FLASH_ATTENTION, len(lens), lens[0])),
-                    ("SDPA cuDNN", sdpa_dense_fn(SDPBackend.CUDNN_ATTENTION, len(lens), lens[0])),
-                ]
-            else:
-                impls += [("SDPA flash, loop over docs", sdpa_loop_fn(SDPBackend.FLASH_ATTENTION, lens))]
-            impls += [("FlexAttention doc mask", flex_fn(lens, device))]
-            ref_name, ref = impls[1]
-            print(f"D={d} {case} ({len(lens)} docs, {pairs / 1e6:.1f}M visible pairs per head)")
-            for name, fn in impls:
-                try:
-                    if name != ref_name and not check_agreement(name, fn, ref, q, k, v, seg):
-                        rows.append([case, d, name, None, None, None, None, "disagrees with SDPA"])
-                        continue
-                    ms_fwd, ms_all = time_fwd_bwd(fn, q, k, v, seg)
-                except Exception as e:  # a backend may be unavailable for this shape / build
-                    rows.append([case, d, name, None, None, None, None, f"{type(e).__name__}: {str(e)[:60]}"])
-                    continue
-                rows.append(
-                    [case, d, name, ms_fwd, tflops(pairs, HEADS, d, ms_fwd),
-                     ms_all, tflops(pairs, HEADS, d, ms_all, 3.5), ""]
-                )  # fmt: skip
-            del q, k, v
-    columns = ["case", "D", "implementation", "fwd ms", "fwd TFLOP/s", "fwd+bwd ms", "fwd+bwd TFLOP/s", "note"]
-    formats = {"D": "{:d}", "fwd ms": "{:.3f}", "fwd TFLOP/s": "{:.0f}", "fwd+bwd ms": "{:.3f}",
-               "fwd+bwd TFLOP/s": "{:.0f}"}  # fmt: skip
-    notes = f"bf16, causal, H = {HEADS}, Hkv = {HEADS // gqa}; TFLOP/s on visible pairs; median of do_bench"
-    title = "Segment attention against SDPA, FlexAttention and cuDNN"
+    versions = {**package_versions(*BASELINE_PACKAGES), "cuDNN": torch.backends.cudnn.version()}
+    libraries = ", ".join(f"{p} {v}" for p, v in versions.items())
+    print(libraries, flush=True)
+    rows = []
+    with recompile_limit(64):  # FlexAttention compiles once per case, head dim and grad mode
+        for d in head_dims:
+            for case, lens in attention_cases(tuple(tokens)):
+                rows += bench_case(case, lens, d, gqa, implementations(lens, device, "varlen_attention" + label, ours),
+                                   device)  # fmt: skip
+                torch.cuda.empty_cache()
+    columns = ["case", "D", "implementation", *MEASURED]
+    formats = {"D": "{:d}", **{col: fmt for col, fmt in MEASURED.items() if fmt}}
+    notes = (f"bf16, causal, H = {HEADS}, Hkv = {HEADS // gqa}; TFLOP/s on visible pairs; median of do_bench; max "
+             "|error| against float32 attention per document, of the output and of the worst of dq, dk, dv; "
+             f"{libraries}")  # fmt: skip
+    title = "Segment attention against SDPA, FlexAttention, FlashAttention 4 and cuDNN"
     return [Result("varlen_attention", title, columns, rows, notes, environment(),
-                   name="attention" + _suffix(gqa, head_dims), formats=formats)]  # fmt: skip
+                   name="attention" + _suffix(gqa, head_dims, tokens), formats=formats)]  # fmt: skip
 
 
 # --- tune ---------------------------------------------------------------------------------------
@@ -377,11 +440,12 @@ def tune(
         print(f'{tables[kind]} "{kind}": {{{entries}}},')
 
 
-def profile(gqa: int = 1, head_dims=HEAD_DIMS, settings: AttentionSettings = DEFAULT_SETTINGS) -> list[Result]:
+def profile(gqa: int = 1, head_dims=HEAD_DIMS, settings: AttentionSettings = DEFAULT_SETTINGS,
+            tokens=(ATTENTION_TOKENS,)) -> list[Result]:  # fmt: skip
     """CUDA time per kernel of the forward and backward launches (torch.profiler, mean over 5 calls)."""
     device = torch.device("cuda")
     rows = []
-    for case, lens in attention_cases()[::-1]:
+    for case, lens in attention_cases(tuple(tokens))[::-1]:
         for d in head_dims:
             q, k, v, seg, out, lse, dout, dlse = attention_op_inputs(lens, d, gqa, device)
             fwd, bwd = launchers(settings, q, k, v, seg, out, lse, dout, dlse)
@@ -394,7 +458,7 @@ def profile(gqa: int = 1, head_dims=HEAD_DIMS, settings: AttentionSettings = DEF
     notes = f"bf16, causal, H = {HEADS}, Hkv = {HEADS // gqa}; CUDA ms per call (torch.profiler, mean of 5 calls)"
     return [Result("varlen_attention", "Segment attention: CUDA time per kernel, one forward and one backward",
                    ["case", "D", "kernel", "ms"], rows, notes, environment(),
-                   name="attention-profile" + _suffix(gqa, head_dims))]  # fmt: skip
+                   name="attention-profile" + _suffix(gqa, head_dims, tokens))]  # fmt: skip
 
 
 def _fmt(cfg):
@@ -674,10 +738,14 @@ def _run_kernel(args) -> None:
             raise SystemExit(f"tune tunes the config table's head dims {sorted(CONFIGS['fwd'])}, got {args.head_dims}")
         tune(args.gqa, args.kinds, args.head_dims, args.rounds, base)
         return
+    if HEADS % args.gqa:
+        raise SystemExit(f"--gqa must divide {HEADS}")
+    if min(args.tokens) < 1:
+        raise SystemExit(f"--tokens must be positive, got {args.tokens}")
     if args.profile:
-        results = profile(args.gqa, args.head_dims, base)
+        results = profile(args.gqa, args.head_dims, base, args.tokens)
     else:  # other settings than the ops': their own row label and result names
-        results = bench(args.gqa, args.head_dims, base, ", pointer loads" * args.pointer_loads)
+        results = bench(args.gqa, args.head_dims, base, ", pointer loads" * args.pointer_loads, args.tokens)
     for r in results:
         r.name += "-pointer-loads" * args.pointer_loads
     emit(results, args.out)
@@ -718,7 +786,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     modes = parser.add_subparsers(dest="mode", required=True)
 
-    kernel = modes.add_parser("kernel", parents=[one_gpu], help="segment attention against SDPA, FlexAttention")
+    kernel = modes.add_parser("kernel", parents=[one_gpu], help="segment attention against library kernels")
+    kernel.add_argument("--tokens", type=int, nargs="+", default=[ATTENTION_TOKENS],
+                        help=f"the packed cases' total tokens, one case each, besides the dense case "
+                        f"(default {ATTENTION_TOKENS})")  # fmt: skip
     kernel.add_argument("--profile", action="store_true", help="CUDA time per kernel instead of the table")
     add_out_argument(kernel)
 

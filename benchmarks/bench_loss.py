@@ -16,11 +16,10 @@ out of memory is a row with that status. docs/benchmarks.md says what each colum
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 
 import torch
 
-from benchmarks.runner import Result, add_out_argument, emit, environment
+from benchmarks.runner import Result, add_out_argument, emit, environment, package_versions
 from benchmarks.timing import median_ms_counted
 from custom_ops import default_chunk_rows, linear_cross_entropy, linear_cross_entropy_reference
 
@@ -134,13 +133,7 @@ def run_case(vocab: int, rows: int, hidden: int, dtype, device, chunk_rows: list
 
 def versions() -> dict:
     """The candidates' package versions (``absent`` where not installed)."""
-    found = {}
-    for package in PACKAGES.values():
-        try:
-            found[package] = importlib.metadata.version(package)
-        except importlib.metadata.PackageNotFoundError:
-            found[package] = "absent"
-    return found
+    return package_versions(*PACKAGES.values())
 
 
 def main(argv: list[str] | None = None) -> list[Result]:

@@ -27,9 +27,15 @@ def packed_lengths(total: int = ATTENTION_TOKENS, seed: int = 0) -> list[int]:
     return lens
 
 
-def attention_cases() -> list[tuple[str, list[int]]]:
-    """``(name, document lengths)`` of the segment-attention cases: packed and dense."""
-    return [("packed 32k", packed_lengths()), ("dense B8 x 4096", [4096] * 8)]
+def tokens_label(total: int) -> str:
+    """``32k`` for 32768 tokens; the number itself where it is no multiple of 1024."""
+    return f"{total // 1024}k" if total % 1024 == 0 else str(total)
+
+
+def attention_cases(totals: tuple[int, ...] = (ATTENTION_TOKENS,)) -> list[tuple[str, list[int]]]:
+    """``(name, document lengths)`` of the segment-attention cases: packed documents
+    (:func:`packed_lengths`) filling each of ``totals`` tokens, then dense."""
+    return [(f"packed {tokens_label(t)}", packed_lengths(t)) for t in totals] + [("dense B8 x 4096", [4096] * 8)]
 
 
 def segments_for(lens: list[int], device) -> list[torch.Tensor]:

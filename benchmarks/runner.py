@@ -45,6 +45,19 @@ def checks_off() -> None:
     set_checks(False)
 
 
+def package_versions(*packages: str) -> dict[str, str]:
+    """``{package: its installed version, or "absent"}``: the libraries a benchmark compares against."""
+    import importlib.metadata
+
+    found = {}
+    for package in packages:
+        try:
+            found[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            found[package] = "absent"
+    return found
+
+
 def environment(world: int | None = None, **extra) -> dict:
     """Device, software versions, date and commit of this run; with ``world``, the ranks, their
     backend and the visible GPUs. ``extra`` entries (e.g. ``fla="0.6.0"``) are added as given."""
