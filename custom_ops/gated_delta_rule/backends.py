@@ -32,6 +32,9 @@ BACKENDS = ("auto", "reference", "fla", "flashqla")
 # Compute capabilities FlashQLA runs forward and backward on (SM120 has a forward kernel only).
 FLASH_QLA_CAPABILITIES = ((9, 0), (10, 0), (10, 3))
 FLASH_QLA_HEAD_DIM = 128
+# ``auto`` takes FLA for calls of this many key heads or fewer (a rank's share of Qwen3-Next's 16 at
+# W = 8): there FlashQLA's forward + backward is slower than FLA's from 131072 tokens on.
+AUTO_FLA_MAX_KEY_HEADS = 2
 
 _override: str | None = None
 
@@ -114,8 +117,9 @@ def flash_qla_unfit(q: torch.Tensor, v: torch.Tensor, machine: Machine | None = 
 def resolve(q: torch.Tensor, v: torch.Tensor, backend: str = "auto", machine: Machine | None = None) -> str:
     """The backend that runs a call on q ``[T, Hk, dk]`` and v ``[T, Hv, dv]``: ``reference`` on the
     CPU and for no rows; else ``backend``, where ``auto`` is :func:`requested`'s choice and that,
-    where ``auto`` again, FlashQLA if it fits the call, else FLA. ``flashqla`` asked for where it
-    does not fit raises ``ValueError`` with the reason."""
+    where ``auto`` again, FlashQLA if it fits the call and q has more than
+    :data:`AUTO_FLA_MAX_KEY_HEADS` heads, else FLA. ``flashqla`` asked for where it does not fit
+    raises ``ValueError`` with the reason."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if q.device.type != "cuda" or q.shape[0] == 0:
@@ -124,7 +128,7 @@ def resolve(q: torch.Tensor, v: torch.Tensor, backend: str = "auto", machine: Ma
         raise ValueError("the reference backend runs CPU tensors; CUDA tensors take 'fla' or 'flashqla'")
     if backend == "auto":
         backend = requested()
-    if backend == "fla":
+    if backend == "fla" or (backend == "auto" and q.shape[1] <= AUTO_FLA_MAX_KEY_HEADS):
         return "fla"
     reason = flash_qla_unfit(q, v, machine)
     if backend == "flashqla" and reason is not None:
@@ -134,12 +138,15 @@ def resolve(q: torch.Tensor, v: torch.Tensor, backend: str = "auto", machine: Ma
 
 def describe(head_dim: int = FLASH_QLA_HEAD_DIM, dtype: torch.dtype = torch.bfloat16) -> str:
     """The backend a CUDA call of this head dim and dtype takes here (``fla``, or FlashQLA with its
-    version: ``flashqla 0.1.3``), or ``reference`` without CUDA: the benchmarks' environment line."""
+    version: ``flashqla 0.1.3``, and where ``auto`` gives FLA the calls of few key heads, how few),
+    or ``reference`` without CUDA: the benchmarks' environment line."""
     if not torch.cuda.is_available():
         return "reference"
-    probe = torch.empty(1, 1, head_dim, device="cuda", dtype=dtype)
-    backend = resolve(probe, probe)
-    return f"flashqla {installed_version('flash-qla')}" if backend == "flashqla" else backend
+    probe = torch.empty(1, AUTO_FLA_MAX_KEY_HEADS + 1, head_dim, device="cuda", dtype=dtype)
+    if resolve(probe, probe) != "flashqla":
+        return "fla"
+    few = f" (fla at <= {AUTO_FLA_MAX_KEY_HEADS} key heads)" if requested() == "auto" else ""
+    return f"flashqla {installed_version('flash-qla')}{few}"
 
 
 _tag_compile_caches()

@@ -44,8 +44,11 @@ def test_cpu_tensors_take_the_reference_whatever_is_asked(monkeypatch):
 
 
 def test_auto_takes_flash_qla_where_the_call_fits_it():
-    q, v = _cuda_like(256, 2, 128), _cuda_like(256, 4, 128)
+    q, v = _cuda_like(256, 4, 128), _cuda_like(256, 8, 128)
     assert backends.resolve(q, v, machine=HOPPER) == "flashqla"
+    few_q, few_v = _cuda_like(256, backends.AUTO_FLA_MAX_KEY_HEADS, 128), _cuda_like(256, 4, 128)
+    assert backends.resolve(few_q, few_v, machine=HOPPER) == "fla"  # where FLA's kernels are faster
+    assert backends.resolve(few_q, few_v, "flashqla", HOPPER) == "flashqla"
     backends.set_backend("fla")
     assert backends.resolve(q, v, machine=HOPPER) == "fla"
     backends.set_backend("flashqla")
