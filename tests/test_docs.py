@@ -101,7 +101,7 @@ def test_benchmarks_shows_each_result_once_with_its_command():
     text = BENCHMARKS.read_text()
     names = report.section_names(text)
     assert len(names) == len(set(names)), "a result shown twice"
-    assert len(text.splitlines()) <= 890, "docs/benchmarks.md holds the current tables only"
+    assert len(text.splitlines()) <= 940, "docs/benchmarks.md holds the current tables only"
     for section in re.split(r"^## ", text, flags=re.M)[1:]:
         if "<!-- results:" in section:
             assert "python -m benchmarks." in section, f"section {section.splitlines()[0]!r} names no command"
