@@ -3,8 +3,9 @@
 # PyTorch's index of CPU builds (TORCH_INDEX; PyPI's Linux torch is a CUDA build of several GB).
 #
 # make test         the fast tier, what CI runs (.ci/run): install the pinned versions (constraints.txt) into the
-#                   environment, then the CPU suite, the Triton kernels in Triton's interpreter and the compile
-#                   tests with the kernels as opaque ops, each on two pytest workers; tests marked slow left out
+#                   environment, then the CPU suite beside the Triton kernels in Triton's interpreter followed by
+#                   the compile tests with the kernels as opaque ops, each on two pytest workers; tests marked
+#                   slow left out
 # make test-all     everything: the same passes with the slow tests, hypothesis's thorough profile (8x the
 #                   examples) and, on a machine with a GPU, the gpu tests; on demand and on the GPU machine
 # make demo         the same install, then train a small hybrid GDN / attention model with CP (python -m cp_ops demo,
@@ -41,12 +42,20 @@ HYPOTHESIS_SEED := $(shell python3 -c "import secrets; print(secrets.randbelow(2
 endif
 export HYPOTHESIS_SEED
 
-.PHONY: test test-all deps venv test-cpu test-interpret test-opaque test-latest pins demo
+.PHONY: test test-all deps venv test-cpu test-kernel-passes test-interpret test-opaque test-latest pins demo
 
-test: deps test-cpu test-interpret test-opaque
+# test-cpu beside the two kernel passes, which run one after the other: a pass waits on spawned ranks,
+# subprocesses and its own last tests, and the other pass's tests take up those idle cores. Each pass's
+# output is printed whole when it ends (--output-sync).
+test: deps
+	$(MAKE) -j2 --output-sync=target test-cpu test-kernel-passes
+
+test-kernel-passes:
+	$(MAKE) test-interpret
+	$(MAKE) test-opaque
 
 test-all: deps
-	$(MAKE) test-cpu test-interpret test-opaque NOT_SLOW= HYPOTHESIS_PROFILE=thorough
+	$(MAKE) -j2 --output-sync=target test-cpu test-kernel-passes NOT_SLOW= HYPOTHESIS_PROFILE=thorough
 
 .venv/bin/python:
 	python3 -m venv .venv
@@ -86,9 +95,14 @@ SAME_GRAPHS = --deselect tests/custom_ops/test_gdn_ops.py::test_compiled_fullgra
 	--deselect 'tests/custom_ops/test_op_contracts.py::test_compiled_bf16[linear_cross_entropy]' \
 	--deselect tests/custom_ops/test_linear_cross_entropy.py::test_compiled_fullgraph_two_packings_no_recompile \
 	--deselect tests/cp_ops/test_demo.py::test_compiled_step_matches_eager
+# The fast tier leaves out the two-rank compiles in the interpreter ($(TWO_RANK_INTERPRETED)): each op's
+# compile in this form is in test_op_contracts.py, and the two-rank compiles of the same ops in test-cpu.
+TWO_RANK_INTERPRETED = --deselect tests/cp_ops/test_comm.py::test_compiled_single_all_to_all_groups_baseline_shims_bad_input \
+	--deselect tests/cp_ops/test_attention.py::test_ag_attention_matches_global_compiled_w2
 test-opaque:
 	CP_OPS_OPAQUE_KERNELS=1 TRITON_INTERPRET=1 $(PYTEST) -q $(if $(NOT_SLOW),-m "not slow") -k compiled \
-		tests/custom_ops tests/cp_ops/test_comm.py tests/cp_ops/test_attention.py $(SAME_GRAPHS)
+		tests/custom_ops tests/cp_ops/test_comm.py tests/cp_ops/test_attention.py $(SAME_GRAPHS) \
+		$(if $(NOT_SLOW),$(TWO_RANK_INTERPRETED))
 	CP_OPS_OPAQUE_KERNELS=1 $(PYTEST) -q $(if $(NOT_SLOW),-m "not slow") -k compiled \
 		tests/cp_ops/test_gdn_cp.py tests/cp_ops/test_demo.py tests/test_checked_mode.py $(SAME_GRAPHS) \
 		$(if $(NOT_SLOW),--deselect tests/cp_ops/test_gdn_cp.py::test_cp_layer_compiled_matches_one_rank)
@@ -104,7 +118,7 @@ test-latest:
 	.venv-latest/bin/python -m pip install -q $(TORCH_PIN) || $(TORCH_FAILED)
 	.venv-latest/bin/python -m pip install -q -c .venv-latest/torch-pin.txt --upgrade --upgrade-strategy eager -e ".[$(EXTRAS)]"
 	.venv-latest/bin/python tools/pins.py diff constraints.txt
-	$(MAKE) test-cpu test-interpret test-opaque PYTHON=.venv-latest/bin/python
+	$(MAKE) -j2 --output-sync=target test-cpu test-kernel-passes PYTHON=.venv-latest/bin/python
 
 pins:
 	rm -rf .venv-pins && $(PYTHON) -m venv .venv-pins
