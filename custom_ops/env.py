@@ -74,7 +74,8 @@ VARIABLES: tuple[Variable, ...] = (
         "CP_OPS_GDN_BACKEND", ("auto", "fla", "flashqla"), "auto",
         "the gated delta rule's CUDA kernels: `flashqla` FlashQLA's (the `flashqla` extra; an error "
         "where a call does not fit it), `fla` FLA's Triton kernels, `auto` FlashQLA's where installed "
-        "and the call fits it, else FLA's; CPU tensors always take the torch reference",
+        "and the call fits it, else FLA's (FLA's for calls of at most 2 key heads, where they are the faster); "
+        "CPU tensors always take the torch reference",
         "each time a GDN op is traced or called eagerly on CUDA tensors (a compiled graph keeps its choice)",
     ),
     Variable(
