@@ -3,9 +3,8 @@
 # PyTorch's index of CPU builds (TORCH_INDEX; PyPI's Linux torch is a CUDA build of several GB).
 #
 # make test         the fast tier, what CI runs (.ci/run): install the pinned versions (constraints.txt) into the
-#                   environment, then the CPU suite beside the Triton kernels in Triton's interpreter followed by
-#                   the compile tests with the kernels as opaque ops, each on two pytest workers; tests marked
-#                   slow left out
+#                   environment, then the CPU suite, the Triton kernels in Triton's interpreter and the compile
+#                   tests with the kernels as opaque ops, each on two pytest workers; tests marked slow left out
 # make test-all     everything: the same passes with the slow tests, hypothesis's thorough profile (8x the
 #                   examples) and, on a machine with a GPU, the gpu tests; on demand and on the GPU machine
 # make demo         the same install, then train a small hybrid GDN / attention model with CP (python -m cp_ops demo,
@@ -42,20 +41,12 @@ HYPOTHESIS_SEED := $(shell python3 -c "import secrets; print(secrets.randbelow(2
 endif
 export HYPOTHESIS_SEED
 
-.PHONY: test test-all deps venv test-cpu test-kernel-passes test-interpret test-opaque test-latest pins demo
+.PHONY: test test-all deps venv test-cpu test-interpret test-opaque test-latest pins demo
 
-# test-cpu beside the two kernel passes, which run one after the other: a pass waits on spawned ranks,
-# subprocesses and its own last tests, and the other pass's tests take up those idle cores. Each pass's
-# output is printed whole when it ends (--output-sync).
-test: deps
-	$(MAKE) -j2 --output-sync=target test-cpu test-kernel-passes
-
-test-kernel-passes:
-	$(MAKE) test-interpret
-	$(MAKE) test-opaque
+test: deps test-cpu test-interpret test-opaque
 
 test-all: deps
-	$(MAKE) -j2 --output-sync=target test-cpu test-kernel-passes NOT_SLOW= HYPOTHESIS_PROFILE=thorough
+	$(MAKE) test-cpu test-interpret test-opaque NOT_SLOW= HYPOTHESIS_PROFILE=thorough
 
 .venv/bin/python:
 	python3 -m venv .venv
@@ -118,7 +109,7 @@ test-latest:
 	.venv-latest/bin/python -m pip install -q $(TORCH_PIN) || $(TORCH_FAILED)
 	.venv-latest/bin/python -m pip install -q -c .venv-latest/torch-pin.txt --upgrade --upgrade-strategy eager -e ".[$(EXTRAS)]"
 	.venv-latest/bin/python tools/pins.py diff constraints.txt
-	$(MAKE) -j2 --output-sync=target test-cpu test-kernel-passes PYTHON=.venv-latest/bin/python
+	$(MAKE) test-cpu test-interpret test-opaque PYTHON=.venv-latest/bin/python
 
 pins:
 	rm -rf .venv-pins && $(PYTHON) -m venv .venv-pins

@@ -406,7 +406,7 @@ def test_kernel_any_scale(scale):
 
 
 @pytest.mark.interpret
-@pytest.mark.parametrize("growth", [0.5, 40.0])
+@pytest.mark.parametrize("growth", [pytest.param(0.5, marks=pytest.mark.slow), 40.0])  # 40: every tile rescales
 def test_kernel_forward_running_max_grows(growth):
     """The forward's running max grows from one key tile to the next by ``growth`` per key
     row (scores up to ~1000 in the last tile at 40, so a missed or stale rescale of the
@@ -481,8 +481,10 @@ def _tile_boundary_layout():
 @pytest.mark.parametrize(
     "causal,window",
     # (21, 25): left + right = 14 mod 16 puts the unmasked range's end on a tile edge
-    [(True, (-1, -1)), (True, (29, -1)), (False, (19, 22)), (False, (21, 25))],
-)
+    # the fast tier: causal, and the window whose range ends on a tile edge
+    [(True, (-1, -1)), pytest.param(True, (29, -1), marks=pytest.mark.slow),
+     pytest.param(False, (19, 22), marks=pytest.mark.slow), (False, (21, 25))],
+)  # fmt: skip
 @pytest.mark.parametrize("k_rows", [True, False])
 def test_kernel_tile_boundaries_at_every_offset(causal, window, k_rows):
     """Both ways of loading K tiles in the forward (K_ROWS), and sixteen segments over one shared 96-row key range with q_pos = 16..31 and q_len = 33..48
@@ -523,7 +525,7 @@ def test_kernel_padded_head_dim_and_other_tiles():
 
 
 @pytest.mark.interpret
-@pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (False, (7, 3))])
+@pytest.mark.parametrize("causal,window", [(True, (-1, -1)), pytest.param(False, (7, 3), marks=pytest.mark.slow)])
 def test_kernel_launch_order_changes_no_bit(causal, window):
     """The launch order (segments heaviest first or last to first, ``by_work``; heads grouped by
     ``head_group``) changes which program computes a tile, never how: the results are identical
@@ -1096,7 +1098,7 @@ HOPPER_MAX_SHARED = 232448
 @pytest.mark.parametrize(
     "element,tma", [("*bf16", False), ("*fp32", False), ("*bf16", True)]  # TMA: 2-byte elements only
 )
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", [pytest.param(64, marks=pytest.mark.slow), 128, 256])  # 64: the smallest tiles
 @pytest.mark.parametrize("kind", list(_KERNELS))
 def test_launch_configs_fit_hopper_shared_memory(kind, head_dim, element, tma):
     """Every launch config the op picks fits an SM's shared memory, 2- and 4-byte inputs, with

@@ -7,11 +7,11 @@ process, no FSDP, fed every dp replica's whole batch and averaging their losses,
 AdamW and clipping. The recipe runs under real torchrun on 2 gloo ranks, float32, eager: the
 per-step loss and gradient norm (which, unlike the loss under AdamW, shows a wrong gradient
 scale at once) must agree within 1e-5, the recipe's fused loss (its default) and its unfused
-one against the oracle's unfused transformers loss. Each start of ranks costs their imports, so torchrun
-starts the script once, at (dp 1, cp 2), 12 steps saving checkpoints, with rank 1 killed at step 7
-and, in the attempt torchrun restarts from step 4, rank 0 killed while it writes the step-8
-checkpoint; one spawn of two ranks then runs the recipe's train() resumed from step 4 and at
-(dp 2, cp 1).
+one against the oracle's unfused transformers loss. Each start of ranks costs their imports: the
+fast tier starts the script under torchrun once, at (dp 1, cp 2), 6 steps with rank 1 killed at
+step 6; the slow tier 12 steps with a second fault (rank 0 killed while it writes a checkpoint),
+then one spawn of two ranks runs the recipe's train() resumed, at (dp 2, cp 1), by chunk states
+and with the unfused loss.
 """
 
 from __future__ import annotations
@@ -113,6 +113,24 @@ def _more_runs(rank: int, world: int, ckpt: str, out: str) -> None:
         recipe.train(_cfg(*argv, "--log-json", f"{out}/{name}.json"), rank, world, torch.device("cpu"))
 
 
+@pytest.mark.dist
+def test_recipe_resumes_a_killed_rank_exactly(tmp_path):
+    """Under torchrun --max-restarts 1 with --resume auto: rank 1 killed as step 6 of 6 starts
+    (a checkpoint every 3 steps), the job resumed from step 3. The 6 steps equal one process's,
+    and step 4, read back before the kill and trained again after it, gives the same loss and
+    gradient norm bit for bit. The two-fault run and the other meshes and modes: the slow test
+    below."""
+    ckpt = tmp_path / "ckpt"
+    run = _torchrun(tmp_path, "cp2", "--cp", "2", "--steps", "6", "--checkpoint-dir", str(ckpt),
+                    "--save-every", "3", "--resume", "auto", "--fault", "kill:6:1", restarts=1)  # fmt: skip
+    _check_steps(run, _one_process(1, "--loss", "unfused", steps=6))
+    assert run["resumed_from"] == 3 and run["recompiles"] == 0
+    _check_redone(run, [3])
+    assert [[r["step"] for r in restart["redone"]] for restart in run["restarts"]] == [[4]]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step-00000003", "step-00000006"]
+
+
+@pytest.mark.slow  # three torchrun attempts and four more runs; the fast tier: the test above
 @pytest.mark.dist
 def test_recipe_equals_one_process_and_resumes_exactly(tmp_path):
     """Under torchrun --max-restarts 2 with --resume auto: rank 1 killed at step 7 of 12 (the
@@ -265,6 +283,7 @@ def test_torchrun_reports_a_bad_command_line_once():
     assert "usage:" not in proc.stdout + proc.stderr
 
 
+@pytest.mark.slow  # a compile of both layer kinds; the compiled recipe runs on GPUs with --cuda-graphs
 def test_parameters_as_graph_inputs():
     """The --cuda-graphs form of a compiled layer (its parameters passed in as non-static graph
     inputs) computes what the eager layers do, and Inductor marks none of them static."""
