@@ -3,9 +3,10 @@ the CPU, tiny shapes): their built-in checks against references pass and they wr
 result as JSON (benchmarks/runner.py). Keeps the GPU benchmarks from rotting between GPU runs.
 
 The layer benchmarks (gdn, ag-attention) compile their layers on two ranks for minutes: slow
-tests (make test-all). The layers they time are checked compiled on two ranks by
-tests/cp_ops/test_gdn_cp.py and test_attention.py, and the result files and tables by the
-cp2hp run here."""
+tests (make test-all), as are the Inductor compiles of those layers on two ranks
+(tests/cp_ops/test_gdn_cp.py, test_attention.py); the fast tier compiles them on two ranks in
+tests/cp_ops/test_gdn_states.py and test_transformers.py, and checks the result files and tables
+by the cp2hp run here."""
 
 import os
 import subprocess

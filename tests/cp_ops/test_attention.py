@@ -484,6 +484,9 @@ def test_ag_attention_matches_global(world):
     run_ranks(world, _op_rank)
 
 
+# The fast tier compiles the op with Inductor on one rank (test_op_contracts.py) and the layer at
+# W = 2 inside the whole model through AOTAutograd (test_transformers.py).
+@pytest.mark.slow
 @pytest.mark.dist
 def test_ag_attention_matches_global_compiled_w2():
     """W = 2: the op and the layer under torch.compile(fullgraph=True) (the eager cases: the test

@@ -395,7 +395,7 @@ def _check_kernel_path(rank, num_ranks, cases):
 @pytest.mark.dist
 @pytest.mark.interpret
 def test_kernel_path_matches_reference():
-    run_ranks(3, _check_kernel_path, _drawn_cases(limit=6))
+    run_ranks(3, _check_kernel_path, _drawn_cases(limit=3))
 
 
 # --- the scheduling pass of COMPILE_OPTIONS, on a hand-built node list -------------------------------

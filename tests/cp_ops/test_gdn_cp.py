@@ -139,6 +139,10 @@ def test_cp_layer_fused_exchange_eager_matches_one_rank():
     run_ranks(3, _compare_rank, [9, 0, 1, 23, 6], (3, 6), False, FusedExchange())
 
 
+# The fast tier compiles the layer at W = 2 by chunk states with Inductor (test_gdn_states.py) and
+# by heads inside the whole model through AOTAutograd (test_transformers.py), and tests the
+# scheduling pass on hand-built graphs (test_comm.py).
+@pytest.mark.slow
 @pytest.mark.dist
 def test_cp_layer_compiled_matches_one_rank():
     """Compiled, at widths where the GEMMs outweigh the elementwise work (hidden 64, as in a
