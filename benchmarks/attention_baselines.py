@@ -10,12 +10,13 @@ package: ``pip install -e '.[attention-baselines]'`` installs them (tested at co
 from __future__ import annotations
 
 import importlib
-import itertools
 
 import torch
 
 from benchmarks.cases import segments_for
+from cp_ops import pad_cu_seqlens
 from custom_ops import varlen_attention_reference
+from custom_ops.testing import rel_error
 
 EXTRA = "attention-baselines"
 PACKAGES = ("flash-attn-4", "nvidia-cudnn-frontend")
@@ -36,16 +37,11 @@ def require(module: str, package: str):
         raise NotInstalled(f"{package} not installed (the {EXTRA} extra)") from e
 
 
-def cu_seqlens(lens: list[int], device) -> torch.Tensor:
-    """``[len(lens) + 1]`` int32 offsets of the documents (0, lens[0], lens[0] + lens[1], ...)."""
-    return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=device)
-
-
 def fa4_varlen_fn(lens: list[int], device):
     """FlashAttention 4 (flash-attn-4, CuTe DSL kernels): ``flash_attn_varlen_func`` with the
     documents' offsets for queries and keys, causal, GQA from the head counts."""
     cute = require("flash_attn.cute", "flash-attn-4")
-    cu, longest = cu_seqlens(lens, device), max(lens)
+    cu, longest = pad_cu_seqlens(lens, 1, device=device)[0], max(lens)  # the documents' int32 offsets
 
     def fn(q, k, v, seg):
         out = cute.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
@@ -60,7 +56,7 @@ def cudnn_varlen_fn(lens: list[int], device):
     documents' offsets into the graph's ragged offsets, causal, GQA from the head counts. The op's
     backward needs the forward's log-sum-exp, so the forward returns it."""
     torch_op = require("cudnn.sdpa.fwd.torch_op", "nvidia-cudnn-frontend")
-    cu, longest = cu_seqlens(lens, device), max(lens)
+    cu, longest = pad_cu_seqlens(lens, 1, device=device)[0], max(lens)  # the documents' int32 offsets
 
     def fn(q, k, v, seg):
         return torch_op.sdpa(q, k, v, is_causal=True, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
@@ -88,15 +84,13 @@ def fp32_reference(q, k, v, lens: list[int], dout) -> tuple[torch.Tensor, ...]:
 
 
 def compare(out: torch.Tensor, ref: torch.Tensor, rows: int = 16384) -> tuple[float, float]:
-    """``(max |out - ref|, ||out - ref|| / ||ref||)``, inf where ``out`` is not finite. In float32
-    chunks of ``rows`` rows with float64 sums: a float64 copy of a 524288-token gradient at
-    D = 256 would take 17 GB."""
-    worst, num, den = 0.0, 0.0, 0.0
+    """``(max |out - ref|, rel_error(out, ref))``, inf for both where ``out - ref`` is not finite.
+    The max in float32 chunks of ``rows`` rows: a float64 copy of a 524288-token gradient at
+    D = 256 would take 17 GB (:func:`custom_ops.testing.rel_error` sums in chunks too)."""
+    worst = 0.0
     for a, b in zip(out.detach().split(rows), ref.detach().split(rows)):
         diff = a.float() - b.float()
         if not bool(torch.isfinite(diff).all()):
             return float("inf"), float("inf")
         worst = max(worst, float(diff.abs().max())) if diff.numel() else worst
-        num += float(diff.square().sum(dtype=torch.float64))
-        den += float(b.float().square().sum(dtype=torch.float64))
-    return worst, (num / den) ** 0.5 if den else (0.0 if num == 0 else float("inf"))
+    return worst, rel_error(out, ref)
