@@ -86,9 +86,9 @@ SAME_GRAPHS = --deselect tests/custom_ops/test_gdn_ops.py::test_compiled_fullgra
 	--deselect 'tests/custom_ops/test_op_contracts.py::test_compiled_bf16[linear_cross_entropy]' \
 	--deselect tests/custom_ops/test_linear_cross_entropy.py::test_compiled_fullgraph_two_packings_no_recompile \
 	--deselect tests/cp_ops/test_demo.py::test_compiled_step_matches_eager
-# The fast tier leaves out the two-rank compiles in the interpreter and the ops' own dynamic-shape compiles
-# ($(OPAQUE_IN_TEST_ALL)): each op's compile in this form is in test_op_contracts.py, and those tests
-# run in test-cpu with the kernels visible to the compiler.
+# The fast tier leaves out the all-to-all's two-rank compile in the interpreter and two ops' own
+# dynamic-shape compiles ($(OPAQUE_IN_TEST_ALL)): each op's compile in this form is in test_op_contracts.py,
+# and those tests run in test-cpu with the kernels visible to the compiler.
 OPAQUE_IN_TEST_ALL = --deselect tests/cp_ops/test_comm.py::test_compiled_single_all_to_all_groups_baseline_shims_bad_input \
 	--deselect tests/custom_ops/test_varlen_attention.py::test_compiled_fullgraph_dynamic_no_recompile \
 	--deselect tests/custom_ops/test_permute_sections.py::test_compiled_fullgraph
