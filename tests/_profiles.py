@@ -16,6 +16,7 @@
 
 import os
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 DEFAULT_EXAMPLES = 25
@@ -41,3 +42,13 @@ def examples(n: int) -> int:
     """``n`` examples under the default profile, as many more as the loaded profile has
     (``@settings(max_examples=examples(15))`` for a property costlier than most)."""
     return max(1, round(n * settings.default.max_examples / DEFAULT_EXAMPLES))
+
+
+def fast_tier_takes(cases: list, *fast) -> list:
+    """``cases`` for ``pytest.mark.parametrize``, each not in ``fast`` marked slow: ``make test``
+    runs those in ``fast``, ``make test-all`` every case (for parameter sets whose cases each
+    cost seconds in Triton's interpreter)."""
+    missing = [c for c in fast if c not in cases]
+    assert not missing, f"fast cases not among the cases: {missing}"
+    slow = pytest.mark.slow
+    return [c if c in fast else pytest.param(*(c if isinstance(c, tuple) else (c,)), marks=slow) for c in cases]

@@ -36,9 +36,11 @@ from custom_ops.segment_attention.reference import (
     varlen_attention_reference,
     visibility_mask,
 )
-from tests._profiles import examples
+from tests._profiles import examples, fast_tier_takes
 
 WINDOWS = [(-1, -1), (3, -1), (2, 1), (0, 0), (-1, 2), (5, 5)]
+# causal without a window, and a two-sided window without causality
+CAUSAL_AND_WINDOW = [(True, (-1, -1)), (False, (7, 3))]
 HEADS = [(1, 1), (2, 1), (4, 2), (3, 3), (6, 2)]
 
 
@@ -395,7 +397,7 @@ def test_kernel_matches_reference(layout, heads, causal, window, seed):
 
 
 @pytest.mark.interpret
-@pytest.mark.parametrize("scale", [-0.7, 0.0, 1.3])
+@pytest.mark.parametrize("scale", fast_tier_takes([-0.7, 0.0, 1.3], -0.7))
 def test_kernel_any_scale(scale):
     """The scale is any float: negative flips which key dominates, zero gives the mean of
     the visible values. Masked and unmasked tiles, causal and a two-sided window."""
@@ -423,7 +425,12 @@ def test_kernel_forward_running_max_grows(growth):
 
 
 @pytest.mark.interpret
-@pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (False, (-1, -1)), (True, (20, -1)), (False, (9, 12))])
+@pytest.mark.parametrize(
+    "causal,window",
+    fast_tier_takes(
+        [(True, (-1, -1)), (False, (-1, -1)), (True, (20, -1)), (False, (9, 12))], (True, (-1, -1)), (False, (9, 12))
+    ),
+)
 def test_kernel_all_gather_cp_layout(causal, window):
     """Long segments (unmasked key/query tiles between the boundary tiles), all four chunks of
     a W = 2 split as segments over one shared key range (more dk/dv work items than programs)."""
@@ -479,13 +486,15 @@ def _tile_boundary_layout():
 
 @pytest.mark.interpret
 @pytest.mark.parametrize(
-    "causal,window",
+    "causal,window,k_rows",
     # (21, 25): left + right = 14 mod 16 puts the unmasked range's end on a tile edge
-    # the fast tier: causal, and the window whose range ends on a tile edge
-    [(True, (-1, -1)), pytest.param(True, (29, -1), marks=pytest.mark.slow),
-     pytest.param(False, (19, 22), marks=pytest.mark.slow), (False, (21, 25))],
-)  # fmt: skip
-@pytest.mark.parametrize("k_rows", [True, False])
+    fast_tier_takes(
+        [(*cw, k) for cw in ((True, (-1, -1)), (True, (29, -1)), (False, (19, 22)), (False, (21, 25)))
+         for k in (True, False)],
+        (True, (-1, -1), True),
+        (False, (21, 25), False),
+    ),
+)
 def test_kernel_tile_boundaries_at_every_offset(causal, window, k_rows):
     """Both ways of loading K tiles in the forward (K_ROWS), and sixteen segments over one shared 96-row key range with q_pos = 16..31 and q_len = 33..48
     in scrambled order: every residue of the query positions and of the last tile's row count
@@ -546,7 +555,7 @@ def test_kernel_launch_order_changes_no_bit(causal, window):
 
 
 @pytest.mark.interpret
-@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("causal", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_kernel_window_terms_change_no_bit(causal):
     """Launches without a window compile the window's mask terms out (WINDOW off); with them
     compiled in (``window_terms_always``), every term is true there: the results are the same
@@ -562,8 +571,12 @@ def test_kernel_window_terms_change_no_bit(causal):
 
 
 @pytest.mark.interpret
-@pytest.mark.parametrize("head_dim", [16, 24])
-@pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (False, (7, 3))])
+@pytest.mark.parametrize(
+    "head_dim,causal,window",
+    fast_tier_takes(
+        [(d, *cw) for d in (16, 24) for cw in CAUSAL_AND_WINDOW], (16, True, (-1, -1)), (24, False, (7, 3))
+    ),
+)
 def test_kernel_dkdv_in_two_programs(head_dim, causal, window):
     """dk/dv with two programs per key tile and kv head (PARTS = 2: one writes dv, the other
     dk), head_dim 24 padded to a 32-wide tile included: against the float64 reference, and
@@ -607,8 +620,13 @@ def test_kernel_crossing_key_ranges(layout, heads, causal, window):
 
 
 @pytest.mark.interpret
-@pytest.mark.parametrize("heads", [(2, 1), (3, 3)])
-@pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (False, (7, 3)), (True, (5, -1))])
+@pytest.mark.parametrize(
+    "heads,causal,window",
+    fast_tier_takes(
+        [(h, *cw) for h in ((2, 1), (3, 3)) for cw in (*CAUSAL_AND_WINDOW, (True, (5, -1)))],
+        ((2, 1), True, (5, -1)), ((3, 3), False, (7, 3)),
+    ),
+)
 def test_kernel_tma_loads_match_pointer_loads(heads, causal, window):
     """With TMA descriptors (2-byte elements, heads adjacent: the H100 path; fp16 here, as the
     interpreter computes bf16 dots wrongly) the kernels read whole tiles,
