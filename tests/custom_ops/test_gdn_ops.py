@@ -863,15 +863,18 @@ def test_cuda_delta_rule_with_state_matches_reference_bf16(seqlens, cuda_backend
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("permuted", [True, False], ids=["rows", "rows_none"])
 @pytest.mark.parametrize("kernel", [4, pytest.param(5, marks=needs_fla)])
-def test_cuda_conv_gather_matches_reference_bf16(kernel):
-    """causal_conv1d_gather on CUDA in bf16 (our kernels through the row map; FLA's on the
-    gathered rows at 5 taps) against the float64 oracle: forward and every gradient."""
-    x, rows, w, b, cu = _gather_case([300, 0, 1, 200, 64], 96, kernel, 9, torch.float32, seed=1)
+def test_cuda_conv_gather_matches_reference_bf16(kernel, permuted):
+    """causal_conv1d_gather on CUDA in bf16 (our kernels through the row map, or in order with
+    rows None; FLA's on the gathered rows at 5 taps) against the float64 oracle: forward and
+    every gradient."""
+    x, rows, w, b, cu = _gather_case([300, 0, 1, 200, 64], 96, kernel, 9, torch.float32, seed=1, permuted=permuted)
     grad_y, grad_rest = random_tensor((x.shape[0], 96), torch.float32), random_tensor((x.shape[0], 9), torch.float32)
     dev, bf16 = "cuda", torch.bfloat16
     leaves = [t.to(dev, bf16).requires_grad_() for t in (x, w, b)]
-    y, rest = custom_ops.causal_conv1d_gather(leaves[0], rows.to(dev), leaves[1], leaves[2], cu.to(dev), "silu")
+    rows_dev = None if rows is None else rows.to(dev)
+    y, rest = custom_ops.causal_conv1d_gather(leaves[0], rows_dev, leaves[1], leaves[2], cu.to(dev), "silu")
     torch.autograd.backward([y, rest], [grad_y.to(dev, bf16), grad_rest.to(dev, bf16)])
     bf = [t.to(bf16).double() for t in (grad_y, grad_rest, x, w, b)]
     y_e, rest_e, grads_e = _gather_expected(*bf[:3], rows, *bf[3:], cu, "silu")
