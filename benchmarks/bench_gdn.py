@@ -85,7 +85,7 @@ def piece_steps(layer: GatedDeltaNet, x: torch.Tensor, cup: torch.Tensor, world:
 
     with torch.no_grad():
         proj_grads = tuple(torch.randn_like(t) for t in layer._project(x))  # qkvba, z
-    # the conv reads a column slice of the head-parallel projection, as in the layer
+    # the conv reads the head-parallel projection's first columns and writes its whole gradient, as in the layer
     proj_hp = randn(rows, sum(layer._exchanged_sections(world))).requires_grad_()
     weight = layer.conv1d.weight[:conv_w, 0, :].detach().contiguous().requires_grad_()
     q = torch.nn.functional.normalize(randn(rows, hk, dk), dim=-1).requires_grad_()
@@ -107,9 +107,9 @@ def piece_steps(layer: GatedDeltaNet, x: torch.Tensor, cup: torch.Tensor, world:
     return {
         "in_proj fwd+bwd": _fwd_bwd(lambda: layer._project(x), [x, layer.in_proj.weight], proj_grads),
         "conv fwd+bwd": _fwd_bwd(
-            lambda: custom_ops.causal_conv1d(proj_hp[:, :conv_w], weight, None, cup, "silu"),
+            lambda: custom_ops.causal_conv1d_gather(proj_hp, None, weight, None, cup, "silu"),
             [proj_hp, weight],
-            randn(rows, conv_w),
+            (randn(rows, conv_w), randn(rows, proj_hp.shape[1] - conv_w)),
         ),
         "core fwd": core,
         "core fwd+bwd": _fwd_bwd(core, [q, k, v, g, beta], o_grad),

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from cp_ops.gdn_strategies import GDNContextParallel, default_context_parallel
 from cp_ops.inputs import check_hidden_states, check_layout_tensors
 from cp_ops.modules import GatedRMSNorm, l2norm
-from custom_ops import causal_conv1d, causal_conv1d_gather, checked, chunk_gated_delta_rule, resolve_group
+from custom_ops import causal_conv1d_gather, checked, chunk_gated_delta_rule, resolve_group
 
 __all__ = ["GatedDeltaNet", "from_qwen3_next_state_dict"]
 
@@ -149,12 +149,8 @@ class GatedDeltaNet(nn.Module):
         if proj_hp.shape[-1] != conv_w + 2 * hv:
             raise ValueError(f"proj_hp has {proj_hp.shape[-1]} features, expected {conv_w + 2 * hv} for {hk} key heads")
         conv_weight = self._conv_weight(k_head_start, num_k_heads)
-        if rows is None:
-            # a column slice of proj: the conv reads it strided, no copy
-            mixed = causal_conv1d(proj_hp[:, :conv_w], conv_weight, None, cu_seqlens, "silu")
-            ba = proj_hp[:, conv_w:]
-        else:
-            mixed, ba = causal_conv1d_gather(proj_hp, rows, conv_weight, None, cu_seqlens, "silu")
+        # one op for both column ranges: its backward writes proj_hp's whole gradient
+        mixed, ba = causal_conv1d_gather(proj_hp, rows, conv_weight, None, cu_seqlens, "silu")
         q, k, v, g, beta = self._delta_rule_inputs(mixed, ba, k_head_start, num_k_heads)
         return chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens).reshape(num_rows, hv * self.head_v_dim)
 

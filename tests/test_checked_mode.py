@@ -99,6 +99,9 @@ def test_conv_refuses_bad_cumulative_lengths_and_rows(path):
     with pytest.raises(ValueError, match="rows must be a permutation of range\\(10\\): 3 appears 2 times"):
         custom_ops.causal_conv1d_gather(x, torch.where(rows == 4, 3, rows), w, None, _idx([0, 4, 10]))
     custom_ops.causal_conv1d_gather(x, rows.flip(0), w, None, _idx([0, 4, 10]))
+    custom_ops.causal_conv1d_gather(x, None, w, None, _idx([0, 4, 10]))  # sequence order: nothing to check
+    with pytest.raises(ValueError, match="cu_seqlens\\[-1\\] = 9 but the tensor has 10 rows"):
+        custom_ops.causal_conv1d_gather(x, None, w, None, _idx([0, 4, 9]))
 
 
 def test_gated_delta_rule_refuses_bad_cumulative_lengths():

@@ -1,7 +1,8 @@
 """The causal depthwise conv1d ops of the GDN core on packed THD sequences (docs/design.md
 section 2, "Gated DeltaNet core"): ``causal_conv1d``, ``causal_conv1d_gather`` (the conv of
-rows held in another order, read and written through a row map by the same kernels) and
-their backward ops.
+the first columns of wider rows, held in sequence order or in another order, read and written
+through a row map by the same kernels, its backward writing the gradient of the whole rows)
+and their backward ops.
 
 Opaque custom ops (:func:`custom_ops.runtime.registration.opaque_op`): Inductor calls each as one
 extern node and never traces into FLA. On CUDA the conv runs this package's Triton kernels
@@ -125,21 +126,22 @@ def causal_conv1d(
     return _conv_forward(x, weight, bias, cu_seqlens, activation, CONV_SETTINGS)
 
 
-def _precompile(x, weight, bias, cu_seqlens, activation, rows=None) -> None:
+def _precompile(x, weight, bias, cu_seqlens, activation, rows=None, gather=False) -> None:
     """Start compiling the forward's and the backward's kernels of :func:`causal_conv1d` (with
-    ``rows``, of :func:`causal_conv1d_gather`) for these arguments, the fake tensors of a graph
-    being traced, in the background (:mod:`custom_ops.runtime.precompile`); the backward for a
-    contiguous upstream gradient."""
+    ``gather``, of :func:`causal_conv1d_gather` and its ``rows``) for these arguments, the fake
+    tensors of a graph being traced, in the background (:mod:`custom_ops.runtime.precompile`);
+    the backward for a contiguous upstream gradient."""
     if weight.shape[1] > MAX_TAPS:
         return
     channels = weight.shape[0]
 
     def launchers(mx, mw, mb, mcu, mrows):
         y = _conv_forward(mx[:, :channels], mw, mb, mcu, activation, CONV_SETTINGS, mrows)
-        dx = None if rows is None else torch.empty(mx.shape, dtype=mx.dtype, device="meta")[:, :channels]
+        dx = torch.empty(mx.shape, dtype=mx.dtype, device="meta")[:, :channels] if gather else None
         _conv_backward_kernel(torch.empty_like(y), mx[:, :channels], mw, mb, mcu, activation, CONV_SETTINGS, mrows, dx)
 
-    precompile.schedule("causal_conv1d", launchers, x, weight, bias, cu_seqlens, rows, args=activation)
+    name = "causal_conv1d_gather" if gather else "causal_conv1d"
+    precompile.schedule(name, launchers, x, weight, bias, cu_seqlens, rows, args=activation)
 
 
 @causal_conv1d.register_fake
@@ -285,53 +287,69 @@ causal_conv1d.register_autograd(_conv_backward, setup_context=_conv_setup_contex
 def _check_conv_gather(x, rows, weight, bias, cu_seqlens, activation) -> None:
     if x.dim() != 2:
         raise ValueError(f"x must be [T, F], got shape {tuple(x.shape)}")
-    check_index_tensor("rows", rows, x.device, min_numel=0)
-    if rows.dim() != 1 or rows.shape[0] != x.shape[0]:
-        raise ValueError(f"rows must be [T] with T = {x.shape[0]} (a permutation of x's rows), got {tuple(rows.shape)}")
+    if rows is not None:
+        _check_rows(x, rows)
     if weight.dim() != 2 or weight.shape[0] > x.shape[1]:
         raise ValueError(f"weight must be [C, K] with C <= F = {x.shape[1]}, got shape {tuple(weight.shape)}")
     _check_conv(x[:, : weight.shape[0]], weight, bias, cu_seqlens, activation)
 
 
+def _check_rows(x, rows) -> None:
+    check_index_tensor("rows", rows, x.device, min_numel=0)
+    if rows.shape[0] != x.shape[0]:
+        raise ValueError(f"rows must be [T] with T = {x.shape[0]} (a permutation of x's rows), got {tuple(rows.shape)}")
+
+
 @opaque_op(f"{NAMESPACE}::causal_conv1d_gather", mutates_args=())
 def causal_conv1d_gather(
     x: torch.Tensor,
-    rows: torch.Tensor,
+    rows: Optional[torch.Tensor],
     weight: torch.Tensor,
     bias: Optional[torch.Tensor],
     cu_seqlens: torch.Tensor,
     activation: Optional[str] = "silu",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`causal_conv1d` of x's rows taken in the order ``rows``, on its first C columns:
-    ``(causal_conv1d(x[rows, :C], weight, bias, cu_seqlens, activation), x[rows, C:])``.
+    ``(causal_conv1d(x[rows, :C], weight, bias, cu_seqlens, activation), x[rows, C:])``;
+    ``rows=None`` takes them in their order: ``(causal_conv1d(x[:, :C], ...), x[:, C:])``.
 
     x ``[T, F]`` with ``C = weight.shape[0] <= F``; rows ``[T]`` (int32/int64) a permutation of
     ``range(T)``: sequence row t (the layout ``cu_seqlens`` describes) is x's row ``rows[t]``.
-    Both outputs are in sequence order. The point is the pass it saves: on CUDA (K <= 4) the
+    Both outputs are in sequence order. The point is the passes it saves: on CUDA (K <= 4) the
     kernels read x's rows where they are and the backward writes dx ``[T, F]`` the same way,
     both column ranges, so a caller whose rows arrive permuted (:class:`cp_ops.GatedDeltaNet`,
-    its all-to-all's rank order) never reorders them in memory, in either direction. rows
-    must be a permutation: the CUDA backward writes every row of dx once, through rows (the
-    reference adds, as the gradient of ``x[rows]`` does; the two agree on permutations).
+    its all-to-all's rank order) never reorders them in memory, in either direction, and a
+    caller that slices x's columns into the conv's and the rest gets the gradient of x whole,
+    not assembled from the two slices' gradients. rows must be a permutation: the CUDA backward
+    writes every row of dx once, through rows (the reference adds, as the gradient of
+    ``x[rows]`` does; the two agree on permutations).
     """
     _check_conv_gather(x, rows, weight, bias, cu_seqlens, activation)
-    rows = checked("permutation", rows, (), x.shape[0])
+    if rows is not None:
+        rows = checked("permutation", rows, (), x.shape[0])
     cu_seqlens = checked("cumulative", cu_seqlens, (), x.shape[0])
     channels = weight.shape[0]
     if not use_triton(x) or x.numel() == 0:
         return causal_conv1d_gather_reference(x, rows, weight, bias, cu_seqlens, activation)
     if weight.shape[1] > MAX_TAPS:  # FLA's kernels, on the gathered rows
-        xs = x.index_select(0, rows)
+        xs = x if rows is None else x.index_select(0, rows)
         y = _fla_conv_forward(xs[:, :channels], weight, bias, cu_seqlens, activation)
         return y, xs[:, channels:].clone(memory_format=torch.contiguous_format)
     y = _conv_forward(x[:, :channels], weight, bias, cu_seqlens, activation, CONV_SETTINGS, rows)
-    return y, x[:, channels:].index_select(0, rows)
+    return y, _take_rows(x[:, channels:], rows)
+
+
+def _take_rows(x: torch.Tensor, rows: Optional[torch.Tensor]) -> torch.Tensor:
+    """``x[rows]`` (x's rows in sequence order) in new contiguous memory; ``rows=None``: x's."""
+    if rows is None:
+        return x.clone(memory_format=torch.contiguous_format)
+    return x.index_select(0, rows)
 
 
 @causal_conv1d_gather.register_fake
 def _(x, rows, weight, bias, cu_seqlens, activation="silu"):
     _check_conv_gather(x, rows, weight, bias, cu_seqlens, activation)
-    _precompile(x, weight, bias, cu_seqlens, activation, rows)
+    _precompile(x, weight, bias, cu_seqlens, activation, rows, gather=True)
     channels = weight.shape[0]
     return x.new_empty(x.shape[0], channels), x.new_empty(x.shape[0], x.shape[1] - channels)
 
@@ -341,7 +359,7 @@ def causal_conv1d_gather_backward(
     grad_y: torch.Tensor,
     grad_rest: torch.Tensor,
     x: torch.Tensor,
-    rows: torch.Tensor,
+    rows: Optional[torch.Tensor],
     weight: torch.Tensor,
     bias: Optional[torch.Tensor],
     cu_seqlens: torch.Tensor,
@@ -353,15 +371,19 @@ def causal_conv1d_gather_backward(
     if not use_triton(x) or x.numel() == 0 or weight.shape[1] > MAX_TAPS:
         # the backward of the conv on the gathered rows (causal_conv1d_backward, which picks the
         # reference or FLA's kernels), then that of the gather (an index_add)
-        xs = x.index_select(0, rows)
+        xs = x if rows is None else x.index_select(0, rows)
         dxs, dw, db = causal_conv1d_backward(grad_y, xs[:, :channels], weight, bias, cu_seqlens, activation)
-        dx = torch.zeros_like(x).index_add_(0, rows.long(), torch.cat([dxs, grad_rest.to(dxs.dtype)], 1))
+        dxs = torch.cat([dxs, grad_rest.to(dxs.dtype)], 1)
+        dx = dxs if rows is None else torch.zeros_like(x).index_add_(0, rows.long(), dxs)
         return dx, dw, db
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     _, dw, db = _conv_backward_kernel(
         grad_y, x[:, :channels], weight, bias, cu_seqlens, activation, CONV_SETTINGS, rows, dx[:, :channels]
     )
-    dx[:, channels:].index_copy_(0, rows.long(), grad_rest.to(dx.dtype))
+    if rows is None:
+        dx[:, channels:].copy_(grad_rest)
+    else:
+        dx[:, channels:].index_copy_(0, rows.long(), grad_rest.to(dx.dtype))
     return dx, dw, db
 
 

@@ -68,15 +68,15 @@ def causal_conv1d_reference(
 
 def causal_conv1d_gather_reference(
     x: torch.Tensor,
-    rows: torch.Tensor,
+    rows: torch.Tensor | None,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     cu_seqlens: torch.Tensor,
     activation: str | None = "silu",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(causal_conv1d_reference(x[rows, :C], ...), x[rows, C:])`` with ``C = weight.shape[0]``:
-    the conv of x's rows taken in the order ``rows`` and the rest of those rows."""
-    xs = x.index_select(0, rows)
+    the conv of x's rows taken in the order ``rows`` (``None``: their own) and the rest of those rows."""
+    xs = x if rows is None else x.index_select(0, rows)
     channels = weight.shape[0]
     y = causal_conv1d_reference(xs[:, :channels], weight, bias, cu_seqlens, activation)
     return y, xs[:, channels:].clone(memory_format=torch.contiguous_format)  # new memory, even when empty

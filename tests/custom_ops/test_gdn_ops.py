@@ -575,22 +575,23 @@ def test_conv_kernels_match_reference(seqlens, channels, kernel, bias, activatio
         torch.testing.assert_close(a.double(), e, rtol=1e-5, atol=1e-6 * max(x.shape[0], 1))
 
 
-def _gather_case(seqlens, channels, kernel, extra, dtype, bias=True, index_dtype=torch.int64, seed=0):
+def _gather_case(seqlens, channels, kernel, extra, dtype, bias=True, index_dtype=torch.int64, seed=0, permuted=True):
     """A conv case whose rows sit permuted in a wider x ``[T, C + extra]``: ``(x, rows, w, b, cu)``
-    with ``x[rows[t]]`` holding sequence row t."""
+    with ``x[rows[t]]`` holding sequence row t; ``permuted=False``: in sequence order, rows None."""
     xs, w, b, cu = _conv_case(seqlens, channels, kernel, dtype, bias)
     t = xs.shape[0]
+    x = torch.cat([xs, random_tensor((t, extra), dtype)], 1)
+    if not permuted:
+        return x, None, w, b, cu
     rows = torch.randperm(t, generator=torch.Generator().manual_seed(seed)).to(index_dtype)
-    x = torch.empty(t, channels + extra, dtype=dtype)
-    x[rows] = torch.cat([xs, random_tensor((t, extra), dtype)], 1)
-    return x, rows, w, b, cu
+    return x[torch.argsort(rows)], rows, w, b, cu
 
 
 def _gather_expected(grad_y, grad_rest, x, rows, w, b, cu, activation):
     """The float64 oracle: the conv of x's rows in the order ``rows`` and its gradients, through
     the gather's own backward (autograd of ``x[rows]``)."""
     leaves = [None if t is None else t.detach().double().requires_grad_() for t in (x, w, b)]
-    xs = leaves[0][rows]
+    xs = leaves[0] if rows is None else leaves[0][rows]
     channels = w.shape[0]
     y = causal_conv1d_loop(xs[:, :channels], leaves[1], leaves[2], cu, activation)
     rest = xs[:, channels:]
@@ -607,15 +608,17 @@ def _gather_expected(grad_y, grad_rest, x, rows, w, b, cu, activation):
     st.sampled_from([1, 3, 4, 5]),
     st.sampled_from([0, 2, 7]),
     st.booleans(),
-    st.sampled_from([torch.int32, torch.int64]),
+    st.sampled_from([torch.int32, torch.int64, None]),
     st.integers(0, 2**16),
 )
 def test_conv_gather_kernels_match_reference(seqlens, channels, kernel, extra, bias, index_dtype, seed):
     """causal_conv1d_gather in Triton's interpreter: x's rows permuted (every carried tap row and
-    every dx row goes through the map, across 8-row blocks), extra columns after the conv's
-    (returned in sequence order; their gradient written back through the map), forward and
-    every gradient against the float64 conv of the gathered rows; 5 taps take FLA's kernels."""
-    x, rows, w, b, cu = _gather_case(seqlens, channels, kernel, extra, torch.float32, bias, index_dtype, seed)
+    every dx row goes through the map, across 8-row blocks) or, with rows None (index_dtype
+    None), in sequence order, extra columns after the conv's (returned in sequence order;
+    their gradient written back through the map, or in place), forward and every gradient
+    against the float64 conv of the gathered rows; 5 taps take FLA's kernels."""
+    permuted = index_dtype is not None
+    x, rows, w, b, cu = _gather_case(seqlens, channels, kernel, extra, torch.float32, bias, index_dtype, seed, permuted)
     grad_y = random_tensor((x.shape[0], channels), torch.float32)
     grad_rest = random_tensor((x.shape[0], extra), torch.float32)
     with first_autotune_config(), poisoned_allocations():
@@ -623,21 +626,23 @@ def test_conv_gather_kernels_match_reference(seqlens, channels, kernel, extra, b
         grads = torch.ops.cp_ops.causal_conv1d_gather_backward(grad_y, grad_rest, x, rows, w, b, cu, "silu")
     y_e, rest_e, (dx, dw, db) = _gather_expected(grad_y, grad_rest, x, rows, w, b, cu, "silu")
     assert rel_error(y, y_e) < TOLERANCE[torch.float32]
-    assert torch.equal(rest, x[rows.long(), channels:])
+    assert torch.equal(rest, x[:, channels:] if rows is None else x[rows.long(), channels:])
     assert rel_error(grads[0], dx) < TOLERANCE[torch.float32]
     for a, e in zip(grads[1:], (dw, db)):
         if e is not None:
             torch.testing.assert_close(a.double(), e, rtol=1e-5, atol=1e-6 * max(x.shape[0], 1))
 
 
-def test_conv_gather_reference_and_autograd():
+@pytest.mark.parametrize("permuted", [True, False], ids=["rows", "rows_none"])
+def test_conv_gather_reference_and_autograd(permuted):
     """The CPU path against F.conv1d of the gathered rows and the float64 loop oracle, through
-    autograd (gradcheck in float64), and opcheck of both ops."""
-    x, rows, w, b, cu = _gather_case([7, 0, 1, 12], 5, 4, 3, torch.float64)
+    autograd (gradcheck in float64), and opcheck of both ops; x's rows permuted or, with rows
+    None, in sequence order."""
+    x, rows, w, b, cu = _gather_case([7, 0, 1, 12], 5, 4, 3, torch.float64, permuted=permuted)
     y, rest = custom_ops.causal_conv1d_gather(x, rows, w, b, cu, "silu")
     # on the CPU the op runs its reference: compare both with oracles that share no code with it
     channels = w.shape[0]
-    gathered = torch.stack([x[int(r)] for r in rows])
+    gathered = x.clone() if rows is None else torch.stack([x[int(r)] for r in rows])
     assert rel_error(y, _conv1d_per_sequence(gathered[:, :channels], w, b, cu, "silu")) < TOLERANCE[torch.float64]
     assert torch.equal(rest, gathered[:, channels:])
     assert rel_error(y, _gather_expected(y, rest, x, rows, w, b, cu, "silu")[0]) < TOLERANCE[torch.float64]
@@ -647,17 +652,19 @@ def test_conv_gather_reference_and_autograd():
     )
     torch.library.opcheck(custom_ops.causal_conv1d_gather, (x.float(), rows, w.float(), None, cu, "silu"))
     torch.library.opcheck(custom_ops.causal_conv1d_gather, (*args[:1], rows, *args[1:], cu.int(), None))
-    torch.library.opcheck(custom_ops.causal_conv1d_gather, (x[:0], rows[:0], w, b, cu[:1] * 0, "silu"))
+    no_rows = None if rows is None else rows[:0]
+    torch.library.opcheck(custom_ops.causal_conv1d_gather, (x[:0], no_rows, w, b, cu[:1] * 0, "silu"))
     torch.library.opcheck(
         torch.ops.cp_ops.causal_conv1d_gather_backward.default,
         (torch.randn_like(y), torch.randn_like(rest), x, rows, w, b, cu, "silu"),
     )
-    with pytest.raises(ValueError, match="rows must be \\[T\\]"):
-        custom_ops.causal_conv1d_gather(x, rows[1:], w, b, cu, "silu")
     with pytest.raises(ValueError, match="C <= F"):
         custom_ops.causal_conv1d_gather(x[:, :4], rows, w, b, cu, "silu")
-    with pytest.raises(TypeError):
-        custom_ops.causal_conv1d_gather(x, rows.float(), w, b, cu, "silu")
+    if rows is not None:
+        with pytest.raises(ValueError, match="rows must be \\[T\\]"):
+            custom_ops.causal_conv1d_gather(x, rows[1:], w, b, cu, "silu")
+        with pytest.raises(TypeError):
+            custom_ops.causal_conv1d_gather(x, rows.float(), w, b, cu, "silu")
 
 
 @pytest.mark.parametrize("kind", ["fwd", "bwd"])
@@ -856,15 +863,18 @@ def test_cuda_delta_rule_with_state_matches_reference_bf16(seqlens, cuda_backend
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("permuted", [True, False], ids=["rows", "rows_none"])
 @pytest.mark.parametrize("kernel", [4, pytest.param(5, marks=needs_fla)])
-def test_cuda_conv_gather_matches_reference_bf16(kernel):
-    """causal_conv1d_gather on CUDA in bf16 (our kernels through the row map; FLA's on the
-    gathered rows at 5 taps) against the float64 oracle: forward and every gradient."""
-    x, rows, w, b, cu = _gather_case([300, 0, 1, 200, 64], 96, kernel, 9, torch.float32, seed=1)
+def test_cuda_conv_gather_matches_reference_bf16(kernel, permuted):
+    """causal_conv1d_gather on CUDA in bf16 (our kernels through the row map, or in order with
+    rows None; FLA's on the gathered rows at 5 taps) against the float64 oracle: forward and
+    every gradient."""
+    x, rows, w, b, cu = _gather_case([300, 0, 1, 200, 64], 96, kernel, 9, torch.float32, seed=1, permuted=permuted)
     grad_y, grad_rest = random_tensor((x.shape[0], 96), torch.float32), random_tensor((x.shape[0], 9), torch.float32)
     dev, bf16 = "cuda", torch.bfloat16
     leaves = [t.to(dev, bf16).requires_grad_() for t in (x, w, b)]
-    y, rest = custom_ops.causal_conv1d_gather(leaves[0], rows.to(dev), leaves[1], leaves[2], cu.to(dev), "silu")
+    rows_dev = None if rows is None else rows.to(dev)
+    y, rest = custom_ops.causal_conv1d_gather(leaves[0], rows_dev, leaves[1], leaves[2], cu.to(dev), "silu")
     torch.autograd.backward([y, rest], [grad_y.to(dev, bf16), grad_rest.to(dev, bf16)])
     bf = [t.to(bf16).double() for t in (grad_y, grad_rest, x, w, b)]
     y_e, rest_e, grads_e = _gather_expected(*bf[:3], rows, *bf[3:], cu, "silu")

@@ -172,9 +172,10 @@ def _conv_samples(params, dtype, grad):
     return [
         (ops.causal_conv1d.default, (xg, wg, bg, cu, activation), {}),
         (ops.causal_conv1d_backward.default, (grad_y, x, w, b, cu, activation), {}),
-        (ops.causal_conv1d_gather.default, (_floats(gx, grad), rows, wg, bg, cu, activation), {}),
-        (ops.causal_conv1d_gather_backward.default, (grad_y, grad_rest, gx, rows, w, b, cu, activation), {}),
-    ]
+        *[(ops.causal_conv1d_gather.default, (_floats(gx, grad), r, wg, bg, cu, activation), {}) for r in (rows, None)],
+        *[(ops.causal_conv1d_gather_backward.default, (grad_y, grad_rest, gx, r, w, b, cu, activation), {})
+          for r in (rows, None)],
+    ]  # fmt: skip
 
 
 def _gdn_samples(params, dtype, grad):
