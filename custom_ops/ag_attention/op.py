@@ -95,6 +95,7 @@ def _ag_thd_attention(q, k, v, cu_seqlens, cu_seqlens_padded, causal, window_lef
     if backend == "fa4":
         return _fa4_ag_attention(q, k, v, cu_seqlens, cu_seqlens_padded, causal, window_left, scale, group_name,
                                  world, rank, head_groups)  # fmt: skip
+    counts = None  # bound on both paths: Dynamo, tracing this function, reads the closure's cells
     if launches == 1:
         segs = [ag_thd_segments(cu_seqlens, cu_seqlens_padded, world, rank, causal, window_right)]
     else:
