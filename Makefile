@@ -116,7 +116,7 @@ pins:
 	rm -rf .venv-pins && $(PYTHON) -m venv .venv-pins
 	.venv-pins/bin/python -m pip install -q $(TORCH_PIN) || $(TORCH_FAILED)
 	.venv-pins/bin/python -m pip install -q -e ".[$(EXTRAS)]"
-	# the flashqla, trainer and attention-baselines extras' pins (tested on GPU machines and by hand): kept as they are
+	# the flashqla, trainer, attention-baselines and fa4 extras' pins (tested on GPU machines and by hand): kept as they are
 	sed -n '/^# optional: the flashqla extra/,$$p' constraints.txt > .venv-pins/flashqla.txt
 	.venv-pins/bin/python tools/pins.py freeze > constraints.txt
 	.venv-pins/bin/python -m pip install -q -c constraints.txt -e ".[notebooks]"

@@ -4,18 +4,19 @@ all-gather CP rank's attention kernels on one GPU (``ranks``), and all-gather CP
 GPUs (NCCL) against segment attention on one GPU (``cp``).
 
     python -m benchmarks.bench_attention kernel [--gqa G] [--head-dims D ...] [--tokens T ...] [--pointer-loads]
+        [--backends segment fa4]  # also ag_thd_attention at W = 1 on each attention backend
     python -m benchmarks.bench_attention kernel --profile  # CUDA time per kernel of one forward and one backward
     python -m benchmarks.bench_attention tune [--kinds fwd bwd_dkdv bwd_dq] [--rounds N]
     python -m benchmarks.bench_attention ranks [--worlds W ...] [--tokens T ...] [--gqa G] [--head-dim D]
     python -m benchmarks.bench_attention cp [--world W] [--tokens T ...] [--gqa G] [--head-dim D]
-        [--head-groups G ...] [--cudagraphs] [--profile]
+        [--head-groups G ...] [--cudagraphs] [--profile] [--backends segment fa4]
     python -m benchmarks.bench_attention cp --smoke        # 2 gloo ranks on the CPU, tiny shapes
     python -m benchmarks.bench_attention cp --work-model   # CPU only: kernel tiles per rank against one GPU
 
 Results (benchmarks/runner.py): ``attention`` (``attention-gqaG-dD..`` at other heads,
 ``-tT..`` at other --tokens, e.g. ``attention-gqa8-d256-t32k-128k-512k``; ``-pointer-loads`` with
-that flag), ``attention-profile...``; ``ag-attention-wW`` (``-gqaG-dD`` at
-other heads, ``-cudagraphs``; ``ag-attention-smoke-wW``), ``...-profile``, ``ag-attention-work-model-dD``,
+that flag, ``-backends-B..`` with --backends), ``attention-profile...``; ``ag-attention-wW``
+(``-gqaG-dD`` at other heads, ``-cudagraphs``, ``-backends-B..``; ``ag-attention-smoke-wW``), ``...-profile``, ``ag-attention-work-model-dD``,
 ``ag-attention-rank-kernels-gqaG-dD``.
 docs/benchmarks.md gives the cases, the FLOP count and what each column measures.
 """
@@ -50,6 +51,9 @@ from benchmarks.runner import Result, add_out_argument, checks_off, emit, enviro
 from benchmarks.timing import kernel_breakdown, median_ms, median_ms_counted
 from cp_ops import COMPILE_OPTIONS, pad_cu_seqlens, shard_thd
 from custom_ops import ag_thd_attention, all_gather_rows, resolve_group
+from custom_ops.ag_attention.backends import describe as describe_attention
+from custom_ops.ag_attention.backends import fa4_version
+from custom_ops.ag_attention.op import _ag_thd_attention
 from custom_ops.testing import TOLERANCE, rel_error
 
 # --- shared: the op, its forward and fwd+bwd closures, the compiled form -------------------------
@@ -194,11 +198,38 @@ def flex_fn(lens, device):
     return fn
 
 
-def implementations(lens, device, ours_name: str = "varlen_attention", ours=varlen_fn) -> list[tuple[str, object]]:
+ATTENTION_BACKENDS = ("segment", "fa4")
+
+
+def cp_attention(cu, cup, group, backend: str, launches: int = 1, head_groups: int = 1):
+    """``fn(q, k, v)``: causal ``ag_thd_attention`` on ``group`` (None: W = 1) with the attention
+    ``backend`` given instead of resolved (the op's decomposition, as the public op traces it);
+    the ``fa4`` backend raises :class:`NotInstalled` without flash-attn-4."""
+    if backend == "fa4" and fa4_version() is None:
+        raise NotInstalled("flash-attn-4 not installed (the fa4 extra)")
+    group_name, world = resolve_group(group)
+
+    def fn(q, k, v):
+        return _ag_thd_attention(q, k, v, cu, cup, True, -1, -1, None, group_name, world, launches, head_groups,
+                                 backend)  # fmt: skip
+
+    return fn
+
+
+def backend_fn(lens, device, backend: str):
+    """``fn(q, k, v, seg)``: :func:`cp_attention` at W = 1 on the packed documents ``lens``."""
+    cu, cup = pad_cu_seqlens(lens, 1, device=device)
+    fn = cp_attention(cu, cup, None, backend)
+    return lambda q, k, v, seg: fn(q, k, v)
+
+
+def implementations(lens, device, ours_name: str = "varlen_attention", ours=varlen_fn,
+                    attention_backends=()) -> list[tuple[str, object]]:  # fmt: skip
     """``[(row name, make)]`` of one case, ``make()`` returning the implementation's
     ``fn(q, k, v, seg)``: ours; SDPA flash and cuDNN on a dense case, SDPA flash per document
-    on a packed one; FlexAttention, FlashAttention 4 and cuDNN's varlen SDPA on every case.
-    Each is built when its row runs, so a library that is missing fails its own row only."""
+    on a packed one; FlexAttention, FlashAttention 4 and cuDNN's varlen SDPA on every case; then
+    ``ag_thd_attention`` at W = 1 on each of ``attention_backends``. Each is built when its row
+    runs, so a library that is missing fails its own row only."""
     if len(set(lens)) == 1:
         sdpa = [("SDPA flash", lambda: sdpa_dense_fn(SDPBackend.FLASH_ATTENTION, len(lens), lens[0])),
                 ("SDPA cuDNN", lambda: sdpa_dense_fn(SDPBackend.CUDNN_ATTENTION, len(lens), lens[0]))]  # fmt: skip
@@ -209,6 +240,7 @@ def implementations(lens, device, ours_name: str = "varlen_attention", ours=varl
         ("FlexAttention doc mask", lambda: flex_fn(lens, device)),
         ("FlashAttention 4 varlen", lambda: fa4_varlen_fn(lens, device)),
         ("cuDNN frontend varlen", lambda: cudnn_varlen_fn(lens, device)),
+        *((f"ag_thd_attention W=1, {b} backend", lambda b=b: backend_fn(lens, device, b)) for b in attention_backends),
     ]  # fmt: skip
 
 
@@ -300,7 +332,7 @@ def _suffix(gqa: int, head_dims, tokens=(ATTENTION_TOKENS,)) -> str:
 
 
 def bench(gqa: int = 1, head_dims=HEAD_DIMS, settings: AttentionSettings = DEFAULT_SETTINGS,
-          label: str = "", tokens=(ATTENTION_TOKENS,)) -> list[Result]:  # fmt: skip
+          label: str = "", tokens=(ATTENTION_TOKENS,), attention_backends=()) -> list[Result]:  # fmt: skip
     device = torch.device("cuda")
     ours = varlen_fn if settings == DEFAULT_SETTINGS else settings_fn(settings)
     versions = {**package_versions(*BASELINE_PACKAGES), "cuDNN": torch.backends.cudnn.version()}
@@ -310,8 +342,8 @@ def bench(gqa: int = 1, head_dims=HEAD_DIMS, settings: AttentionSettings = DEFAU
     with recompile_limit(64):  # FlexAttention compiles once per case, head dim and grad mode
         for d in head_dims:
             for case, lens in attention_cases(tuple(tokens)):
-                rows += bench_case(case, lens, d, gqa, implementations(lens, device, "varlen_attention" + label, ours),
-                                   device)  # fmt: skip
+                impls = implementations(lens, device, "varlen_attention" + label, ours, attention_backends)
+                rows += bench_case(case, lens, d, gqa, impls, device)
                 torch.cuda.empty_cache()
     columns = ["case", "D", "implementation", *MEASURED]
     formats = {"D": "{:d}", **{col: fmt for col, fmt in MEASURED.items() if fmt}}
@@ -320,7 +352,12 @@ def bench(gqa: int = 1, head_dims=HEAD_DIMS, settings: AttentionSettings = DEFAU
              f"{libraries}")  # fmt: skip
     title = "Segment attention against SDPA, FlexAttention, FlashAttention 4 and cuDNN"
     return [Result("varlen_attention", title, columns, rows, notes, environment(),
-                   name="attention" + _suffix(gqa, head_dims, tokens), formats=formats)]  # fmt: skip
+                   name="attention" + _suffix(gqa, head_dims, tokens) + _backends_suffix(attention_backends),
+                   formats=formats)]  # fmt: skip
+
+
+def _backends_suffix(attention_backends) -> str:
+    return "-backends-" + "-".join(attention_backends) if attention_backends else ""
 
 
 # --- tune ---------------------------------------------------------------------------------------
@@ -482,6 +519,7 @@ PROFILE_RUNS = 5
 def _rank(
     rank: int, world: int, device, gqa: int, out: str | None, smoke: bool, profile: bool, cudagraphs: bool,
     head_groups: tuple[int, ...] = (), head_dim: int = HEAD_DIM, tokens: tuple[int, ...] = TOTALS,
+    attention_backends: tuple[str, ...] = (),
 ) -> None:
     totals, heads, head_dim = (SMOKE_TOTALS, SMOKE_HEADS, SMOKE_HEAD_DIM) if smoke else (tokens, HEADS, head_dim)
     warmup, runs = (1, 3) if smoke else (5, 40)
@@ -493,11 +531,11 @@ def _rank(
     rows = []
     profiles = {}
 
-    env = environment(world) if rank == 0 else None
+    env = environment(world, attention=describe_attention(head_dim)) if rank == 0 else None
 
     def tables() -> list[Result]:
         return _tables(rows, profiles, env, world, heads, kv_heads, head_dim, runs, gqa, smoke, cudagraphs,
-                       head_groups)  # fmt: skip
+                       head_groups, attention_backends)  # fmt: skip
 
     for total in totals:
         lens = packed_lengths(total)
@@ -533,7 +571,8 @@ def _rank(
         dist.barrier()
         del q, k, v, dout
         torch.cuda.empty_cache()
-        times, t_ag = _time_cp_forms(dist.group.WORLD, cu, cup, local, want, head_groups, cudagraphs, timed)
+        times, t_ag = _time_cp_forms(dist.group.WORLD, cu, cup, local, want, head_groups, cudagraphs, timed,
+                                     attention_backends)  # fmt: skip
         # every rank runs the profiled steps (they meet in the all-gathers); rank 0's figures
         profiled = {"compiled": f"W={world} compiled, rank 0"}
         if head_groups:
@@ -548,8 +587,8 @@ def _rank(
                    t1[idx] / (world * w1), t1[idx] / (world * w2), w2 / w1,
                    t_ag if idx == 0 else "", wc, t1[idx] / (world * wc),
                    t1c[idx], t1c[idx] / (world * wc)]  # fmt: skip
-            for g in head_groups:  # compiled: against the compiled one-GPU step
-                tg = times[f"G={g}"]["ms"][idx]
+            for form in [f"G={g}" for g in head_groups] + list(attention_backends):  # compiled: against
+                tg = times[form]["ms"][idx]  # the compiled one-GPU step
                 row += [tg, t1c[idx] / (world * tg)]
             rows.append(row)
         if rank == 0:  # a line and the tables so far, so a run cut short by a time limit still reports
@@ -564,13 +603,13 @@ def _rank(
 
 
 def _tables(rows, profiles, env, world, heads, kv_heads, head_dim, runs, gqa, smoke, cudagraphs,
-            head_groups) -> list[Result]:  # fmt: skip
+            head_groups, attention_backends=()) -> list[Result]:  # fmt: skip
     """The timing table and, with --profile, the profile table, as results (``env``: the run's
     :func:`~benchmarks.runner.environment`)."""
     name = f"ag-attention{'-smoke' if smoke else ''}-w{world}"
     if not smoke and (gqa != 1 or head_dim != HEAD_DIM):
         name += f"-gqa{gqa}-d{head_dim}"
-    name += "-cudagraphs" * cudagraphs
+    name += "-cudagraphs" * cudagraphs + _backends_suffix(attention_backends)
     notes = (
         f"ag_thd_attention, {str(DTYPE).removeprefix('torch.')}, causal, H = {heads}, Hkv = {kv_heads}, "
         f"D = {head_dim}; T = real tokens of the global batch (packed documents); times in ms, median "
@@ -584,6 +623,8 @@ def _tables(rows, profiles, env, world, heads, kv_heads, head_dim, runs, gqa, sm
                "eff 1L compiled vs 1 GPU compiled": eff}  # fmt: skip
     for g in head_groups:
         columns.update({f"W={world} compiled, {g} head groups": ms, f"eff, {g} groups": eff})
+    for b in attention_backends:
+        columns.update({f"W={world} compiled, {b} backend": ms, f"eff, {b} backend": eff})
     title = f"All-gather CP attention, W = {world}, against segment attention on one GPU"
     results = [Result("ag_attention", title, list(columns), rows, notes, env, name=name,
                       formats=list(columns.values()))]  # fmt: skip
@@ -599,9 +640,11 @@ def _tables(rows, profiles, env, world, heads, kv_heads, head_dim, runs, gqa, sm
     return results
 
 
-def _time_cp_forms(group, cu, cup, local, want, head_groups, cudagraphs, timed) -> tuple[dict, float]:
+def _time_cp_forms(group, cu, cup, local, want, head_groups, cudagraphs, timed,
+                   attention_backends=()) -> tuple[dict, float]:  # fmt: skip
     """The CP forms on ``group``, each checked against the one-GPU result ``want`` and timed:
-    ``({form: {"fn": fn, "ms": [fwd, fwd+bwd]}}, all-gather ms)``, times max over ranks."""
+    ``({form: {"fn": fn, "ms": [fwd, fwd+bwd]}}, all-gather ms)``, times max over ranks. With
+    ``attention_backends``, also the compiled one-launch form on each (form: the backend's name)."""
     group_name, world = resolve_group(group)
 
     def cp_fn(launches, groups=1):
@@ -616,6 +659,8 @@ def _time_cp_forms(group, cu, cup, local, want, head_groups, cudagraphs, timed) 
     forms = {1: cp_fn(1), 2: cp_fn(2), "compiled": _compiled(cp_fn(1), cudagraphs, COMPILE_OPTIONS)}
     for g in head_groups:
         forms[f"G={g}"] = _compiled(cp_fn(1, g), cudagraphs, COMPILE_OPTIONS)
+    for b in attention_backends:
+        forms[b] = _compiled(cp_attention(cu, cup, group, b), cudagraphs, COMPILE_OPTIONS)
     with torch.no_grad():
         for form, fn in forms.items():
             err = rel_error(fn(*local[:3]), want)
@@ -745,7 +790,8 @@ def _run_kernel(args) -> None:
     if args.profile:
         results = profile(args.gqa, args.head_dims, base, args.tokens)
     else:  # other settings than the ops': their own row label and result names
-        results = bench(args.gqa, args.head_dims, base, ", pointer loads" * args.pointer_loads, args.tokens)
+        results = bench(args.gqa, args.head_dims, base, ", pointer loads" * args.pointer_loads, args.tokens,
+                        tuple(args.backends))  # fmt: skip
     for r in results:
         r.name += "-pointer-loads" * args.pointer_loads
     emit(results, args.out)
@@ -763,6 +809,8 @@ def _run_cp(args) -> None:
         raise SystemExit("--profile needs GPUs")
     if args.smoke and args.cudagraphs:
         raise SystemExit("--cudagraphs needs GPUs, not --smoke")
+    if args.smoke and "fa4" in args.backends:
+        raise SystemExit("--backends fa4 needs GPUs, not --smoke")
     if args.head_groups is None:  # the default: those of 2 and 4 that divide Hkv
         args.head_groups = [g for g in DEFAULT_HEAD_GROUPS if (heads // args.gqa) % g == 0]
     bad = [g for g in args.head_groups if g < 2 or (heads // args.gqa) % g]
@@ -771,7 +819,7 @@ def _run_cp(args) -> None:
     if args.smoke and args.head_dim != HEAD_DIM:
         raise SystemExit(f"--smoke runs D = {SMOKE_HEAD_DIM}; --head-dim is for the GPU runs")
     spawn_ranks(_rank, world, args.gqa, args.out, args.smoke, args.profile, args.cudagraphs,
-                tuple(args.head_groups), args.head_dim, tuple(args.tokens),
+                tuple(args.head_groups), args.head_dim, tuple(args.tokens), tuple(args.backends),
                 device="cpu" if args.smoke else "cuda", keep_group=args.cudagraphs)  # fmt: skip
 
 
@@ -791,6 +839,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help=f"the packed cases' total tokens, one case each, besides the dense case "
                         f"(default {ATTENTION_TOKENS})")  # fmt: skip
     kernel.add_argument("--profile", action="store_true", help="CUDA time per kernel instead of the table")
+    kernel.add_argument("--backends", nargs="+", default=[], choices=ATTENTION_BACKENDS,
+                        help="also time ag_thd_attention at W = 1 on each attention backend (rows of their own)")
     add_out_argument(kernel)
 
     tuner = modes.add_parser("tune", parents=[one_gpu], help="time the kernels' candidate configs")
@@ -816,6 +866,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="also time the compiled one-launch form with head_groups=G (the KV heads in G all-gathers, "
                     "overlapped by cp_ops.COMPILE_OPTIONS); each G must divide Hkv (default: those of 2 and 4 that "
                     "do; none given: none)")  # fmt: skip
+    cp.add_argument("--backends", nargs="+", default=[], choices=ATTENTION_BACKENDS,
+                    help="also time the compiled one-launch form on each attention backend (segment: the package's "
+                    "kernels, fa4: FlashAttention 4's; columns of their own)")  # fmt: skip
     cp.add_argument("--cudagraphs", action="store_true",
                     help="compile the CP form with CUDA graphs (Inductor's triton.cudagraphs)")  # fmt: skip
     add_out_argument(cp)

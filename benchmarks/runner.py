@@ -83,8 +83,10 @@ def environment(world: int | None = None, **extra) -> dict:
 
 
 def fla_environment(world: int | None = None, **extra) -> dict:
-    """:func:`environment` with FLA's version (``absent`` where FLA is not installed) and the
-    gated delta rule's backend for Qwen3-Next's head dims in bf16 (``gdn``)."""
+    """:func:`environment` with FLA's version (``absent`` where FLA is not installed), the gated
+    delta rule's backend for Qwen3-Next's head dims in bf16 (``gdn``) and all-gather CP
+    attention's (``attention``)."""
+    from custom_ops.ag_attention import backends as attention_backends
     from custom_ops.gated_delta_rule.backends import describe
 
     try:
@@ -93,7 +95,7 @@ def fla_environment(world: int | None = None, **extra) -> dict:
         version = getattr(fla, "__version__", "?")
     except ImportError:
         version = "absent"
-    return environment(world, fla=version, gdn=describe(), **extra)
+    return environment(world, fla=version, gdn=describe(), attention=attention_backends.describe(), **extra)
 
 
 def env_line(env: dict) -> str:
@@ -105,6 +107,8 @@ def env_line(env: dict) -> str:
     parts += [f"{key} {env[key]}" for key in ("torch", "triton", "fla") if env.get(key)]
     if env.get("gdn"):
         parts.append(f"GDN core {env['gdn']}")
+    if env.get("attention"):
+        parts.append(f"CP attention {env['attention']}")
     if env.get("cuda"):
         parts.append(f"CUDA {env['cuda']}")
     parts += [env[key] for key in ("date",) if env.get(key)]

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 __all__ = [
     "VARIABLES",
     "Variable",
+    "attention_backend",
     "checks",
     "fla_configs",
     "gdn_backend",
@@ -77,6 +78,14 @@ VARIABLES: tuple[Variable, ...] = (
         "and the call fits it, else FLA's (FLA's for calls of at most 2 key heads, where they are the faster); "
         "CPU tensors always take the torch reference",
         "each time a GDN op is traced or called eagerly on CUDA tensors (a compiled graph keeps its choice)",
+    ),
+    Variable(
+        "CP_OPS_ATTENTION_BACKEND", ("auto", "segment", "fa4"), "auto",
+        "the all-gather CP attention's CUDA kernels: `fa4` FlashAttention 4's varlen kernels (the `fa4` "
+        "extra; an error where a call does not fit them), `segment` the package's segment-attention "
+        "kernels, `auto` FlashAttention 4's where installed and the call fits them, else the segment "
+        "kernels; CPU tensors always take the segment path (its torch reference)",
+        "each time `ag_thd_attention` is traced or called eagerly (a compiled graph keeps its choice)",
     ),
     Variable(
         "TRITON_INTERPRET", None, None,
@@ -163,6 +172,11 @@ def precompile() -> bool:
 def fla_configs() -> bool:
     """``CP_OPS_FLA_CONFIGS``: whether FLA's autotuners are seeded with recorded choices."""
     return _get("CP_OPS_FLA_CONFIGS") == "1"
+
+
+def attention_backend() -> str:
+    """``CP_OPS_ATTENTION_BACKEND``: ``auto``, ``segment`` or ``fa4``."""
+    return _get("CP_OPS_ATTENTION_BACKEND")
 
 
 def gdn_backend() -> str:

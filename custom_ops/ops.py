@@ -35,6 +35,8 @@ OPS = (
     Op("varlen_attention_backward_dq", "custom_ops.segment_attention.op", False),
     Op("ag_thd_attention", "custom_ops.ag_attention.op", True),
     Op("group_rank_tensor", "custom_ops.ag_attention.op", False),
+    Op("fa4_varlen_forward", "custom_ops.ag_attention.fa4", False),
+    Op("fa4_varlen_backward", "custom_ops.ag_attention.fa4", False),
     Op("causal_conv1d", "custom_ops.conv1d.op", True),
     Op("causal_conv1d_backward", "custom_ops.conv1d.op", False),
     Op("causal_conv1d_gather", "custom_ops.conv1d.op", True),

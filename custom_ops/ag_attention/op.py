@@ -7,7 +7,9 @@ collective, then one segment-attention launch with two segments per sequence
 (``varlen_attention`` with a key-row map). The backward is autograd through those pieces: the dk/dv kernel
 writes the gradients in rank order, then a reduce-scatter. A composite op, so the rank is read at run time
 (``group_rank_tensor``) and the CP size is an argument (docs/design.md section 3).
-``launches=2`` and ``head_groups=G`` are the variants of section 4.2.
+``launches=2`` and ``head_groups=G`` are the variants of section 4.2. On CUDA the attention may
+run FlashAttention 4's kernels instead (:mod:`custom_ops.ag_attention.backends`, chosen when traced;
+:mod:`custom_ops.ag_attention.fa4`): then the gathered K/V are put in sequence order first.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from custom_ops.ag_attention import backends
+from custom_ops.ag_attention.fa4 import fa4_attention, fa4_tables
 from custom_ops.ag_attention.segments import ag_thd_segments
 from custom_ops.runtime.collectives import all_gather_rows
 from custom_ops.runtime.groups import check_group_size, resolve_group
@@ -73,18 +77,25 @@ def _(like, group_name):
 
 
 def _ag_thd_attention(q, k, v, cu_seqlens, cu_seqlens_padded, causal, window_left, window_right, scale, group_name,
-                      cp_size=1, launches=1, head_groups=1):  # fmt: skip
+                      cp_size=1, launches=1, head_groups=1, backend=None):  # fmt: skip
     """The decomposition: per head group one collective, one reorder and one (or two)
-    segment-attention launches; the groups' outputs concatenated over heads."""
+    segment-attention launches (or FlashAttention 4's calls); the groups' outputs concatenated
+    over heads. ``backend``: ``segment`` or ``fa4``; None resolves it (:func:`backends.resolve`)."""
     _check(q, k, v, cu_seqlens, cu_seqlens_padded, launches, head_groups)
     cu_seqlens = checked("thd_shard", cu_seqlens, (cu_seqlens_padded,), cp_size, q.shape[0])
     window = (window_left, window_right)
+    if backend is None:
+        backend = backends.resolve(q, k, causal, window)
     if group_name is None:
         if cp_size != 1:
             raise ValueError(f"cp_size = {cp_size} needs a process group (group_name is None)")
         world, rank = 1, 0
     else:
         world, rank = check_group_size(group_name, cp_size), group_rank_tensor(cu_seqlens_padded, group_name)
+    if backend == "fa4":
+        return _fa4_ag_attention(q, k, v, cu_seqlens, cu_seqlens_padded, causal, window_left, scale, group_name,
+                                 world, rank, head_groups)  # fmt: skip
+    counts = None  # bound on both paths: Dynamo, tracing this function, reads the closure's cells
     if launches == 1:
         segs = [ag_thd_segments(cu_seqlens, cu_seqlens_padded, world, rank, causal, window_right)]
     else:
@@ -112,6 +123,25 @@ def _ag_thd_attention(q, k, v, cu_seqlens, cu_seqlens_padded, causal, window_lef
         q_g = q[:, g * hq : (g + 1) * hq]
         outs.append(merged([varlen_attention_kv(q_g, kv, key_rows, *s, causal=causal, window=window, scale=scale)[0]
                             for s in segs]))  # fmt: skip
+    return outs[0] if head_groups == 1 else torch.cat(outs, dim=1)
+
+
+def _fa4_ag_attention(q, k, v, cu_seqlens, cu_seqlens_padded, causal, window_left, scale, group_name, world, rank,
+                      head_groups):  # fmt: skip
+    """The FlashAttention 4 form of the decomposition: per head group the same collective, its K/V
+    put in sequence order (an index_select, whose backward scatters dk/dv back to rank order before
+    the reduce-scatter), then the calls of :func:`fa4_tables`."""
+    tables = fa4_tables(cu_seqlens, cu_seqlens_padded, world, rank, causal)
+    if group_name is None:  # W = 1: rank order is sequence order
+        return fa4_attention(q, k, v, tables, causal, window_left, scale)
+    hkv, hq = k.shape[1] // head_groups, q.shape[1] // head_groups
+    key_rows = rank_to_seq_index(cu_seqlens_padded, world, q.shape[0] * world)
+    outs = []
+    for g in range(head_groups):
+        kv_heads = slice(g * hkv, (g + 1) * hkv)
+        kv = all_gather_rows(torch.cat([k[:, kv_heads], v[:, kv_heads]], dim=1), group_name).index_select(0, key_rows)
+        q_g = q[:, g * hq : (g + 1) * hq]
+        outs.append(fa4_attention(q_g, kv[:, :hkv], kv[:, hkv:], tables, causal, window_left, scale))
     return outs[0] if head_groups == 1 else torch.cat(outs, dim=1)
 
 
