@@ -123,3 +123,17 @@ def test_missing_refusing_and_wrong_baselines_are_rows_with_notes(monkeypatch, t
     assert wrong["fwd ms"] is None and wrong["note"].startswith("disagrees with the fp32 reference (rel err")
     assert len(timed) == 3  # ours' forward and step, the refusing backward's forward: nothing else timed
     assert ba.note_for(NotInstalled("x not installed")) == "x not installed"
+
+
+def test_backend_rows_take_packed_documents_of_odd_lengths():
+    """The ``ag_thd_attention`` rows move the packed rows into the op's padded layout and back:
+    on documents of odd lengths (padded rows between them) the segment backend's row equals the
+    float32 reference, output and gradients."""
+    lens = [5, 12, 1, 7]
+    q, k, v = (t.detach() for t in attention_inputs(sum(lens), 4, 2, 8, "cpu", dtype=torch.float32))
+    dout = torch.randn(q.shape)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = ba.backend_fn(lens, "cpu", "segment")(*leaves, None)
+    got = (out, *torch.autograd.grad(out, leaves, dout))
+    for a, b in zip(got, fp32_reference(q, k, v, lens, dout)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
