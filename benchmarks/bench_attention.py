@@ -218,10 +218,12 @@ def cp_attention(cu, cup, group, backend: str, launches: int = 1, head_groups: i
 
 def backend_fn(lens, device, backend: str):
     """``fn(q, k, v, seg)``: :func:`cp_attention` at W = 1 on the packed documents ``lens``. The op
-    takes each document padded to an even length (``cu_seqlens_padded``), so ``fn`` moves the packed
-    rows into that layout and the output's back: its times include those copies."""
+    takes each document padded to an even length (``cu_seqlens_padded``), so where a document is odd
+    ``fn`` moves the packed rows into that layout and the output's back: its times include those copies."""
     cu, cup = pad_cu_seqlens(lens, 1, device=device)
     fn = cp_attention(cu, cup, None, backend)
+    if all(n % 2 == 0 for n in lens):  # the packed rows are the padded layout
+        return lambda q, k, v, seg: fn(q, k, v)
     rows = torch.cat([torch.arange(s, s + n, device=device) for s, n in zip(cup.tolist(), lens)])
     padded_rows = int(cup[-1])
 

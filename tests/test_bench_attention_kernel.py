@@ -125,11 +125,11 @@ def test_missing_refusing_and_wrong_baselines_are_rows_with_notes(monkeypatch, t
     assert ba.note_for(NotInstalled("x not installed")) == "x not installed"
 
 
-def test_backend_rows_take_packed_documents_of_odd_lengths():
-    """The ``ag_thd_attention`` rows move the packed rows into the op's padded layout and back:
-    on documents of odd lengths (padded rows between them) the segment backend's row equals the
-    float32 reference, output and gradients."""
-    lens = [5, 12, 1, 7]
+@pytest.mark.parametrize("lens", [[5, 12, 1, 7], [4, 6, 2]])  # odd lengths: padded rows between the documents
+def test_backend_rows_take_packed_documents_of_any_length(lens):
+    """The ``ag_thd_attention`` rows move the packed rows into the op's padded layout and back
+    where a document is odd: the segment backend's row equals the float32 reference, output and
+    gradients."""
     q, k, v = (t.detach() for t in attention_inputs(sum(lens), 4, 2, 8, "cpu", dtype=torch.float32))
     dout = torch.randn(q.shape)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
