@@ -360,6 +360,9 @@ def bench(gqa: int = 1, head_dims=HEAD_DIMS, settings: AttentionSettings = DEFAU
     notes = (f"bf16, causal, H = {HEADS}, Hkv = {HEADS // gqa}; TFLOP/s on visible pairs; median of do_bench; max "
              "|error| against float32 attention per document, of the output and of the worst of dq, dk, dv; "
              f"{libraries}")  # fmt: skip
+    if attention_backends:
+        notes += ("; ag_thd_attention rows: the op at W = 1 on the backend named, its times including the copies "
+                  "into its layout of documents padded to even lengths where a document is odd")  # fmt: skip
     title = "Segment attention against SDPA, FlexAttention, FlashAttention 4 and cuDNN"
     return [Result("varlen_attention", title, columns, rows, notes, environment(),
                    name="attention" + _suffix(gqa, head_dims, tokens) + _backends_suffix(attention_backends),
