@@ -185,17 +185,22 @@ def _counting_all_to_alls(calls):
     calls.extend(e.name for e in prof.events() if e.name == "_c10d_functional::all_to_all_single")
 
 
+def _compiled_case(rank, world):
+    """``(group, sections, local sections, cup, x_cp, x_hp_ref, grad_hp, generator)`` of the
+    two-rank compile tests."""
+    case = ([37, 0, 8, 1, 64], [1, 2, 0, 4, 1], (), torch.float32, 1234)
+    sections, cup, x, y_all, gen = _global_data(case, world)
+    x_hp_ref = thd_cp2hp_reference(x, sections, world, rank)
+    grad_hp = random_tensor(x_hp_ref.shape, torch.float32, generator=gen)
+    x_cp = shard_thd(x, cup, world, rank)
+    return dist.group.WORLD, sections, [s // world for s in sections], cup, x_cp, x_hp_ref, grad_hp, gen
+
+
 def _check_compiled_and_extras(rank, world):
     from benchmarks.bench_cp2hp import cp2hp_per_sequence
     from torch.distributed.device_mesh import init_device_mesh
 
-    group = dist.group.WORLD
-    case = ([37, 0, 8, 1, 64], [1, 2, 0, 4, 1], (), torch.float32, 1234)
-    sections, cup, x, y_all, gen = _global_data(case, world)
-    local = [s // world for s in sections]
-    x_cp = shard_thd(x, cup, world, rank)
-    x_hp_ref = thd_cp2hp_reference(x, sections, world, rank)
-    grad_hp = random_tensor(x_hp_ref.shape, torch.float32, generator=gen)
+    group, sections, local, cup, x_cp, x_hp_ref, grad_hp, gen = _compiled_case(rank, world)
 
     # exactly one all-to-all per conversion, forward and backward, after AOT decomposition
     for fn, arg, out_ref in (
@@ -214,20 +219,7 @@ def _check_compiled_and_extras(rank, world):
         else:  # opaque ops: the collective runs inside them
             assert counts == [0, 0] and len(calls) == 2, (counts, calls)
 
-    _check_overlap_compiled(group, cup, sections, x_cp, x_hp_ref, gen)
-
-    # Inductor, fullgraph: same values and gradients as eager
-    def step(a):
-        hp = thd_cp2hp(a * 2, cup, sections, group)
-        return thd_hp2cp(hp + 1, cup, local, group), hp
-
-    compiled = torch.compile(step, fullgraph=True)
-    inp = x_cp.clone().requires_grad_()
-    back, hp = compiled(inp)
-    assert torch.equal(hp, x_hp_ref * 2)
-    assert torch.equal(back, x_cp * 2 + 1)
-    (grad,) = torch.autograd.grad(hp, inp, grad_hp)
-    assert torch.equal(grad, 2 * thd_hp2cp(grad_hp, cup, local, group))
+    _check_inductor(group, sections, local, cup, x_cp, x_hp_ref, grad_hp)
 
     # a 1-D DeviceMesh is the same group; a 2-D one is refused
     mesh = init_device_mesh("cpu", (world,))
@@ -344,10 +336,41 @@ def _check_overlap_compiled(group, cup, sections, x_cp, x_hp_ref, gen):
         assert "mm(" in window, f"no GEMM between the exchange and its wait:\n{window}"
 
 
+def _check_overlap(rank, world):
+    group, sections, local, cup, x_cp, x_hp_ref, grad_hp, gen = _compiled_case(rank, world)
+    _check_overlap_compiled(group, cup, sections, x_cp, x_hp_ref, gen)
+
+
+def _check_inductor(group, sections, local, cup, x_cp, x_hp_ref, grad_hp):
+    # Inductor, fullgraph: same values and gradients as eager
+    def step(a):
+        hp = thd_cp2hp(a * 2, cup, sections, group)
+        return thd_hp2cp(hp + 1, cup, local, group), hp
+
+    compiled = torch.compile(step, fullgraph=True)
+    inp = x_cp.clone().requires_grad_()
+    back, hp = compiled(inp)
+    assert torch.equal(hp, x_hp_ref * 2)
+    assert torch.equal(back, x_cp * 2 + 1)
+    (grad,) = torch.autograd.grad(hp, inp, grad_hp)
+    assert torch.equal(grad, 2 * thd_hp2cp(grad_hp, cup, local, group))
+
+
 @pytest.mark.dist
 @pytest.mark.parametrize("world", [2])
 def test_compiled_single_all_to_all_groups_baseline_shims_bad_input(world):
+    """One all-to-all per conversion in the AOT graphs, forward and backward; Inductor over both
+    conversions; DeviceMesh groups, the benchmark's baseline, opcheck at half precision, the
+    collective shims and bad input."""
     run_ranks(world, _check_compiled_and_extras)
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_overlapped_exchange_compiled_on_two_ranks():
+    """The overlapped form compiled (the exchange in flight across a GEMM). The slow tier: the
+    scheduling pass that places it is checked on hand-built graphs in the fast one."""
+    run_ranks(2, _check_overlap)
 
 
 # --- no CP (group=None): W = 1 semantics, no process group needed ------------------------------------

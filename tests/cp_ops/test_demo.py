@@ -126,9 +126,11 @@ def _assert_compiled_float32_check(res: dict) -> None:
     assert res["ok"]
 
 
+@pytest.mark.slow
 def test_compiled_step_matches_eager():
     """--reference eager on one rank: the compiled step 1 (float32) against the eager one-device
-    run at the float32 tolerance, each region compiled once."""
+    run at the float32 tolerance, each region compiled once. The slow tier: the fast one compiles
+    the demo's layers inside the whole model (test_transformers.py) and each op with Inductor."""
     res = run(TINY + ["--cp-size", "1", "--steps", "2", "--dtype", "float32", "--reference", "eager"])
     assert res["dtype"] == "float32" and res["check_dtype"] == "float32" and res["reference"] == "eager"
     _assert_compiled_float32_check(res)
