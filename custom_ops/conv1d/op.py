@@ -1,8 +1,7 @@
 """The causal depthwise conv1d ops of the GDN core on packed THD sequences (docs/design.md
 section 2, "Gated DeltaNet core"): ``causal_conv1d``, ``causal_conv1d_gather`` (the conv of
-the first columns of wider rows, held in sequence order or in another order, read and written
-through a row map by the same kernels, its backward writing the gradient of the whole rows)
-and their backward ops.
+the first columns of wider rows, in any row order, its backward writing the whole rows'
+gradient) and their backward ops.
 
 Opaque custom ops (:func:`custom_ops.runtime.registration.opaque_op`): Inductor calls each as one
 extern node and never traces into FLA. On CUDA the conv runs this package's Triton kernels
@@ -315,14 +314,11 @@ def causal_conv1d_gather(
 
     x ``[T, F]`` with ``C = weight.shape[0] <= F``; rows ``[T]`` (int32/int64) a permutation of
     ``range(T)``: sequence row t (the layout ``cu_seqlens`` describes) is x's row ``rows[t]``.
-    Both outputs are in sequence order. The point is the passes it saves: on CUDA (K <= 4) the
-    kernels read x's rows where they are and the backward writes dx ``[T, F]`` the same way,
-    both column ranges, so a caller whose rows arrive permuted (:class:`cp_ops.GatedDeltaNet`,
-    its all-to-all's rank order) never reorders them in memory, in either direction, and a
-    caller that slices x's columns into the conv's and the rest gets the gradient of x whole,
-    not assembled from the two slices' gradients. rows must be a permutation: the CUDA backward
-    writes every row of dx once, through rows (the reference adds, as the gradient of
-    ``x[rows]`` does; the two agree on permutations).
+    Both outputs are in sequence order. On CUDA (K <= 4) the kernels read x's rows where they
+    are and the backward writes dx ``[T, F]`` whole, both column ranges: rows arriving permuted
+    are never reordered in memory, and the gradient of x is not assembled from two slices'
+    (docs/design.md section 2). rows must be a permutation: the CUDA backward writes every row
+    of dx once (the reference adds; the two agree on permutations).
     """
     _check_conv_gather(x, rows, weight, bias, cu_seqlens, activation)
     if rows is not None:

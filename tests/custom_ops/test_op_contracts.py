@@ -12,7 +12,8 @@ dtypes are the point: an lse or a GDN state that a fake gives in bf16 while the 
 in float32 passes every float32 test.
 
 The collective ops run in the spawned tests of tests/cp_ops: thd_cp2hp, thd_hp2cp and
-group_rank_tensor in test_comm.py (:data:`CHECKED_IN_SPAWNS`). On CPU tensors the ops take
+group_rank_tensor in test_comm.py (:data:`CHECKED_IN_SPAWNS`); FlashAttention 4's calls, CUDA only,
+through a torch emulation of their semantics in test_attention_fa4.py (:data:`CHECKED_EMULATED`). On CPU tensors the ops take
 their torch references (and the Triton kernels under ``TRITON_INTERPRET=1``, the interpret
 tier); the GDN forward's auxiliary outputs are then empty, FLA's are checked on CUDA
 (``test_fakes_on_cuda``).
@@ -58,6 +59,8 @@ from tests.custom_ops.test_varlen_attention_kv import _kv_case
 ops = torch.ops.cp_ops
 # ops whose contract needs a process group: checked at every dtype in tests/cp_ops/test_comm.py
 CHECKED_IN_SPAWNS = frozenset({"thd_cp2hp", "thd_hp2cp", "group_rank_tensor"})
+# ops that call a CUDA-only library: opcheck through its emulation in tests/cp_ops/test_attention_fa4.py
+CHECKED_EMULATED = frozenset({"fa4_varlen_forward", "fa4_varlen_backward"})
 # the layout ops move any dtype: the floats and an integer one
 LAYOUT_DTYPES = FLOAT_DTYPES + (torch.int64,)
 
@@ -323,8 +326,8 @@ def _samples(name: str, params, dtype: torch.dtype, grad: bool = False) -> list:
 
 def test_every_registered_op_is_checked():
     checked = {op for family in FAMILIES.values() for op in family.ops}
-    assert checked | CHECKED_IN_SPAWNS == {op.name for op in OPS}
-    assert not checked & CHECKED_IN_SPAWNS
+    assert checked | CHECKED_IN_SPAWNS | CHECKED_EMULATED == {op.name for op in OPS}
+    assert not checked & (CHECKED_IN_SPAWNS | CHECKED_EMULATED)
 
 
 def _check_fakes(name: str, dtype: torch.dtype, data) -> None:
