@@ -35,6 +35,10 @@ PYTEST = $(PYTHON) -m pytest -n $(JOBS) --dist worksteal --durations=15
 # the tier: make test-all sets it empty
 NOT_SLOW = and not slow
 
+# Bytecode caches are written (Python's default) even where the environment turns them off: the
+# suite's processes import the same modules hundreds of times, and pytest caches its rewritten tests.
+export PYTHONDONTWRITEBYTECODE =
+
 # one seed for every pass of a run (tests/conftest.py reads it; a seed given is kept)
 ifeq ($(origin HYPOTHESIS_SEED),undefined)
 HYPOTHESIS_SEED := $(shell python3 -c "import secrets; print(secrets.randbelow(2**32))")
@@ -75,8 +79,12 @@ test-cpu:
 
 # Triton kernels on CPU tensors: TRITON_INTERPRET must be set before triton is imported; fewer
 # hypothesis examples a property than test-cpu (tests/_profiles.py), a profile given is kept.
+# Only the files that mark tests interpret are collected (importing the others, transformers' Trainer
+# among them, takes each worker seconds).
+INTERPRET_FILES = $(shell grep -rl --include='*.py' 'mark\.interpret' tests)
 test-interpret:
-	TRITON_INTERPRET=1 HYPOTHESIS_PROFILE=$(or $(HYPOTHESIS_PROFILE),interpret) $(PYTEST) -m "interpret $(NOT_SLOW)"
+	TRITON_INTERPRET=1 HYPOTHESIS_PROFILE=$(or $(HYPOTHESIS_PROFILE),interpret) $(PYTEST) -m "interpret $(NOT_SLOW)" \
+		$(INTERPRET_FILES)
 
 # The compile tests again with the kernels registered as opaque ops, the form the ops take when the
 # installed triton is newer than the one torch pins (custom_ops.runtime.registration.kernels_visible_to_compiler):

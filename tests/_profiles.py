@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 DEFAULT_EXAMPLES = 25
-INTERPRET_EXAMPLES = 10
+INTERPRET_EXAMPLES = 6
 THOROUGH_FACTOR = 8
 
 settings.register_profile(

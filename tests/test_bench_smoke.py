@@ -2,11 +2,11 @@
 the CPU, tiny shapes): their built-in checks against references pass and they write their
 result as JSON (benchmarks/runner.py). Keeps the GPU benchmarks from rotting between GPU runs.
 
-The layer benchmarks (gdn, ag-attention) compile their layers on two ranks for minutes: slow
-tests (make test-all), as are the Inductor compiles of those layers on two ranks
+Each spawns two ranks (the layer benchmarks compile their layers there for minutes): slow tests
+(make test-all), as are the Inductor compiles of those layers on two ranks
 (tests/cp_ops/test_gdn_cp.py, test_attention.py); the fast tier compiles them on two ranks in
-tests/cp_ops/test_gdn_states.py and test_transformers.py, and checks the result files and tables
-by the cp2hp run here."""
+tests/cp_ops/test_gdn_states.py and test_transformers.py, and checks the benchmarks' tables and
+result files in tests/test_benchmarks.py."""
 
 import os
 import subprocess
@@ -28,10 +28,8 @@ CASES = {
 }
 
 
-SLOW = {"gdn", "ag-attention"}
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in CASES])
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(CASES))
 def test_benchmark_smoke_run(name, tmp_path):
     module, args, result_name, expected = CASES[name]
     env = dict(os.environ)

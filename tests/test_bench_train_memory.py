@@ -160,6 +160,7 @@ def _recipe_rank(rank: int, world: int) -> None:
     assert report["optimizer state"] >= 2 * report["parameters"]
 
 
+@pytest.mark.slow  # the fast tier checks the probe's phases and sizes on one process
 @pytest.mark.dist
 def test_memory_map_runs_the_recipes_steps():
     run_ranks(1, _recipe_rank)

@@ -4,6 +4,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -65,6 +66,7 @@ def test_modes_keep_their_flags_apart():
     assert (cp.out, cp.smoke, cp.work_model) == ("o", False, False)
 
 
+@pytest.mark.slow  # a process of its own; the model's functions are tested above
 def test_work_model_from_the_command_line(tmp_path):
     root = Path(__file__).resolve().parent.parent
     cmd = [sys.executable, "-m", "benchmarks.bench_attention", "cp", "--work-model", "--head-dim", "256",

@@ -205,6 +205,7 @@ def test_compare_children_refuse_a_library_from_elsewhere(tmp_path):
     assert run.returncode != 0 and "not from the checkout" in run.stderr
 
 
+@pytest.mark.slow  # a child importing the whole library; the fake checkouts' children stay in the fast tier
 def test_compare_child_imports_this_repository_when_asked():
     run = _child(ROOT, ROOT, ROOT)
     assert run.returncode == 0, run.stderr[-3000:]

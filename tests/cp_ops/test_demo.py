@@ -82,6 +82,7 @@ attention.local_positions = _one_late
 """
 
 
+@pytest.mark.slow  # the fast tier runs the check on two ranks, passing (test_eager_two_ranks_match_one_device)
 @pytest.mark.dist
 def test_bfloat16_check_fails_on_rotary_positions_off_by_one(tmp_path, monkeypatch):
     """The bfloat16 tolerance sits above rounding, which moves every gradient by several percent
@@ -126,11 +127,9 @@ def _assert_compiled_float32_check(res: dict) -> None:
     assert res["ok"]
 
 
-@pytest.mark.slow
 def test_compiled_step_matches_eager():
     """--reference eager on one rank: the compiled step 1 (float32) against the eager one-device
-    run at the float32 tolerance, each region compiled once. The slow tier: the fast one compiles
-    the demo's layers inside the whole model (test_transformers.py) and each op with Inductor."""
+    run at the float32 tolerance, each region compiled once."""
     res = run(TINY + ["--cp-size", "1", "--steps", "2", "--dtype", "float32", "--reference", "eager"])
     assert res["dtype"] == "float32" and res["check_dtype"] == "float32" and res["reference"] == "eager"
     _assert_compiled_float32_check(res)

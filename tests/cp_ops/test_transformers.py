@@ -437,7 +437,8 @@ def _rank(rank, world, compiled):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("world", [3, pytest.param(4, marks=pytest.mark.slow)])  # W = 2 below, W = 3 fast
+# W = 2 below, compiled, in the fast tier; W = 3 and 4 in the slow one (the layers' W = 3 is in test_cp_properties.py)
+@pytest.mark.parametrize("world", [pytest.param(3, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)])
 def test_patched_model_equals_transformers(world):
     run_ranks(world, _rank, False)
 

@@ -1114,9 +1114,13 @@ HOPPER_MAX_SHARED = 232448
 
 
 @pytest.mark.parametrize(
-    "element,tma", [("*bf16", False), ("*fp32", False), ("*bf16", True)]  # TMA: 2-byte elements only
+    "head_dim,element,tma",
+    # TMA: 2-byte elements only; 64 (the smallest tiles) and D = 128's bf16 configs in the slow tier
+    fast_tier_takes(
+        [(d, e, t) for d in (64, 128, 256) for e, t in (("*bf16", False), ("*fp32", False), ("*bf16", True))],
+        (128, "*fp32", False), (256, "*bf16", False), (256, "*fp32", False), (256, "*bf16", True),
+    ),
 )
-@pytest.mark.parametrize("head_dim", [pytest.param(64, marks=pytest.mark.slow), 128, 256])  # 64: the smallest tiles
 @pytest.mark.parametrize("kind", list(_KERNELS))
 def test_launch_configs_fit_hopper_shared_memory(kind, head_dim, element, tma):
     """Every launch config the op picks fits an SM's shared memory, 2- and 4-byte inputs, with
