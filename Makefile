@@ -37,6 +37,8 @@ NOT_SLOW = and not slow
 
 # Bytecode caches are written (Python's default) even where the environment turns them off: the
 # suite's processes import the same modules hundreds of times, and pytest caches its rewritten tests.
+# So pip installs without compiling (--no-compile): a module is compiled when first imported, and the
+# thousands that never are (most of torch's and transformers') cost nothing.
 export PYTHONDONTWRITEBYTECODE =
 
 # one seed for every pass of a run (tests/conftest.py reads it; a seed given is kept)
@@ -65,8 +67,8 @@ venv: $(filter .venv/bin/python,$(PYTHON))
 # Always applied: an installed package of another version is replaced by the pinned one. torch first,
 # alone and from TORCH_INDEX, so that the next line finds it installed and takes no other build.
 deps: venv
-	$(PYTHON) -m pip install -q $(TORCH_PIN) || $(TORCH_FAILED)
-	$(PYTHON) -m pip install -q -c constraints.txt -e ".[$(EXTRAS)]"
+	$(PYTHON) -m pip install -q --no-compile $(TORCH_PIN) || $(TORCH_FAILED)
+	$(PYTHON) -m pip install -q --no-compile -c constraints.txt -e ".[$(EXTRAS)]"
 	@$(PYTHON) tools/pins.py check constraints.txt
 
 # The fast tier compiles each kernel family's ops in bf16 once, in test-opaque's form (kernels run in the
@@ -105,12 +107,14 @@ SAME_GRAPHS = --deselect tests/custom_ops/test_gdn_ops.py::test_compiled_fullgra
 OPAQUE_IN_TEST_ALL = --deselect tests/cp_ops/test_comm.py::test_compiled_single_all_to_all_groups_baseline_shims_bad_input \
 	--deselect tests/custom_ops/test_varlen_attention.py::test_compiled_fullgraph_dynamic_no_recompile \
 	--deselect tests/custom_ops/test_permute_sections.py::test_compiled_fullgraph
+# The checked mode's compiled tests run in the first pytest run; the layers' two-rank compiles (slow
+# tests only) without the interpreter, in a second.
 test-opaque:
 	CP_OPS_OPAQUE_KERNELS=1 TRITON_INTERPRET=1 $(PYTEST) -q $(if $(NOT_SLOW),-m "not slow") -k compiled \
-		tests/custom_ops tests/cp_ops/test_comm.py tests/cp_ops/test_attention.py $(SAME_GRAPHS) \
-		$(if $(NOT_SLOW),$(OPAQUE_IN_TEST_ALL))
-	CP_OPS_OPAQUE_KERNELS=1 $(PYTEST) -q $(if $(NOT_SLOW),-m "not slow") -k compiled \
-		tests/cp_ops/test_gdn_cp.py tests/cp_ops/test_demo.py tests/test_checked_mode.py $(SAME_GRAPHS)
+		tests/custom_ops tests/cp_ops/test_comm.py tests/cp_ops/test_attention.py tests/test_checked_mode.py \
+		$(SAME_GRAPHS) $(if $(NOT_SLOW),$(OPAQUE_IN_TEST_ALL))
+	$(if $(NOT_SLOW),,CP_OPS_OPAQUE_KERNELS=1 $(PYTEST) -q -k compiled tests/cp_ops/test_gdn_cp.py tests/cp_ops/test_demo.py \
+		$(SAME_GRAPHS))
 
 demo: deps
 	$(PYTHON) -m cp_ops demo
