@@ -110,19 +110,29 @@ def _ag_thd_attention(q, k, v, cu_seqlens, cu_seqlens_padded, causal, window_lef
 
     if group_name is None:  # W = 1: rank order is sequence order, nothing to gather
         return merged([varlen_attention(q, k, v, *s, causal=causal, window=window, scale=scale)[0] for s in segs])
-    hkv, hq = k.shape[1] // head_groups, q.shape[1] // head_groups
     # the rank-order row of every sequence-order key row: the attention reads the gathered K/V
     # through it, and its dk/dv kernel writes the gradients back through it, in rank order
     key_rows = rank_to_seq_index(cu_seqlens_padded, world, q.shape[0] * world)
+
+    def attend(q_g, kv):
+        return merged([varlen_attention_kv(q_g, kv, key_rows, *s, causal=causal, window=window, scale=scale)[0]
+                       for s in segs])  # fmt: skip
+
+    return _per_head_group(q, k, v, head_groups, group_name, attend)
+
+
+def _per_head_group(q, k, v, head_groups, group_name, attend):
+    """``attend(q_g, kv_g)`` for each of ``head_groups`` groups of kv heads and their query heads,
+    kv_g ``[W*T, 2*Hkv/G, D]`` the group's K and V all-gathered in rank order; the groups' outputs
+    concatenated over heads."""
+    hkv, hq = k.shape[1] // head_groups, q.shape[1] // head_groups
     outs = []
     for g in range(head_groups):
         kv_heads = slice(g * hkv, (g + 1) * hkv)
         # K and V travel together: one all-gather forward, one reduce-scatter backward per group;
         # a group's attention needs only its own gather, so it runs while the next group's travels
-        kv = all_gather_rows(torch.cat([k[:, kv_heads], v[:, kv_heads]], dim=1), group_name)  # rank order
-        q_g = q[:, g * hq : (g + 1) * hq]
-        outs.append(merged([varlen_attention_kv(q_g, kv, key_rows, *s, causal=causal, window=window, scale=scale)[0]
-                            for s in segs]))  # fmt: skip
+        kv = all_gather_rows(torch.cat([k[:, kv_heads], v[:, kv_heads]], dim=1), group_name)
+        outs.append(attend(q[:, g * hq : (g + 1) * hq], kv))
     return outs[0] if head_groups == 1 else torch.cat(outs, dim=1)
 
 
@@ -134,15 +144,13 @@ def _fa4_ag_attention(q, k, v, cu_seqlens, cu_seqlens_padded, causal, window_lef
     tables = fa4_tables(cu_seqlens, cu_seqlens_padded, world, rank, causal)
     if group_name is None:  # W = 1: rank order is sequence order
         return fa4_attention(q, k, v, tables, causal, window_left, scale)
-    hkv, hq = k.shape[1] // head_groups, q.shape[1] // head_groups
     key_rows = rank_to_seq_index(cu_seqlens_padded, world, q.shape[0] * world)
-    outs = []
-    for g in range(head_groups):
-        kv_heads = slice(g * hkv, (g + 1) * hkv)
-        kv = all_gather_rows(torch.cat([k[:, kv_heads], v[:, kv_heads]], dim=1), group_name).index_select(0, key_rows)
-        q_g = q[:, g * hq : (g + 1) * hq]
-        outs.append(fa4_attention(q_g, kv[:, :hkv], kv[:, hkv:], tables, causal, window_left, scale))
-    return outs[0] if head_groups == 1 else torch.cat(outs, dim=1)
+
+    def attend(q_g, kv):
+        kv, hkv = kv.index_select(0, key_rows), kv.shape[1] // 2
+        return fa4_attention(q_g, kv[:, :hkv], kv[:, hkv:], tables, causal, window_left, scale)
+
+    return _per_head_group(q, k, v, head_groups, group_name, attend)
 
 
 # CompositeImplicitAutograd: the op is its decomposition, so autograd, fake tensors and
