@@ -127,6 +127,7 @@ def _assert_compiled_float32_check(res: dict) -> None:
     assert res["ok"]
 
 
+@pytest.mark.slow
 def test_compiled_step_matches_eager():
     """--reference eager on one rank: the compiled step 1 (float32) against the eager one-device
     run at the float32 tolerance, each region compiled once."""

@@ -153,8 +153,8 @@ def _in_place(dst, src, offsets, cu):
     [
         # the functional form in the slow tier: test_op_contracts.py compiles it with Inductor
         pytest.param(_functional, lambda d, s, o, c: thd_copy_valid_tokens_loop(d, s * 3, o, c) + 1,
-                     marks=pytest.mark.slow),
-        (_in_place, lambda d, s, o, c: thd_copy_valid_tokens_loop(d * 2, s, o, c)),
+                     marks=pytest.mark.slow, id="functional"),
+        pytest.param(_in_place, lambda d, s, o, c: thd_copy_valid_tokens_loop(d * 2, s, o, c), id="in_place"),
     ],
 )
 def test_compiled_fullgraph_dynamic_no_recompile(fn, expected):
