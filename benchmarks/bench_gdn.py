@@ -107,9 +107,9 @@ def piece_steps(layer: GatedDeltaNet, x: torch.Tensor, cup: torch.Tensor, world:
     return {
         "in_proj fwd+bwd": _fwd_bwd(lambda: layer._project(x), [x, layer.in_proj.weight], proj_grads),
         "conv fwd+bwd": _fwd_bwd(
-            lambda: custom_ops.causal_conv1d_gather(proj_hp, None, weight, None, cup, "silu"),
+            lambda: custom_ops.causal_conv1d_gather(proj_hp, None, weight, None, cup, "silu", 2 * hk * dk),
             [proj_hp, weight],
-            (randn(rows, conv_w), randn(rows, proj_hp.shape[1] - conv_w)),
+            (randn(rows, 2 * hk * dk), randn(rows, hv * dv), randn(rows, proj_hp.shape[1] - conv_w)),
         ),
         "core fwd": core,
         "core fwd+bwd": _fwd_bwd(core, [q, k, v, g, beta], o_grad),
@@ -304,7 +304,8 @@ def bench_conv_gather(total: int, num_seqs: int, channels: int = 4096, extra: in
         return custom_ops.causal_conv1d(xs[:, :channels], w, None, cup, "silu"), xs[:, channels:]
 
     def gather_conv(recv, w):
-        return custom_ops.causal_conv1d_gather(recv, rows, w, None, cup, "silu")
+        _, y, tail = custom_ops.causal_conv1d_gather(recv, rows, w, None, cup, "silu")
+        return y, tail
 
     out, grads = {}, {}
     for name, form in (("reorder + conv", reorder_then_conv), ("gather conv", gather_conv)):

@@ -149,9 +149,13 @@ class GatedDeltaNet(nn.Module):
         if proj_hp.shape[-1] != conv_w + 2 * hv:
             raise ValueError(f"proj_hp has {proj_hp.shape[-1]} features, expected {conv_w + 2 * hv} for {hk} key heads")
         conv_weight = self._conv_weight(k_head_start, num_k_heads)
-        # one op for both column ranges: its backward writes proj_hp's whole gradient
-        mixed, ba = causal_conv1d_gather(proj_hp, rows, conv_weight, None, cu_seqlens, "silu")
-        q, k, v, g, beta = self._delta_rule_inputs(mixed, ba, k_head_start, num_k_heads)
+        # one op for both column ranges, its backward writing proj_hp's whole gradient; q, k
+        # l2-normalised there, v in a tensor of its own that the delta rule reads in place
+        dk = self.head_k_dim
+        qk, v, ba = causal_conv1d_gather(
+            proj_hp, rows, conv_weight, None, cu_seqlens, "silu", 2 * hk * dk, dk
+        )
+        q, k, v, g, beta = self._delta_rule_inputs(qk, v, ba, k_head_start, num_k_heads, normalized=True)
         return chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens).reshape(num_rows, hv * self.head_v_dim)
 
     def _conv_weight(self, k_head_start: int, num_k_heads: int) -> torch.Tensor:
@@ -170,18 +174,21 @@ class GatedDeltaNet(nn.Module):
         )
 
     def _delta_rule_inputs(
-        self, mixed: torch.Tensor, ba: torch.Tensor, k_head_start: int, num_k_heads: int
-    ) -> tuple[torch.Tensor, ...]:
+        self, qk: torch.Tensor, v: torch.Tensor, ba: torch.Tensor, k_head_start: int, num_k_heads: int,
+        normalized: bool = False,
+    ) -> tuple[torch.Tensor, ...]:  # fmt: skip
         """``(q, k, v, g, beta)`` of :func:`custom_ops.chunk_gated_delta_rule` from the conv's
-        output ``mixed [T, C]`` and the b, a sections ``ba [T, 2*Hv_r]`` of key heads
+        outputs ``qk [T, 2*Hk_r*dk]`` (``normalized``: l2-normalised per head already) and
+        ``v [T, Hv_r*dv]`` and the b, a sections ``ba [T, 2*Hv_r]`` of key heads
         ``[k_head_start, +num_k_heads)``: q, k l2-normalised, the gates in float32 (or wider)."""
-        num_rows, dk, dv = mixed.shape[0], self.head_k_dim, self.head_v_dim
+        num_rows, dk, dv = qk.shape[0], self.head_k_dim, self.head_v_dim
         v_per_k = self.num_v_heads // self.num_k_heads
         hk, hv, v_start = num_k_heads, num_k_heads * v_per_k, k_head_start * v_per_k
         qk_w = hk * dk
-        q = l2norm(mixed[:, :qk_w].reshape(num_rows, hk, dk))
-        k = l2norm(mixed[:, qk_w : 2 * qk_w].reshape(num_rows, hk, dk))
-        v = mixed[:, 2 * qk_w :].reshape(num_rows, hv, dv)
+        q, k = qk[:, :qk_w].reshape(num_rows, hk, dk), qk[:, qk_w:].reshape(num_rows, hk, dk)
+        if not normalized:
+            q, k = l2norm(q), l2norm(k)
+        v = v.view(num_rows, hv, dv)
         b, a = ba[:, :hv], ba[:, hv:]
         wide = torch.promote_types(ba.dtype, torch.float32)
         a_log = self.A_log[v_start : v_start + hv].to(wide)

@@ -12,10 +12,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["GatedRMSNorm", "L2NORM_EPS", "RMSNorm", "apply_rotary", "l2norm"]
+from custom_ops import L2NORM_EPS
 
-# FLA's and Qwen3-Next's epsilon for the q/k l2 normalisation
-L2NORM_EPS = 1e-6
+__all__ = ["GatedRMSNorm", "RMSNorm", "apply_rotary", "l2norm"]
 
 
 def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:

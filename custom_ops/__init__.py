@@ -20,7 +20,7 @@ from custom_ops.all_to_all.op import check_cp2hp, check_hp2cp, thd_cp2hp, thd_hp
 from custom_ops.all_to_all.reference import thd_cp2hp_reference, thd_hp2cp_reference
 from custom_ops.check_layout import op as _check_layout  # noqa: F401  (registers cp_ops::check_layout)
 from custom_ops.conv1d.op import causal_conv1d, causal_conv1d_gather
-from custom_ops.conv1d.reference import causal_conv1d_gather_reference, causal_conv1d_reference
+from custom_ops.conv1d.reference import L2NORM_EPS, causal_conv1d_gather_reference, causal_conv1d_reference
 from custom_ops.cross_entropy.op import default_chunk_rows, linear_cross_entropy
 from custom_ops.cross_entropy.reference import linear_cross_entropy_reference
 from custom_ops.fla.adapter import fla_module
@@ -113,6 +113,7 @@ __all__ = [
     "varlen_attention_reference",
     "ag_thd_attention_reference",
     "causal_conv1d_reference",
+    "L2NORM_EPS",
     "causal_conv1d_gather_reference",
     "chunk_gated_delta_rule_reference",
     "chunk_gated_delta_rule_with_state_reference",

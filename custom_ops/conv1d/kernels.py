@@ -104,25 +104,39 @@ def _preactivation(wa, wb, wc, wd, bias, x0, x1, x2, x3, p):
 
 
 @triton.jit
+def _group_sum(v, BLOCK_C: tl.constexpr, NORM_DIM: tl.constexpr):
+    """The sum of ``v [BLOCK_C]`` over each group of NORM_DIM channels, broadcast back to ``[BLOCK_C]``."""
+    sums = tl.sum(tl.reshape(v, (BLOCK_C // NORM_DIM, NORM_DIM)), axis=1)
+    return tl.reshape(tl.broadcast_to(sums[:, None], (BLOCK_C // NORM_DIM, NORM_DIM)), (BLOCK_C,))
+
+
+@triton.jit
 def cp_causal_conv1d_fwd_kernel(
     x_ptr,
     w_ptr,  # [C, K], contiguous
     b_ptr,  # [C] or a dummy (HAS_BIAS False)
-    y_ptr,  # [T, C], contiguous
+    y_ptr,  # [T, split], contiguous: y's columns [0, split)
+    y2_ptr,  # with SPLIT: [T, C - split], contiguous: y's columns [split, C)
     pos_ptr,  # [T] int32, each row's position in its sequence, capped at MAX_TAPS
     map_ptr,  # with GATHER: [T] int, the row of x that holds sequence row t
     num_rows,
     channels,
+    split,  # C without SPLIT
     stride_x,  # x's row stride (its channel stride is 1)
+    norm_eps,
     K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SILU: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_C: tl.constexpr,
     GATHER: tl.constexpr = False,
+    SPLIT: tl.constexpr = False,
+    NORM_DIM: tl.constexpr = 0,
 ):
     """``y[t, c] = act(b[c] + sum_j w[c, K-1-j] * x[t-j, c])`` over taps j with ``pos[t] >= j``;
-    with GATHER, x's sequence row t is its row ``map[t]`` (y is in sequence order)."""
+    with GATHER, x's sequence row t is its row ``map[t]`` (y is in sequence order); with SPLIT,
+    y's columns from ``split`` on go to a second tensor; with NORM_DIM, y's columns before
+    ``split`` are l2-normalised over each group of NORM_DIM (which divides BLOCK_C and split)."""
     t0 = tl.program_id(0) * ROWS
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_ok = cols < channels
@@ -137,8 +151,16 @@ def cp_causal_conv1d_fwd_kernel(
         acc = _preactivation(wa, wb, wc, wd, bias, x0, x1, x2, x3, p)
         if SILU:
             acc = acc * tl.sigmoid(acc)
-        tl.store(y_ptr + t.to(tl.int64) * channels + cols, acc.to(y_ptr.dtype.element_ty),
-                 mask=col_ok & (t + cols * 0 < num_rows))  # fmt: skip
+        if NORM_DIM > 0:
+            acc = tl.where(cols < split, acc * tl.rsqrt(_group_sum(acc * acc, BLOCK_C, NORM_DIM) + norm_eps), acc)
+        out = acc.to(y_ptr.dtype.element_ty)
+        ok = col_ok & (t + cols * 0 < num_rows)
+        if SPLIT:
+            tl.store(y_ptr + t.to(tl.int64) * split + cols, out, mask=ok & (cols < split))
+            tail = cols - split
+            tl.store(y2_ptr + t.to(tl.int64) * (channels - split) + tail, out, mask=ok & (tail >= 0))
+        else:
+            tl.store(y_ptr + t.to(tl.int64) * channels + cols, out, mask=ok)
         x3, x2, x1 = x2, x1, x0
 
 
@@ -147,7 +169,8 @@ def cp_causal_conv1d_bwd_kernel(
     x_ptr,
     w_ptr,  # [C, K], contiguous
     b_ptr,  # [C] or a dummy (HAS_BIAS False)
-    dy_ptr,
+    dy_ptr,  # dy's columns [0, split)
+    dy2_ptr,  # with SPLIT: dy's columns [split, C)
     dx_ptr,  # [T, C], contiguous
     dw_ptr,  # [programs along T, C, 4] float32 partial sums (weight column k at k)
     db_ptr,  # [programs along T, C] float32 partial sums
@@ -155,21 +178,28 @@ def cp_causal_conv1d_bwd_kernel(
     map_ptr,  # with GATHER: [T] int, the row of x (and of dx) that holds sequence row t
     num_rows,
     channels,
+    split,  # C without SPLIT
     stride_x,
     stride_dy,
+    stride_dy2,
     stride_dx,
+    norm_eps,
     K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SILU: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_C: tl.constexpr,
     GATHER: tl.constexpr = False,
+    SPLIT: tl.constexpr = False,
+    NORM_DIM: tl.constexpr = 0,
 ):
     """With ``dpre = dy * act'(pre)``: ``dx[t] = sum_s w[:, K-1-s] * dpre[t+s]`` over s with
     ``pos[t+s] >= s``; ``dw[:, K-1-j] = sum_t dpre[t] * x[t-j]`` over ``pos[t] >= j`` and
     ``db = sum_t dpre[t]``, over this program's rows. Rows run from the last one down; the K-1
     rows after this program's block are recomputed for their ``dpre``. With GATHER, sequence
-    row t of x and of dx is their row ``map[t]`` (dy is in sequence order)."""
+    row t of x and of dx is their row ``map[t]`` (dy is in sequence order). With SPLIT, dy's columns
+    from ``split`` on come from a second tensor; with NORM_DIM, dy before ``split`` is that of the
+    forward's l2-normalised columns, taken back through the norm first."""
     pid_t = tl.program_id(0)
     t0 = pid_t * ROWS
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -195,10 +225,20 @@ def cp_causal_conv1d_bwd_kernel(
         x3 = _row(x_ptr, t - 3, stride_x, cols, col_ok, num_rows, map_ptr, GATHER)
         p = _pos(pos_ptr, t, num_rows)
         pre = _preactivation(wa, wb, wc, wd, bias, x0, x1, x2, x3, p)
-        dpre = _row(dy_ptr, t, stride_dy, cols, col_ok, num_rows)
+        if SPLIT:  # the two tensors' masks are disjoint
+            dpre = _row(dy_ptr, t, stride_dy, cols, col_ok & (cols < split), num_rows)
+            dpre += _row(dy2_ptr, t, stride_dy2, cols - split, col_ok & (cols >= split), num_rows)
+        else:
+            dpre = _row(dy_ptr, t, stride_dy, cols, col_ok, num_rows)
+        y, dact = pre, 1.0  # the activation's output and derivative
         if SILU:
             sig = tl.sigmoid(pre)
-            dpre = dpre * sig * (1.0 + pre * (1.0 - sig))
+            y, dact = pre * sig, sig * (1.0 + pre * (1.0 - sig))
+        if NORM_DIM > 0:  # n = y * r with r = rsqrt(sum y^2 + eps): dy = r * dn - r^3 * y * sum(dn * y)
+            r = tl.rsqrt(_group_sum(y * y, BLOCK_C, NORM_DIM) + norm_eps)
+            dnorm = r * dpre - r * r * r * y * _group_sum(dpre * y, BLOCK_C, NORM_DIM)
+            dpre = tl.where(cols < split, dnorm, dpre)
+        dpre = dpre * dact
         dx = wa * dpre
         dx += tl.where(q1 >= 1, wb * d1, 0.0)
         dx += tl.where(q2 >= 2, wc * d2, 0.0)

@@ -30,7 +30,10 @@ from custom_ops.conv1d.reference import (
     causal_conv1d_gather_reference,
     causal_conv1d_reference,
     causal_conv1d_reference_backward,
+    L2NORM_EPS,
     check_activation,
+    l2norm_groups,
+    l2norm_groups_backward,
 )
 from custom_ops.fla.adapter import FLA_CHUNK, fla_call, fla_module, fla_varlen_indices
 from custom_ops.runtime import precompile
@@ -43,6 +46,9 @@ from custom_ops.thd.checks import check_index_tensor
 from custom_ops.thd.validation import checked
 
 __all__ = ["causal_conv1d", "causal_conv1d_gather"]
+
+# The widest group the conv kernels l2-normalise: a program holds whole groups.
+MAX_NORM_DIM = 1024
 
 
 class ConvConfig(NamedTuple):
@@ -125,7 +131,7 @@ def causal_conv1d(
     return _conv_forward(x, weight, bias, cu_seqlens, activation, CONV_SETTINGS)
 
 
-def _precompile(x, weight, bias, cu_seqlens, activation, rows=None, gather=False) -> None:
+def _precompile(x, weight, bias, cu_seqlens, activation, rows=None, gather=False, split=0, norm=(0, 0.0)) -> None:
     """Start compiling the forward's and the backward's kernels of :func:`causal_conv1d` (with
     ``gather``, of :func:`causal_conv1d_gather` and its ``rows``) for these arguments, the fake
     tensors of a graph being traced, in the background (:mod:`custom_ops.runtime.precompile`);
@@ -135,12 +141,19 @@ def _precompile(x, weight, bias, cu_seqlens, activation, rows=None, gather=False
     channels = weight.shape[0]
 
     def launchers(mx, mw, mb, mcu, mrows):
-        y = _conv_forward(mx[:, :channels], mw, mb, mcu, activation, CONV_SETTINGS, mrows)
-        dx = torch.empty(mx.shape, dtype=mx.dtype, device="meta")[:, :channels] if gather else None
-        _conv_backward_kernel(torch.empty_like(y), mx[:, :channels], mw, mb, mcu, activation, CONV_SETTINGS, mrows, dx)
+        if gather:
+            y, tail = _conv_forward(mx[:, :channels], mw, mb, mcu, activation, CONV_SETTINGS, mrows, split, norm)
+            dx = torch.empty(mx.shape, dtype=mx.dtype, device="meta")[:, :channels]
+            grads = torch.empty_like(y), torch.empty_like(tail)
+        else:
+            y = _conv_forward(mx[:, :channels], mw, mb, mcu, activation, CONV_SETTINGS, mrows)
+            dx, grads = None, (torch.empty_like(y), None)
+        _conv_backward_kernel(
+            grads[0], mx[:, :channels], mw, mb, mcu, activation, CONV_SETTINGS, mrows, dx, grads[1], norm
+        )
 
     name = "causal_conv1d_gather" if gather else "causal_conv1d"
-    precompile.schedule(name, launchers, x, weight, bias, cu_seqlens, rows, args=activation)
+    precompile.schedule(name, launchers, x, weight, bias, cu_seqlens, rows, args=(activation, split, norm))
 
 
 @causal_conv1d.register_fake
@@ -182,32 +195,52 @@ def _conv_positions(cu_seqlens: torch.Tensor, num_rows: int) -> torch.Tensor:
     return pos
 
 
-def _conv_forward(x, weight, bias, cu_seqlens, activation, settings: ConvSettings, rows=None) -> torch.Tensor:
-    """Our forward kernel under ``settings``; with ``rows``, sequence row t of x is its row ``rows[t]``."""
+def _conv_forward(
+    x, weight, bias, cu_seqlens, activation, settings: ConvSettings, rows=None, split=None, norm=(0, 0.0)
+):
+    """Our forward kernel under ``settings``; with ``rows``, sequence row t of x is its row ``rows[t]``.
+    Returns y, or with ``split``, ``(y[:, :split], y[:, split:])`` written as two tensors, the first
+    l2-normalised over each group of ``norm[0]`` columns (0: not), with epsilon ``norm[1]``."""
     x = unit_last_stride(x)
     weight = weight.contiguous()
     num_rows, channels = x.shape
     block_rows, block_c, warps, stages = settings.config("fwd", cuda_index(x) is not None)
-    y = torch.empty(num_rows, channels, dtype=x.dtype, device=x.device)
+    block_c = max(block_c, norm[0])  # a program holds whole groups
+    head = channels if split is None else split
+    y = torch.empty(num_rows, head, dtype=x.dtype, device=x.device)
+    tail = y if split is None else torch.empty(num_rows, channels - head, dtype=x.dtype, device=x.device)
     pos = _conv_positions(cu_seqlens, num_rows)
     grid = (cdiv(num_rows, block_rows), cdiv(channels, block_c))
     launch_direct(
         cp_causal_conv1d_fwd_kernel, grid,
-        x, weight, weight if bias is None else bias.contiguous(), y, pos, pos if rows is None else rows, num_rows,
-        channels, x.stride(0), K=weight.shape[1], HAS_BIAS=bias is not None, SILU=_is_silu(activation),
-        ROWS=block_rows, BLOCK_C=block_c, GATHER=rows is not None, num_warps=warps, num_stages=stages,
+        x, weight, weight if bias is None else bias.contiguous(), _nonempty(y, tail), _nonempty(tail, y), pos,
+        pos if rows is None else rows, num_rows, channels, head, x.stride(0), norm[1], K=weight.shape[1],
+        HAS_BIAS=bias is not None, SILU=_is_silu(activation), ROWS=block_rows, BLOCK_C=block_c,
+        GATHER=rows is not None, SPLIT=split is not None, NORM_DIM=norm[0], num_warps=warps, num_stages=stages,
     )  # fmt: skip
-    return y
+    return y if split is None else (y, tail)
 
 
-def _conv_backward_kernel(grad_y, x, weight, bias, cu_seqlens, activation, settings: ConvSettings, rows=None, dx=None):
+def _nonempty(t: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """t, or ``other`` where t has no elements (a kernel argument whose stores are all masked)."""
+    return t if t.numel() > 0 else other
+
+
+def _conv_backward_kernel(
+    grad_y, x, weight, bias, cu_seqlens, activation, settings: ConvSettings, rows=None, dx=None, grad_tail=None,
+    norm=(0, 0.0),
+):  # fmt: skip
     """Our backward kernel under ``settings``; with ``rows``, sequence row t of x is its row ``rows[t]`` and so is
-    that of dx (written into ``dx`` when given, an x-shaped view, else a new tensor)."""
+    that of dx (written into ``dx`` when given, an x-shaped view, else a new tensor); with ``grad_tail``, the
+    gradient of y's columns from ``grad_y.shape[1]`` on, and ``norm``, as :func:`_conv_forward`'s ``split`` and
+    ``norm``."""
     x, grad_y = unit_last_stride(x), unit_last_stride(grad_y)
+    tail = grad_y if grad_tail is None else unit_last_stride(grad_tail)
     w = weight.contiguous()
     num_rows, channels = x.shape
     kernel = w.shape[1]
     block_rows, block_c, warps, stages = settings.config("bwd", cuda_index(x) is not None)
+    block_c = max(block_c, norm[0])
     programs = cdiv(num_rows, block_rows)
     if dx is None:
         dx = torch.empty(num_rows, channels, dtype=x.dtype, device=x.device)
@@ -216,10 +249,11 @@ def _conv_backward_kernel(grad_y, x, weight, bias, cu_seqlens, activation, setti
     pos = _conv_positions(cu_seqlens, num_rows)
     launch_direct(
         cp_causal_conv1d_bwd_kernel, (programs, cdiv(channels, block_c)),
-        x, w, w if bias is None else bias.contiguous(), grad_y, dx, dw_parts, db_parts, pos,
-        pos if rows is None else rows, num_rows, channels, x.stride(0), grad_y.stride(0), dx.stride(0), K=kernel,
-        HAS_BIAS=bias is not None, SILU=_is_silu(activation), ROWS=block_rows, BLOCK_C=block_c,
-        GATHER=rows is not None, num_warps=warps, num_stages=stages,
+        x, w, w if bias is None else bias.contiguous(), _nonempty(grad_y, tail), _nonempty(tail, grad_y), dx,
+        dw_parts, db_parts, pos, pos if rows is None else rows, num_rows, channels, grad_y.shape[1], x.stride(0),
+        grad_y.stride(0), tail.stride(0), dx.stride(0), norm[1], K=kernel, HAS_BIAS=bias is not None,
+        SILU=_is_silu(activation), ROWS=block_rows, BLOCK_C=block_c, GATHER=rows is not None,
+        SPLIT=grad_tail is not None, NORM_DIM=norm[0], num_warps=warps, num_stages=stages,
     )  # fmt: skip
     dw = dw_parts.sum(0)[:, :kernel].to(weight.dtype).contiguous()  # the fake's layout, also for K < MAX_TAPS
     db = db_parts.sum(0).to(bias.dtype if bias is not None else weight.dtype)
@@ -283,13 +317,17 @@ causal_conv1d.register_autograd(_conv_backward, setup_context=_conv_setup_contex
 # --- causal_conv1d_gather ---------------------------------------------------------------------
 
 
-def _check_conv_gather(x, rows, weight, bias, cu_seqlens, activation) -> None:
+def _check_conv_gather(x, rows, weight, bias, cu_seqlens, activation, split, norm_dim) -> None:
     if x.dim() != 2:
         raise ValueError(f"x must be [T, F], got shape {tuple(x.shape)}")
     if rows is not None:
         _check_rows(x, rows)
     if weight.dim() != 2 or weight.shape[0] > x.shape[1]:
         raise ValueError(f"weight must be [C, K] with C <= F = {x.shape[1]}, got shape {tuple(weight.shape)}")
+    if not 0 <= split <= weight.shape[0]:
+        raise ValueError(f"split must be in [0, C = {weight.shape[0]}], got {split}")
+    if norm_dim < 0 or (norm_dim > 0 and split % norm_dim != 0):
+        raise ValueError(f"norm_dim must be 0 or divide split = {split}, got {norm_dim}")
     _check_conv(x[:, : weight.shape[0]], weight, bias, cu_seqlens, activation)
 
 
@@ -307,32 +345,45 @@ def causal_conv1d_gather(
     bias: Optional[torch.Tensor],
     cu_seqlens: torch.Tensor,
     activation: Optional[str] = "silu",
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`causal_conv1d` of x's rows taken in the order ``rows``, on its first C columns:
-    ``(causal_conv1d(x[rows, :C], weight, bias, cu_seqlens, activation), x[rows, C:])``;
-    ``rows=None`` takes them in their order: ``(causal_conv1d(x[:, :C], ...), x[:, C:])``.
-
-    x ``[T, F]`` with ``C = weight.shape[0] <= F``; rows ``[T]`` (int32/int64) a permutation of
-    ``range(T)``: sequence row t (the layout ``cu_seqlens`` describes) is x's row ``rows[t]``.
-    Both outputs are in sequence order. On CUDA (K <= 4) the kernels read x's rows where they
-    are and the backward writes dx ``[T, F]`` whole, both column ranges: rows arriving permuted
-    are never reordered in memory, and the gradient of x is not assembled from two slices'
-    (docs/design.md section 2). rows must be a permutation: the CUDA backward writes every row
-    of dx once (the reference adds; the two agree on permutations).
+    split: int = 0,
+    norm_dim: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """With ``y = causal_conv1d(x[rows, :C], weight, bias, cu_seqlens, activation)`` (x's rows in
+    the order ``rows``, None: their own), ``(n(y[:, :split]), y[:, split:], x[rows, C:])``, where
+    n l2-normalises each group of ``norm_dim`` columns (eps :data:`L2NORM_EPS`; 0: n is the identity).
+    x ``[T, F]``, ``C = weight.shape[0] <= F``, ``0 <= split <= C``, norm_dim 0 or dividing split;
+    rows ``[T]`` a permutation: sequence row t (of ``cu_seqlens``) is x's row ``rows[t]``. Outputs
+    contiguous, in sequence order. On CUDA (K <= 4) the kernels read x's rows where they are,
+    write y's two parts (normalised in registers for norm_dim a power of two up to 1024), and the
+    backward writes dx ``[T, F]`` whole: nothing is reordered, normalised or assembled from slices
+    in memory (docs/design.md section 2). The CUDA backward writes each row of dx once.
     """
-    _check_conv_gather(x, rows, weight, bias, cu_seqlens, activation)
+    _check_conv_gather(x, rows, weight, bias, cu_seqlens, activation, split, norm_dim)
     if rows is not None:
         rows = checked("permutation", rows, (), x.shape[0])
     cu_seqlens = checked("cumulative", cu_seqlens, (), x.shape[0])
     channels = weight.shape[0]
     if not use_triton(x) or x.numel() == 0:
-        return causal_conv1d_gather_reference(x, rows, weight, bias, cu_seqlens, activation)
+        return causal_conv1d_gather_reference(x, rows, weight, bias, cu_seqlens, activation, split, norm_dim)
     if weight.shape[1] > MAX_TAPS:  # FLA's kernels, on the gathered rows
         xs = x if rows is None else x.index_select(0, rows)
         y = _fla_conv_forward(xs[:, :channels], weight, bias, cu_seqlens, activation)
-        return y, xs[:, channels:].clone(memory_format=torch.contiguous_format)
-    y = _conv_forward(x[:, :channels], weight, bias, cu_seqlens, activation, CONV_SETTINGS, rows)
-    return y, _take_rows(x[:, channels:], rows)
+        head = l2norm_groups(y[:, :split], norm_dim) if norm_dim else y[:, :split]
+        head, tail = (part.clone(memory_format=torch.contiguous_format) for part in (head, y[:, split:]))
+        return head, tail, _take_rows(xs[:, channels:], None)
+    fused = _norm_in_kernels(norm_dim)
+    head, tail = _conv_forward(
+        x[:, :channels], weight, bias, cu_seqlens, activation, CONV_SETTINGS, rows, split,
+        (norm_dim if fused else 0, L2NORM_EPS),
+    )  # fmt: skip
+    if not fused:
+        head = l2norm_groups(head, norm_dim)
+    return head, tail, _take_rows(x[:, channels:], rows)
+
+
+def _norm_in_kernels(norm_dim: int) -> bool:
+    """Whether our kernels normalise groups of ``norm_dim`` columns themselves (0: nothing to normalise)."""
+    return norm_dim == 0 or (norm_dim <= MAX_NORM_DIM and norm_dim & (norm_dim - 1) == 0)
 
 
 def _take_rows(x: torch.Tensor, rows: Optional[torch.Tensor]) -> torch.Tensor:
@@ -343,16 +394,21 @@ def _take_rows(x: torch.Tensor, rows: Optional[torch.Tensor]) -> torch.Tensor:
 
 
 @causal_conv1d_gather.register_fake
-def _(x, rows, weight, bias, cu_seqlens, activation="silu"):
-    _check_conv_gather(x, rows, weight, bias, cu_seqlens, activation)
-    _precompile(x, weight, bias, cu_seqlens, activation, rows, gather=True)
-    channels = weight.shape[0]
-    return x.new_empty(x.shape[0], channels), x.new_empty(x.shape[0], x.shape[1] - channels)
+def _(x, rows, weight, bias, cu_seqlens, activation="silu", split=0, norm_dim=0):
+    _check_conv_gather(x, rows, weight, bias, cu_seqlens, activation, split, norm_dim)
+    _precompile(x, weight, bias, cu_seqlens, activation, rows, gather=True, split=split, norm=(norm_dim, L2NORM_EPS))
+    num_rows, channels = x.shape[0], weight.shape[0]
+    return (
+        x.new_empty(num_rows, split),
+        x.new_empty(num_rows, channels - split),
+        x.new_empty(num_rows, x.shape[1] - channels),
+    )
 
 
 @opaque_op(f"{NAMESPACE}::causal_conv1d_gather_backward", mutates_args=())
 def causal_conv1d_gather_backward(
-    grad_y: torch.Tensor,
+    grad_head: torch.Tensor,
+    grad_tail: torch.Tensor,
     grad_rest: torch.Tensor,
     x: torch.Tensor,
     rows: Optional[torch.Tensor],
@@ -360,21 +416,28 @@ def causal_conv1d_gather_backward(
     bias: Optional[torch.Tensor],
     cu_seqlens: torch.Tensor,
     activation: Optional[str],
+    norm_dim: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx ``[T, F]``, dweight, dbias) of :func:`causal_conv1d_gather` for the gradients of its
-    two outputs."""
-    channels = weight.shape[0]
-    if not use_triton(x) or x.numel() == 0 or weight.shape[1] > MAX_TAPS:
-        # the backward of the conv on the gathered rows (causal_conv1d_backward, which picks the
-        # reference or FLA's kernels), then that of the gather (an index_add)
+    three outputs."""
+    channels, split = weight.shape[0], grad_head.shape[1]
+    if not use_triton(x) or x.numel() == 0 or weight.shape[1] > MAX_TAPS or not _norm_in_kernels(norm_dim):
+        # the backward of the norm on the recomputed conv, of the conv on the gathered rows
+        # (causal_conv1d_backward, which picks the reference or FLA's kernels), of the gather
         xs = x if rows is None else x.index_select(0, rows)
+        if norm_dim:
+            b = None if bias is None else bias[:split]
+            y = causal_conv1d(xs[:, :split], weight[:split], b, cu_seqlens, activation)
+            grad_head = l2norm_groups_backward(y, grad_head, norm_dim)
+        grad_y = torch.cat([grad_head, grad_tail], 1)
         dxs, dw, db = causal_conv1d_backward(grad_y, xs[:, :channels], weight, bias, cu_seqlens, activation)
         dxs = torch.cat([dxs, grad_rest.to(dxs.dtype)], 1)
         dx = dxs if rows is None else torch.zeros_like(x).index_add_(0, rows.long(), dxs)
         return dx, dw, db
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     _, dw, db = _conv_backward_kernel(
-        grad_y, x[:, :channels], weight, bias, cu_seqlens, activation, CONV_SETTINGS, rows, dx[:, :channels]
+        grad_head, x[:, :channels], weight, bias, cu_seqlens, activation, CONV_SETTINGS, rows, dx[:, :channels],
+        grad_tail, (norm_dim, L2NORM_EPS),
     )
     if rows is None:
         dx[:, channels:].copy_(grad_rest)
@@ -384,23 +447,23 @@ def causal_conv1d_gather_backward(
 
 
 @causal_conv1d_gather_backward.register_fake
-def _(grad_y, grad_rest, x, rows, weight, bias, cu_seqlens, activation):
+def _(grad_head, grad_tail, grad_rest, x, rows, weight, bias, cu_seqlens, activation, norm_dim=0):
     db_dtype = bias.dtype if bias is not None else weight.dtype
     return x.new_empty(x.shape), weight.new_empty(weight.shape), weight.new_empty(weight.shape[0], dtype=db_dtype)
 
 
 def _conv_gather_setup_context(ctx, inputs, output):
-    x, rows, weight, bias, cu_seqlens, activation = inputs
+    x, rows, weight, bias, cu_seqlens, activation, _, norm_dim = inputs
     ctx.save_for_backward(x, rows, weight, bias, cu_seqlens)
-    ctx.activation = activation
+    ctx.activation, ctx.norm_dim = activation, norm_dim
 
 
-def _conv_gather_backward(ctx, grad_y, grad_rest):
+def _conv_gather_backward(ctx, grad_head, grad_tail, grad_rest):
     x, rows, weight, bias, cu_seqlens = ctx.saved_tensors
     dx, dw, db = torch.ops.cp_ops.causal_conv1d_gather_backward(
-        grad_y, grad_rest, x, rows, weight, bias, cu_seqlens, ctx.activation
+        grad_head, grad_tail, grad_rest, x, rows, weight, bias, cu_seqlens, ctx.activation, ctx.norm_dim
     )
-    return dx, None, dw, (db if bias is not None else None), None, None
+    return dx, None, dw, (db if bias is not None else None), None, None, None, None
 
 
 causal_conv1d_gather.register_autograd(_conv_gather_backward, setup_context=_conv_gather_setup_context)

@@ -20,6 +20,10 @@ import torch.nn.functional as F
 from custom_ops.thd.index import row_positions
 
 
+# FLA's and Qwen3-Next's epsilon for the q/k l2 normalisation, which causal_conv1d_gather applies
+L2NORM_EPS = 1e-6
+
+
 def _compute_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
@@ -73,13 +77,36 @@ def causal_conv1d_gather_reference(
     bias: torch.Tensor | None,
     cu_seqlens: torch.Tensor,
     activation: str | None = "silu",
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(causal_conv1d_reference(x[rows, :C], ...), x[rows, C:])`` with ``C = weight.shape[0]``:
-    the conv of x's rows taken in the order ``rows`` (``None``: their own) and the rest of those rows."""
+    split: int = 0,
+    norm_dim: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(y[:, :split], y[:, split:], x[rows, C:])`` with ``y = causal_conv1d_reference(x[rows, :C],
+    ...)`` and ``C = weight.shape[0]``: the conv of x's rows taken in the order ``rows`` (``None``:
+    their own), cut at column ``split``, its first part l2-normalised over each group of
+    ``norm_dim`` columns (0: not; :func:`l2norm_groups`), and the rest of those rows, each in new
+    contiguous memory."""
     xs = x if rows is None else x.index_select(0, rows)
     channels = weight.shape[0]
     y = causal_conv1d_reference(xs[:, :channels], weight, bias, cu_seqlens, activation)
-    return y, xs[:, channels:].clone(memory_format=torch.contiguous_format)  # new memory, even when empty
+    head = l2norm_groups(y[:, :split], norm_dim) if norm_dim else y[:, :split]
+    parts = head, y[:, split:], xs[:, channels:]
+    return tuple(p.clone(memory_format=torch.contiguous_format) for p in parts)  # new memory, even when empty
+
+
+def l2norm_groups(y: torch.Tensor, dim: int, eps: float = L2NORM_EPS) -> torch.Tensor:
+    """``y / sqrt(sum(y^2) + eps)`` over each group of ``dim`` columns of ``y [T, n*dim]``, computed
+    in at least float32, in y's dtype."""
+    yc = y.to(_compute_dtype(y)).unflatten(-1, (-1, dim))
+    return (yc * torch.rsqrt(yc.square().sum(-1, keepdim=True) + eps)).flatten(-2).to(y.dtype)
+
+
+def l2norm_groups_backward(y: torch.Tensor, grad: torch.Tensor, dim: int, eps: float = L2NORM_EPS) -> torch.Tensor:
+    """The gradient of y from that of ``l2norm_groups(y, dim, eps)``: with ``r = rsqrt(sum(y^2) + eps)``
+    per group, ``r * grad - r^3 * y * sum(grad * y)``."""
+    dtype = _compute_dtype(y)
+    yc, gc = (t.to(dtype).unflatten(-1, (-1, dim)) for t in (y, grad))
+    r = torch.rsqrt(yc.square().sum(-1, keepdim=True) + eps)
+    return (r * gc - r.pow(3) * yc * (gc * yc).sum(-1, keepdim=True)).flatten(-2).to(grad.dtype)
 
 
 def causal_conv1d_loop(x, weight, bias, cu_seqlens, activation="silu"):

@@ -587,13 +587,18 @@ def _gather_case(seqlens, channels, kernel, extra, dtype, bias=True, index_dtype
     return x[torch.argsort(rows)], rows, w, b, cu
 
 
-def _gather_expected(grad_y, grad_rest, x, rows, w, b, cu, activation):
-    """The float64 oracle: the conv of x's rows in the order ``rows`` and its gradients, through
-    the gather's own backward (autograd of ``x[rows]``)."""
+def _gather_expected(grad_y, grad_rest, x, rows, w, b, cu, activation, split=0, norm_dim=0):
+    """The float64 oracle: the conv of x's rows in the order ``rows`` (its first ``split`` columns
+    l2-normalised over groups of ``norm_dim``, eps 1e-6) and its gradients, through the gather's
+    own backward (autograd of ``x[rows]``)."""
     leaves = [None if t is None else t.detach().double().requires_grad_() for t in (x, w, b)]
     xs = leaves[0] if rows is None else leaves[0][rows]
     channels = w.shape[0]
     y = causal_conv1d_loop(xs[:, :channels], leaves[1], leaves[2], cu, activation)
+    if norm_dim:
+        groups = y[:, :split].unflatten(1, (-1, norm_dim))
+        normed = groups / (groups.square().sum(-1, keepdim=True) + 1e-6).sqrt()
+        y = torch.cat([normed.flatten(1), y[:, split:]], 1)
     rest = xs[:, channels:]
     if y.requires_grad:  # the loop oracle builds no graph over zero rows
         torch.autograd.backward([y, rest], [grad_y.double(), grad_rest.double()])
@@ -607,25 +612,32 @@ def _gather_expected(grad_y, grad_rest, x, rows, w, b, cu, activation):
     st.sampled_from([1, 5, 40]),
     st.sampled_from([1, 3, 4, 5]),
     st.sampled_from([0, 2, 7]),
+    st.sampled_from([0.0, 0.5, 1.0]),
+    st.sampled_from([0, 4, 8, 6]),
     st.booleans(),
     st.sampled_from([torch.int32, torch.int64, None]),
     st.integers(0, 2**16),
 )
-def test_conv_gather_kernels_match_reference(seqlens, channels, kernel, extra, bias, index_dtype, seed):
+def test_conv_gather_kernels_match_reference(seqlens, channels, kernel, extra, cut, norm_dim, bias, index_dtype, seed):
     """causal_conv1d_gather in Triton's interpreter: x's rows permuted (every carried tap row and
     every dx row goes through the map, across 8-row blocks) or, with rows None (index_dtype
     None), in sequence order, extra columns after the conv's (returned in sequence order;
-    their gradient written back through the map, or in place), forward and every gradient
-    against the float64 conv of the gathered rows; 5 taps take FLA's kernels."""
+    their gradient written back through the map, or in place), y cut at a column inside a channel
+    block or at either end, its first part l2-normalised by the kernels (groups of 4, 8) or after
+    them (6), forward and every gradient against the float64 oracle; 5 taps take FLA's kernels."""
     permuted = index_dtype is not None
     x, rows, w, b, cu = _gather_case(seqlens, channels, kernel, extra, torch.float32, bias, index_dtype, seed, permuted)
+    split = int(cut * channels) // max(norm_dim, 1) * max(norm_dim, 1)
     grad_y = random_tensor((x.shape[0], channels), torch.float32)
     grad_rest = random_tensor((x.shape[0], extra), torch.float32)
     with first_autotune_config(), poisoned_allocations():
-        y, rest = custom_ops.causal_conv1d_gather(x, rows, w, b, cu, "silu")
-        grads = torch.ops.cp_ops.causal_conv1d_gather_backward(grad_y, grad_rest, x, rows, w, b, cu, "silu")
-    y_e, rest_e, (dx, dw, db) = _gather_expected(grad_y, grad_rest, x, rows, w, b, cu, "silu")
-    assert rel_error(y, y_e) < TOLERANCE[torch.float32]
+        head, tail, rest = custom_ops.causal_conv1d_gather(x, rows, w, b, cu, "silu", split, norm_dim)
+        grads = torch.ops.cp_ops.causal_conv1d_gather_backward(
+            grad_y[:, :split], grad_y[:, split:], grad_rest, x, rows, w, b, cu, "silu", norm_dim
+        )
+    y_e, rest_e, (dx, dw, db) = _gather_expected(grad_y, grad_rest, x, rows, w, b, cu, "silu", split, norm_dim)
+    assert head.shape[1] == split and tail.shape[1] == channels - split
+    assert rel_error(torch.cat([head, tail], 1), y_e) < TOLERANCE[torch.float32]
     assert torch.equal(rest, x[:, channels:] if rows is None else x[rows.long(), channels:])
     assert rel_error(grads[0], dx) < TOLERANCE[torch.float32]
     for a, e in zip(grads[1:], (dw, db)):
@@ -637,29 +649,43 @@ def test_conv_gather_kernels_match_reference(seqlens, channels, kernel, extra, b
 def test_conv_gather_reference_and_autograd(permuted):
     """The CPU path against F.conv1d of the gathered rows and the float64 loop oracle, through
     autograd (gradcheck in float64), and opcheck of both ops; x's rows permuted or, with rows
-    None, in sequence order."""
+    None, in sequence order; y whole and cut in two."""
     x, rows, w, b, cu = _gather_case([7, 0, 1, 12], 5, 4, 3, torch.float64, permuted=permuted)
-    y, rest = custom_ops.causal_conv1d_gather(x, rows, w, b, cu, "silu")
+    empty, y, rest = custom_ops.causal_conv1d_gather(x, rows, w, b, cu, "silu")
+    assert empty.shape == (x.shape[0], 0)
     # on the CPU the op runs its reference: compare both with oracles that share no code with it
     channels = w.shape[0]
     gathered = x.clone() if rows is None else torch.stack([x[int(r)] for r in rows])
     assert rel_error(y, _conv1d_per_sequence(gathered[:, :channels], w, b, cu, "silu")) < TOLERANCE[torch.float64]
     assert torch.equal(rest, gathered[:, channels:])
     assert rel_error(y, _gather_expected(y, rest, x, rows, w, b, cu, "silu")[0]) < TOLERANCE[torch.float64]
+    head, tail, _ = custom_ops.causal_conv1d_gather(x, rows, w, b, cu, "silu", 2)
+    assert torch.equal(head, y[:, :2]) and torch.equal(tail, y[:, 2:])
+    normed, _, _ = custom_ops.causal_conv1d_gather(x, rows, w, b, cu, "silu", 4, 2)
+    expected = _gather_expected(y, rest, x, rows, w, b, cu, "silu", 4, 2)[0]
+    assert rel_error(normed, expected[:, :4]) < TOLERANCE[torch.float64]
     args = tuple(t.clone().requires_grad_() for t in (x, w, b))
-    assert torch.autograd.gradcheck(
-        lambda x, w, b: custom_ops.causal_conv1d_gather(x, rows, w, b, cu, "silu"), args
-    )
-    torch.library.opcheck(custom_ops.causal_conv1d_gather, (x.float(), rows, w.float(), None, cu, "silu"))
+    for split, norm_dim in ((0, 0), (2, 0), (4, 2)):
+        assert torch.autograd.gradcheck(
+            lambda x, w, b: custom_ops.causal_conv1d_gather(x, rows, w, b, cu, "silu", split, norm_dim), args
+        )
+    torch.library.opcheck(custom_ops.causal_conv1d_gather, (x.float(), rows, w.float(), None, cu, "silu", 2))
+    torch.library.opcheck(custom_ops.causal_conv1d_gather, (x.float(), rows, w.float(), None, cu, "silu", 4, 2))
     torch.library.opcheck(custom_ops.causal_conv1d_gather, (*args[:1], rows, *args[1:], cu.int(), None))
     no_rows = None if rows is None else rows[:0]
     torch.library.opcheck(custom_ops.causal_conv1d_gather, (x[:0], no_rows, w, b, cu[:1] * 0, "silu"))
     torch.library.opcheck(
         torch.ops.cp_ops.causal_conv1d_gather_backward.default,
-        (torch.randn_like(y), torch.randn_like(rest), x, rows, w, b, cu, "silu"),
+        (torch.randn_like(y[:, :2]), torch.randn_like(y[:, 2:]), torch.randn_like(rest), x, rows, w, b, cu, "silu"),
     )
     with pytest.raises(ValueError, match="C <= F"):
         custom_ops.causal_conv1d_gather(x[:, :4], rows, w, b, cu, "silu")
+    for split in (-1, channels + 1):
+        with pytest.raises(ValueError, match="split must be in"):
+            custom_ops.causal_conv1d_gather(x, rows, w, b, cu, "silu", split)
+    for norm_dim in (-2, 3):
+        with pytest.raises(ValueError, match="norm_dim must be 0 or divide split"):
+            custom_ops.causal_conv1d_gather(x, rows, w, b, cu, "silu", 4, norm_dim)
     if rows is not None:
         with pytest.raises(ValueError, match="rows must be \\[T\\]"):
             custom_ops.causal_conv1d_gather(x, rows[1:], w, b, cu, "silu")
@@ -669,10 +695,12 @@ def test_conv_gather_reference_and_autograd(permuted):
 
 @pytest.mark.parametrize("kind", ["fwd", "bwd"])
 @pytest.mark.parametrize("row_map", [None, "*i32", "*i64"])
-def test_conv_kernels_compile_for_hopper(kind, row_map):
+@pytest.mark.parametrize("norm_dim", [0, 128])
+def test_conv_kernels_compile_for_hopper(kind, row_map, norm_dim):
     """The interpreter runs the kernels as Python, where a construct the GPU compiler refuses
     passes (a function returning int32 on one path and int64 on the other did): compile both
-    for sm_90 with their CUDA configs, without and with a row map of either index dtype."""
+    for sm_90 with their CUDA configs, without and with a row map of either index dtype, and
+    with y in two parts, the first l2-normalised over groups of 128 (the GDN layer's form)."""
     pytest.importorskip("triton.backends.nvidia")
     import triton
     from triton.backends.compiler import GPUTarget
@@ -683,10 +711,11 @@ def test_conv_kernels_compile_for_hopper(kind, row_map):
 
     kernel = kernels.cp_causal_conv1d_fwd_kernel if kind == "fwd" else kernels.cp_causal_conv1d_bwd_kernel
     rows, block_c, warps, stages = CONV_SETTINGS.config(kind, on_gpu=True)
-    constants = dict(K=4, HAS_BIAS=False, SILU=True, ROWS=rows, BLOCK_C=block_c, GATHER=row_map is not None)
-    pointers = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "dy_ptr": "*bf16",
-                "dx_ptr": "*bf16", "dw_ptr": "*fp32", "db_ptr": "*fp32", "pos_ptr": "*i32",
-                "map_ptr": row_map or "*i32"}  # fmt: skip
+    constants = dict(K=4, HAS_BIAS=False, SILU=True, ROWS=rows, BLOCK_C=block_c, GATHER=row_map is not None,
+                     SPLIT=norm_dim > 0, NORM_DIM=norm_dim)  # fmt: skip
+    pointers = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "y2_ptr": "*bf16",
+                "dy_ptr": "*bf16", "dy2_ptr": "*bf16", "dx_ptr": "*bf16", "dw_ptr": "*fp32", "db_ptr": "*fp32",
+                "pos_ptr": "*i32", "map_ptr": row_map or "*i32", "norm_eps": "fp32"}  # fmt: skip
     names = kernel.arg_names
     signature = {n: "constexpr" if n in constants else pointers.get(n, "i32") for n in names}
     source = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(k),): v for k, v in constants.items()})
@@ -865,20 +894,24 @@ def test_cuda_delta_rule_with_state_matches_reference_bf16(seqlens, cuda_backend
 @pytest.mark.gpu
 @pytest.mark.parametrize("permuted", [True, False], ids=["rows", "rows_none"])
 @pytest.mark.parametrize("kernel", [4, pytest.param(5, marks=needs_fla)])
-def test_cuda_conv_gather_matches_reference_bf16(kernel, permuted):
+@pytest.mark.parametrize("norm_dim", [0, 8])
+def test_cuda_conv_gather_matches_reference_bf16(norm_dim, kernel, permuted):
     """causal_conv1d_gather on CUDA in bf16 (our kernels through the row map, or in order with
-    rows None; FLA's on the gathered rows at 5 taps) against the float64 oracle: forward and
-    every gradient."""
+    rows None; FLA's on the gathered rows at 5 taps), y cut in two inside a channel block, its
+    first part l2-normalised or not, against the float64 oracle: forward and every gradient."""
     x, rows, w, b, cu = _gather_case([300, 0, 1, 200, 64], 96, kernel, 9, torch.float32, seed=1, permuted=permuted)
     grad_y, grad_rest = random_tensor((x.shape[0], 96), torch.float32), random_tensor((x.shape[0], 9), torch.float32)
     dev, bf16 = "cuda", torch.bfloat16
     leaves = [t.to(dev, bf16).requires_grad_() for t in (x, w, b)]
     rows_dev = None if rows is None else rows.to(dev)
-    y, rest = custom_ops.causal_conv1d_gather(leaves[0], rows_dev, leaves[1], leaves[2], cu.to(dev), "silu")
-    torch.autograd.backward([y, rest], [grad_y.to(dev, bf16), grad_rest.to(dev, bf16)])
+    head, tail, rest = custom_ops.causal_conv1d_gather(
+        leaves[0], rows_dev, leaves[1], leaves[2], cu.to(dev), "silu", 40, norm_dim
+    )
+    dy = grad_y.to(dev, bf16)
+    torch.autograd.backward([head, tail, rest], [dy[:, :40], dy[:, 40:], grad_rest.to(dev, bf16)])
     bf = [t.to(bf16).double() for t in (grad_y, grad_rest, x, w, b)]
-    y_e, rest_e, grads_e = _gather_expected(*bf[:3], rows, *bf[3:], cu, "silu")
-    assert rel_error(y.cpu(), y_e) < 5e-3
+    y_e, rest_e, grads_e = _gather_expected(*bf[:3], rows, *bf[3:], cu, "silu", 40, norm_dim)
+    assert rel_error(torch.cat([head, tail], 1).cpu(), y_e) < 5e-3
     assert torch.equal(rest.cpu().double(), rest_e)
     for name, a, e in zip("xwb", leaves, grads_e):
         assert rel_error(a.grad.cpu(), e) < 1e-2, name
