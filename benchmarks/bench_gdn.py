@@ -107,9 +107,9 @@ def piece_steps(layer: GatedDeltaNet, x: torch.Tensor, cup: torch.Tensor, world:
     return {
         "in_proj fwd+bwd": _fwd_bwd(lambda: layer._project(x), [x, layer.in_proj.weight], proj_grads),
         "conv fwd+bwd": _fwd_bwd(
-            lambda: custom_ops.causal_conv1d_gather(proj_hp, None, weight, None, cup, "silu", 2 * hk * dk),
+            lambda: custom_ops.causal_conv1d_gather(proj_hp, None, weight, None, cup, "silu", 2 * hk * dk, dk, 2),
             [proj_hp, weight],
-            (randn(rows, 2 * hk * dk), randn(rows, hv * dv), randn(rows, proj_hp.shape[1] - conv_w)),
+            (randn(2, rows, hk * dk), randn(rows, hv * dv), randn(rows, proj_hp.shape[1] - conv_w)),
         ),
         "core fwd": core,
         "core fwd+bwd": _fwd_bwd(core, [q, k, v, g, beta], o_grad),

@@ -150,12 +150,10 @@ class GatedDeltaNet(nn.Module):
             raise ValueError(f"proj_hp has {proj_hp.shape[-1]} features, expected {conv_w + 2 * hv} for {hk} key heads")
         conv_weight = self._conv_weight(k_head_start, num_k_heads)
         # one op for both column ranges, its backward writing proj_hp's whole gradient; q, k
-        # l2-normalised there, v in a tensor of its own that the delta rule reads in place
+        # l2-normalised there, and q, k, v each in contiguous memory that the delta rule reads in place
         dk = self.head_k_dim
-        qk, v, ba = causal_conv1d_gather(
-            proj_hp, rows, conv_weight, None, cu_seqlens, "silu", 2 * hk * dk, dk
-        )
-        q, k, v, g, beta = self._delta_rule_inputs(qk, v, ba, k_head_start, num_k_heads, normalized=True)
+        qk, v, ba = causal_conv1d_gather(proj_hp, rows, conv_weight, None, cu_seqlens, "silu", 2 * hk * dk, dk, 2)
+        q, k, v, g, beta = self._delta_rule_inputs(qk[0], qk[1], v, ba, k_head_start, num_k_heads, normalized=True)
         return chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens).reshape(num_rows, hv * self.head_v_dim)
 
     def _conv_weight(self, k_head_start: int, num_k_heads: int) -> torch.Tensor:
@@ -174,18 +172,17 @@ class GatedDeltaNet(nn.Module):
         )
 
     def _delta_rule_inputs(
-        self, qk: torch.Tensor, v: torch.Tensor, ba: torch.Tensor, k_head_start: int, num_k_heads: int,
-        normalized: bool = False,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ba: torch.Tensor, k_head_start: int,
+        num_k_heads: int, normalized: bool = False,
     ) -> tuple[torch.Tensor, ...]:  # fmt: skip
-        """``(q, k, v, g, beta)`` of :func:`custom_ops.chunk_gated_delta_rule` from the conv's
-        outputs ``qk [T, 2*Hk_r*dk]`` (``normalized``: l2-normalised per head already) and
-        ``v [T, Hv_r*dv]`` and the b, a sections ``ba [T, 2*Hv_r]`` of key heads
-        ``[k_head_start, +num_k_heads)``: q, k l2-normalised, the gates in float32 (or wider)."""
-        num_rows, dk, dv = qk.shape[0], self.head_k_dim, self.head_v_dim
+        """``(q, k, v, g, beta)`` of :func:`custom_ops.chunk_gated_delta_rule` from the conv's outputs
+        ``q, k [T, Hk_r*dk]`` (``normalized``: l2-normalised per head already), ``v [T, Hv_r*dv]``
+        and the b, a sections ``ba [T, 2*Hv_r]`` of key heads ``[k_head_start, +num_k_heads)``:
+        q, k l2-normalised, the gates in float32 (or wider)."""
+        num_rows, dk, dv = q.shape[0], self.head_k_dim, self.head_v_dim
         v_per_k = self.num_v_heads // self.num_k_heads
         hk, hv, v_start = num_k_heads, num_k_heads * v_per_k, k_head_start * v_per_k
-        qk_w = hk * dk
-        q, k = qk[:, :qk_w].reshape(num_rows, hk, dk), qk[:, qk_w:].reshape(num_rows, hk, dk)
+        q, k = q.view(num_rows, hk, dk), k.view(num_rows, hk, dk)
         if not normalized:
             q, k = l2norm(q), l2norm(k)
         v = v.view(num_rows, hv, dv)

@@ -191,8 +191,8 @@ class StatePassing(GDNContextParallel):
         extended, ba, chunks = h
         weight = layer._conv_weight(0, layer.num_k_heads)
         mixed = causal_conv1d(extended, weight, None, chunks.extended_cu, "silu").index_select(0, chunks.rows)
-        qk_w = 2 * layer.key_dim
-        q, k, v, g, beta = layer._delta_rule_inputs(mixed[:, :qk_w], mixed[:, qk_w:], ba, 0, layer.num_k_heads)
+        q, k, v = mixed.split([layer.key_dim, layer.key_dim, layer.value_dim], dim=1)
+        q, k, v, g, beta = layer._delta_rule_inputs(q, k, v, ba, 0, layer.num_k_heads)
         o = _run_from_composed_states(q, k, v, g, beta, chunks.local_cu, group)
         return o.flatten(1)
 

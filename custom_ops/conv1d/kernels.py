@@ -111,11 +111,27 @@ def _group_sum(v, BLOCK_C: tl.constexpr, NORM_DIM: tl.constexpr):
 
 
 @triton.jit
+def _head_offsets(cols, split, num_rows, PARTS: tl.constexpr, NORM_DIM: tl.constexpr):
+    """Where y's columns ``cols`` (those < split) sit in the first output ``[PARTS, T, split/PARTS]``,
+    past row t's start ``t * split/PARTS``, int64: a part's block of rows, then the column within
+    it. With NORM_DIM the part is found per group, so the offsets stay contiguous within one."""
+    offsets = cols.to(tl.int64)
+    if PARTS > 1:
+        width = split // PARTS
+        if NORM_DIM > 0:
+            part = (cols // NORM_DIM) // (width // NORM_DIM)
+        else:
+            part = cols // width
+        offsets = part.to(tl.int64) * num_rows * width + (cols - part * width)
+    return offsets
+
+
+@triton.jit
 def cp_causal_conv1d_fwd_kernel(
     x_ptr,
     w_ptr,  # [C, K], contiguous
     b_ptr,  # [C] or a dummy (HAS_BIAS False)
-    y_ptr,  # [T, split], contiguous: y's columns [0, split)
+    y_ptr,  # [PARTS, T, split/PARTS], contiguous: y's columns [0, split)
     y2_ptr,  # with SPLIT: [T, C - split], contiguous: y's columns [split, C)
     pos_ptr,  # [T] int32, each row's position in its sequence, capped at MAX_TAPS
     map_ptr,  # with GATHER: [T] int, the row of x that holds sequence row t
@@ -132,11 +148,12 @@ def cp_causal_conv1d_fwd_kernel(
     GATHER: tl.constexpr = False,
     SPLIT: tl.constexpr = False,
     NORM_DIM: tl.constexpr = 0,
+    PARTS: tl.constexpr = 1,
 ):
     """``y[t, c] = act(b[c] + sum_j w[c, K-1-j] * x[t-j, c])`` over taps j with ``pos[t] >= j``;
     with GATHER, x's sequence row t is its row ``map[t]`` (y is in sequence order); with SPLIT,
-    y's columns from ``split`` on go to a second tensor; with NORM_DIM, y's columns before
-    ``split`` are l2-normalised over each group of NORM_DIM (which divides BLOCK_C and split)."""
+    y's columns from ``split`` on go to a second tensor, those before it in PARTS blocks; with
+    NORM_DIM, those are l2-normalised over each group of NORM_DIM (dividing BLOCK_C and a block)."""
     t0 = tl.program_id(0) * ROWS
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_ok = cols < channels
@@ -156,7 +173,8 @@ def cp_causal_conv1d_fwd_kernel(
         out = acc.to(y_ptr.dtype.element_ty)
         ok = col_ok & (t + cols * 0 < num_rows)
         if SPLIT:
-            tl.store(y_ptr + t.to(tl.int64) * split + cols, out, mask=ok & (cols < split))
+            head = t.to(tl.int64) * (split // PARTS) + _head_offsets(cols, split, num_rows, PARTS, NORM_DIM)
+            tl.store(y_ptr + head, out, mask=ok & (cols < split))
             tail = cols - split
             tl.store(y2_ptr + t.to(tl.int64) * (channels - split) + tail, out, mask=ok & (tail >= 0))
         else:
@@ -169,7 +187,7 @@ def cp_causal_conv1d_bwd_kernel(
     x_ptr,
     w_ptr,  # [C, K], contiguous
     b_ptr,  # [C] or a dummy (HAS_BIAS False)
-    dy_ptr,  # dy's columns [0, split)
+    dy_ptr,  # dy's columns [0, split), with PARTS > 1 as the forward's y_ptr
     dy2_ptr,  # with SPLIT: dy's columns [split, C)
     dx_ptr,  # [T, C], contiguous
     dw_ptr,  # [programs along T, C, 4] float32 partial sums (weight column k at k)
@@ -192,14 +210,15 @@ def cp_causal_conv1d_bwd_kernel(
     GATHER: tl.constexpr = False,
     SPLIT: tl.constexpr = False,
     NORM_DIM: tl.constexpr = 0,
+    PARTS: tl.constexpr = 1,
 ):
     """With ``dpre = dy * act'(pre)``: ``dx[t] = sum_s w[:, K-1-s] * dpre[t+s]`` over s with
     ``pos[t+s] >= s``; ``dw[:, K-1-j] = sum_t dpre[t] * x[t-j]`` over ``pos[t] >= j`` and
     ``db = sum_t dpre[t]``, over this program's rows. Rows run from the last one down; the K-1
     rows after this program's block are recomputed for their ``dpre``. With GATHER, sequence
     row t of x and of dx is their row ``map[t]`` (dy is in sequence order). With SPLIT, dy's columns
-    from ``split`` on come from a second tensor; with NORM_DIM, dy before ``split`` is that of the
-    forward's l2-normalised columns, taken back through the norm first."""
+    from ``split`` on come from a second tensor, those before it in PARTS blocks; with NORM_DIM,
+    dy before ``split`` is that of the forward's l2-normalised columns, taken back through the norm."""
     pid_t = tl.program_id(0)
     t0 = pid_t * ROWS
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -226,7 +245,8 @@ def cp_causal_conv1d_bwd_kernel(
         p = _pos(pos_ptr, t, num_rows)
         pre = _preactivation(wa, wb, wc, wd, bias, x0, x1, x2, x3, p)
         if SPLIT:  # the two tensors' masks are disjoint
-            dpre = _row(dy_ptr, t, stride_dy, cols, col_ok & (cols < split), num_rows)
+            head = _head_offsets(cols, split, num_rows, PARTS, NORM_DIM)
+            dpre = _row(dy_ptr, t, stride_dy, head, col_ok & (cols < split), num_rows)
             dpre += _row(dy2_ptr, t, stride_dy2, cols - split, col_ok & (cols >= split), num_rows)
         else:
             dpre = _row(dy_ptr, t, stride_dy, cols, col_ok, num_rows)

@@ -32,6 +32,8 @@ from custom_ops.conv1d.reference import (
     causal_conv1d_reference_backward,
     L2NORM_EPS,
     check_activation,
+    column_blocks,
+    from_column_blocks,
     l2norm_groups,
     l2norm_groups_backward,
 )
@@ -131,29 +133,30 @@ def causal_conv1d(
     return _conv_forward(x, weight, bias, cu_seqlens, activation, CONV_SETTINGS)
 
 
-def _precompile(x, weight, bias, cu_seqlens, activation, rows=None, gather=False, split=0, norm=(0, 0.0)) -> None:
+def _precompile(x, weight, bias, cu_seqlens, activation, rows=None, gather=False, cut=(0, (0, 0.0), 1)) -> None:
     """Start compiling the forward's and the backward's kernels of :func:`causal_conv1d` (with
     ``gather``, of :func:`causal_conv1d_gather` and its ``rows``) for these arguments, the fake
     tensors of a graph being traced, in the background (:mod:`custom_ops.runtime.precompile`);
-    the backward for a contiguous upstream gradient."""
+    the backward for a contiguous upstream gradient. ``cut``: the gather's ``(split, norm, parts)``
+    as :func:`_conv_forward` takes them."""
     if weight.shape[1] > MAX_TAPS:
         return
     channels = weight.shape[0]
 
     def launchers(mx, mw, mb, mcu, mrows):
         if gather:
-            y, tail = _conv_forward(mx[:, :channels], mw, mb, mcu, activation, CONV_SETTINGS, mrows, split, norm)
+            y, tail = _conv_forward(mx[:, :channels], mw, mb, mcu, activation, CONV_SETTINGS, mrows, *cut)
             dx = torch.empty(mx.shape, dtype=mx.dtype, device="meta")[:, :channels]
             grads = torch.empty_like(y), torch.empty_like(tail)
         else:
             y = _conv_forward(mx[:, :channels], mw, mb, mcu, activation, CONV_SETTINGS, mrows)
             dx, grads = None, (torch.empty_like(y), None)
         _conv_backward_kernel(
-            grads[0], mx[:, :channels], mw, mb, mcu, activation, CONV_SETTINGS, mrows, dx, grads[1], norm
+            grads[0], mx[:, :channels], mw, mb, mcu, activation, CONV_SETTINGS, mrows, dx, grads[1], cut[1]
         )
 
     name = "causal_conv1d_gather" if gather else "causal_conv1d"
-    precompile.schedule(name, launchers, x, weight, bias, cu_seqlens, rows, args=(activation, split, norm))
+    precompile.schedule(name, launchers, x, weight, bias, cu_seqlens, rows, args=(activation, cut))
 
 
 @causal_conv1d.register_fake
@@ -196,18 +199,20 @@ def _conv_positions(cu_seqlens: torch.Tensor, num_rows: int) -> torch.Tensor:
 
 
 def _conv_forward(
-    x, weight, bias, cu_seqlens, activation, settings: ConvSettings, rows=None, split=None, norm=(0, 0.0)
+    x, weight, bias, cu_seqlens, activation, settings: ConvSettings, rows=None, split=None, norm=(0, 0.0), parts=1
 ):
     """Our forward kernel under ``settings``; with ``rows``, sequence row t of x is its row ``rows[t]``.
-    Returns y, or with ``split``, ``(y[:, :split], y[:, split:])`` written as two tensors, the first
-    l2-normalised over each group of ``norm[0]`` columns (0: not), with epsilon ``norm[1]``."""
+    Returns y, or with ``split``, ``(head, y[:, split:])``: head ``[parts, T, split/parts]`` holds
+    y[:, :split] as ``parts`` column blocks, l2-normalised over each group of ``norm[0]`` columns
+    (0: not) with epsilon ``norm[1]``."""
     x = unit_last_stride(x)
     weight = weight.contiguous()
     num_rows, channels = x.shape
     block_rows, block_c, warps, stages = settings.config("fwd", cuda_index(x) is not None)
     block_c = max(block_c, norm[0])  # a program holds whole groups
     head = channels if split is None else split
-    y = torch.empty(num_rows, head, dtype=x.dtype, device=x.device)
+    shape = (num_rows, head) if split is None else (parts, num_rows, head // parts)
+    y = torch.empty(shape, dtype=x.dtype, device=x.device)
     tail = y if split is None else torch.empty(num_rows, channels - head, dtype=x.dtype, device=x.device)
     pos = _conv_positions(cu_seqlens, num_rows)
     grid = (cdiv(num_rows, block_rows), cdiv(channels, block_c))
@@ -216,7 +221,8 @@ def _conv_forward(
         x, weight, weight if bias is None else bias.contiguous(), _nonempty(y, tail), _nonempty(tail, y), pos,
         pos if rows is None else rows, num_rows, channels, head, x.stride(0), norm[1], K=weight.shape[1],
         HAS_BIAS=bias is not None, SILU=_is_silu(activation), ROWS=block_rows, BLOCK_C=block_c,
-        GATHER=rows is not None, SPLIT=split is not None, NORM_DIM=norm[0], num_warps=warps, num_stages=stages,
+        GATHER=rows is not None, SPLIT=split is not None, NORM_DIM=norm[0], PARTS=parts, num_warps=warps,
+        num_stages=stages,
     )  # fmt: skip
     return y if split is None else (y, tail)
 
@@ -231,11 +237,14 @@ def _conv_backward_kernel(
     norm=(0, 0.0),
 ):  # fmt: skip
     """Our backward kernel under ``settings``; with ``rows``, sequence row t of x is its row ``rows[t]`` and so is
-    that of dx (written into ``dx`` when given, an x-shaped view, else a new tensor); with ``grad_tail``, the
-    gradient of y's columns from ``grad_y.shape[1]`` on, and ``norm``, as :func:`_conv_forward`'s ``split`` and
-    ``norm``."""
-    x, grad_y = unit_last_stride(x), unit_last_stride(grad_y)
-    tail = grad_y if grad_tail is None else unit_last_stride(grad_tail)
+    that of dx (written into ``dx`` when given, an x-shaped view, else a new tensor); with ``grad_tail``, grad_y
+    and grad_tail are the gradients of :func:`_conv_forward`'s two outputs (``split``), under its ``norm``."""
+    x = unit_last_stride(x)
+    if grad_tail is None:
+        grad_y, tail, parts, split = unit_last_stride(grad_y), grad_y, 1, x.shape[1]
+    else:  # the head's parts read at their offsets in a contiguous [parts, T, split/parts]
+        grad_y, tail = grad_y.contiguous(), unit_last_stride(grad_tail)
+        parts, split = grad_y.shape[0], grad_y.shape[0] * grad_y.shape[2]
     w = weight.contiguous()
     num_rows, channels = x.shape
     kernel = w.shape[1]
@@ -250,10 +259,10 @@ def _conv_backward_kernel(
     launch_direct(
         cp_causal_conv1d_bwd_kernel, (programs, cdiv(channels, block_c)),
         x, w, w if bias is None else bias.contiguous(), _nonempty(grad_y, tail), _nonempty(tail, grad_y), dx,
-        dw_parts, db_parts, pos, pos if rows is None else rows, num_rows, channels, grad_y.shape[1], x.stride(0),
-        grad_y.stride(0), tail.stride(0), dx.stride(0), norm[1], K=kernel, HAS_BIAS=bias is not None,
+        dw_parts, db_parts, pos, pos if rows is None else rows, num_rows, channels, split, x.stride(0),
+        grad_y.stride(-2), tail.stride(0), dx.stride(0), norm[1], K=kernel, HAS_BIAS=bias is not None,
         SILU=_is_silu(activation), ROWS=block_rows, BLOCK_C=block_c, GATHER=rows is not None,
-        SPLIT=grad_tail is not None, NORM_DIM=norm[0], num_warps=warps, num_stages=stages,
+        SPLIT=grad_tail is not None, NORM_DIM=norm[0], PARTS=parts, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     dw = dw_parts.sum(0)[:, :kernel].to(weight.dtype).contiguous()  # the fake's layout, also for K < MAX_TAPS
     db = db_parts.sum(0).to(bias.dtype if bias is not None else weight.dtype)
@@ -317,7 +326,7 @@ causal_conv1d.register_autograd(_conv_backward, setup_context=_conv_setup_contex
 # --- causal_conv1d_gather ---------------------------------------------------------------------
 
 
-def _check_conv_gather(x, rows, weight, bias, cu_seqlens, activation, split, norm_dim) -> None:
+def _check_conv_gather(x, rows, weight, bias, cu_seqlens, activation, split, norm_dim, parts) -> None:
     if x.dim() != 2:
         raise ValueError(f"x must be [T, F], got shape {tuple(x.shape)}")
     if rows is not None:
@@ -326,8 +335,10 @@ def _check_conv_gather(x, rows, weight, bias, cu_seqlens, activation, split, nor
         raise ValueError(f"weight must be [C, K] with C <= F = {x.shape[1]}, got shape {tuple(weight.shape)}")
     if not 0 <= split <= weight.shape[0]:
         raise ValueError(f"split must be in [0, C = {weight.shape[0]}], got {split}")
-    if norm_dim < 0 or (norm_dim > 0 and split % norm_dim != 0):
-        raise ValueError(f"norm_dim must be 0 or divide split = {split}, got {norm_dim}")
+    if parts < 1 or split % parts != 0:
+        raise ValueError(f"parts must be positive and divide split = {split}, got {parts}")
+    if norm_dim < 0 or (norm_dim > 0 and (split // parts) % norm_dim != 0):
+        raise ValueError(f"norm_dim must be 0 or divide split / parts = {split // parts}, got {norm_dim}")
     _check_conv(x[:, : weight.shape[0]], weight, bias, cu_seqlens, activation)
 
 
@@ -347,37 +358,39 @@ def causal_conv1d_gather(
     activation: Optional[str] = "silu",
     split: int = 0,
     norm_dim: int = 0,
+    parts: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """With ``y = causal_conv1d(x[rows, :C], weight, bias, cu_seqlens, activation)`` (x's rows in
-    the order ``rows``, None: their own), ``(n(y[:, :split]), y[:, split:], x[rows, C:])``, where
-    n l2-normalises each group of ``norm_dim`` columns (eps :data:`L2NORM_EPS`; 0: n is the identity).
-    x ``[T, F]``, ``C = weight.shape[0] <= F``, ``0 <= split <= C``, norm_dim 0 or dividing split;
-    rows ``[T]`` a permutation: sequence row t (of ``cu_seqlens``) is x's row ``rows[t]``. Outputs
-    contiguous, in sequence order. On CUDA (K <= 4) the kernels read x's rows where they are,
-    write y's two parts (normalised in registers for norm_dim a power of two up to 1024), and the
-    backward writes dx ``[T, F]`` whole: nothing is reordered, normalised or assembled from slices
-    in memory (docs/design.md section 2). The CUDA backward writes each row of dx once.
+    """With ``y = causal_conv1d(x[rows, :C], weight, bias, cu_seqlens, activation)`` (x's rows in the
+    order ``rows``, None: their own): ``(head, y[:, split:], x[rows, C:])``, head ``[parts, T,
+    split/parts]`` holding y[:, :split] as column blocks, each group of ``norm_dim`` columns
+    l2-normalised (eps :data:`L2NORM_EPS`; 0: not). ``C = weight.shape[0] <= F`` of x ``[T, F]``,
+    ``0 <= split <= C``; rows ``[T]`` a permutation: sequence row t (of ``cu_seqlens``) is x's row
+    ``rows[t]``. Outputs contiguous, in sequence order. On CUDA (K <= 4) the kernels read x's rows
+    where they are, write the parts (normalised in registers for norm_dim a power of two up to 1024)
+    and the backward writes dx ``[T, F]`` whole: nothing is reordered, normalised or assembled from
+    slices in memory (docs/design.md section 2). The CUDA backward writes each row of dx once.
     """
-    _check_conv_gather(x, rows, weight, bias, cu_seqlens, activation, split, norm_dim)
+    _check_conv_gather(x, rows, weight, bias, cu_seqlens, activation, split, norm_dim, parts)
     if rows is not None:
         rows = checked("permutation", rows, (), x.shape[0])
     cu_seqlens = checked("cumulative", cu_seqlens, (), x.shape[0])
     channels = weight.shape[0]
     if not use_triton(x) or x.numel() == 0:
-        return causal_conv1d_gather_reference(x, rows, weight, bias, cu_seqlens, activation, split, norm_dim)
+        return causal_conv1d_gather_reference(x, rows, weight, bias, cu_seqlens, activation, split, norm_dim, parts)
     if weight.shape[1] > MAX_TAPS:  # FLA's kernels, on the gathered rows
         xs = x if rows is None else x.index_select(0, rows)
         y = _fla_conv_forward(xs[:, :channels], weight, bias, cu_seqlens, activation)
         head = l2norm_groups(y[:, :split], norm_dim) if norm_dim else y[:, :split]
-        head, tail = (part.clone(memory_format=torch.contiguous_format) for part in (head, y[:, split:]))
-        return head, tail, _take_rows(xs[:, channels:], None)
-    fused = _norm_in_kernels(norm_dim)
-    head, tail = _conv_forward(
-        x[:, :channels], weight, bias, cu_seqlens, activation, CONV_SETTINGS, rows, split,
-        (norm_dim if fused else 0, L2NORM_EPS),
-    )  # fmt: skip
-    if not fused:
-        head = l2norm_groups(head, norm_dim)
+        tail = y[:, split:].clone(memory_format=torch.contiguous_format)
+        return column_blocks(head, parts), tail, _take_rows(xs[:, channels:], None)
+    if _norm_in_kernels(norm_dim):
+        head, tail = _conv_forward(
+            x[:, :channels], weight, bias, cu_seqlens, activation, CONV_SETTINGS, rows, split, (norm_dim, L2NORM_EPS),
+            parts,
+        )  # fmt: skip
+    else:
+        head, tail = _conv_forward(x[:, :channels], weight, bias, cu_seqlens, activation, CONV_SETTINGS, rows, split)
+        head = column_blocks(l2norm_groups(head[0], norm_dim), parts)
     return head, tail, _take_rows(x[:, channels:], rows)
 
 
@@ -394,12 +407,14 @@ def _take_rows(x: torch.Tensor, rows: Optional[torch.Tensor]) -> torch.Tensor:
 
 
 @causal_conv1d_gather.register_fake
-def _(x, rows, weight, bias, cu_seqlens, activation="silu", split=0, norm_dim=0):
-    _check_conv_gather(x, rows, weight, bias, cu_seqlens, activation, split, norm_dim)
-    _precompile(x, weight, bias, cu_seqlens, activation, rows, gather=True, split=split, norm=(norm_dim, L2NORM_EPS))
+def _(x, rows, weight, bias, cu_seqlens, activation="silu", split=0, norm_dim=0, parts=1):
+    _check_conv_gather(x, rows, weight, bias, cu_seqlens, activation, split, norm_dim, parts)
+    fused = _norm_in_kernels(norm_dim)
+    cut = (split, (norm_dim, L2NORM_EPS) if fused else (0, L2NORM_EPS), parts if fused else 1)
+    _precompile(x, weight, bias, cu_seqlens, activation, rows, gather=True, cut=cut)
     num_rows, channels = x.shape[0], weight.shape[0]
     return (
-        x.new_empty(num_rows, split),
+        x.new_empty(parts, num_rows, split // parts),
         x.new_empty(num_rows, channels - split),
         x.new_empty(num_rows, x.shape[1] - channels),
     )
@@ -419,12 +434,13 @@ def causal_conv1d_gather_backward(
     norm_dim: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx ``[T, F]``, dweight, dbias) of :func:`causal_conv1d_gather` for the gradients of its
-    three outputs."""
-    channels, split = weight.shape[0], grad_head.shape[1]
+    three outputs (grad_head ``[parts, T, split/parts]``)."""
+    channels, split = weight.shape[0], grad_head.shape[0] * grad_head.shape[2]
     if not use_triton(x) or x.numel() == 0 or weight.shape[1] > MAX_TAPS or not _norm_in_kernels(norm_dim):
         # the backward of the norm on the recomputed conv, of the conv on the gathered rows
         # (causal_conv1d_backward, which picks the reference or FLA's kernels), of the gather
         xs = x if rows is None else x.index_select(0, rows)
+        grad_head = from_column_blocks(grad_head)
         if norm_dim:
             b = None if bias is None else bias[:split]
             y = causal_conv1d(xs[:, :split], weight[:split], b, cu_seqlens, activation)
@@ -453,7 +469,7 @@ def _(grad_head, grad_tail, grad_rest, x, rows, weight, bias, cu_seqlens, activa
 
 
 def _conv_gather_setup_context(ctx, inputs, output):
-    x, rows, weight, bias, cu_seqlens, activation, _, norm_dim = inputs
+    x, rows, weight, bias, cu_seqlens, activation, _, norm_dim, _ = inputs
     ctx.save_for_backward(x, rows, weight, bias, cu_seqlens)
     ctx.activation, ctx.norm_dim = activation, norm_dim
 
@@ -463,7 +479,7 @@ def _conv_gather_backward(ctx, grad_head, grad_tail, grad_rest):
     dx, dw, db = torch.ops.cp_ops.causal_conv1d_gather_backward(
         grad_head, grad_tail, grad_rest, x, rows, weight, bias, cu_seqlens, ctx.activation, ctx.norm_dim
     )
-    return dx, None, dw, (db if bias is not None else None), None, None, None, None
+    return dx, None, dw, (db if bias is not None else None), None, None, None, None, None
 
 
 causal_conv1d_gather.register_autograd(_conv_gather_backward, setup_context=_conv_gather_setup_context)

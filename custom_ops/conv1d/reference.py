@@ -79,18 +79,29 @@ def causal_conv1d_gather_reference(
     activation: str | None = "silu",
     split: int = 0,
     norm_dim: int = 0,
+    parts: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(y[:, :split], y[:, split:], x[rows, C:])`` with ``y = causal_conv1d_reference(x[rows, :C],
-    ...)`` and ``C = weight.shape[0]``: the conv of x's rows taken in the order ``rows`` (``None``:
-    their own), cut at column ``split``, its first part l2-normalised over each group of
-    ``norm_dim`` columns (0: not; :func:`l2norm_groups`), and the rest of those rows, each in new
-    contiguous memory."""
+    """``(column_blocks(n(y[:, :split]), parts), y[:, split:], x[rows, C:])`` with ``y =
+    causal_conv1d_reference(x[rows, :C], ...)`` and ``C = weight.shape[0]``: the conv of x's rows
+    taken in the order ``rows`` (``None``: their own), cut at column ``split``, its first part
+    l2-normalised over each group of ``norm_dim`` columns (n; 0: not) and put in ``parts`` column
+    blocks, and the rest of those rows, each in new contiguous memory."""
     xs = x if rows is None else x.index_select(0, rows)
     channels = weight.shape[0]
     y = causal_conv1d_reference(xs[:, :channels], weight, bias, cu_seqlens, activation)
     head = l2norm_groups(y[:, :split], norm_dim) if norm_dim else y[:, :split]
-    parts = head, y[:, split:], xs[:, channels:]
-    return tuple(p.clone(memory_format=torch.contiguous_format) for p in parts)  # new memory, even when empty
+    rest = (y[:, split:], xs[:, channels:])
+    return (column_blocks(head, parts), *(p.clone(memory_format=torch.contiguous_format) for p in rest))
+
+
+def column_blocks(y: torch.Tensor, parts: int) -> torch.Tensor:
+    """``y [T, n]`` as ``parts`` blocks of its columns, ``[parts, T, n/parts]``, in new contiguous memory."""
+    return y.unflatten(1, (parts, -1)).transpose(0, 1).clone(memory_format=torch.contiguous_format)
+
+
+def from_column_blocks(blocks: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`column_blocks`: ``[parts, T, w]`` -> ``[T, parts*w]``."""
+    return blocks.transpose(0, 1).flatten(1)
 
 
 def l2norm_groups(y: torch.Tensor, dim: int, eps: float = L2NORM_EPS) -> torch.Tensor:

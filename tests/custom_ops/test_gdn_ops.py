@@ -587,6 +587,15 @@ def _gather_case(seqlens, channels, kernel, extra, dtype, bias=True, index_dtype
     return x[torch.argsort(rows)], rows, w, b, cu
 
 
+def _blocks(y, parts):
+    """``y [T, n]`` as ``[parts, T, n/parts]``, the layout of causal_conv1d_gather's first output."""
+    return torch.stack(y.chunk(parts, dim=1)) if parts > 0 and y.shape[1] else y.new_zeros(parts, y.shape[0], 0)
+
+
+def _unblocks(blocks):
+    return torch.cat(list(blocks), dim=1)
+
+
 def _gather_expected(grad_y, grad_rest, x, rows, w, b, cu, activation, split=0, norm_dim=0):
     """The float64 oracle: the conv of x's rows in the order ``rows`` (its first ``split`` columns
     l2-normalised over groups of ``norm_dim``, eps 1e-6) and its gradients, through the gather's
@@ -614,30 +623,35 @@ def _gather_expected(grad_y, grad_rest, x, rows, w, b, cu, activation, split=0, 
     st.sampled_from([0, 2, 7]),
     st.sampled_from([0.0, 0.5, 1.0]),
     st.sampled_from([0, 4, 8, 6]),
+    st.sampled_from([1, 2]),
     st.booleans(),
     st.sampled_from([torch.int32, torch.int64, None]),
     st.integers(0, 2**16),
 )
-def test_conv_gather_kernels_match_reference(seqlens, channels, kernel, extra, cut, norm_dim, bias, index_dtype, seed):
+def test_conv_gather_kernels_match_reference(
+    seqlens, channels, kernel, extra, cut, norm_dim, parts, bias, index_dtype, seed
+):
     """causal_conv1d_gather in Triton's interpreter: x's rows permuted (every carried tap row and
     every dx row goes through the map, across 8-row blocks) or, with rows None (index_dtype
     None), in sequence order, extra columns after the conv's (returned in sequence order;
     their gradient written back through the map, or in place), y cut at a column inside a channel
     block or at either end, its first part l2-normalised by the kernels (groups of 4, 8) or after
-    them (6), forward and every gradient against the float64 oracle; 5 taps take FLA's kernels."""
+    them (6) and in one or two column blocks, forward and every gradient against the float64
+    oracle; 5 taps take FLA's kernels."""
     permuted = index_dtype is not None
     x, rows, w, b, cu = _gather_case(seqlens, channels, kernel, extra, torch.float32, bias, index_dtype, seed, permuted)
-    split = int(cut * channels) // max(norm_dim, 1) * max(norm_dim, 1)
+    unit = parts * max(norm_dim, 1)
+    split = int(cut * channels) // unit * unit
     grad_y = random_tensor((x.shape[0], channels), torch.float32)
     grad_rest = random_tensor((x.shape[0], extra), torch.float32)
     with first_autotune_config(), poisoned_allocations():
-        head, tail, rest = custom_ops.causal_conv1d_gather(x, rows, w, b, cu, "silu", split, norm_dim)
+        head, tail, rest = custom_ops.causal_conv1d_gather(x, rows, w, b, cu, "silu", split, norm_dim, parts)
         grads = torch.ops.cp_ops.causal_conv1d_gather_backward(
-            grad_y[:, :split], grad_y[:, split:], grad_rest, x, rows, w, b, cu, "silu", norm_dim
+            _blocks(grad_y[:, :split], parts), grad_y[:, split:], grad_rest, x, rows, w, b, cu, "silu", norm_dim
         )
     y_e, rest_e, (dx, dw, db) = _gather_expected(grad_y, grad_rest, x, rows, w, b, cu, "silu", split, norm_dim)
-    assert head.shape[1] == split and tail.shape[1] == channels - split
-    assert rel_error(torch.cat([head, tail], 1), y_e) < TOLERANCE[torch.float32]
+    assert head.shape == (parts, x.shape[0], split // parts) and tail.shape[1] == channels - split
+    assert rel_error(torch.cat([_unblocks(head), tail], 1), y_e) < TOLERANCE[torch.float32]
     assert torch.equal(rest, x[:, channels:] if rows is None else x[rows.long(), channels:])
     assert rel_error(grads[0], dx) < TOLERANCE[torch.float32]
     for a, e in zip(grads[1:], (dw, db)):
@@ -652,7 +666,7 @@ def test_conv_gather_reference_and_autograd(permuted):
     None, in sequence order; y whole and cut in two."""
     x, rows, w, b, cu = _gather_case([7, 0, 1, 12], 5, 4, 3, torch.float64, permuted=permuted)
     empty, y, rest = custom_ops.causal_conv1d_gather(x, rows, w, b, cu, "silu")
-    assert empty.shape == (x.shape[0], 0)
+    assert empty.shape == (1, x.shape[0], 0)
     # on the CPU the op runs its reference: compare both with oracles that share no code with it
     channels = w.shape[0]
     gathered = x.clone() if rows is None else torch.stack([x[int(r)] for r in rows])
@@ -660,32 +674,36 @@ def test_conv_gather_reference_and_autograd(permuted):
     assert torch.equal(rest, gathered[:, channels:])
     assert rel_error(y, _gather_expected(y, rest, x, rows, w, b, cu, "silu")[0]) < TOLERANCE[torch.float64]
     head, tail, _ = custom_ops.causal_conv1d_gather(x, rows, w, b, cu, "silu", 2)
-    assert torch.equal(head, y[:, :2]) and torch.equal(tail, y[:, 2:])
-    normed, _, _ = custom_ops.causal_conv1d_gather(x, rows, w, b, cu, "silu", 4, 2)
+    assert torch.equal(head[0], y[:, :2]) and torch.equal(tail, y[:, 2:])
+    normed, _, _ = custom_ops.causal_conv1d_gather(x, rows, w, b, cu, "silu", 4, 2, 2)
     expected = _gather_expected(y, rest, x, rows, w, b, cu, "silu", 4, 2)[0]
-    assert rel_error(normed, expected[:, :4]) < TOLERANCE[torch.float64]
+    assert rel_error(_unblocks(normed), expected[:, :4]) < TOLERANCE[torch.float64]
     args = tuple(t.clone().requires_grad_() for t in (x, w, b))
-    for split, norm_dim in ((0, 0), (2, 0), (4, 2)):
+    for cut in ((0, 0, 1), (2, 0, 1), (4, 2, 1), (4, 2, 2)):
         assert torch.autograd.gradcheck(
-            lambda x, w, b: custom_ops.causal_conv1d_gather(x, rows, w, b, cu, "silu", split, norm_dim), args
+            lambda x, w, b: custom_ops.causal_conv1d_gather(x, rows, w, b, cu, "silu", *cut), args
         )
     torch.library.opcheck(custom_ops.causal_conv1d_gather, (x.float(), rows, w.float(), None, cu, "silu", 2))
-    torch.library.opcheck(custom_ops.causal_conv1d_gather, (x.float(), rows, w.float(), None, cu, "silu", 4, 2))
+    torch.library.opcheck(custom_ops.causal_conv1d_gather, (x.float(), rows, w.float(), None, cu, "silu", 4, 2, 2))
     torch.library.opcheck(custom_ops.causal_conv1d_gather, (*args[:1], rows, *args[1:], cu.int(), None))
     no_rows = None if rows is None else rows[:0]
     torch.library.opcheck(custom_ops.causal_conv1d_gather, (x[:0], no_rows, w, b, cu[:1] * 0, "silu"))
     torch.library.opcheck(
         torch.ops.cp_ops.causal_conv1d_gather_backward.default,
-        (torch.randn_like(y[:, :2]), torch.randn_like(y[:, 2:]), torch.randn_like(rest), x, rows, w, b, cu, "silu"),
+        (torch.randn_like(y[None, :, :2]), torch.randn_like(y[:, 2:]), torch.randn_like(rest), x, rows, w, b, cu,
+         "silu"),
     )
     with pytest.raises(ValueError, match="C <= F"):
         custom_ops.causal_conv1d_gather(x[:, :4], rows, w, b, cu, "silu")
     for split in (-1, channels + 1):
         with pytest.raises(ValueError, match="split must be in"):
             custom_ops.causal_conv1d_gather(x, rows, w, b, cu, "silu", split)
-    for norm_dim in (-2, 3):
-        with pytest.raises(ValueError, match="norm_dim must be 0 or divide split"):
-            custom_ops.causal_conv1d_gather(x, rows, w, b, cu, "silu", 4, norm_dim)
+    for norm_dim in (-2, 3, 4):
+        with pytest.raises(ValueError, match="norm_dim must be 0 or divide split / parts"):
+            custom_ops.causal_conv1d_gather(x, rows, w, b, cu, "silu", 4, norm_dim, 2)
+    for parts in (0, 3):
+        with pytest.raises(ValueError, match="parts must be positive and divide split"):
+            custom_ops.causal_conv1d_gather(x, rows, w, b, cu, "silu", 4, 0, parts)
     if rows is not None:
         with pytest.raises(ValueError, match="rows must be \\[T\\]"):
             custom_ops.causal_conv1d_gather(x, rows[1:], w, b, cu, "silu")
@@ -700,7 +718,8 @@ def test_conv_kernels_compile_for_hopper(kind, row_map, norm_dim):
     """The interpreter runs the kernels as Python, where a construct the GPU compiler refuses
     passes (a function returning int32 on one path and int64 on the other did): compile both
     for sm_90 with their CUDA configs, without and with a row map of either index dtype, and
-    with y in two parts, the first l2-normalised over groups of 128 (the GDN layer's form)."""
+    with y cut in two, the first part l2-normalised over groups of 128 in two blocks (the GDN
+    layer's form)."""
     pytest.importorskip("triton.backends.nvidia")
     import triton
     from triton.backends.compiler import GPUTarget
@@ -712,7 +731,7 @@ def test_conv_kernels_compile_for_hopper(kind, row_map, norm_dim):
     kernel = kernels.cp_causal_conv1d_fwd_kernel if kind == "fwd" else kernels.cp_causal_conv1d_bwd_kernel
     rows, block_c, warps, stages = CONV_SETTINGS.config(kind, on_gpu=True)
     constants = dict(K=4, HAS_BIAS=False, SILU=True, ROWS=rows, BLOCK_C=block_c, GATHER=row_map is not None,
-                     SPLIT=norm_dim > 0, NORM_DIM=norm_dim)  # fmt: skip
+                     SPLIT=norm_dim > 0, NORM_DIM=norm_dim, PARTS=2 if norm_dim else 1)  # fmt: skip
     pointers = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "y2_ptr": "*bf16",
                 "dy_ptr": "*bf16", "dy2_ptr": "*bf16", "dx_ptr": "*bf16", "dw_ptr": "*fp32", "db_ptr": "*fp32",
                 "pos_ptr": "*i32", "map_ptr": row_map or "*i32", "norm_eps": "fp32"}  # fmt: skip
@@ -897,21 +916,21 @@ def test_cuda_delta_rule_with_state_matches_reference_bf16(seqlens, cuda_backend
 @pytest.mark.parametrize("norm_dim", [0, 8])
 def test_cuda_conv_gather_matches_reference_bf16(norm_dim, kernel, permuted):
     """causal_conv1d_gather on CUDA in bf16 (our kernels through the row map, or in order with
-    rows None; FLA's on the gathered rows at 5 taps), y cut in two inside a channel block, its
-    first part l2-normalised or not, against the float64 oracle: forward and every gradient."""
+    rows None; FLA's on the gathered rows at 5 taps), y cut inside a channel block, its first part
+    in two blocks, l2-normalised or not, against the float64 oracle: forward and every gradient."""
     x, rows, w, b, cu = _gather_case([300, 0, 1, 200, 64], 96, kernel, 9, torch.float32, seed=1, permuted=permuted)
     grad_y, grad_rest = random_tensor((x.shape[0], 96), torch.float32), random_tensor((x.shape[0], 9), torch.float32)
     dev, bf16 = "cuda", torch.bfloat16
     leaves = [t.to(dev, bf16).requires_grad_() for t in (x, w, b)]
     rows_dev = None if rows is None else rows.to(dev)
     head, tail, rest = custom_ops.causal_conv1d_gather(
-        leaves[0], rows_dev, leaves[1], leaves[2], cu.to(dev), "silu", 40, norm_dim
+        leaves[0], rows_dev, leaves[1], leaves[2], cu.to(dev), "silu", 48, norm_dim, 2
     )
     dy = grad_y.to(dev, bf16)
-    torch.autograd.backward([head, tail, rest], [dy[:, :40], dy[:, 40:], grad_rest.to(dev, bf16)])
+    torch.autograd.backward([head, tail, rest], [_blocks(dy[:, :48], 2), dy[:, 48:], grad_rest.to(dev, bf16)])
     bf = [t.to(bf16).double() for t in (grad_y, grad_rest, x, w, b)]
-    y_e, rest_e, grads_e = _gather_expected(*bf[:3], rows, *bf[3:], cu, "silu", 40, norm_dim)
-    assert rel_error(torch.cat([head, tail], 1).cpu(), y_e) < 5e-3
+    y_e, rest_e, grads_e = _gather_expected(*bf[:3], rows, *bf[3:], cu, "silu", 48, norm_dim)
+    assert rel_error(torch.cat([_unblocks(head), tail], 1).cpu(), y_e) < 5e-3
     assert torch.equal(rest.cpu().double(), rest_e)
     for name, a, e in zip("xwb", leaves, grads_e):
         assert rel_error(a.grad.cpu(), e) < 1e-2, name

@@ -175,11 +175,12 @@ def _conv_samples(params, dtype, grad):
     return [
         (ops.causal_conv1d.default, (xg, wg, bg, cu, activation), {}),
         (ops.causal_conv1d_backward.default, (grad_y, x, w, b, cu, activation), {}),
-        *[(ops.causal_conv1d_gather.default, (_floats(gx, grad), r, wg, bg, cu, activation, split, norm), {})
-          for r, split, norm in ((rows, 0, 0), (None, 4, 2))],
+        *[(ops.causal_conv1d_gather.default, (_floats(gx, grad), r, wg, bg, cu, activation, split, norm, parts), {})
+          for r, split, norm, parts in ((rows, 0, 0, 1), (None, 4, 2, 2))],
         *[(ops.causal_conv1d_gather_backward.default,
-           (grad_y[:, :split], grad_y[:, split:], grad_rest, gx, r, w, b, cu, activation, norm), {})
-          for r, split, norm in ((rows, 4, 2), (None, 0, 0))],
+           (grad_y[:, :split].unflatten(1, (parts, -1)).transpose(0, 1).contiguous(), grad_y[:, split:], grad_rest,
+            gx, r, w, b, cu, activation, norm), {})
+          for r, split, norm, parts in ((rows, 4, 2, 2), (None, 0, 0, 1))],
     ]  # fmt: skip
 
 
