@@ -157,6 +157,7 @@ def cp_causal_conv1d_fwd_kernel(
     t0 = tl.program_id(0) * ROWS
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_ok = cols < channels
+    head = _head_offsets(cols, split, num_rows, PARTS, NORM_DIM)  # the same for every row
     wa, wb, wc, wd, bias = _taps(w_ptr, b_ptr, cols, col_ok, K, HAS_BIAS)
     x1 = _row(x_ptr, t0 - 1, stride_x, cols, col_ok, num_rows, map_ptr, GATHER)  # rows t-1, t-2, t-3, carried
     x2 = _row(x_ptr, t0 - 2, stride_x, cols, col_ok, num_rows, map_ptr, GATHER)
@@ -173,8 +174,7 @@ def cp_causal_conv1d_fwd_kernel(
         out = acc.to(y_ptr.dtype.element_ty)
         ok = col_ok & (t + cols * 0 < num_rows)
         if SPLIT:
-            head = t.to(tl.int64) * (split // PARTS) + _head_offsets(cols, split, num_rows, PARTS, NORM_DIM)
-            tl.store(y_ptr + head, out, mask=ok & (cols < split))
+            tl.store(y_ptr + t.to(tl.int64) * (split // PARTS) + head, out, mask=ok & (cols < split))
             tail = cols - split
             tl.store(y2_ptr + t.to(tl.int64) * (channels - split) + tail, out, mask=ok & (tail >= 0))
         else:
@@ -223,6 +223,7 @@ def cp_causal_conv1d_bwd_kernel(
     t0 = pid_t * ROWS
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_ok = cols < channels
+    head = _head_offsets(cols, split, num_rows, PARTS, NORM_DIM)  # the same for every row
     wa, wb, wc, wd, bias = _taps(w_ptr, b_ptr, cols, col_ok, K, HAS_BIAS)
     top = t0 + ROWS + 2  # the first row streamed: three past the block (their dpre reach its last rows)
     x0 = _row(x_ptr, top, stride_x, cols, col_ok, num_rows, map_ptr, GATHER)  # rows t, t-1, t-2, carried
@@ -245,7 +246,6 @@ def cp_causal_conv1d_bwd_kernel(
         p = _pos(pos_ptr, t, num_rows)
         pre = _preactivation(wa, wb, wc, wd, bias, x0, x1, x2, x3, p)
         if SPLIT:  # the two tensors' masks are disjoint
-            head = _head_offsets(cols, split, num_rows, PARTS, NORM_DIM)
             dpre = _row(dy_ptr, t, stride_dy, head, col_ok & (cols < split), num_rows)
             dpre += _row(dy2_ptr, t, stride_dy2, cols - split, col_ok & (cols >= split), num_rows)
         else:
