@@ -8,8 +8,9 @@ checked mode). This module is the public API: the op wrappers, their references 
 the layers in ``cp_ops`` build on, each defined in one module of the package and exported here
 alone. Public modules beside it: :mod:`custom_ops.env` (environment variables,
 docs/environment.md) and :mod:`custom_ops.testing`.
-``NAMESPACE`` is the ops' namespace, ``"cp_ops"``. Importing it also tags torch.compile's
-caches with the library's source (:mod:`custom_ops.runtime.compile_cache`).
+``NAMESPACE`` is the ops' namespace, ``"cp_ops"``; ``L2NORM_EPS`` the epsilon of the q/k l2 norm
+(FLA's and Qwen3-Next's, 1e-6) that ``causal_conv1d_gather`` applies. Importing it also tags
+torch.compile's caches with the library's source (:mod:`custom_ops.runtime.compile_cache`).
 """
 
 from custom_ops import env
