@@ -2,15 +2,14 @@
 
 Importing this package registers every op, reachable as ``custom_ops.<name>`` and
 ``torch.ops.cp_ops.<name>`` (:data:`custom_ops.ops.OPS` lists them), each family a folder
-``custom_ops/<family>/`` with its shared machinery in ``custom_ops/runtime/`` (docs/design.md
-section 6) and the THD layout they share in ``custom_ops/thd/`` (its index maps, checks and the
-checked mode). This module is the public API: the op wrappers, their references and the helpers
-the layers in ``cp_ops`` build on, each defined in one module of the package and exported here
-alone. Public modules beside it: :mod:`custom_ops.env` (environment variables,
-docs/environment.md) and :mod:`custom_ops.testing`.
-``NAMESPACE`` is the ops' namespace, ``"cp_ops"``; ``L2NORM_EPS`` the epsilon of the q/k l2 norm
-(FLA's and Qwen3-Next's, 1e-6) that ``causal_conv1d_gather`` applies. Importing it also tags
-torch.compile's caches with the library's source (:mod:`custom_ops.runtime.compile_cache`).
+``custom_ops/<family>/``, its shared machinery in ``custom_ops/runtime/`` (docs/design.md section
+6), the THD layout (index maps, checks, checked mode) in ``custom_ops/thd/``. This module is the
+public API: op wrappers, references and the helpers the layers in ``cp_ops`` build on, each
+defined in one module and exported here alone; beside it :mod:`custom_ops.env` (environment
+variables, docs/environment.md) and :mod:`custom_ops.testing`. ``NAMESPACE`` is the ops'
+namespace, ``"cp_ops"``; ``L2NORM_EPS`` the q/k l2 norm's epsilon (FLA's and Qwen3-Next's, 1e-6)
+that ``causal_conv1d_gather`` applies. Importing it tags torch.compile's caches with the
+library's source (:mod:`custom_ops.runtime.compile_cache`).
 """
 
 from custom_ops import env
