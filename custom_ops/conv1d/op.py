@@ -27,10 +27,10 @@ from custom_ops.conv1d.kernels import (
     cp_causal_conv1d_fwd_kernel,
 )
 from custom_ops.conv1d.reference import (
+    L2NORM_EPS,
     causal_conv1d_gather_reference,
     causal_conv1d_reference,
     causal_conv1d_reference_backward,
-    L2NORM_EPS,
     check_activation,
     column_blocks,
     from_column_blocks,
