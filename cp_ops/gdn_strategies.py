@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from cp_ops.exchange import thd_cp2hp_blocks, thd_cp2hp_overlap, thd_hp2cp_blocks
 from custom_ops import (
     all_gather_rows,
-    causal_conv1d,
+    causal_conv1d_gather,
     chunk_gated_delta_rule_with_state,
     chunk_rows,
     group_rank,
@@ -190,9 +190,12 @@ class StatePassing(GDNContextParallel):
     def mix(self, layer: nn.Module, h, cu_seqlens_padded, group):
         extended, ba, chunks = h
         weight = layer._conv_weight(0, layer.num_k_heads)
-        mixed = causal_conv1d(extended, weight, None, chunks.extended_cu, "silu").index_select(0, chunks.rows)
-        q, k, v = mixed.split([layer.key_dim, layer.key_dim, layer.value_dim], dim=1)
-        q, k, v, g, beta = layer._delta_rule_inputs(q, k, v, ba, 0, layer.num_k_heads)
+        # q, k normalised and q, k, v each contiguous (as the head-parallel layer takes them), then the halos dropped
+        qk, v, _ = causal_conv1d_gather(
+            extended, None, weight, None, chunks.extended_cu, "silu", 2 * layer.key_dim, layer.head_k_dim, 2
+        )
+        q, k, v = (t.index_select(0, chunks.rows) for t in (qk[0], qk[1], v))
+        q, k, v, g, beta = layer._delta_rule_inputs(q, k, v, ba, 0, layer.num_k_heads, normalized=True)
         o = _run_from_composed_states(q, k, v, g, beta, chunks.local_cu, group)
         return o.flatten(1)
 
