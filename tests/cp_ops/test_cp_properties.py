@@ -257,6 +257,8 @@ def draw_cases(strategy, n: int, spread: int = 8) -> list:
     under the active profile: the first (the simplest: no sequences, one head, ...), then the
     largest ones of each CP size in turn. Hypothesis starts with simple examples, so its first
     n alone would be mostly empty batches."""
+    if n == 0:
+        return []
     drawn = []
 
     @settings(max_examples=n * spread, database=None)
