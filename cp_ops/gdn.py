@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from cp_ops.gdn_strategies import GDNContextParallel, default_context_parallel
 from cp_ops.inputs import check_hidden_states, check_layout_tensors
-from cp_ops.modules import GatedRMSNorm, l2norm
+from cp_ops.modules import GatedRMSNorm
 from custom_ops import causal_conv1d_gather, checked, chunk_gated_delta_rule, resolve_group
 
 __all__ = ["GatedDeltaNet", "from_qwen3_next_state_dict"]
@@ -153,7 +153,7 @@ class GatedDeltaNet(nn.Module):
         # l2-normalised there, and q, k, v each in contiguous memory that the delta rule reads in place
         dk = self.head_k_dim
         qk, v, ba = causal_conv1d_gather(proj_hp, rows, conv_weight, None, cu_seqlens, "silu", 2 * hk * dk, dk, 2)
-        q, k, v, g, beta = self._delta_rule_inputs(qk[0], qk[1], v, ba, k_head_start, num_k_heads, normalized=True)
+        q, k, v, g, beta = self._delta_rule_inputs(qk[0], qk[1], v, ba, k_head_start, num_k_heads)
         return chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens).reshape(num_rows, hv * self.head_v_dim)
 
     def _conv_weight(self, k_head_start: int, num_k_heads: int) -> torch.Tensor:
@@ -173,19 +173,16 @@ class GatedDeltaNet(nn.Module):
 
     def _delta_rule_inputs(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ba: torch.Tensor, k_head_start: int,
-        num_k_heads: int, normalized: bool = False,
+        num_k_heads: int,
     ) -> tuple[torch.Tensor, ...]:  # fmt: skip
         """``(q, k, v, g, beta)`` of :func:`custom_ops.chunk_gated_delta_rule` from the conv's outputs
-        ``q, k [T, Hk_r*dk]`` (``normalized``: l2-normalised per head already), ``v [T, Hv_r*dv]``
-        and the b, a sections ``ba [T, 2*Hv_r]`` of key heads ``[k_head_start, +num_k_heads)``:
-        q, k l2-normalised, the gates in float32 (or wider)."""
+        ``q, k [T, Hk_r*dk]`` (l2-normalised per head by the conv op), ``v [T, Hv_r*dv]`` and the
+        b, a sections ``ba [T, 2*Hv_r]`` of key heads ``[k_head_start, +num_k_heads)``: the heads
+        as views, the gates in float32 (or wider)."""
         num_rows, dk, dv = q.shape[0], self.head_k_dim, self.head_v_dim
         v_per_k = self.num_v_heads // self.num_k_heads
         hk, hv, v_start = num_k_heads, num_k_heads * v_per_k, k_head_start * v_per_k
-        q, k = q.view(num_rows, hk, dk), k.view(num_rows, hk, dk)
-        if not normalized:
-            q, k = l2norm(q), l2norm(k)
-        v = v.view(num_rows, hv, dv)
+        q, k, v = q.view(num_rows, hk, dk), k.view(num_rows, hk, dk), v.view(num_rows, hv, dv)
         b, a = ba[:, :hv], ba[:, hv:]
         wide = torch.promote_types(ba.dtype, torch.float32)
         a_log = self.A_log[v_start : v_start + hv].to(wide)

@@ -195,7 +195,7 @@ class StatePassing(GDNContextParallel):
             extended, None, weight, None, chunks.extended_cu, "silu", 2 * layer.key_dim, layer.head_k_dim, 2
         )
         q, k, v = (t.index_select(0, chunks.rows) for t in (qk[0], qk[1], v))
-        q, k, v, g, beta = layer._delta_rule_inputs(q, k, v, ba, 0, layer.num_k_heads, normalized=True)
+        q, k, v, g, beta = layer._delta_rule_inputs(q, k, v, ba, 0, layer.num_k_heads)
         o = _run_from_composed_states(q, k, v, g, beta, chunks.local_cu, group)
         return o.flatten(1)
 
