@@ -32,9 +32,8 @@ from custom_ops.conv1d.reference import (
     causal_conv1d_reference,
     causal_conv1d_reference_backward,
     check_activation,
-    column_blocks,
     from_column_blocks,
-    l2norm_groups,
+    head_blocks,
     l2norm_groups_backward,
 )
 from custom_ops.fla.adapter import FLA_CHUNK, fla_call, fla_module, fla_varlen_indices
@@ -380,9 +379,8 @@ def causal_conv1d_gather(
     if weight.shape[1] > MAX_TAPS:  # FLA's kernels, on the gathered rows
         xs = x if rows is None else x.index_select(0, rows)
         y = _fla_conv_forward(xs[:, :channels], weight, bias, cu_seqlens, activation)
-        head = l2norm_groups(y[:, :split], norm_dim) if norm_dim else y[:, :split]
         tail = y[:, split:].clone(memory_format=torch.contiguous_format)
-        return column_blocks(head, parts), tail, _take_rows(xs[:, channels:], None)
+        return head_blocks(y[:, :split], norm_dim, parts), tail, _take_rows(xs[:, channels:], None)
     if _norm_in_kernels(norm_dim):
         head, tail = _conv_forward(
             x[:, :channels], weight, bias, cu_seqlens, activation, CONV_SETTINGS, rows, split, (norm_dim, L2NORM_EPS),
@@ -390,7 +388,7 @@ def causal_conv1d_gather(
         )  # fmt: skip
     else:
         head, tail = _conv_forward(x[:, :channels], weight, bias, cu_seqlens, activation, CONV_SETTINGS, rows, split)
-        head = column_blocks(l2norm_groups(head[0], norm_dim), parts)
+        head = head_blocks(head[0], norm_dim, parts)
     return head, tail, _take_rows(x[:, channels:], rows)
 
 

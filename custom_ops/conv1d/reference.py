@@ -81,7 +81,7 @@ def causal_conv1d_gather_reference(
     norm_dim: int = 0,
     parts: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(column_blocks(n(y[:, :split]), parts), y[:, split:], x[rows, C:])`` with ``y =
+    """``(head_blocks(y[:, :split], norm_dim, parts), y[:, split:], x[rows, C:])`` with ``y =
     causal_conv1d_reference(x[rows, :C], ...)`` and ``C = weight.shape[0]``: the conv of x's rows
     taken in the order ``rows`` (``None``: their own), cut at column ``split``, its first part
     l2-normalised over each group of ``norm_dim`` columns (n; 0: not) and put in ``parts`` column
@@ -89,9 +89,14 @@ def causal_conv1d_gather_reference(
     xs = x if rows is None else x.index_select(0, rows)
     channels = weight.shape[0]
     y = causal_conv1d_reference(xs[:, :channels], weight, bias, cu_seqlens, activation)
-    head = l2norm_groups(y[:, :split], norm_dim) if norm_dim else y[:, :split]
     rest = (y[:, split:], xs[:, channels:])
-    return (column_blocks(head, parts), *(p.clone(memory_format=torch.contiguous_format) for p in rest))
+    return (head_blocks(y[:, :split], norm_dim, parts), *(p.clone(memory_format=torch.contiguous_format) for p in rest))
+
+
+def head_blocks(head: torch.Tensor, norm_dim: int, parts: int) -> torch.Tensor:
+    """causal_conv1d_gather's first output from the conv's first columns ``head [T, split]``:
+    l2-normalised over each group of ``norm_dim`` columns (0: not), as ``parts`` column blocks."""
+    return column_blocks(l2norm_groups(head, norm_dim) if norm_dim else head, parts)
 
 
 def column_blocks(y: torch.Tensor, parts: int) -> torch.Tensor:
