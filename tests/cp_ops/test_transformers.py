@@ -196,6 +196,7 @@ def _check_fused_loss(model, reference, sequences, group, rank, world):
 # --- one process (W = 1) ------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # the fast tier: the fused loss's one-rank test below, and W = 2 (the same checks) compiled
 def test_patched_model_equals_transformers_one_rank():
     model, reference_model = _patched_pair(_config(), None)
     sequences = _sequences(SEQLENS)
