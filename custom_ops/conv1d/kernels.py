@@ -1,19 +1,23 @@
 """Triton kernels of the depthwise causal conv1d over packed sequences (``custom_ops.causal_conv1d``),
 for kernel widths K <= 4 (:data:`MAX_TAPS`).
 
-Each program streams a block of channels down a run of rows, carrying the rows a tap
-needs in registers, so every row of x (and of the output gradient) is read once; the
-backward streams the rows backwards and recomputes the pre-activation, and sums
-``dweight`` and ``dbias`` per program in float32 for the caller to add. Grids are sized
-from shapes. Sequences enter through ``pos`` (each row's position in its sequence capped at
-:data:`MAX_TAPS`, from :func:`conv_positions_kernel`): tap j of row t sees ``x[t-j]`` iff
-``pos[t] >= j``. The design: docs/design.md section 2, "Gated DeltaNet core".
+Each program streams a block of channels down a run of rows, carrying the rows a tap needs
+in registers, so every row of x (and of the output gradient) is read once; in steps of
+:data:`ROW_STEP` rows, the next step's loads issued before this step computes, so that several
+loads are in flight (one at a time left HBM half idle). The backward streams the rows backwards,
+recomputes the pre-activation, and sums ``dweight`` and ``dbias`` per program in float32 for the
+caller to add. Grids are sized from shapes. Sequences enter through ``pos`` (each row's position
+in its sequence capped at :data:`MAX_TAPS`, from :func:`conv_positions_kernel`): tap j of row t
+sees ``x[t-j]`` iff ``pos[t] >= j``. The design: docs/design.md section 2, "Gated DeltaNet core".
 """
 
 import triton
 import triton.language as tl
 
 MAX_TAPS = 4
+
+# Rows a program loads together (a step); a program's ROWS is a multiple of it.
+ROW_STEP = tl.constexpr(4)
 
 
 # Rows per program of conv_positions_kernel.
@@ -127,6 +131,38 @@ def _head_offsets(cols, split, num_rows, PARTS: tl.constexpr, NORM_DIM: tl.const
 
 
 @triton.jit
+def _fwd_loads(x_ptr, pos_ptr, map_ptr, t, stride_x, cols, col_ok, num_rows, GATHER: tl.constexpr):
+    """A forward step's loads: x and pos of rows t, t+1, t+2, t+3."""
+    xa = _row(x_ptr, t, stride_x, cols, col_ok, num_rows, map_ptr, GATHER)
+    xb = _row(x_ptr, t + 1, stride_x, cols, col_ok, num_rows, map_ptr, GATHER)
+    xc = _row(x_ptr, t + 2, stride_x, cols, col_ok, num_rows, map_ptr, GATHER)
+    xd = _row(x_ptr, t + 3, stride_x, cols, col_ok, num_rows, map_ptr, GATHER)
+    return xa, xb, xc, xd, _pos(pos_ptr, t, num_rows), _pos(pos_ptr, t + 1, num_rows), \
+        _pos(pos_ptr, t + 2, num_rows), _pos(pos_ptr, t + 3, num_rows)
+
+
+@triton.jit
+def _fwd_row(y_ptr, y2_ptr, t, pre, cols, col_ok, head, split, channels, num_rows, norm_eps, SILU: tl.constexpr,
+             BLOCK_C: tl.constexpr, SPLIT: tl.constexpr, NORM_DIM: tl.constexpr, PARTS: tl.constexpr):  # fmt: skip
+    """Output row t from its pre-activation: the activation, with NORM_DIM the l2 norm over each
+    group of NORM_DIM of the columns before ``split``; stored, with SPLIT, those columns at
+    ``head`` in the first output's PARTS blocks and the rest in the second output."""
+    y = pre
+    if SILU:
+        y = pre * tl.sigmoid(pre)
+    if NORM_DIM > 0:
+        y = tl.where(cols < split, y * tl.rsqrt(_group_sum(y * y, BLOCK_C, NORM_DIM) + norm_eps), y)
+    out = y.to(y_ptr.dtype.element_ty)
+    ok = col_ok & (t + cols * 0 < num_rows)
+    if SPLIT:
+        tl.store(y_ptr + t.to(tl.int64) * (split // PARTS) + head, out, mask=ok & (cols < split))
+        tail = cols - split
+        tl.store(y2_ptr + t.to(tl.int64) * (channels - split) + tail, out, mask=ok & (tail >= 0))
+    else:
+        tl.store(y_ptr + t.to(tl.int64) * channels + cols, out, mask=ok)
+
+
+@triton.jit
 def cp_causal_conv1d_fwd_kernel(
     x_ptr,
     w_ptr,  # [C, K], contiguous
@@ -162,24 +198,90 @@ def cp_causal_conv1d_fwd_kernel(
     x1 = _row(x_ptr, t0 - 1, stride_x, cols, col_ok, num_rows, map_ptr, GATHER)  # rows t-1, t-2, t-3, carried
     x2 = _row(x_ptr, t0 - 2, stride_x, cols, col_ok, num_rows, map_ptr, GATHER)
     x3 = _row(x_ptr, t0 - 3, stride_x, cols, col_ok, num_rows, map_ptr, GATHER)
-    for i in range(ROWS):
+    xa, xb, xc, xd, pa, pb, pc, pd = _fwd_loads(x_ptr, pos_ptr, map_ptr, t0, stride_x, cols, col_ok, num_rows, GATHER)
+    for i in range(0, ROWS, ROW_STEP):  # the next step's loads in flight while this step computes
         t = t0 + i
-        x0 = _row(x_ptr, t, stride_x, cols, col_ok, num_rows, map_ptr, GATHER)
-        p = _pos(pos_ptr, t, num_rows)
-        acc = _preactivation(wa, wb, wc, wd, bias, x0, x1, x2, x3, p)
-        if SILU:
-            acc = acc * tl.sigmoid(acc)
-        if NORM_DIM > 0:
-            acc = tl.where(cols < split, acc * tl.rsqrt(_group_sum(acc * acc, BLOCK_C, NORM_DIM) + norm_eps), acc)
-        out = acc.to(y_ptr.dtype.element_ty)
-        ok = col_ok & (t + cols * 0 < num_rows)
-        if SPLIT:
-            tl.store(y_ptr + t.to(tl.int64) * (split // PARTS) + head, out, mask=ok & (cols < split))
-            tail = cols - split
-            tl.store(y2_ptr + t.to(tl.int64) * (channels - split) + tail, out, mask=ok & (tail >= 0))
-        else:
-            tl.store(y_ptr + t.to(tl.int64) * channels + cols, out, mask=ok)
-        x3, x2, x1 = x2, x1, x0
+        na, nb, nc, nd, npa, npb, npc, npd = _fwd_loads(
+            x_ptr, pos_ptr, map_ptr, t + ROW_STEP, stride_x, cols, col_ok, num_rows, GATHER
+        )  # fmt: skip
+        pre = _preactivation(wa, wb, wc, wd, bias, xa, x1, x2, x3, pa)
+        _fwd_row(y_ptr, y2_ptr, t, pre, cols, col_ok, head, split, channels, num_rows, norm_eps, SILU, BLOCK_C,
+                 SPLIT, NORM_DIM, PARTS)  # fmt: skip
+        pre = _preactivation(wa, wb, wc, wd, bias, xb, xa, x1, x2, pb)
+        _fwd_row(y_ptr, y2_ptr, t + 1, pre, cols, col_ok, head, split, channels, num_rows, norm_eps, SILU, BLOCK_C,
+                 SPLIT, NORM_DIM, PARTS)  # fmt: skip
+        pre = _preactivation(wa, wb, wc, wd, bias, xc, xb, xa, x1, pc)
+        _fwd_row(y_ptr, y2_ptr, t + 2, pre, cols, col_ok, head, split, channels, num_rows, norm_eps, SILU, BLOCK_C,
+                 SPLIT, NORM_DIM, PARTS)  # fmt: skip
+        pre = _preactivation(wa, wb, wc, wd, bias, xd, xc, xb, xa, pd)
+        _fwd_row(y_ptr, y2_ptr, t + 3, pre, cols, col_ok, head, split, channels, num_rows, norm_eps, SILU, BLOCK_C,
+                 SPLIT, NORM_DIM, PARTS)  # fmt: skip
+        x3, x2, x1 = xb, xc, xd
+        xa, xb, xc, xd, pa, pb, pc, pd = na, nb, nc, nd, npa, npb, npc, npd
+
+
+@triton.jit
+def _dy_row(dy_ptr, dy2_ptr, t, stride_dy, stride_dy2, cols, col_ok, head, split, num_rows, SPLIT: tl.constexpr):
+    """Row t of the output gradient as float32: with SPLIT, its columns before ``split`` from the
+    first tensor (at ``head``) and the rest from the second (the masks are disjoint)."""
+    if SPLIT:
+        dy = _row(dy_ptr, t, stride_dy, head, col_ok & (cols < split), num_rows)
+        dy += _row(dy2_ptr, t, stride_dy2, cols - split, col_ok & (cols >= split), num_rows)
+    else:
+        dy = _row(dy_ptr, t, stride_dy, cols, col_ok, num_rows)
+    return dy
+
+
+@triton.jit
+def _bwd_loads(x_ptr, dy_ptr, dy2_ptr, pos_ptr, map_ptr, t, stride_x, stride_dy, stride_dy2, cols, col_ok, head, split,
+               num_rows, GATHER: tl.constexpr, SPLIT: tl.constexpr):  # fmt: skip
+    """A backward step's loads for rows t, t-1, t-2, t-3: x rows t-3..t-6, then dy and pos of rows t..t-3."""
+    xa = _row(x_ptr, t - 3, stride_x, cols, col_ok, num_rows, map_ptr, GATHER)
+    xb = _row(x_ptr, t - 4, stride_x, cols, col_ok, num_rows, map_ptr, GATHER)
+    xc = _row(x_ptr, t - 5, stride_x, cols, col_ok, num_rows, map_ptr, GATHER)
+    xd = _row(x_ptr, t - 6, stride_x, cols, col_ok, num_rows, map_ptr, GATHER)
+    ga = _dy_row(dy_ptr, dy2_ptr, t, stride_dy, stride_dy2, cols, col_ok, head, split, num_rows, SPLIT)
+    gb = _dy_row(dy_ptr, dy2_ptr, t - 1, stride_dy, stride_dy2, cols, col_ok, head, split, num_rows, SPLIT)
+    gc = _dy_row(dy_ptr, dy2_ptr, t - 2, stride_dy, stride_dy2, cols, col_ok, head, split, num_rows, SPLIT)
+    gd = _dy_row(dy_ptr, dy2_ptr, t - 3, stride_dy, stride_dy2, cols, col_ok, head, split, num_rows, SPLIT)
+    pa = _pos(pos_ptr, t, num_rows)
+    pb = _pos(pos_ptr, t - 1, num_rows)
+    pc = _pos(pos_ptr, t - 2, num_rows)
+    pd = _pos(pos_ptr, t - 3, num_rows)
+    return xa, xb, xc, xd, ga, gb, gc, gd, pa, pb, pc, pd
+
+
+@triton.jit
+def _bwd_row(dx_ptr, map_ptr, t, t0, x0, x1, x2, x3, p, dy, d1, d2, d3, q1, q2, q3, wa, wb, wc, wd, bias,
+             db, dwa, dwb, dwc, dwd, cols, col_ok, split, num_rows, stride_dx, norm_eps, ROWS: tl.constexpr,
+             BLOCK_C: tl.constexpr, SILU: tl.constexpr, NORM_DIM: tl.constexpr, GATHER: tl.constexpr):  # fmt: skip
+    """One row t of the backward: from x rows t..t-3, pos ``p``, the output gradient ``dy`` and
+    the dpre (``d1..d3``) and pos (``q1..q3``) of rows t+1..t+3, store dx[t] if the program owns
+    row t, and return row t's dpre with the sums ``db, dw...`` plus row t's terms."""
+    pre = _preactivation(wa, wb, wc, wd, bias, x0, x1, x2, x3, p)
+    y, dact = pre, 1.0  # the activation's output and derivative
+    if SILU:
+        sig = tl.sigmoid(pre)
+        y, dact = pre * sig, sig * (1.0 + pre * (1.0 - sig))
+    dpre = dy
+    if NORM_DIM > 0:  # n = y * r with r = rsqrt(sum y^2 + eps): dy = r * dn - r^3 * y * sum(dn * y)
+        r = tl.rsqrt(_group_sum(y * y, BLOCK_C, NORM_DIM) + norm_eps)
+        dnorm = r * dy - r * r * r * y * _group_sum(dy * y, BLOCK_C, NORM_DIM)
+        dpre = tl.where(cols < split, dnorm, dy)
+    dpre = dpre * dact
+    dx = wa * dpre
+    dx += tl.where(q1 >= 1, wb * d1, 0.0)
+    dx += tl.where(q2 >= 2, wc * d2, 0.0)
+    dx += tl.where(q3 >= 3, wd * d3, 0.0)
+    tv = t + cols * 0
+    own = (tv >= t0) & (tv < t0 + ROWS) & (tv < num_rows)
+    dst = _src(map_ptr, t, num_rows, GATHER)
+    tl.store(dx_ptr + dst * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty), mask=col_ok & own)
+    mine = tl.where(own, dpre, 0.0)
+    dwb += tl.where(p >= 1, mine * x1, 0.0)
+    dwc += tl.where(p >= 2, mine * x2, 0.0)
+    dwd += tl.where(p >= 3, mine * x3, 0.0)
+    return dpre, db + mine, dwa + mine * x0, dwb, dwc, dwd
 
 
 @triton.jit
@@ -225,7 +327,7 @@ def cp_causal_conv1d_bwd_kernel(
     col_ok = cols < channels
     head = _head_offsets(cols, split, num_rows, PARTS, NORM_DIM)  # the same for every row
     wa, wb, wc, wd, bias = _taps(w_ptr, b_ptr, cols, col_ok, K, HAS_BIAS)
-    top = t0 + ROWS + 2  # the first row streamed: three past the block (their dpre reach its last rows)
+    top = t0 + ROWS + 3  # the first row streamed: past the block (the dpre of the next three reach its last rows)
     x0 = _row(x_ptr, top, stride_x, cols, col_ok, num_rows, map_ptr, GATHER)  # rows t, t-1, t-2, carried
     x1 = _row(x_ptr, top - 1, stride_x, cols, col_ok, num_rows, map_ptr, GATHER)
     x2 = _row(x_ptr, top - 2, stride_x, cols, col_ok, num_rows, map_ptr, GATHER)
@@ -235,47 +337,45 @@ def cp_causal_conv1d_bwd_kernel(
     q1 = tl.full([], 0, tl.int32)  # pos of rows t+1, t+2, t+3
     q2 = tl.full([], 0, tl.int32)
     q3 = tl.full([], 0, tl.int32)
+    db = tl.zeros((BLOCK_C,), dtype=tl.float32)
     dwa = tl.zeros((BLOCK_C,), dtype=tl.float32)  # weight columns K-1, K-2, K-3, K-4
     dwb = tl.zeros((BLOCK_C,), dtype=tl.float32)
     dwc = tl.zeros((BLOCK_C,), dtype=tl.float32)
     dwd = tl.zeros((BLOCK_C,), dtype=tl.float32)
-    db = tl.zeros((BLOCK_C,), dtype=tl.float32)
-    for i in range(ROWS + 3):
+    xa, xb, xc, xd, ga, gb, gc, gd, pa, pb, pc, pd = _bwd_loads(
+        x_ptr, dy_ptr, dy2_ptr, pos_ptr, map_ptr, top, stride_x, stride_dy, stride_dy2, cols, col_ok, head, split,
+        num_rows, GATHER, SPLIT,
+    )  # fmt: skip
+    for i in range(0, ROWS + ROW_STEP, ROW_STEP):  # the next step's loads in flight while this step computes
         t = top - i
-        x3 = _row(x_ptr, t - 3, stride_x, cols, col_ok, num_rows, map_ptr, GATHER)
-        p = _pos(pos_ptr, t, num_rows)
-        pre = _preactivation(wa, wb, wc, wd, bias, x0, x1, x2, x3, p)
-        if SPLIT:  # the two tensors' masks are disjoint
-            dpre = _row(dy_ptr, t, stride_dy, head, col_ok & (cols < split), num_rows)
-            dpre += _row(dy2_ptr, t, stride_dy2, cols - split, col_ok & (cols >= split), num_rows)
-        else:
-            dpre = _row(dy_ptr, t, stride_dy, cols, col_ok, num_rows)
-        y, dact = pre, 1.0  # the activation's output and derivative
-        if SILU:
-            sig = tl.sigmoid(pre)
-            y, dact = pre * sig, sig * (1.0 + pre * (1.0 - sig))
-        if NORM_DIM > 0:  # n = y * r with r = rsqrt(sum y^2 + eps): dy = r * dn - r^3 * y * sum(dn * y)
-            r = tl.rsqrt(_group_sum(y * y, BLOCK_C, NORM_DIM) + norm_eps)
-            dnorm = r * dpre - r * r * r * y * _group_sum(dpre * y, BLOCK_C, NORM_DIM)
-            dpre = tl.where(cols < split, dnorm, dpre)
-        dpre = dpre * dact
-        dx = wa * dpre
-        dx += tl.where(q1 >= 1, wb * d1, 0.0)
-        dx += tl.where(q2 >= 2, wc * d2, 0.0)
-        dx += tl.where(q3 >= 3, wd * d3, 0.0)
-        tv = t + cols * 0
-        own = (tv >= t0) & (tv < t0 + ROWS) & (tv < num_rows)
-        dst = _src(map_ptr, t, num_rows, GATHER)
-        tl.store(dx_ptr + dst * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty), mask=col_ok & own)
-        mine = tl.where(own, dpre, 0.0)
-        db += mine
-        dwa += mine * x0
-        dwb += tl.where(p >= 1, mine * x1, 0.0)
-        dwc += tl.where(p >= 2, mine * x2, 0.0)
-        dwd += tl.where(p >= 3, mine * x3, 0.0)
-        x0, x1, x2 = x1, x2, x3
-        d3, d2, d1 = d2, d1, dpre
-        q3, q2, q1 = q2, q1, p
+        na, nb, nc, nd, nga, ngb, ngc, ngd, npa, npb, npc, npd = _bwd_loads(
+            x_ptr, dy_ptr, dy2_ptr, pos_ptr, map_ptr, t - ROW_STEP, stride_x, stride_dy, stride_dy2, cols, col_ok,
+            head, split, num_rows, GATHER, SPLIT,
+        )  # fmt: skip
+        ea, db, dwa, dwb, dwc, dwd = _bwd_row(
+            dx_ptr, map_ptr, t, t0, x0, x1, x2, xa, pa, ga, d1, d2, d3, q1, q2, q3, wa, wb, wc, wd, bias,
+            db, dwa, dwb, dwc, dwd, cols, col_ok, split, num_rows, stride_dx, norm_eps,
+            ROWS, BLOCK_C, SILU, NORM_DIM, GATHER,
+        )  # fmt: skip
+        eb, db, dwa, dwb, dwc, dwd = _bwd_row(
+            dx_ptr, map_ptr, t - 1, t0, x1, x2, xa, xb, pb, gb, ea, d1, d2, pa, q1, q2, wa, wb, wc, wd, bias,
+            db, dwa, dwb, dwc, dwd, cols, col_ok, split, num_rows, stride_dx, norm_eps,
+            ROWS, BLOCK_C, SILU, NORM_DIM, GATHER,
+        )  # fmt: skip
+        ec, db, dwa, dwb, dwc, dwd = _bwd_row(
+            dx_ptr, map_ptr, t - 2, t0, x2, xa, xb, xc, pc, gc, eb, ea, d1, pb, pa, q1, wa, wb, wc, wd, bias,
+            db, dwa, dwb, dwc, dwd, cols, col_ok, split, num_rows, stride_dx, norm_eps,
+            ROWS, BLOCK_C, SILU, NORM_DIM, GATHER,
+        )  # fmt: skip
+        ed, db, dwa, dwb, dwc, dwd = _bwd_row(
+            dx_ptr, map_ptr, t - 3, t0, xa, xb, xc, xd, pd, gd, ec, eb, ea, pc, pb, pa, wa, wb, wc, wd, bias,
+            db, dwa, dwb, dwc, dwd, cols, col_ok, split, num_rows, stride_dx, norm_eps,
+            ROWS, BLOCK_C, SILU, NORM_DIM, GATHER,
+        )  # fmt: skip
+        x0, x1, x2 = xb, xc, xd
+        d1, d2, d3 = ed, ec, eb
+        q1, q2, q3 = pd, pc, pb
+        xa, xb, xc, xd, ga, gb, gc, gd, pa, pb, pc, pd = na, nb, nc, nd, nga, ngb, ngc, ngd, npa, npb, npc, npd
     part = dw_ptr + pid_t.to(tl.int64) * channels * 4 + cols * 4
     tl.store(part + (K - 1), dwa, mask=col_ok)
     if K > 1:

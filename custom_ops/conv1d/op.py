@@ -22,6 +22,7 @@ import torch
 from custom_ops.conv1d.kernels import (
     MAX_TAPS,
     POSITIONS_BLOCK,
+    ROW_STEP,
     conv_positions_kernel,
     cp_causal_conv1d_bwd_kernel,
     cp_causal_conv1d_fwd_kernel,
@@ -65,14 +66,21 @@ class ConvConfig(NamedTuple):
 @dataclass(frozen=True)
 class ConvSettings:
     """The launch configs of the conv kernels, which the launchers below take as ``settings``.
-    ``fwd`` and ``bwd`` serve CUDA tensors: the fastest of a sweep of configs (docs/benchmarks.md's
-    git history, section "The causal conv1d kernels"). ``interpreter`` serves CPU tensors in
+    ``fwd`` and ``bwd`` serve CUDA tensors: the fastest in the GDN layer's form (``python -m
+    benchmarks.bench_gdn --conv --sweep``, docs/benchmarks.md). ``interpreter`` serves CPU tensors in
     Triton's interpreter: small blocks, so that a test's few rows span many programs (the rows
-    carried over block boundaries) and the interpreter's loops stay short."""
+    carried over block boundaries) and the interpreter's loops stay short. Each ``rows`` is a
+    multiple of the kernels' step, :data:`custom_ops.conv1d.kernels.ROW_STEP`."""
 
-    fwd: ConvConfig = ConvConfig(rows=64, block_c=1024, num_warps=4, num_stages=4)
-    bwd: ConvConfig = ConvConfig(rows=256, block_c=512, num_warps=4, num_stages=4)
+    fwd: ConvConfig = ConvConfig(rows=128, block_c=512, num_warps=4, num_stages=1)
+    bwd: ConvConfig = ConvConfig(rows=256, block_c=512, num_warps=4, num_stages=1)
     interpreter: ConvConfig = ConvConfig(rows=8, block_c=16, num_warps=1, num_stages=1)
+
+    def __post_init__(self):
+        for name in ("fwd", "bwd", "interpreter"):
+            rows, step = getattr(self, name).rows, ROW_STEP.value
+            if rows <= 0 or rows % step:
+                raise ValueError(f"{name}.rows must be a positive multiple of {step} (the kernels' step), got {rows}")
 
     def config(self, kernel: str, on_gpu: bool) -> ConvConfig:
         """The config of ``kernel`` ("fwd" or "bwd") for CUDA tensors (``on_gpu``) or the interpreter."""

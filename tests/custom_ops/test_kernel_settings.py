@@ -51,13 +51,16 @@ def test_reorder_kernel_under_another_row_tile():
 
 def test_conv_settings_defaults():
     """CUDA launches take the tuned configs; the interpreter its small blocks."""
-    assert CONV_SETTINGS.config("fwd", on_gpu=True) == (64, 1024, 4, 4)
-    assert CONV_SETTINGS.config("bwd", on_gpu=True) == (256, 512, 4, 4)
+    assert CONV_SETTINGS.config("fwd", on_gpu=True) == (128, 512, 4, 1)
+    assert CONV_SETTINGS.config("bwd", on_gpu=True) == (256, 512, 4, 1)
     assert CONV_SETTINGS.config("fwd", on_gpu=False) == CONV_SETTINGS.config("bwd", on_gpu=False) == (8, 16, 1, 1)
     with pytest.raises(dataclasses.FrozenInstanceError):
         CONV_SETTINGS.fwd = ConvConfig(32, 512, 4, 4)
     with pytest.raises(ValueError, match="kernel"):
         CONV_SETTINGS.config("backward", on_gpu=True)
+    for rows in (0, 6):  # the kernels take rows in steps of ROW_STEP = 4
+        with pytest.raises(ValueError, match=f"bwd.rows must be a positive multiple of 4 .*got {rows}"):
+            ConvSettings(bwd=ConvConfig(rows, 512, 4, 1))
 
 
 @pytest.mark.interpret
