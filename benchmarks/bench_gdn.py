@@ -5,11 +5,12 @@ kernels, and the layer with CP on W GPUs.
                                    [--backends fla flashqla]   # the layer with each GDN core backend
     python -m benchmarks.bench_gdn --core [--tokens T ...] [--heads HK/HV ...]   # the core op by backend
     python -m benchmarks.bench_gdn --conv [--gather]    # our conv kernels against FLA's (--gather: permuted rows)
+    python -m benchmarks.bench_gdn --conv --sweep       # our conv kernels' launch configs, in the layer's form
     python -m benchmarks.bench_gdn --cp W [--profile] [--compiled-only]
                                    [--cudagraphs] [--states]    # spawns W NCCL ranks
     python -m benchmarks.bench_gdn --cp 2 --smoke       # 2 gloo ranks on the CPU, a tiny layer
 
-Results (benchmarks/runner.py): ``gdn``; ``gdn-core``; ``conv`` or ``conv-gather``; ``gdn-cp-wW``
+Results (benchmarks/runner.py): ``gdn``; ``gdn-core``; ``conv``, ``conv-gather`` or ``conv-sweep``; ``gdn-cp-wW``
 (``-compiled``, ``-cudagraphs``, ``-states`` added with those flags, ``-slow-link`` with
 NCCL_P2P_DISABLE=1; ``gdn-cp-smoke-wW``); with ``--backends``, ``-BACKEND`` after each layer result's
 name, one run of each backend. docs/benchmarks.md says what each row
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import itertools
 import math
 import os
 import subprocess
@@ -27,7 +29,6 @@ import sys
 
 import torch
 import torch.distributed as dist
-from triton.testing import do_bench
 
 import custom_ops
 from benchmarks.baselines import cp2hp_per_sequence, hp2cp_per_sequence
@@ -121,6 +122,11 @@ def piece_steps(layer: GatedDeltaNet, x: torch.Tensor, cup: torch.Tensor, world:
     }
 
 
+# Milliseconds of calls a layer row's median is taken over: at 131072 tokens the whole layer's
+# fwd+bwd takes about 60 ms, and do_bench's default budget would time it once or twice.
+LAYER_REP_MS = 1000
+
+
 def bench_case(layer, tokens: int, num_seqs: int, kernel_time: bool = False, shares=()) -> dict[str, float]:
     gen = torch.Generator().manual_seed(tokens + num_seqs)
     lens = _lengths(tokens, num_seqs, gen)
@@ -144,7 +150,7 @@ def bench_case(layer, tokens: int, num_seqs: int, kernel_time: bool = False, sha
         _, cup_w = pad_cu_seqlens(lens, world, device=dev)
         local = torch.randn(int(cup_w[-1]) // world, HIDDEN, device=dev, dtype=bf16, requires_grad=True)
         steps.update({f"W={world} share: {k}": fn for k, fn in piece_steps(layer, local, cup_w, world).items()})
-    res = {name: do_bench(fn) for name, fn in steps.items()}
+    res = {name: median_ms(fn, 100, LAYER_REP_MS) for name, fn in steps.items()}
     if kernel_time:
         res.update({f"{name}: kernels": kernel_ms(fn) for name, fn in steps.items()})
     return res
@@ -230,6 +236,7 @@ CONV_CHANNELS = (8192, 4096)  # 2*Hk*dk + Hv*dv on one GPU, and on one rank of W
 CONV_EXTRA = 64  # the b, a columns beside the conv channels in the projection output (one GPU)
 CONV_KERNEL = 4
 CONV_TOLERANCE = 1e-2  # bf16, two kernels summing in different orders
+CONV_SWEEP_TOKENS = 131072
 
 
 def fla_conv(x, w, cu):
@@ -646,6 +653,45 @@ def _cp_table(results, cases, world, dims, dtype, runs, seq_runs, notes) -> tupl
     return title, columns, rows, "\n".join(text)
 
 
+# --conv --sweep: the launch configs tried (rows, channels a program, warps; one stage, as the
+# kernels' loads are issued a step ahead by hand)
+SWEEP_ROWS = {"fwd": (64, 128, 256), "bwd": (128, 256, 512)}
+SWEEP_BLOCKS, SWEEP_WARPS = (256, 512, 1024), (4, 8)
+
+
+def conv_sweep(tokens: int, num_seqs: int, out) -> None:
+    """Time our conv kernels under each launch config in the GDN layer's form on one GPU (x a
+    column slice of the projection output, q and k normalised in two blocks, v in its own tensor)."""
+    from custom_ops.conv1d.op import ConvConfig, ConvSettings, _conv_backward_kernel, _conv_forward
+
+    lens = _lengths(tokens, num_seqs, torch.Generator().manual_seed(tokens + num_seqs))
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    channels, split, norm = CONV_CHANNELS[0], 2 * HK * DK, (DK, custom_ops.L2NORM_EPS)
+    x = torch.randn(tokens, channels + CONV_EXTRA, device="cuda", dtype=torch.bfloat16)[:, :channels]
+    w = (torch.randn(channels, CONV_KERNEL, device="cuda") / CONV_KERNEL**0.5).to(torch.bfloat16)
+    grad_head = torch.randn(2, tokens, split // 2, device="cuda", dtype=torch.bfloat16)
+    grad_tail = torch.randn(tokens, channels - split, device="cuda", dtype=torch.bfloat16)
+    calls = {
+        "fwd": lambda s: _conv_forward(x, w, None, cu, "silu", s, None, split, norm, 2),
+        "bwd": lambda s: _conv_backward_kernel(grad_head, x, w, None, cu, "silu", s, None, None, grad_tail, norm),
+    }
+    gb = {"fwd": 2 * tokens * channels * 2 / 1e9, "bwd": 3 * tokens * channels * 2 / 1e9}  # x (and dy) in, out
+    rows, default = [], ConvSettings()
+    for kind, call in calls.items():
+        for r, b, nw in itertools.product(SWEEP_ROWS[kind], SWEEP_BLOCKS, SWEEP_WARPS):
+            config = ConvConfig(r, b, nw, 1)
+            ms = median_ms(lambda: call(ConvSettings(**{kind: config})))
+            mark = "default" if config == getattr(default, kind) else ""
+            rows.append([kind, r, b, nw, ms, gb[kind] / ms * 1e3, mark])
+            print(f"[bench_gdn] conv {kind} {config}: {ms:.3f} ms", flush=True)
+    title = f"our causal conv1d kernels by launch config, the GDN layer's form (T={tokens} B={num_seqs} C={channels})"
+    notes = (f"q, k (the first {split} columns) l2-normalised over groups of {DK} and written in two blocks, v in its "
+             "own tensor; x a column slice of the projection output; median ms of do_bench; GB/s: the bytes a fused "
+             "kernel must move (forward: x in, y out; backward: x and dy in, dx out) over the time")  # fmt: skip
+    columns = ["kernel", "rows", "channels", "warps", "ms", "GB/s", ""]
+    emit([Result("conv", title, columns, rows, notes, environment(), name="conv-sweep")], out)
+
+
 def conv_main(tokens, seqs, gather: bool, out) -> None:
     torch.manual_seed(0)
     if gather:
@@ -699,9 +745,12 @@ def main() -> None:
                         "each result named with it; default: the backend CP_OPS_GDN_BACKEND chooses")
     parser.add_argument("--gather", action="store_true",
                         help="with --conv: the conv on rows in rank order, reorder + conv against the gathered conv")
+    parser.add_argument("--sweep", action="store_true",
+                        help=f"with --conv: our kernels' launch configs in the layer's form (T = --tokens, default "
+                             f"{CONV_SWEEP_TOKENS}, B = --seqs, default {CORE_SEQS})")
     args = parser.parse_args()
-    if args.gather and not args.conv:
-        raise SystemExit("--gather needs --conv")
+    if (args.gather or args.sweep) and not args.conv:
+        raise SystemExit("--gather and --sweep need --conv")
     opts = {k: getattr(args, k) for k in ("compiled_only", "cudagraphs", "profile", "states")}
     if args.smoke and args.cudagraphs:
         raise SystemExit("--cudagraphs needs GPUs, not --smoke")
@@ -724,6 +773,8 @@ def main() -> None:
         return
     if not torch.cuda.is_available():
         raise SystemExit("bench_gdn needs a CUDA device (or --cp 2 --smoke on the CPU)")
+    if args.conv and args.sweep:
+        return conv_sweep((args.tokens or [CONV_SWEEP_TOKENS])[0], (args.seqs or [CORE_SEQS])[0], args.out)
     if args.conv:
         return conv_main(tokens, seqs, args.gather, args.out)
     if args.core:
@@ -745,7 +796,8 @@ def main() -> None:
             rows = [[name] + [r[name] for r in results.values()] for name in results[case]]
             title = f"GatedDeltaNet (hidden {HIDDEN}, Hk {HK}, Hv {HV}, dk = dv = {DK}), bf16, median ms"
             name = "gdn" + (f"-{backend}" if backend else "")
-            emit([Result("gdn", title, columns, rows, env=fla_environment(), name=name)], args.out)
+            notes = f"each row: the median of triton.testing.do_bench over {LAYER_REP_MS} ms of calls"
+            emit([Result("gdn", title, columns, rows, notes, fla_environment(), name=name)], args.out)
 
 
 if __name__ == "__main__":
