@@ -675,21 +675,27 @@ def conv_sweep(tokens: int, num_seqs: int, out) -> None:
         "fwd": lambda s: _conv_forward(x, w, None, cu, "silu", s, None, split, norm, 2),
         "bwd": lambda s: _conv_backward_kernel(grad_head, x, w, None, cu, "silu", s, None, None, grad_tail, norm),
     }
-    gb = {"fwd": 2 * tokens * channels * 2 / 1e9, "bwd": 3 * tokens * channels * 2 / 1e9}  # x (and dy) in, out
-    rows, default = [], ConvSettings()
+    times = {}
     for kind, call in calls.items():
         for r, b, nw in itertools.product(SWEEP_ROWS[kind], SWEEP_BLOCKS, SWEEP_WARPS):
             config = ConvConfig(r, b, nw, 1)
-            ms = median_ms(lambda: call(ConvSettings(**{kind: config})))
-            mark = "default" if config == getattr(default, kind) else ""
-            rows.append([kind, r, b, nw, ms, gb[kind] / ms * 1e3, mark])
-            print(f"[bench_gdn] conv {kind} {config}: {ms:.3f} ms", flush=True)
-    title = f"our causal conv1d kernels by launch config, the GDN layer's form (T={tokens} B={num_seqs} C={channels})"
-    notes = (f"q, k (the first {split} columns) l2-normalised over groups of {DK} and written in two blocks, v in its "
-             "own tensor; x a column slice of the projection output; median ms of do_bench; GB/s: the bytes a fused "
-             "kernel must move (forward: x in, y out; backward: x and dy in, dx out) over the time")  # fmt: skip
-    columns = ["kernel", "rows", "channels", "warps", "ms", "GB/s", ""]
+            times[kind, r, b, nw] = median_ms(lambda: call(ConvSettings(**{kind: config})))
+            print(f"[bench_gdn] conv {kind} {config}: {times[kind, r, b, nw]:.3f} ms", flush=True)
+    title, columns, rows, notes = sweep_table(times, tokens, num_seqs, channels, split)
     emit([Result("conv", title, columns, rows, notes, environment(), name="conv-sweep")], out)
+
+
+def sweep_table(times: dict, tokens: int, num_seqs: int, channels: int, split: int) -> tuple:
+    """``(title, columns, rows, notes)`` of the sweep: a row per kernel and rows a program, a
+    column per channels a program and warps, ms."""
+    blocks = sorted({(b, nw) for _, _, b, nw in times})
+    columns = ["kernel", "rows"] + [f"{b} ch, {nw} warps" for b, nw in blocks]
+    rows = [[kind, r] + [times.get((kind, r, b, nw)) for b, nw in blocks]
+            for kind, r in dict.fromkeys((kind, r) for kind, r, _, _ in times)]  # fmt: skip
+    title = f"our causal conv1d kernels by launch config, the GDN layer's form (T={tokens} B={num_seqs} C={channels})"
+    notes = (f"median ms of do_bench; q, k (the first {split} columns) l2-normalised over groups of {DK} and written "
+             "in two blocks, v in its own tensor; x a column slice of the projection output")  # fmt: skip
+    return title, columns, rows, notes
 
 
 def conv_main(tokens, seqs, gather: bool, out) -> None:
