@@ -327,7 +327,7 @@ def cp_causal_conv1d_bwd_kernel(
     col_ok = cols < channels
     head = _head_offsets(cols, split, num_rows, PARTS, NORM_DIM)  # the same for every row
     wa, wb, wc, wd, bias = _taps(w_ptr, b_ptr, cols, col_ok, K, HAS_BIAS)
-    top = t0 + ROWS + 3  # the first row streamed: past the block (the dpre of the next three reach its last rows)
+    top = t0 + ROWS + 3  # the first row streamed: the next three rows' dpre reach the block, and steps end on t0
     x0 = _row(x_ptr, top, stride_x, cols, col_ok, num_rows, map_ptr, GATHER)  # rows t, t-1, t-2, carried
     x1 = _row(x_ptr, top - 1, stride_x, cols, col_ok, num_rows, map_ptr, GATHER)
     x2 = _row(x_ptr, top - 2, stride_x, cols, col_ok, num_rows, map_ptr, GATHER)
