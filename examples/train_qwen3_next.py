@@ -466,6 +466,20 @@ def init_distributed(device_type: str) -> tuple[int, int, torch.device]:
     return rank, world, device
 
 
+def import_integration_without_fla() -> None:
+    """Import cp_ops' transformers integration with FLA (flash-linear-attention) hidden from
+    transformers' Qwen3-Next module, which otherwise imports all of FLA to bind the functions that
+    the patched layers replace. For runs on the CPU, whose ops take their torch path (FLA's Triton
+    kernels run on a GPU or in Triton's interpreter only); FLA stays importable afterwards."""
+    if "fla" in sys.modules or env.triton_interpret():
+        return
+    sys.modules["fla"] = None  # importing it fails: transformers binds its own torch functions
+    try:
+        import cp_ops.integrations.transformers  # noqa: F401
+    finally:
+        del sys.modules["fla"]
+
+
 def flatten(mesh):
     """The dp x cp mesh as one dimension "dp_cp" (FSDP2's data-parallel mesh)."""
     return mesh["dp", "cp"]._flatten("dp_cp")  # private, but torchtitan's way on torch 2.11 and 2.13 alike
@@ -1037,6 +1051,8 @@ def main(argv: list[str] | None = None) -> None:
                 print(json.dumps(dry_run(cfg, world), indent=1, default=str))
         return
     rank, world, device = init_distributed(cfg.device)
+    if device.type == "cpu":
+        import_integration_without_fla()
     try:
         train(cfg, rank, world, device)
         dist.barrier()
