@@ -389,13 +389,10 @@ def causal_conv1d_gather(
         y = _fla_conv_forward(xs[:, :channels], weight, bias, cu_seqlens, activation)
         tail = y[:, split:].clone(memory_format=torch.contiguous_format)
         return head_blocks(y[:, :split], norm_dim, parts), tail, _take_rows(xs[:, channels:], None)
-    if _norm_in_kernels(norm_dim):
-        head, tail = _conv_forward(
-            x[:, :channels], weight, bias, cu_seqlens, activation, CONV_SETTINGS, rows, split, (norm_dim, L2NORM_EPS),
-            parts,
-        )  # fmt: skip
-    else:
-        head, tail = _conv_forward(x[:, :channels], weight, bias, cu_seqlens, activation, CONV_SETTINGS, rows, split)
+    head, tail = _conv_forward(
+        x[:, :channels], weight, bias, cu_seqlens, activation, CONV_SETTINGS, rows, *_kernel_cut(split, norm_dim, parts)
+    )  # fmt: skip
+    if not _norm_in_kernels(norm_dim):
         head = head_blocks(head[0], norm_dim, parts)
     return head, tail, _take_rows(x[:, channels:], rows)
 
@@ -403,6 +400,15 @@ def causal_conv1d_gather(
 def _norm_in_kernels(norm_dim: int) -> bool:
     """Whether our kernels normalise groups of ``norm_dim`` columns themselves (0: nothing to normalise)."""
     return norm_dim == 0 or (norm_dim <= MAX_NORM_DIM and norm_dim & (norm_dim - 1) == 0)
+
+
+def _kernel_cut(split: int, norm_dim: int, parts: int) -> tuple[int, tuple[int, float], int]:
+    """The ``(split, norm, parts)`` :func:`_conv_forward` takes for the gather's cut: the norm and
+    the blocks in the kernels where they normalise ``norm_dim``, else the plain cut in one block,
+    which :func:`head_blocks` then normalises and lays out."""
+    if _norm_in_kernels(norm_dim):
+        return split, (norm_dim, L2NORM_EPS), parts
+    return split, (0, L2NORM_EPS), 1
 
 
 def _take_rows(x: torch.Tensor, rows: Optional[torch.Tensor]) -> torch.Tensor:
@@ -415,9 +421,7 @@ def _take_rows(x: torch.Tensor, rows: Optional[torch.Tensor]) -> torch.Tensor:
 @causal_conv1d_gather.register_fake
 def _(x, rows, weight, bias, cu_seqlens, activation="silu", split=0, norm_dim=0, parts=1):
     _check_conv_gather(x, rows, weight, bias, cu_seqlens, activation, split, norm_dim, parts)
-    fused = _norm_in_kernels(norm_dim)
-    cut = (split, (norm_dim, L2NORM_EPS) if fused else (0, L2NORM_EPS), parts if fused else 1)
-    _precompile(x, weight, bias, cu_seqlens, activation, rows, gather=True, cut=cut)
+    _precompile(x, weight, bias, cu_seqlens, activation, rows, gather=True, cut=_kernel_cut(split, norm_dim, parts))
     num_rows, channels = x.shape[0], weight.shape[0]
     return (
         x.new_empty(parts, num_rows, split // parts),
