@@ -678,9 +678,9 @@ def conv_sweep(tokens: int, num_seqs: int, out) -> None:
     times = {}
     for kind, call in calls.items():
         for r, b, nw in itertools.product(SWEEP_ROWS[kind], SWEEP_BLOCKS, SWEEP_WARPS):
-            config = ConvConfig(r, b, nw, 1)
-            times[kind, r, b, nw] = median_ms(lambda: call(ConvSettings(**{kind: config})))
-            print(f"[bench_gdn] conv {kind} {config}: {times[kind, r, b, nw]:.3f} ms", flush=True)
+            settings = ConvSettings(**{kind: ConvConfig(r, b, nw, 1)})
+            times[kind, r, b, nw] = median_ms(lambda: call(settings))
+            print(f"[bench_gdn] conv {kind} {getattr(settings, kind)}: {times[kind, r, b, nw]:.3f} ms", flush=True)
     title, columns, rows, notes = sweep_table(times, tokens, num_seqs, channels, split)
     emit([Result("conv", title, columns, rows, notes, environment(), name="conv-sweep")], out)
 
