@@ -97,13 +97,16 @@ def _taps(w_ptr, b_ptr, cols, col_ok, K: tl.constexpr, HAS_BIAS: tl.constexpr):
 
 
 @triton.jit
-def _preactivation(wa, wb, wc, wd, bias, x0, x1, x2, x3, p):
+def _preactivation(wa, wb, wc, wd, bias, x0, x1, x2, x3, p, FULL: tl.constexpr):
     """The conv before its activation for a row at position ``p`` in its sequence, from its own
-    x row ``x0`` and the three before it: tap j counts only where ``p >= j``."""
-    pre = bias + wa * x0
-    pre += tl.where(p >= 1, wb * x1, 0.0)
-    pre += tl.where(p >= 2, wc * x2, 0.0)
-    pre += tl.where(p >= 3, wd * x3, 0.0)
+    x row ``x0`` and the three before it: tap j counts only where ``p >= j`` (FULL: p >= 3)."""
+    if FULL:
+        pre = bias + wa * x0 + wb * x1 + wc * x2 + wd * x3
+    else:
+        pre = bias + wa * x0
+        pre += tl.where(p >= 1, wb * x1, 0.0)
+        pre += tl.where(p >= 2, wc * x2, 0.0)
+        pre += tl.where(p >= 3, wd * x3, 0.0)
     return pre
 
 
@@ -131,6 +134,12 @@ def _head_offsets(cols, split, num_rows, PARTS: tl.constexpr, NORM_DIM: tl.const
 
 
 @triton.jit
+def _lowest(a, b, c, d):
+    """The least of four scalars."""
+    return tl.minimum(tl.minimum(a, b), tl.minimum(c, d))
+
+
+@triton.jit
 def _fwd_loads(x_ptr, pos_ptr, map_ptr, t, stride_x, cols, col_ok, num_rows, GATHER: tl.constexpr):
     """A forward step's loads: x and pos of rows t, t+1, t+2, t+3."""
     xa = _row(x_ptr, t, stride_x, cols, col_ok, num_rows, map_ptr, GATHER)
@@ -142,24 +151,62 @@ def _fwd_loads(x_ptr, pos_ptr, map_ptr, t, stride_x, cols, col_ok, num_rows, GAT
 
 
 @triton.jit
-def _fwd_row(y_ptr, y2_ptr, t, pre, cols, col_ok, head, split, channels, num_rows, norm_eps, SILU: tl.constexpr,
-             BLOCK_C: tl.constexpr, SPLIT: tl.constexpr, NORM_DIM: tl.constexpr, PARTS: tl.constexpr):  # fmt: skip
+def _fwd_row(out_ptr, t, pre, offsets, col_ok, out_stride, num_rows, norm_eps, SILU: tl.constexpr,
+             BLOCK_C: tl.constexpr, NORM_DIM: tl.constexpr, FULL: tl.constexpr):  # fmt: skip
     """Output row t from its pre-activation: the activation, with NORM_DIM the l2 norm over each
-    group of NORM_DIM of the columns before ``split``; stored, with SPLIT, those columns at
-    ``head`` in the first output's PARTS blocks and the rest in the second output."""
+    group of NORM_DIM columns; stored at ``out_ptr + t * out_stride + offsets`` (FULL: t < num_rows)."""
     y = pre
     if SILU:
         y = pre * tl.sigmoid(pre)
     if NORM_DIM > 0:
-        y = tl.where(cols < split, y * tl.rsqrt(_group_sum(y * y, BLOCK_C, NORM_DIM) + norm_eps), y)
-    out = y.to(y_ptr.dtype.element_ty)
-    ok = col_ok & (t + cols * 0 < num_rows)
-    if SPLIT:
-        tl.store(y_ptr + t.to(tl.int64) * (split // PARTS) + head, out, mask=ok & (cols < split))
-        tail = cols - split
-        tl.store(y2_ptr + t.to(tl.int64) * (channels - split) + tail, out, mask=ok & (tail >= 0))
-    else:
-        tl.store(y_ptr + t.to(tl.int64) * channels + cols, out, mask=ok)
+        y = y * tl.rsqrt(_group_sum(y * y, BLOCK_C, NORM_DIM) + norm_eps)
+    ok = col_ok
+    if not FULL:
+        ok = ok & (t + offsets * 0 < num_rows)
+    tl.store(out_ptr + t.to(tl.int64) * out_stride + offsets, y.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _fwd_step(out_ptr, t, xa, xb, xc, xd, x1, x2, x3, pa, pb, pc, pd, wa, wb, wc, wd, bias, offsets, col_ok,
+              out_stride, num_rows, norm_eps, SILU: tl.constexpr, BLOCK_C: tl.constexpr, NORM_DIM: tl.constexpr,
+              FULL: tl.constexpr):  # fmt: skip
+    """Output rows t..t+3 from their x rows ``xa..xd`` and pos ``pa..pd``, and the x rows t-1, t-2,
+    t-3 (``x1..x3``)."""
+    pre = _preactivation(wa, wb, wc, wd, bias, xa, x1, x2, x3, pa, FULL)
+    _fwd_row(out_ptr, t, pre, offsets, col_ok, out_stride, num_rows, norm_eps, SILU, BLOCK_C, NORM_DIM, FULL)
+    pre = _preactivation(wa, wb, wc, wd, bias, xb, xa, x1, x2, pb, FULL)
+    _fwd_row(out_ptr, t + 1, pre, offsets, col_ok, out_stride, num_rows, norm_eps, SILU, BLOCK_C, NORM_DIM, FULL)
+    pre = _preactivation(wa, wb, wc, wd, bias, xc, xb, xa, x1, pc, FULL)
+    _fwd_row(out_ptr, t + 2, pre, offsets, col_ok, out_stride, num_rows, norm_eps, SILU, BLOCK_C, NORM_DIM, FULL)
+    pre = _preactivation(wa, wb, wc, wd, bias, xd, xc, xb, xa, pd, FULL)
+    _fwd_row(out_ptr, t + 3, pre, offsets, col_ok, out_stride, num_rows, norm_eps, SILU, BLOCK_C, NORM_DIM, FULL)
+
+
+@triton.jit
+def _fwd_block(x_ptr, w_ptr, b_ptr, out_ptr, pos_ptr, map_ptr, t0, cols, col_ok, offsets, out_stride, num_rows,
+               stride_x, norm_eps, K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, ROWS: tl.constexpr,
+               BLOCK_C: tl.constexpr, GATHER: tl.constexpr, NORM_DIM: tl.constexpr):  # fmt: skip
+    """Output rows ``[t0, t0 + ROWS)`` of the channels ``cols``, each stored at
+    ``out_ptr + t * out_stride + offsets``, in steps of ROW_STEP rows."""
+    wa, wb, wc, wd, bias = _taps(w_ptr, b_ptr, cols, col_ok, K, HAS_BIAS)
+    x1 = _row(x_ptr, t0 - 1, stride_x, cols, col_ok, num_rows, map_ptr, GATHER)  # rows t-1, t-2, t-3, carried
+    x2 = _row(x_ptr, t0 - 2, stride_x, cols, col_ok, num_rows, map_ptr, GATHER)
+    x3 = _row(x_ptr, t0 - 3, stride_x, cols, col_ok, num_rows, map_ptr, GATHER)
+    xa, xb, xc, xd, pa, pb, pc, pd = _fwd_loads(x_ptr, pos_ptr, map_ptr, t0, stride_x, cols, col_ok, num_rows, GATHER)
+    for i in range(0, ROWS, ROW_STEP):  # the next step's loads in flight while this step computes
+        t = t0 + i
+        na, nb, nc, nd, npa, npb, npc, npd = _fwd_loads(
+            x_ptr, pos_ptr, map_ptr, t + ROW_STEP, stride_x, cols, col_ok, num_rows, GATHER
+        )  # fmt: skip
+        # FULL: every row exists and every tap counts (K <= 4), so no row or tap needs a test
+        if (t + 3 < num_rows) & (_lowest(pa, pb, pc, pd) >= 3):
+            _fwd_step(out_ptr, t, xa, xb, xc, xd, x1, x2, x3, pa, pb, pc, pd, wa, wb, wc, wd, bias, offsets, col_ok,
+                      out_stride, num_rows, norm_eps, SILU, BLOCK_C, NORM_DIM, True)  # fmt: skip
+        else:
+            _fwd_step(out_ptr, t, xa, xb, xc, xd, x1, x2, x3, pa, pb, pc, pd, wa, wb, wc, wd, bias, offsets, col_ok,
+                      out_stride, num_rows, norm_eps, SILU, BLOCK_C, NORM_DIM, False)  # fmt: skip
+        x3, x2, x1 = xb, xc, xd
+        xa, xb, xc, xd, pa, pb, pc, pd = na, nb, nc, nd, npa, npb, npc, npd
 
 
 @triton.jit
@@ -189,61 +236,39 @@ def cp_causal_conv1d_fwd_kernel(
     """``y[t, c] = act(b[c] + sum_j w[c, K-1-j] * x[t-j, c])`` over taps j with ``pos[t] >= j``;
     with GATHER, x's sequence row t is its row ``map[t]`` (y is in sequence order); with SPLIT,
     y's columns from ``split`` on go to a second tensor, those before it in PARTS blocks; with
-    NORM_DIM, those are l2-normalised over each group of NORM_DIM (dividing BLOCK_C and a block)."""
+    NORM_DIM, those are l2-normalised over each group of NORM_DIM (dividing BLOCK_C and a block).
+    The grid's column blocks are ``cdiv(split, BLOCK_C)`` from column 0, then those from ``split``
+    on, so that a program's columns are all before the split or all after it."""
     t0 = tl.program_id(0) * ROWS
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    col_ok = cols < channels
-    head = _head_offsets(cols, split, num_rows, PARTS, NORM_DIM)  # the same for every row
-    wa, wb, wc, wd, bias = _taps(w_ptr, b_ptr, cols, col_ok, K, HAS_BIAS)
-    x1 = _row(x_ptr, t0 - 1, stride_x, cols, col_ok, num_rows, map_ptr, GATHER)  # rows t-1, t-2, t-3, carried
-    x2 = _row(x_ptr, t0 - 2, stride_x, cols, col_ok, num_rows, map_ptr, GATHER)
-    x3 = _row(x_ptr, t0 - 3, stride_x, cols, col_ok, num_rows, map_ptr, GATHER)
-    xa, xb, xc, xd, pa, pb, pc, pd = _fwd_loads(x_ptr, pos_ptr, map_ptr, t0, stride_x, cols, col_ok, num_rows, GATHER)
-    for i in range(0, ROWS, ROW_STEP):  # the next step's loads in flight while this step computes
-        t = t0 + i
-        na, nb, nc, nd, npa, npb, npc, npd = _fwd_loads(
-            x_ptr, pos_ptr, map_ptr, t + ROW_STEP, stride_x, cols, col_ok, num_rows, GATHER
-        )  # fmt: skip
-        pre = _preactivation(wa, wb, wc, wd, bias, xa, x1, x2, x3, pa)
-        _fwd_row(y_ptr, y2_ptr, t, pre, cols, col_ok, head, split, channels, num_rows, norm_eps, SILU, BLOCK_C,
-                 SPLIT, NORM_DIM, PARTS)  # fmt: skip
-        pre = _preactivation(wa, wb, wc, wd, bias, xb, xa, x1, x2, pb)
-        _fwd_row(y_ptr, y2_ptr, t + 1, pre, cols, col_ok, head, split, channels, num_rows, norm_eps, SILU, BLOCK_C,
-                 SPLIT, NORM_DIM, PARTS)  # fmt: skip
-        pre = _preactivation(wa, wb, wc, wd, bias, xc, xb, xa, x1, pc)
-        _fwd_row(y_ptr, y2_ptr, t + 2, pre, cols, col_ok, head, split, channels, num_rows, norm_eps, SILU, BLOCK_C,
-                 SPLIT, NORM_DIM, PARTS)  # fmt: skip
-        pre = _preactivation(wa, wb, wc, wd, bias, xd, xc, xb, xa, pd)
-        _fwd_row(y_ptr, y2_ptr, t + 3, pre, cols, col_ok, head, split, channels, num_rows, norm_eps, SILU, BLOCK_C,
-                 SPLIT, NORM_DIM, PARTS)  # fmt: skip
-        x3, x2, x1 = xb, xc, xd
-        xa, xb, xc, xd, pa, pb, pc, pd = na, nb, nc, nd, npa, npb, npc, npd
-
-
-@triton.jit
-def _dy_row(dy_ptr, dy2_ptr, t, stride_dy, stride_dy2, cols, col_ok, head, split, num_rows, SPLIT: tl.constexpr):
-    """Row t of the output gradient as float32: with SPLIT, its columns before ``split`` from the
-    first tensor (at ``head``) and the rest from the second (the masks are disjoint)."""
+    pid_c = tl.program_id(1)
+    head_blocks = tl.cdiv(split, BLOCK_C)
+    tail = False
     if SPLIT:
-        dy = _row(dy_ptr, t, stride_dy, head, col_ok & (cols < split), num_rows)
-        dy += _row(dy2_ptr, t, stride_dy2, cols - split, col_ok & (cols >= split), num_rows)
+        tail = pid_c >= head_blocks
+    if tail:
+        cols = split + (pid_c - head_blocks) * BLOCK_C + tl.arange(0, BLOCK_C)
+        _fwd_block(x_ptr, w_ptr, b_ptr, y2_ptr, pos_ptr, map_ptr, t0, cols, cols < channels, cols - split,
+                   channels - split, num_rows, stride_x, norm_eps, K, HAS_BIAS, SILU, ROWS, BLOCK_C, GATHER, 0)  # fmt: skip
     else:
-        dy = _row(dy_ptr, t, stride_dy, cols, col_ok, num_rows)
-    return dy
+        cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+        _fwd_block(x_ptr, w_ptr, b_ptr, y_ptr, pos_ptr, map_ptr, t0, cols, cols < split,
+                   _head_offsets(cols, split, num_rows, PARTS, NORM_DIM), split // PARTS, num_rows, stride_x,
+                   norm_eps, K, HAS_BIAS, SILU, ROWS, BLOCK_C, GATHER, NORM_DIM)  # fmt: skip
 
 
 @triton.jit
-def _bwd_loads(x_ptr, dy_ptr, dy2_ptr, pos_ptr, map_ptr, t, stride_x, stride_dy, stride_dy2, cols, col_ok, head, split,
-               num_rows, GATHER: tl.constexpr, SPLIT: tl.constexpr):  # fmt: skip
-    """A backward step's loads for rows t, t-1, t-2, t-3: x rows t-3..t-6, then dy and pos of rows t..t-3."""
+def _bwd_loads(x_ptr, dy_ptr, pos_ptr, map_ptr, t, stride_x, stride_dy, cols, col_ok, dy_offsets, num_rows,
+               GATHER: tl.constexpr):  # fmt: skip
+    """A backward step's loads for rows t, t-1, t-2, t-3: x rows t-3..t-6, then dy (at
+    ``dy_offsets``) and pos of rows t..t-3."""
     xa = _row(x_ptr, t - 3, stride_x, cols, col_ok, num_rows, map_ptr, GATHER)
     xb = _row(x_ptr, t - 4, stride_x, cols, col_ok, num_rows, map_ptr, GATHER)
     xc = _row(x_ptr, t - 5, stride_x, cols, col_ok, num_rows, map_ptr, GATHER)
     xd = _row(x_ptr, t - 6, stride_x, cols, col_ok, num_rows, map_ptr, GATHER)
-    ga = _dy_row(dy_ptr, dy2_ptr, t, stride_dy, stride_dy2, cols, col_ok, head, split, num_rows, SPLIT)
-    gb = _dy_row(dy_ptr, dy2_ptr, t - 1, stride_dy, stride_dy2, cols, col_ok, head, split, num_rows, SPLIT)
-    gc = _dy_row(dy_ptr, dy2_ptr, t - 2, stride_dy, stride_dy2, cols, col_ok, head, split, num_rows, SPLIT)
-    gd = _dy_row(dy_ptr, dy2_ptr, t - 3, stride_dy, stride_dy2, cols, col_ok, head, split, num_rows, SPLIT)
+    ga = _row(dy_ptr, t, stride_dy, dy_offsets, col_ok, num_rows)
+    gb = _row(dy_ptr, t - 1, stride_dy, dy_offsets, col_ok, num_rows)
+    gc = _row(dy_ptr, t - 2, stride_dy, dy_offsets, col_ok, num_rows)
+    gd = _row(dy_ptr, t - 3, stride_dy, dy_offsets, col_ok, num_rows)
     pa = _pos(pos_ptr, t, num_rows)
     pb = _pos(pos_ptr, t - 1, num_rows)
     pc = _pos(pos_ptr, t - 2, num_rows)
@@ -253,12 +278,14 @@ def _bwd_loads(x_ptr, dy_ptr, dy2_ptr, pos_ptr, map_ptr, t, stride_x, stride_dy,
 
 @triton.jit
 def _bwd_row(dx_ptr, map_ptr, t, t0, x0, x1, x2, x3, p, dy, d1, d2, d3, q1, q2, q3, wa, wb, wc, wd, bias,
-             db, dwa, dwb, dwc, dwd, cols, col_ok, split, num_rows, stride_dx, norm_eps, ROWS: tl.constexpr,
-             BLOCK_C: tl.constexpr, SILU: tl.constexpr, NORM_DIM: tl.constexpr, GATHER: tl.constexpr):  # fmt: skip
+             db, dwa, dwb, dwc, dwd, cols, col_ok, num_rows, stride_dx, norm_eps, ROWS: tl.constexpr,
+             BLOCK_C: tl.constexpr, SILU: tl.constexpr, NORM_DIM: tl.constexpr, GATHER: tl.constexpr,
+             FULL: tl.constexpr):  # fmt: skip
     """One row t of the backward: from x rows t..t-3, pos ``p``, the output gradient ``dy`` and
     the dpre (``d1..d3``) and pos (``q1..q3``) of rows t+1..t+3, store dx[t] if the program owns
-    row t, and return row t's dpre with the sums ``db, dw...`` plus row t's terms."""
-    pre = _preactivation(wa, wb, wc, wd, bias, x0, x1, x2, x3, p)
+    row t, and return row t's dpre with the sums ``db, dw...`` plus row t's terms. FULL: the
+    program owns row t and p and q1..q3 are at least 3."""
+    pre = _preactivation(wa, wb, wc, wd, bias, x0, x1, x2, x3, p, FULL)
     y, dact = pre, 1.0  # the activation's output and derivative
     if SILU:
         sig = tl.sigmoid(pre)
@@ -266,22 +293,120 @@ def _bwd_row(dx_ptr, map_ptr, t, t0, x0, x1, x2, x3, p, dy, d1, d2, d3, q1, q2, 
     dpre = dy
     if NORM_DIM > 0:  # n = y * r with r = rsqrt(sum y^2 + eps): dy = r * dn - r^3 * y * sum(dn * y)
         r = tl.rsqrt(_group_sum(y * y, BLOCK_C, NORM_DIM) + norm_eps)
-        dnorm = r * dy - r * r * r * y * _group_sum(dy * y, BLOCK_C, NORM_DIM)
-        dpre = tl.where(cols < split, dnorm, dy)
+        dpre = r * dy - r * r * r * y * _group_sum(dy * y, BLOCK_C, NORM_DIM)
     dpre = dpre * dact
-    dx = wa * dpre
-    dx += tl.where(q1 >= 1, wb * d1, 0.0)
-    dx += tl.where(q2 >= 2, wc * d2, 0.0)
-    dx += tl.where(q3 >= 3, wd * d3, 0.0)
-    tv = t + cols * 0
-    own = (tv >= t0) & (tv < t0 + ROWS) & (tv < num_rows)
+    if FULL:
+        dx = wa * dpre + wb * d1 + wc * d2 + wd * d3
+        ok = col_ok
+        mine = dpre
+        dwb += mine * x1
+        dwc += mine * x2
+        dwd += mine * x3
+    else:
+        dx = wa * dpre
+        dx += tl.where(q1 >= 1, wb * d1, 0.0)
+        dx += tl.where(q2 >= 2, wc * d2, 0.0)
+        dx += tl.where(q3 >= 3, wd * d3, 0.0)
+        tv = t + cols * 0
+        own = (tv >= t0) & (tv < t0 + ROWS) & (tv < num_rows)
+        ok = col_ok & own
+        mine = tl.where(own, dpre, 0.0)
+        dwb += tl.where(p >= 1, mine * x1, 0.0)
+        dwc += tl.where(p >= 2, mine * x2, 0.0)
+        dwd += tl.where(p >= 3, mine * x3, 0.0)
     dst = _src(map_ptr, t, num_rows, GATHER)
-    tl.store(dx_ptr + dst * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty), mask=col_ok & own)
-    mine = tl.where(own, dpre, 0.0)
-    dwb += tl.where(p >= 1, mine * x1, 0.0)
-    dwc += tl.where(p >= 2, mine * x2, 0.0)
-    dwd += tl.where(p >= 3, mine * x3, 0.0)
+    tl.store(dx_ptr + dst * stride_dx + cols, dx.to(dx_ptr.dtype.element_ty), mask=ok)
     return dpre, db + mine, dwa + mine * x0, dwb, dwc, dwd
+
+
+@triton.jit
+def _bwd_step(dx_ptr, map_ptr, t, t0, x0, x1, x2, xa, xb, xc, xd, ga, gb, gc, gd, pa, pb, pc, pd, d1, d2, d3,
+              q1, q2, q3, wa, wb, wc, wd, bias, db, dwa, dwb, dwc, dwd, cols, col_ok, num_rows, stride_dx, norm_eps,
+              ROWS: tl.constexpr, BLOCK_C: tl.constexpr, SILU: tl.constexpr, NORM_DIM: tl.constexpr,
+              GATHER: tl.constexpr, FULL: tl.constexpr):  # fmt: skip
+    """Rows t, t-1, t-2, t-3 of the backward (:func:`_bwd_row`), from x rows t..t-2 (``x0..x2``)
+    and t-3..t-6 (``xa..xd``), the dy (``ga..gd``) and pos (``pa..pd``) of rows t..t-3, and the
+    dpre and pos of rows t+1..t+3; returns the four rows' dpre (row t first) and the sums."""
+    ea, db, dwa, dwb, dwc, dwd = _bwd_row(
+        dx_ptr, map_ptr, t, t0, x0, x1, x2, xa, pa, ga, d1, d2, d3, q1, q2, q3, wa, wb, wc, wd, bias,
+        db, dwa, dwb, dwc, dwd, cols, col_ok, num_rows, stride_dx, norm_eps, ROWS, BLOCK_C, SILU, NORM_DIM, GATHER, FULL,
+    )  # fmt: skip
+    eb, db, dwa, dwb, dwc, dwd = _bwd_row(
+        dx_ptr, map_ptr, t - 1, t0, x1, x2, xa, xb, pb, gb, ea, d1, d2, pa, q1, q2, wa, wb, wc, wd, bias,
+        db, dwa, dwb, dwc, dwd, cols, col_ok, num_rows, stride_dx, norm_eps, ROWS, BLOCK_C, SILU, NORM_DIM, GATHER, FULL,
+    )  # fmt: skip
+    ec, db, dwa, dwb, dwc, dwd = _bwd_row(
+        dx_ptr, map_ptr, t - 2, t0, x2, xa, xb, xc, pc, gc, eb, ea, d1, pb, pa, q1, wa, wb, wc, wd, bias,
+        db, dwa, dwb, dwc, dwd, cols, col_ok, num_rows, stride_dx, norm_eps, ROWS, BLOCK_C, SILU, NORM_DIM, GATHER, FULL,
+    )  # fmt: skip
+    ed, db, dwa, dwb, dwc, dwd = _bwd_row(
+        dx_ptr, map_ptr, t - 3, t0, xa, xb, xc, xd, pd, gd, ec, eb, ea, pc, pb, pa, wa, wb, wc, wd, bias,
+        db, dwa, dwb, dwc, dwd, cols, col_ok, num_rows, stride_dx, norm_eps, ROWS, BLOCK_C, SILU, NORM_DIM, GATHER, FULL,
+    )  # fmt: skip
+    return ea, eb, ec, ed, db, dwa, dwb, dwc, dwd
+
+
+@triton.jit
+def _bwd_block(x_ptr, w_ptr, b_ptr, dy_ptr, dx_ptr, dw_ptr, db_ptr, pos_ptr, map_ptr, pid_t, cols, col_ok,
+               dy_offsets, stride_dy, num_rows, channels, stride_x, stride_dx, norm_eps, K: tl.constexpr,
+               HAS_BIAS: tl.constexpr, SILU: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr,
+               GATHER: tl.constexpr, NORM_DIM: tl.constexpr):  # fmt: skip
+    """The backward of rows ``[t0, t0 + ROWS)`` (``t0 = pid_t * ROWS``) of the channels ``cols``,
+    dy's row t at ``dy_ptr + t * stride_dy + dy_offsets``: dx stored, dw and db's sums stored as
+    this program's partial sums. Rows run from the last one down, in steps of ROW_STEP rows; the
+    K-1 rows after the block are recomputed for their ``dpre``."""
+    t0 = pid_t * ROWS
+    wa, wb, wc, wd, bias = _taps(w_ptr, b_ptr, cols, col_ok, K, HAS_BIAS)
+    top = t0 + ROWS + 3  # the first row streamed: the next three rows' dpre reach the block, and steps end on t0
+    x0 = _row(x_ptr, top, stride_x, cols, col_ok, num_rows, map_ptr, GATHER)  # rows t, t-1, t-2, carried
+    x1 = _row(x_ptr, top - 1, stride_x, cols, col_ok, num_rows, map_ptr, GATHER)
+    x2 = _row(x_ptr, top - 2, stride_x, cols, col_ok, num_rows, map_ptr, GATHER)
+    d1 = tl.zeros((BLOCK_C,), dtype=tl.float32)  # dpre of rows t+1, t+2, t+3, carried
+    d2 = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    d3 = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    q1 = tl.full([], 0, tl.int32)  # pos of rows t+1, t+2, t+3
+    q2 = tl.full([], 0, tl.int32)
+    q3 = tl.full([], 0, tl.int32)
+    db = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    dwa = tl.zeros((BLOCK_C,), dtype=tl.float32)  # weight columns K-1, K-2, K-3, K-4
+    dwb = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    dwc = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    dwd = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    xa, xb, xc, xd, ga, gb, gc, gd, pa, pb, pc, pd = _bwd_loads(
+        x_ptr, dy_ptr, pos_ptr, map_ptr, top, stride_x, stride_dy, cols, col_ok, dy_offsets, num_rows, GATHER
+    )  # fmt: skip
+    for i in range(0, ROWS + ROW_STEP, ROW_STEP):  # the next step's loads in flight while this step computes
+        t = top - i
+        na, nb, nc, nd, nga, ngb, ngc, ngd, npa, npb, npc, npd = _bwd_loads(
+            x_ptr, dy_ptr, pos_ptr, map_ptr, t - ROW_STEP, stride_x, stride_dy, cols, col_ok, dy_offsets, num_rows,
+            GATHER,
+        )  # fmt: skip
+        # FULL: the program owns every row, and every tap counts for them and for the rows above
+        if (t < tl.minimum(num_rows, t0 + ROWS)) & (_lowest(pa, pb, pc, _lowest(pd, q1, q2, q3)) >= 3):
+            ea, eb, ec, ed, db, dwa, dwb, dwc, dwd = _bwd_step(
+                dx_ptr, map_ptr, t, t0, x0, x1, x2, xa, xb, xc, xd, ga, gb, gc, gd, pa, pb, pc, pd, d1, d2, d3,
+                q1, q2, q3, wa, wb, wc, wd, bias, db, dwa, dwb, dwc, dwd, cols, col_ok, num_rows, stride_dx, norm_eps,
+                ROWS, BLOCK_C, SILU, NORM_DIM, GATHER, True,
+            )  # fmt: skip
+        else:
+            ea, eb, ec, ed, db, dwa, dwb, dwc, dwd = _bwd_step(
+                dx_ptr, map_ptr, t, t0, x0, x1, x2, xa, xb, xc, xd, ga, gb, gc, gd, pa, pb, pc, pd, d1, d2, d3,
+                q1, q2, q3, wa, wb, wc, wd, bias, db, dwa, dwb, dwc, dwd, cols, col_ok, num_rows, stride_dx, norm_eps,
+                ROWS, BLOCK_C, SILU, NORM_DIM, GATHER, False,
+            )  # fmt: skip
+        x0, x1, x2 = xb, xc, xd
+        d1, d2, d3 = ed, ec, eb
+        q1, q2, q3 = pd, pc, pb
+        xa, xb, xc, xd, ga, gb, gc, gd, pa, pb, pc, pd = na, nb, nc, nd, nga, ngb, ngc, ngd, npa, npb, npc, npd
+    part = dw_ptr + pid_t.to(tl.int64) * channels * 4 + cols * 4
+    tl.store(part + (K - 1), dwa, mask=col_ok)
+    if K > 1:
+        tl.store(part + (K - 2), dwb, mask=col_ok)
+    if K > 2:
+        tl.store(part + (K - 3), dwc, mask=col_ok)
+    if K > 3:
+        tl.store(part + (K - 4), dwd, mask=col_ok)
+    tl.store(db_ptr + pid_t.to(tl.int64) * channels + cols, db, mask=col_ok)
 
 
 @triton.jit
@@ -316,72 +441,23 @@ def cp_causal_conv1d_bwd_kernel(
 ):
     """With ``dpre = dy * act'(pre)``: ``dx[t] = sum_s w[:, K-1-s] * dpre[t+s]`` over s with
     ``pos[t+s] >= s``; ``dw[:, K-1-j] = sum_t dpre[t] * x[t-j]`` over ``pos[t] >= j`` and
-    ``db = sum_t dpre[t]``, over this program's rows. Rows run from the last one down; the K-1
-    rows after this program's block are recomputed for their ``dpre``. With GATHER, sequence
-    row t of x and of dx is their row ``map[t]`` (dy is in sequence order). With SPLIT, dy's columns
-    from ``split`` on come from a second tensor, those before it in PARTS blocks; with NORM_DIM,
-    dy before ``split`` is that of the forward's l2-normalised columns, taken back through the norm."""
-    pid_t = tl.program_id(0)
-    t0 = pid_t * ROWS
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    col_ok = cols < channels
-    head = _head_offsets(cols, split, num_rows, PARTS, NORM_DIM)  # the same for every row
-    wa, wb, wc, wd, bias = _taps(w_ptr, b_ptr, cols, col_ok, K, HAS_BIAS)
-    top = t0 + ROWS + 3  # the first row streamed: the next three rows' dpre reach the block, and steps end on t0
-    x0 = _row(x_ptr, top, stride_x, cols, col_ok, num_rows, map_ptr, GATHER)  # rows t, t-1, t-2, carried
-    x1 = _row(x_ptr, top - 1, stride_x, cols, col_ok, num_rows, map_ptr, GATHER)
-    x2 = _row(x_ptr, top - 2, stride_x, cols, col_ok, num_rows, map_ptr, GATHER)
-    d1 = tl.zeros((BLOCK_C,), dtype=tl.float32)  # dpre of rows t+1, t+2, t+3, carried
-    d2 = tl.zeros((BLOCK_C,), dtype=tl.float32)
-    d3 = tl.zeros((BLOCK_C,), dtype=tl.float32)
-    q1 = tl.full([], 0, tl.int32)  # pos of rows t+1, t+2, t+3
-    q2 = tl.full([], 0, tl.int32)
-    q3 = tl.full([], 0, tl.int32)
-    db = tl.zeros((BLOCK_C,), dtype=tl.float32)
-    dwa = tl.zeros((BLOCK_C,), dtype=tl.float32)  # weight columns K-1, K-2, K-3, K-4
-    dwb = tl.zeros((BLOCK_C,), dtype=tl.float32)
-    dwc = tl.zeros((BLOCK_C,), dtype=tl.float32)
-    dwd = tl.zeros((BLOCK_C,), dtype=tl.float32)
-    xa, xb, xc, xd, ga, gb, gc, gd, pa, pb, pc, pd = _bwd_loads(
-        x_ptr, dy_ptr, dy2_ptr, pos_ptr, map_ptr, top, stride_x, stride_dy, stride_dy2, cols, col_ok, head, split,
-        num_rows, GATHER, SPLIT,
-    )  # fmt: skip
-    for i in range(0, ROWS + ROW_STEP, ROW_STEP):  # the next step's loads in flight while this step computes
-        t = top - i
-        na, nb, nc, nd, nga, ngb, ngc, ngd, npa, npb, npc, npd = _bwd_loads(
-            x_ptr, dy_ptr, dy2_ptr, pos_ptr, map_ptr, t - ROW_STEP, stride_x, stride_dy, stride_dy2, cols, col_ok,
-            head, split, num_rows, GATHER, SPLIT,
-        )  # fmt: skip
-        ea, db, dwa, dwb, dwc, dwd = _bwd_row(
-            dx_ptr, map_ptr, t, t0, x0, x1, x2, xa, pa, ga, d1, d2, d3, q1, q2, q3, wa, wb, wc, wd, bias,
-            db, dwa, dwb, dwc, dwd, cols, col_ok, split, num_rows, stride_dx, norm_eps,
-            ROWS, BLOCK_C, SILU, NORM_DIM, GATHER,
-        )  # fmt: skip
-        eb, db, dwa, dwb, dwc, dwd = _bwd_row(
-            dx_ptr, map_ptr, t - 1, t0, x1, x2, xa, xb, pb, gb, ea, d1, d2, pa, q1, q2, wa, wb, wc, wd, bias,
-            db, dwa, dwb, dwc, dwd, cols, col_ok, split, num_rows, stride_dx, norm_eps,
-            ROWS, BLOCK_C, SILU, NORM_DIM, GATHER,
-        )  # fmt: skip
-        ec, db, dwa, dwb, dwc, dwd = _bwd_row(
-            dx_ptr, map_ptr, t - 2, t0, x2, xa, xb, xc, pc, gc, eb, ea, d1, pb, pa, q1, wa, wb, wc, wd, bias,
-            db, dwa, dwb, dwc, dwd, cols, col_ok, split, num_rows, stride_dx, norm_eps,
-            ROWS, BLOCK_C, SILU, NORM_DIM, GATHER,
-        )  # fmt: skip
-        ed, db, dwa, dwb, dwc, dwd = _bwd_row(
-            dx_ptr, map_ptr, t - 3, t0, xa, xb, xc, xd, pd, gd, ec, eb, ea, pc, pb, pa, wa, wb, wc, wd, bias,
-            db, dwa, dwb, dwc, dwd, cols, col_ok, split, num_rows, stride_dx, norm_eps,
-            ROWS, BLOCK_C, SILU, NORM_DIM, GATHER,
-        )  # fmt: skip
-        x0, x1, x2 = xb, xc, xd
-        d1, d2, d3 = ed, ec, eb
-        q1, q2, q3 = pd, pc, pb
-        xa, xb, xc, xd, ga, gb, gc, gd, pa, pb, pc, pd = na, nb, nc, nd, nga, ngb, ngc, ngd, npa, npb, npc, npd
-    part = dw_ptr + pid_t.to(tl.int64) * channels * 4 + cols * 4
-    tl.store(part + (K - 1), dwa, mask=col_ok)
-    if K > 1:
-        tl.store(part + (K - 2), dwb, mask=col_ok)
-    if K > 2:
-        tl.store(part + (K - 3), dwc, mask=col_ok)
-    if K > 3:
-        tl.store(part + (K - 4), dwd, mask=col_ok)
-    tl.store(db_ptr + pid_t.to(tl.int64) * channels + cols, db, mask=col_ok)
+    ``db = sum_t dpre[t]``, over this program's rows. With GATHER, sequence row t of x and of dx
+    is their row ``map[t]`` (dy is in sequence order). With SPLIT, dy's columns from ``split`` on
+    come from a second tensor, those before it in PARTS blocks; with NORM_DIM, dy before ``split``
+    is that of the forward's l2-normalised columns, taken back through the norm. The column
+    blocks are laid out as the forward's."""
+    pid_c = tl.program_id(1)
+    head_blocks = tl.cdiv(split, BLOCK_C)
+    tail = False
+    if SPLIT:
+        tail = pid_c >= head_blocks
+    if tail:
+        cols = split + (pid_c - head_blocks) * BLOCK_C + tl.arange(0, BLOCK_C)
+        _bwd_block(x_ptr, w_ptr, b_ptr, dy2_ptr, dx_ptr, dw_ptr, db_ptr, pos_ptr, map_ptr, tl.program_id(0), cols,
+                   cols < channels, cols - split, stride_dy2, num_rows, channels, stride_x, stride_dx, norm_eps, K,
+                   HAS_BIAS, SILU, ROWS, BLOCK_C, GATHER, 0)  # fmt: skip
+    else:
+        cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+        _bwd_block(x_ptr, w_ptr, b_ptr, dy_ptr, dx_ptr, dw_ptr, db_ptr, pos_ptr, map_ptr, tl.program_id(0), cols,
+                   cols < split, _head_offsets(cols, split, num_rows, PARTS, NORM_DIM), stride_dy, num_rows, channels,
+                   stride_x, stride_dx, norm_eps, K, HAS_BIAS, SILU, ROWS, BLOCK_C, GATHER, NORM_DIM)  # fmt: skip

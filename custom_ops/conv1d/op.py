@@ -222,7 +222,7 @@ def _conv_forward(
     y = torch.empty(shape, dtype=x.dtype, device=x.device)
     tail = y if split is None else torch.empty(num_rows, channels - head, dtype=x.dtype, device=x.device)
     pos = _conv_positions(cu_seqlens, num_rows)
-    grid = (cdiv(num_rows, block_rows), cdiv(channels, block_c))
+    grid = (cdiv(num_rows, block_rows), _column_blocks(channels, head, block_c))
     launch_direct(
         cp_causal_conv1d_fwd_kernel, grid,
         x, weight, weight if bias is None else bias.contiguous(), _nonempty(y, tail), _nonempty(tail, y), pos,
@@ -232,6 +232,11 @@ def _conv_forward(
         num_stages=stages,
     )  # fmt: skip
     return y if split is None else (y, tail)
+
+
+def _column_blocks(channels: int, split: int, block_c: int) -> int:
+    """The kernels' programs along the channels: blocks from column 0, then from ``split`` (none straddles it)."""
+    return cdiv(split, block_c) + cdiv(channels - split, block_c)
 
 
 def _nonempty(t: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
@@ -264,7 +269,7 @@ def _conv_backward_kernel(
     db_parts = torch.empty(programs, channels, dtype=torch.float32, device=x.device)
     pos = _conv_positions(cu_seqlens, num_rows)
     launch_direct(
-        cp_causal_conv1d_bwd_kernel, (programs, cdiv(channels, block_c)),
+        cp_causal_conv1d_bwd_kernel, (programs, _column_blocks(channels, split, block_c)),
         x, w, w if bias is None else bias.contiguous(), _nonempty(grad_y, tail), _nonempty(tail, grad_y), dx,
         dw_parts, db_parts, pos, pos if rows is None else rows, num_rows, channels, split, x.stride(0),
         grad_y.stride(-2), tail.stride(0), dx.stride(0), norm[1], K=kernel, HAS_BIAS=bias is not None,
