@@ -655,7 +655,7 @@ def _cp_table(results, cases, world, dims, dtype, runs, seq_runs, notes) -> tupl
 
 # --conv --sweep: the launch configs tried (rows, channels a program, warps; one stage, as the
 # kernels' loads are issued a step ahead by hand)
-SWEEP_ROWS = {"fwd": (64, 128, 256), "bwd": (128, 256, 512)}
+SWEEP_ROWS = {"fwd": (128, 256, 512), "bwd": (256, 512, 1024)}
 SWEEP_BLOCKS, SWEEP_WARPS = (256, 512, 1024), (4, 8)
 
 

@@ -72,8 +72,8 @@ class ConvSettings:
     carried over block boundaries) and the interpreter's loops stay short. Each ``rows`` is a
     multiple of the kernels' step, :data:`custom_ops.conv1d.kernels.ROW_STEP`."""
 
-    fwd: ConvConfig = ConvConfig(rows=128, block_c=1024, num_warps=4, num_stages=1)
-    bwd: ConvConfig = ConvConfig(rows=256, block_c=512, num_warps=4, num_stages=1)
+    fwd: ConvConfig = ConvConfig(rows=256, block_c=512, num_warps=4, num_stages=1)
+    bwd: ConvConfig = ConvConfig(rows=512, block_c=512, num_warps=4, num_stages=1)
     interpreter: ConvConfig = ConvConfig(rows=8, block_c=16, num_warps=1, num_stages=1)
 
     def __post_init__(self):

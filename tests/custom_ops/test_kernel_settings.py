@@ -51,8 +51,8 @@ def test_reorder_kernel_under_another_row_tile():
 
 def test_conv_settings_defaults():
     """CUDA launches take the tuned configs; the interpreter its small blocks."""
-    assert CONV_SETTINGS.config("fwd", on_gpu=True) == (128, 1024, 4, 1)
-    assert CONV_SETTINGS.config("bwd", on_gpu=True) == (256, 512, 4, 1)
+    assert CONV_SETTINGS.config("fwd", on_gpu=True) == (256, 512, 4, 1)
+    assert CONV_SETTINGS.config("bwd", on_gpu=True) == (512, 512, 4, 1)
     assert CONV_SETTINGS.config("fwd", on_gpu=False) == CONV_SETTINGS.config("bwd", on_gpu=False) == (8, 16, 1, 1)
     with pytest.raises(dataclasses.FrozenInstanceError):
         CONV_SETTINGS.fwd = ConvConfig(32, 512, 4, 4)
