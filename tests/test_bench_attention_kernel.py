@@ -125,6 +125,27 @@ def test_missing_refusing_and_wrong_baselines_are_rows_with_notes(monkeypatch, t
     assert ba.note_for(NotInstalled("x not installed")) == "x not installed"
 
 
+def test_layout_rows_are_checked_through_copies_and_timed_in_their_layout():
+    """An :class:`InLayout` row (the op where a document is odd) is checked against the reference
+    through its copies, and timed on inputs placed before the timer runs: no copy is timed."""
+    lens = [5, 12, 1, 7]
+    q, k, v = (t.detach() for t in attention_inputs(sum(lens), 4, 2, 8, "cpu", dtype=torch.float32))
+    dout = torch.randn(q.shape)
+    inner, placed, copies_timed = ba.backend_fn(lens, "cpu", "segment"), [], []
+    assert isinstance(inner, ba.InLayout)
+    row = ba.InLayout(inner.fn, lambda t: (placed.append(t.shape[0]), inner.place(t))[1], inner.take)
+
+    def timer(fn):
+        before = len(placed)
+        fn()
+        copies_timed.append(len(placed) - before)
+        return 3.0
+
+    r = ba.measure(lambda: row, q, k, v, None, fp32_reference(q, k, v, lens, dout), dout, timer)
+    assert r["note"] == "" and r["fwd ms"] == r["fwd+bwd ms"] == 3.0 and r["err grads"] < 1e-4
+    assert copies_timed == [0, 0] and placed == [sum(lens)] * 7  # 3 for the check, q k v dout before timing
+
+
 @pytest.mark.parametrize("lens", [[5, 12, 1, 7], [4, 6, 2]])  # odd lengths: padded rows between the documents
 def test_backend_rows_take_packed_documents_of_any_length(lens):
     """The ``ag_thd_attention`` rows move the packed rows into the op's padded layout and back
