@@ -28,6 +28,7 @@ import dataclasses
 import itertools
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -223,9 +224,9 @@ class InLayout:
     (the error checks) it moves the packed rows in and the output out; :func:`measure` times ``fn``
     on inputs placed beforehand, as a caller whose batches come in that layout runs it."""
 
-    fn: object
-    place: object
-    take: object
+    fn: Callable
+    place: Callable
+    take: Callable
 
     def __call__(self, q, k, v, seg):
         return self.take(self.fn(self.place(q), self.place(k), self.place(v)))

@@ -1,14 +1,15 @@
 """Triton kernels of the depthwise causal conv1d over packed sequences (``custom_ops.causal_conv1d``),
 for kernel widths K <= 4 (:data:`MAX_TAPS`).
 
-Each program streams a block of channels down a run of rows, carrying the rows a tap needs
-in registers, so every row of x (and of the output gradient) is read once; in steps of
-:data:`ROW_STEP` rows, the next step's loads issued before this step computes, so that several
-loads are in flight (one at a time left HBM half idle). The backward streams the rows backwards,
-recomputes the pre-activation, and sums ``dweight`` and ``dbias`` per program in float32 for the
-caller to add. Grids are sized from shapes. Sequences enter through ``pos`` (each row's position
-in its sequence capped at :data:`MAX_TAPS`, from :func:`conv_positions_kernel`): tap j of row t
-sees ``x[t-j]`` iff ``pos[t] >= j``. The design: docs/design.md section 2, "Gated DeltaNet core".
+Each program streams a block of channels down a run of rows, carrying the rows a tap needs in
+registers, so every row of x (and of the output gradient) is read once; in steps of
+:data:`ROW_STEP` rows, the next step's loads issued before this step computes (one load at a time
+left HBM half idle); a step whose rows all sit three or more rows into their sequence runs without
+per-row tests (FULL). The backward streams the rows backwards, recomputes the pre-activation, and
+sums ``dweight`` and ``dbias`` per program in float32 for the caller to add. Grids are sized from
+shapes, their column blocks starting at 0 and again at the cut. Sequences enter through ``pos``
+(each row's position capped at :data:`MAX_TAPS`, from :func:`conv_positions_kernel`): tap j of row
+t sees ``x[t-j]`` iff ``pos[t] >= j``. The design: docs/design.md section 2, "Gated DeltaNet core".
 """
 
 import triton
@@ -248,7 +249,8 @@ def cp_causal_conv1d_fwd_kernel(
     if tail:
         cols = split + (pid_c - head_blocks) * BLOCK_C + tl.arange(0, BLOCK_C)
         _fwd_block(x_ptr, w_ptr, b_ptr, y2_ptr, pos_ptr, map_ptr, t0, cols, cols < channels, cols - split,
-                   channels - split, num_rows, stride_x, norm_eps, K, HAS_BIAS, SILU, ROWS, BLOCK_C, GATHER, 0)  # fmt: skip
+                   channels - split, num_rows, stride_x, norm_eps, K, HAS_BIAS, SILU, ROWS, BLOCK_C, GATHER,
+                   0)  # fmt: skip
     else:
         cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
         _fwd_block(x_ptr, w_ptr, b_ptr, y_ptr, pos_ptr, map_ptr, t0, cols, cols < split,
@@ -329,19 +331,23 @@ def _bwd_step(dx_ptr, map_ptr, t, t0, x0, x1, x2, xa, xb, xc, xd, ga, gb, gc, gd
     dpre and pos of rows t+1..t+3; returns the four rows' dpre (row t first) and the sums."""
     ea, db, dwa, dwb, dwc, dwd = _bwd_row(
         dx_ptr, map_ptr, t, t0, x0, x1, x2, xa, pa, ga, d1, d2, d3, q1, q2, q3, wa, wb, wc, wd, bias,
-        db, dwa, dwb, dwc, dwd, cols, col_ok, num_rows, stride_dx, norm_eps, ROWS, BLOCK_C, SILU, NORM_DIM, GATHER, FULL,
+        db, dwa, dwb, dwc, dwd, cols, col_ok, num_rows, stride_dx, norm_eps, ROWS, BLOCK_C, SILU, NORM_DIM, GATHER,
+        FULL,
     )  # fmt: skip
     eb, db, dwa, dwb, dwc, dwd = _bwd_row(
         dx_ptr, map_ptr, t - 1, t0, x1, x2, xa, xb, pb, gb, ea, d1, d2, pa, q1, q2, wa, wb, wc, wd, bias,
-        db, dwa, dwb, dwc, dwd, cols, col_ok, num_rows, stride_dx, norm_eps, ROWS, BLOCK_C, SILU, NORM_DIM, GATHER, FULL,
+        db, dwa, dwb, dwc, dwd, cols, col_ok, num_rows, stride_dx, norm_eps, ROWS, BLOCK_C, SILU, NORM_DIM, GATHER,
+        FULL,
     )  # fmt: skip
     ec, db, dwa, dwb, dwc, dwd = _bwd_row(
         dx_ptr, map_ptr, t - 2, t0, x2, xa, xb, xc, pc, gc, eb, ea, d1, pb, pa, q1, wa, wb, wc, wd, bias,
-        db, dwa, dwb, dwc, dwd, cols, col_ok, num_rows, stride_dx, norm_eps, ROWS, BLOCK_C, SILU, NORM_DIM, GATHER, FULL,
+        db, dwa, dwb, dwc, dwd, cols, col_ok, num_rows, stride_dx, norm_eps, ROWS, BLOCK_C, SILU, NORM_DIM, GATHER,
+        FULL,
     )  # fmt: skip
     ed, db, dwa, dwb, dwc, dwd = _bwd_row(
         dx_ptr, map_ptr, t - 3, t0, xa, xb, xc, xd, pd, gd, ec, eb, ea, pc, pb, pa, wa, wb, wc, wd, bias,
-        db, dwa, dwb, dwc, dwd, cols, col_ok, num_rows, stride_dx, norm_eps, ROWS, BLOCK_C, SILU, NORM_DIM, GATHER, FULL,
+        db, dwa, dwb, dwc, dwd, cols, col_ok, num_rows, stride_dx, norm_eps, ROWS, BLOCK_C, SILU, NORM_DIM, GATHER,
+        FULL,
     )  # fmt: skip
     return ea, eb, ec, ed, db, dwa, dwb, dwc, dwd
 
