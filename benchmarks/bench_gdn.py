@@ -268,12 +268,17 @@ def ours_conv(x, w, cu):
     return fwd, bwd
 
 
-def bench_conv(total: int, num_seqs: int, channels: int) -> dict[str, float]:
-    lens = _lengths(total, num_seqs, torch.Generator().manual_seed(total + num_seqs))
-    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
-    proj = torch.randn(total, channels + CONV_EXTRA, device="cuda", dtype=torch.bfloat16)
-    x = proj[:, :channels]
+def conv_inputs(total: int, num_seqs: int, channels: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(cu_seqlens, x, weight)`` of the conv in the layer's form on one GPU: ``num_seqs`` packed
+    sequences of ``total`` tokens, x ``[total, channels]`` a column slice of the projection output."""
+    cu, _ = pad_cu_seqlens(_lengths(total, num_seqs, torch.Generator().manual_seed(total + num_seqs)), 1, device="cuda")
+    x = torch.randn(total, channels + CONV_EXTRA, device="cuda", dtype=torch.bfloat16)[:, :channels]
     w = (torch.randn(channels, CONV_KERNEL, device="cuda") / CONV_KERNEL**0.5).to(torch.bfloat16)
+    return cu, x, w
+
+
+def bench_conv(total: int, num_seqs: int, channels: int) -> dict[str, float]:
+    cu, x, w = conv_inputs(total, num_seqs, channels)
     dy = torch.randn(total, channels, device="cuda", dtype=torch.bfloat16)
     forms = {"ours": ours_conv(x, w, cu), "FLA": fla_conv(x, w, cu)}
     (of, ob), (ff, fb) = forms["ours"], forms["FLA"]
@@ -664,11 +669,8 @@ def conv_sweep(tokens: int, num_seqs: int, out) -> None:
     column slice of the projection output, q and k normalised in two blocks, v in its own tensor)."""
     from custom_ops.conv1d.op import ConvConfig, ConvSettings, _conv_backward_kernel, _conv_forward
 
-    lens = _lengths(tokens, num_seqs, torch.Generator().manual_seed(tokens + num_seqs))
-    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
     channels, split, norm = CONV_CHANNELS[0], 2 * HK * DK, (DK, custom_ops.L2NORM_EPS)
-    x = torch.randn(tokens, channels + CONV_EXTRA, device="cuda", dtype=torch.bfloat16)[:, :channels]
-    w = (torch.randn(channels, CONV_KERNEL, device="cuda") / CONV_KERNEL**0.5).to(torch.bfloat16)
+    cu, x, w = conv_inputs(tokens, num_seqs, channels)
     grad_head = torch.randn(2, tokens, split // 2, device="cuda", dtype=torch.bfloat16)
     grad_tail = torch.randn(tokens, channels - split, device="cuda", dtype=torch.bfloat16)
     calls = {
