@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import torch
 
+from custom_ops.ag_attention.kernels import zero_uncovered_rows_kernel
 from custom_ops.ag_attention.segments import ag_thd_segments
+from custom_ops.runtime.launch import launch_direct, use_triton
 from custom_ops.runtime.registration import NAMESPACE, opaque_op
+from custom_ops.runtime.tiles import cdiv, next_power_of_2
 from custom_ops.thd.index import local_offsets
 
 __all__ = ["fa4_attention", "fa4_tables", "fa4_varlen_backward", "fa4_varlen_forward", "set_interface"]
@@ -60,6 +63,34 @@ def fa4_tables(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor, cp_siz
     return tuple(torch.stack(parts) for parts in zip(*calls))
 
 
+# rows a program of the zeroing kernel tests; the columns of its rows it zeroes per store
+_ZERO_ROWS, _ZERO_COLS = 128, 1024
+
+
+def zero_uncovered_rows(x: torch.Tensor, cu_seqlens_q: torch.Tensor, seqused_q: torch.Tensor) -> torch.Tensor:
+    """Zeroes, in place, the rows of ``x [T, ...]`` that no call of the ``[C, ...]`` tables covers
+    (:func:`fa4_tables`; FlashAttention 4 writes only the rows it covers): the rows it does cover
+    are not touched, so the cost is the padding rows', not the tensor's. Returns ``x``."""
+    rows, cols = x.shape[0], x[:1].numel()
+    calls, batch = seqused_q.shape
+    if use_triton(x):
+        if rows > 0 and cols > 0:
+            launch_direct(
+                zero_uncovered_rows_kernel, (cdiv(rows, _ZERO_ROWS),), x, cu_seqlens_q.contiguous(),
+                seqused_q.contiguous(), calls, batch, rows, cols, BLOCK_R=_ZERO_ROWS,
+                BLOCK_D=min(_ZERO_COLS, next_power_of_2(cols)),
+            )  # fmt: skip
+        return x
+    g = torch.arange(rows, device=x.device)
+    covered = torch.zeros(rows, dtype=torch.bool, device=x.device)
+    for c in range(calls if batch > 0 else 0):
+        i = torch.searchsorted(cu_seqlens_q[c, :-1], g, right=True) - 1
+        found, i = i >= 0, i.clamp(min=0)
+        covered |= found & (g < cu_seqlens_q[c, i] + seqused_q[c, i])
+    x[~covered] = 0
+    return x
+
+
 def _window(causal: bool, window_left: int) -> dict:
     """FlashAttention 4's window arguments for the op's: causal with an optional left window (the
     right one is moot under causality), or none (the backend takes no other form)."""
@@ -81,10 +112,10 @@ def fa4_varlen_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [Tq, Hq, Dv], lse [C, Hq, Tq] float32)``: FlashAttention 4's varlen forward, one call
     per row of the ``[C, ...]`` tables (:func:`fa4_tables`), all writing ``out``; rows no call
-    covers stay zero. ``lse[c]``: call c's log-sum-exp on its rows (-inf on the others; its backward
-reads only its rows)."""
+    covers are zeroed after. ``lse[c]``: call c's log-sum-exp on its rows (-inf on the others; its
+    backward reads only its rows)."""
     fa = _interface()
-    out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
+    out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
     lse = q.new_full((cu_seqlens_q.shape[0], q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32)
     for c in range(cu_seqlens_q.shape[0]):
         fa._flash_attn_fwd(
@@ -92,7 +123,7 @@ reads only its rows)."""
             seqused_k=seqused_k[c], softmax_scale=scale, causal=causal, **_window(causal, window_left),
             return_lse=True, out=out, lse=lse[c],
         )  # fmt: skip
-    return out, lse
+    return zero_uncovered_rows(out, cu_seqlens_q, seqused_q), lse
 
 
 @fa4_varlen_forward.register_fake
@@ -119,9 +150,10 @@ def fa4_varlen_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` of :func:`fa4_varlen_forward`: FlashAttention 4's varlen backward per call,
     dq written by every call into one tensor (their query rows are disjoint), each call's dk/dv
-    into zeros of its own and summed (their key rows overlap). Rows no call covers are zero."""
+    into zeros of its own and summed (their key rows overlap). Rows no call covers are zero (dq's
+    zeroed after the calls)."""
     fa = _interface()
-    dq = q.new_zeros(q.shape)
+    dq = q.new_empty(q.shape)
     dk, dv = k.new_zeros(k.shape), v.new_zeros(v.shape)
     for c in range(cu_seqlens_q.shape[0]):
         dk_c, dv_c = (dk, dv) if c == 0 else (k.new_zeros(k.shape), v.new_zeros(v.shape))
@@ -133,7 +165,7 @@ def fa4_varlen_backward(
         if c > 0:
             dk += dk_c
             dv += dv_c
-    return dq, dk, dv
+    return zero_uncovered_rows(dq, cu_seqlens_q, seqused_q), dk, dv
 
 
 @fa4_varlen_backward.register_fake

@@ -24,10 +24,10 @@ from hypothesis import strategies as st
 from cp_ops import pad_cu_seqlens, shard_thd
 from custom_ops import ag_thd_attention, ag_thd_attention_reference, env
 from custom_ops.ag_attention import backends
-from custom_ops.ag_attention.fa4 import fa4_attention, fa4_tables, set_interface
+from custom_ops.ag_attention.fa4 import fa4_attention, fa4_tables, set_interface, zero_uncovered_rows
 from custom_ops.ag_attention.op import _ag_thd_attention
 from custom_ops.runtime.groups import resolve_group
-from custom_ops.testing import TOLERANCE, rel_error, thd_layouts
+from custom_ops.testing import TOLERANCE, poisoned_allocations, rel_error, thd_layouts
 from tests._dist import run_ranks
 from tests.cp_ops import fa4_emulation
 from tests.cp_ops.test_attention import _assert_close, _cp_run, _global_case, _reference
@@ -170,7 +170,7 @@ def test_tables_give_each_rank_its_attention(layout, mask):
     want = _reference(q, k, v, dout, cu, cup, causal, window)
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
     for rank in range(world):
-        with _emulation():
+        with _emulation(), poisoned_allocations():
             _check_rank(q, k, v, dout, cu, cup, world, rank, causal, window, want, dk, dv)
     assert rel_error(dk, want[2]) < TOL and rel_error(dv, want[3]) < TOL
 
@@ -203,6 +203,57 @@ def test_tables_of_a_rank():
     assert fa4_tables(cu, cup, 2, torch.tensor(1), True)[3].tolist() == [[2], [0]]
 
 
+def _uncovered_rows_case(layout, rank, trailing):
+    """Rank ``rank``'s tables for ``layout`` and a tensor of its local rows, each row holding its
+    index (rows no call covers: the padding rows, a chunk's rows past its sequence's end)."""
+    world, seqlens = layout
+    cu, cup = pad_cu_seqlens(seqlens, world)
+    cu_q, used_q = fa4_tables(cu, cup, world, torch.tensor(rank % world), True)[:2]
+    rows = int(cup[-1]) // world
+    x = torch.arange(1, rows + 1, dtype=torch.float32).reshape(-1, *[1] * len(trailing)).expand(-1, *trailing)
+    covered = torch.zeros(rows, dtype=torch.bool)
+    for c in range(cu_q.shape[0]):
+        for start, used in zip(cu_q[c, :-1].tolist(), used_q[c].tolist()):
+            covered[start : start + used] = True
+    return x.contiguous(), cu_q, used_q, covered
+
+
+ZERO_PATHS = [pytest.param("torch", id="torch"), pytest.param("kernel", id="kernel", marks=pytest.mark.interpret)]
+
+
+@pytest.mark.parametrize("path", ZERO_PATHS)
+@given(thd_layouts(max_seqs=6, max_len=40, cp_sizes=(1, 2, 3, 4), min_seqs=0), st.integers(0, 3),
+       st.sampled_from([(), (3,), (2, 5), (1, 1200)]))  # fmt: skip
+def test_zero_uncovered_rows(path, layout, rank, trailing):
+    """Rows no call covers become 0; covered rows keep their values (the kernel over several
+    column blocks at 1200 columns; the torch path without Triton)."""
+    x, cu_q, used_q, covered = _uncovered_rows_case(layout, rank, trailing)
+    want = torch.where(covered.reshape(-1, *[1] * len(trailing)), x, 0.0)
+    assert torch.equal(zero_uncovered_rows(x, cu_q, used_q), want)
+
+
+def test_zero_uncovered_rows_kernel_compiles_for_hopper():
+    """The GPU runs the kernel the interpreter tests: it compiles for sm_90 (bf16 rows)."""
+    pytest.importorskip("triton.backends.nvidia")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from custom_ops.ag_attention.fa4 import _ZERO_COLS, _ZERO_ROWS
+    from custom_ops.ag_attention.kernels import zero_uncovered_rows_kernel as kernel
+
+    constants = dict(BLOCK_R=_ZERO_ROWS, BLOCK_D=_ZERO_COLS)
+    pointers = {"x_ptr": "*bf16", "cu_ptr": "*i32", "used_ptr": "*i32"}
+    signature = {n: "constexpr" if n in constants else pointers.get(n, "i32") for n in kernel.arg_names}
+    source = ASTSource(fn=kernel, signature=signature,
+                       constexprs={(kernel.arg_names.index(k),): v for k, v in constants.items()})  # fmt: skip
+    try:
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    except (ImportError, TypeError, AttributeError) as e:  # compile API of another triton release
+        pytest.skip(f"cannot compile for sm_90 with triton {triton.__version__}: {e}")
+    assert "st.global" in compiled.asm["ptx"]
+
+
 def _op(group=None, head_groups=1):
     """``fn(q, k, v, cu, cup, causal, window)``: the op's decomposition with the backend given
     (the public op resolves it; on CPU tensors always to ``segment``)."""
@@ -216,7 +267,7 @@ def _op(group=None, head_groups=1):
 
 
 @pytest.mark.parametrize("case", range(len(CASES)))
-def test_op_at_w1(emulated, case):
+def test_op_at_w1(emulated, poison_empty, case):
     """The op (W = 1) on the FlashAttention 4 path matches the reference, padding rows (zero
     output, zero gradient) included, with and without head groups."""
     seqlens, heads, d, causal, window = CASES[case]
