@@ -18,8 +18,11 @@ from typing import Optional
 
 import torch
 
+from custom_ops.cross_entropy.kernels import BLOCK_COLS, cross_entropy_rows_kernel
 from custom_ops.cross_entropy.reference import accumulation_dtype
+from custom_ops.runtime.launch import launch_direct, use_triton
 from custom_ops.runtime.registration import NAMESPACE, composite_op, opaque_op
+from custom_ops.runtime.tiles import next_power_of_2
 
 __all__ = ["linear_cross_entropy", "default_chunk_rows"]
 
@@ -66,6 +69,34 @@ def _accumulate_weight_grad(d_weight: torch.Tensor, d_logits: torch.Tensor, rows
         d_weight.add_(d_logits.T @ rows)
 
 
+def _chunk_by_kernel(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int, grads: bool) -> torch.Tensor:
+    """A chunk's summed loss (float32) by :func:`cross_entropy_rows_kernel`; with ``grads`` the
+    logits are overwritten by their gradient."""
+    losses = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+    if logits.shape[0] > 0:
+        launch_direct(
+            cross_entropy_rows_kernel, (logits.shape[0],), logits, targets, losses, logits.stride(0), logits.shape[1],
+            ignore_index, GRAD=grads, BLOCK=min(BLOCK_COLS, next_power_of_2(logits.shape[1])), num_warps=8,
+        )  # fmt: skip
+    return losses.sum()
+
+
+def _chunk_by_torch(logits, targets, ignore_index: int, grads: bool, acc: torch.dtype) -> torch.Tensor:
+    """:func:`_chunk_by_kernel` by torch ops, in ``acc``: the CPU's path, and float64's."""
+    dtype, logits_acc = logits.dtype, logits.to(acc)
+    valid = targets != ignore_index
+    index = torch.where(valid, targets, 0).long()[:, None]
+    lse = torch.logsumexp(logits_acc, dim=1)
+    loss = torch.where(valid, lse - logits_acc.gather(1, index)[:, 0], 0.0).sum()
+    if grads:
+        # d loss / d logits = softmax - one-hot target, zero on rows without a target (an
+        # infinite log-sum-exp makes their softmax 0), computed in place of the upcast logits
+        logits_acc.sub_(torch.where(valid, lse, torch.inf)[:, None]).exp_()
+        logits_acc.scatter_add_(1, index, -valid.to(acc)[:, None])
+        logits.copy_(logits_acc.to(dtype))
+    return loss
+
+
 @opaque_op(f"{NAMESPACE}::linear_cross_entropy_forward", mutates_args=())
 def linear_cross_entropy_forward(
     hidden: torch.Tensor,
@@ -91,20 +122,18 @@ def linear_cross_entropy_forward(
     loss = torch.zeros((), dtype=acc, device=hidden.device)
     d_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if grad_hidden else hidden.new_empty(0)
     d_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if grad_weight else weight.new_empty(0, dtype=acc)
+    grads = grad_hidden or grad_weight
+    kernel = use_triton(hidden) and acc == torch.float32
     for start in range(0, rows_total, chunk_rows):
         rows, targets = hidden[start : start + chunk_rows], labels[start : start + chunk_rows]
-        logits = (rows @ weight.T).to(acc)  # [chunk, V], the only logits alive
-        valid = targets != ignore_index
-        index = torch.where(valid, targets, 0).long()[:, None]
-        lse = torch.logsumexp(logits, dim=1)
-        loss += torch.where(valid, lse - logits.gather(1, index)[:, 0], 0.0).sum()
-        if not (grad_hidden or grad_weight):
+        logits = rows @ weight.T  # [chunk, V], the only logits alive
+        if kernel:
+            loss += _chunk_by_kernel(logits, targets, ignore_index, grads)
+        else:
+            loss += _chunk_by_torch(logits, targets, ignore_index, grads, acc)
+        if not grads:
             continue
-        # d loss / d logits = softmax - one-hot target, zero on rows without a target (an
-        # infinite log-sum-exp makes their softmax 0), computed in place of the logits
-        logits.sub_(torch.where(valid, lse, torch.inf)[:, None]).exp_()
-        logits.scatter_add_(1, index, -valid.to(acc)[:, None])
-        d_logits = logits.to(hidden.dtype)
+        d_logits = logits
         if grad_hidden:
             torch.mm(d_logits, weight, out=d_hidden[start : start + chunk_rows])
         if grad_weight:

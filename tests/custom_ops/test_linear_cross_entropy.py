@@ -13,6 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from custom_ops import default_chunk_rows, linear_cross_entropy, linear_cross_entropy_reference
+from custom_ops.cross_entropy.kernels import BLOCK_COLS
 from custom_ops.testing import TOLERANCE, rel_error
 
 IGNORE = -100
@@ -57,6 +58,46 @@ def test_matches_the_unfused_loss(case, dtype, reduction):
         return
     for name, a, b in zip(("loss", "d hidden", "d weight"), got, want):
         assert rel_error(a, b) < TOLERANCE[dtype], f"{name}: {rows} rows, chunks of {chunk_rows}"
+
+
+def _against_float64(h, w, labels, dtype, reduction="sum", chunk_rows=None):
+    """The op (its chunk kernel where Triton runs) against the unfused loss in float64 on the same
+    inputs: loss, d hidden and d weight within ``dtype``'s tolerance."""
+    got = _loss_and_grads(linear_cross_entropy, h, w, labels, reduction=reduction, chunk_rows=chunk_rows)
+    want = _loss_and_grads(linear_cross_entropy_reference, h.double(), w.double(), labels, reduction=reduction)
+    if reduction == "mean" and not (labels != IGNORE).any():
+        assert got[0].isnan()
+        return
+    for name, a, b in zip(("loss", "d hidden", "d weight"), got, want):
+        assert rel_error(a.double(), b) < TOLERANCE[dtype], f"{name}: {tuple(h.shape)} {tuple(w.shape)}"
+
+
+@pytest.mark.interpret
+@given(cases(), st.sampled_from([torch.float32, torch.bfloat16]), st.sampled_from(["mean", "sum"]))
+def test_kernel_matches_the_float64_loss(case, dtype, reduction):
+    """The chunk kernel in Triton's interpreter: rows without a target (all, in some draws), chunks
+    of any size, one column block a row."""
+    rows, hidden, vocab, chunk_rows, labels = case
+    _against_float64(*_leaves(rows, hidden, vocab, dtype), labels, dtype, reduction, chunk_rows)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("vocab", [BLOCK_COLS + 3, 2 * BLOCK_COLS])
+def test_kernel_over_several_column_blocks(vocab):
+    """Vocabularies over one column block: the log-sum-exp carried across blocks, a masked tail."""
+    labels = torch.tensor([0, vocab - 1, IGNORE, 5, BLOCK_COLS, BLOCK_COLS - 1])
+    _against_float64(*_leaves(6, 4, vocab, torch.float32, seed=1), labels, torch.float32, chunk_rows=4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_kernel_matches_the_float64_loss(dtype):
+    """The CUDA path at a real vocabulary (Qwen3-Next's), several chunks, some rows without a target."""
+    gen = torch.Generator().manual_seed(0)
+    labels = torch.randint(0, 151936, (700,), generator=gen)
+    labels[::7] = IGNORE
+    h, w = (t.cuda().detach().requires_grad_() for t in _leaves(700, 64, 151936, dtype))
+    _against_float64(h, w, labels.cuda(), dtype, "mean", chunk_rows=256)
 
 
 def test_no_target_gives_zero_sum_and_zero_gradients():
