@@ -1,15 +1,14 @@
-"""Cross-entropy of a linear head's logits without the logits: the causal-LM loss computed over
-row chunks, so that at most one chunk's logits exist at a time (docs/design.md section 2,
-"Linear cross-entropy").
+"""Cross-entropy of a linear head's logits without the logits: the causal-LM loss over row chunks,
+at most one chunk's logits alive at a time (docs/design.md section 2, "Linear cross-entropy").
 
-``torch.ops.cp_ops.linear_cross_entropy_forward`` is an opaque custom op: for each chunk of
-``chunk_rows`` rows it computes the chunk's logits, their log-sum-exp and the loss of its
-targets, and, when asked, the gradients of the summed loss in ``hidden`` and ``weight`` (the
-softmax minus the one-hot target, times ``weight`` and times the chunk's rows). Its backward
-scales those saved gradients by the loss's gradient, so the head's three GEMMs run once each, as
-in the unfused loss, and the ``[N, V]`` float32 logits and their gradient never exist. The
-public ``linear_cross_entropy`` is a composite over it: the reduction, and which gradients to
-compute from what requires them. No host syncs: the chunks follow from shapes.
+``torch.ops.cp_ops.linear_cross_entropy_forward`` is an opaque custom op: per chunk of
+``chunk_rows`` rows, the logits, their log-sum-exp, the loss of the targets and, when asked, the
+gradients of the summed loss in ``hidden`` and ``weight`` (softmax minus one-hot, times ``weight``
+and times the rows). Its backward scales those by the loss's gradient: the head's three GEMMs run
+once each, and the ``[N, V]`` logits never exist. Where Triton runs and the accumulation is
+float32, one kernel (kernels.py) makes a chunk's loss and gradient in two passes over its logits;
+torch keeps the CPU and float64. The public ``linear_cross_entropy`` is a composite over the op
+(the reduction; which gradients to compute). No host syncs: the chunks follow from shapes.
 """
 
 from __future__ import annotations
