@@ -26,6 +26,7 @@ import math
 import os
 import subprocess
 import sys
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -73,7 +74,9 @@ def piece_steps(layer: GatedDeltaNet, x: torch.Tensor, cup: torch.Tensor, world:
     in_proj (the layer's two GEMMs, :meth:`GatedDeltaNet._project`), gated norm and out_proj
     on x's rows (``[T/W, hidden]``, all heads); conv and core on all ``T = W * x.shape[0]``
     rows for 1/W of the heads (what a rank of the CP layer runs), on random inputs of those
-    shapes. fwd+bwd each, except "core fwd".
+    shapes. fwd+bwd each, except "core fwd". With ``world`` > 1 also "core by states": the
+    state-passing core on x's rows for all heads (:func:`custom_ops.chunk_gated_delta_rule_dual_chunks`
+    over the rank's 2B chunks, without the exchanges: what a rank of ``StatePassing`` computes).
     """
     dev, dtype = x.device, x.dtype
     local_rows, rows = x.shape[0], x.shape[0] * world
@@ -105,6 +108,17 @@ def piece_steps(layer: GatedDeltaNet, x: torch.Tensor, cup: torch.Tensor, world:
     def core():
         return custom_ops.chunk_gated_delta_rule(q, k, v, g, beta, cup)
 
+    states = {}
+    if world > 1:
+        local_cu = torch.nn.functional.pad(torch.cumsum(custom_ops.chunk_rows(cup, world).repeat_interleave(2), 0), (1, 0))
+        heads = (layer.num_k_heads, layer.num_v_heads)
+        qs, ks = (torch.nn.functional.normalize(randn(local_rows, heads[0], dk), dim=-1).requires_grad_() for _ in "qk")
+        vs, grad_s = randn(local_rows, heads[1], dv).requires_grad_(), randn(local_rows, heads[1], dv)
+        gs = torch.nn.functional.logsigmoid(randn(local_rows, heads[1], dt=torch.float32) + 3).requires_grad_()
+        bs = torch.rand(local_rows, heads[1], device=dev).requires_grad_()
+        by_states = partial(custom_ops.chunk_gated_delta_rule_dual_chunks, qs, ks, vs, gs, bs, local_cu.to(cup.dtype))
+        states["core by states fwd+bwd"] = _fwd_bwd(by_states, [qs, ks, vs, gs, bs], grad_s)
+
     return {
         "in_proj fwd+bwd": _fwd_bwd(lambda: layer._project(x), [x, layer.in_proj.weight], proj_grads),
         "conv fwd+bwd": _fwd_bwd(
@@ -119,6 +133,7 @@ def piece_steps(layer: GatedDeltaNet, x: torch.Tensor, cup: torch.Tensor, world:
         "out_proj fwd+bwd": _fwd_bwd(
             lambda: layer.out_proj(core_in), [core_in, layer.out_proj.weight], randn(local_rows, layer.hidden_size)
         ),
+        **states,
     }
 
 
@@ -625,7 +640,7 @@ def _cp_table(results, cases, world, dims, dtype, runs, seq_runs, notes) -> tupl
     table += [(f"{w} fwd+bwd eager, per-seq a2a", "W per-seq eager", t),
               ("per-seq a2a / fused a2a (eager layer)", "per-seq / fused", x)]  # fmt: skip
     table += [(k, k, t) for k in ("in_proj fwd+bwd", "cp2hp fwd+bwd", "conv fwd+bwd", "core fwd", "core fwd+bwd",
-                                  "gated norm fwd+bwd eager", "gated norm fwd+bwd compiled", "hp2cp fwd+bwd",
+                                  "core by states fwd+bwd", "gated norm fwd+bwd eager", "gated norm fwd+bwd compiled", "hp2cp fwd+bwd",
                                   "out_proj fwd+bwd")]  # fmt: skip
     table += [("sum of the fwd+bwd pieces (compiled norm)", "sum", t),
               ("all-to-alls (cp2hp + hp2cp fwd+bwd)", "a2a", t),

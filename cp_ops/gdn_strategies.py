@@ -19,13 +19,11 @@ from cp_ops.exchange import thd_cp2hp_blocks, thd_cp2hp_overlap, thd_hp2cp_block
 from custom_ops import (
     all_gather_rows,
     causal_conv1d_gather,
-    chunk_gated_delta_rule_with_state,
+    chunk_gated_delta_rule_dual_chunks,
     chunk_rows,
     group_rank,
     rank_to_seq_index,
     resolve_group,
-    segment_matmul,
-    state_dtype,
     thd_hp2cp,
 )
 
@@ -37,11 +35,7 @@ __all__ = [
     "StatePassing",
     "default_context_parallel",
     "chunk_gated_delta_rule_cp_states",
-    "state_maps",
 ]
-
-# FLA's chunked kernels take head dims up to 256: wider state maps run as two passes
-_FLA_MAX_HEAD_DIM = 256
 
 
 class GDNContextParallel:
@@ -196,7 +190,7 @@ class StatePassing(GDNContextParallel):
         )
         q, k, v = (t.index_select(0, chunks.rows) for t in (qk[0], qk[1], v))
         q, k, v, g, beta = layer._delta_rule_inputs(q, k, v, ba, 0, layer.num_k_heads)
-        o = _run_from_composed_states(q, k, v, g, beta, chunks.local_cu, group)
+        o = chunk_gated_delta_rule_dual_chunks(q, k, v, g, beta, chunks.local_cu, group)
         return o.flatten(1)
 
     def exchange_out(self, layer: nn.Module, o, z, cu_seqlens_padded, group):
@@ -272,57 +266,10 @@ def _with_halos(conv_in: torch.Tensor, chunks: _Chunks, group_name: str | None, 
     return extended.index_copy(0, torch.cat([chunks.rows, chunks.halo_rows]), torch.cat([conv_in, halos]))
 
 
-def state_maps(q, k, v, g, beta, cu_seqlens, scale=None) -> torch.Tensor:
-    """Each sequence's state map ``S_out = M S_in + S``, as ``[B, Hv, dk, dv + dk]`` = ``[S | M]``
-    (:func:`custom_ops.state_dtype`): S runs the sequence from a zero
-    state, M (``dk x dk``, the product of its rows' ``exp(g) (I - beta k k^T)``) from the
-    identity with v = 0. Arguments as :func:`custom_ops.chunk_gated_delta_rule`; differentiable."""
-    return _map_pass(q, k, v, g, beta, cu_seqlens, scale)[1]
-
-
-def _map_pass(q, k, v, g, beta, cu_seqlens, scale=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(o [T, Hv, dv + dk], maps)``: :func:`state_maps` and the outputs of the same pass,
-    ``[o^0 | scale P_t^T q_t]`` per row (``o^0`` from a zero state, ``P_t`` the product of the
-    sequence's ``exp(g) (I - beta k k^T)`` up to row t), so that a row's output from an incoming
-    state H is ``o^0 + H^T (scale P_t^T q_t)`` (docs/design.md section 4.3)."""
-    num_seqs, (num_rows, hv, dv), dk = cu_seqlens.shape[0] - 1, v.shape, q.shape[-1]
-    dtype = state_dtype(q)
-    zeros, eye = v.new_zeros(num_rows, hv, dk), torch.eye(dk, dtype=dtype, device=q.device)
-    identity = eye.expand(num_seqs, hv, dk, dk)
-    if q.is_cuda and dv + dk > _FLA_MAX_HEAD_DIM:
-        o_zero, s = chunk_gated_delta_rule_with_state(q, k, v, g, beta, cu_seqlens, scale)
-        o_map, m = chunk_gated_delta_rule_with_state(q, k, zeros, g, beta, cu_seqlens, scale, identity.contiguous())
-        return torch.cat([o_zero, o_map], dim=-1), torch.cat([s, m], dim=-1)
-    start = torch.cat([identity.new_zeros(num_seqs, hv, dk, dv), identity], dim=-1)
-    return chunk_gated_delta_rule_with_state(q, k, torch.cat([v, zeros], -1), g, beta, cu_seqlens, scale, start)
-
-
 def chunk_gated_delta_rule_cp_states(q, k, v, g, beta, cu_seqlens_padded, group, scale=None) -> torch.Tensor:
     """:func:`custom_ops.chunk_gated_delta_rule` of this rank's rows in the dual-chunk layout
-    (``[T/W, ...]``; ``cu_seqlens_padded`` global): each chunk's :func:`state_maps` are
-    all-gathered, every rank composes each sequence's states over its chunks in order and
-    corrects the outputs of its own chunks' map pass by their incoming states (one segment
-    matmul, no second pass). Returns o ``[T/W, Hv, dv]``, equal to the sequence-order
-    result's rows of this rank; differentiable in q, k, v, g, beta."""
-    return _run_from_composed_states(q, k, v, g, beta, _local_cu(cu_seqlens_padded, resolve_group(group)[1]), group,
-                                     scale)  # fmt: skip
-
-
-def _run_from_composed_states(q, k, v, g, beta, local_cu, group, scale=None) -> torch.Tensor:
-    """:func:`chunk_gated_delta_rule_cp_states` given this rank's chunk bounds ``local_cu``."""
-    name, world = resolve_group(group)
-    rank, dv = group_rank(group), v.shape[-1]
-    o_map, maps = _map_pass(q, k, v, g, beta, local_cu, scale)  # [T/W, Hv, dv+dk], [2B, Hv, dk, dv+dk]
-    gathered = all_gather_rows(maps, name) if world > 1 else maps
-    per_chunk = gathered.view(world, -1, 2, *maps.shape[1:])  # [W, B, 2, Hv, dk, dv+dk]
-    state = maps.new_zeros(per_chunk.shape[1], *maps.shape[1:-1], dv)  # [B, Hv, dk, dv]
-    incoming = {}
-    for c in range(2 * world - 1):
-        if c in (rank, 2 * world - 1 - rank):
-            incoming[c] = state
-        m = per_chunk[min(c, 2 * world - 1 - c), :, int(c >= world)]
-        state = torch.matmul(m[..., dv:], state) + m[..., :dv]
-    incoming.setdefault(2 * world - 1, state)
-    initial = torch.stack([incoming[rank], incoming[2 * world - 1 - rank]], 1).flatten(0, 1)
-    # each row from its chunk's incoming state: o = o^0 + H^T (scale P_t^T q_t), no second pass
-    return o_map[..., :dv] + segment_matmul(o_map[..., dv:], initial, local_cu)
+    (``[T/W, ...]``; ``cu_seqlens_padded`` global), by :func:`custom_ops.chunk_gated_delta_rule_dual_chunks`
+    over its chunks: o ``[T/W, Hv, dv]``, equal to the sequence-order result's rows of this rank;
+    differentiable in q, k, v, g, beta."""
+    local_cu = _local_cu(cu_seqlens_padded, resolve_group(group)[1])
+    return chunk_gated_delta_rule_dual_chunks(q, k, v, g, beta, local_cu, group, scale)

@@ -24,6 +24,7 @@ from custom_ops.conv1d.reference import L2NORM_EPS, causal_conv1d_gather_referen
 from custom_ops.cross_entropy.op import default_chunk_rows, linear_cross_entropy
 from custom_ops.cross_entropy.reference import linear_cross_entropy_reference
 from custom_ops.fla.adapter import fla_module
+from custom_ops.gated_delta_rule.dual_chunks import chunk_gated_delta_rule_dual_chunks, state_maps
 from custom_ops.gated_delta_rule.op import chunk_gated_delta_rule, chunk_gated_delta_rule_with_state
 from custom_ops.gated_delta_rule.reference import (
     chunk_gated_delta_rule_reference,
@@ -97,6 +98,8 @@ __all__ = [
     "causal_conv1d_gather",
     "chunk_gated_delta_rule",
     "chunk_gated_delta_rule_with_state",
+    "chunk_gated_delta_rule_dual_chunks",
+    "state_maps",
     "state_dtype",
     "segment_matmul",
     # the loss

@@ -13,8 +13,8 @@ import torch.distributed as dist
 from torch._dynamo.utils import counters
 
 from cp_ops import COMPILE_OPTIONS, GatedDeltaNet, pad_cu_seqlens, shard_thd
-from cp_ops.gdn_strategies import StatePassing, chunk_gated_delta_rule_cp_states, state_maps
-from custom_ops import chunk_gated_delta_rule, chunk_gated_delta_rule_with_state
+from cp_ops.gdn_strategies import StatePassing, chunk_gated_delta_rule_cp_states
+from custom_ops import chunk_gated_delta_rule, chunk_gated_delta_rule_reference, chunk_gated_delta_rule_with_state, state_maps
 from custom_ops.testing import rel_error
 from custom_ops.valid_tokens.reference import valid_token_mask
 from tests._dist import run_ranks
@@ -103,3 +103,25 @@ def test_state_passing_compiles_whole_and_once():
     """fullgraph=True on 2 ranks, equal to one rank; a second packing of the same size reuses
     the graph: no graph break, no recompile."""
     run_ranks(2, _compare_rank, (2, 4), ([37, 0, 1, 3, 20], [20, 0, 1, 3, 37]), True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seqlens", [[300, 0, 1, 200, 64], [1000, 24]])
+def test_cuda_dual_chunks_match_the_reference_bf16(seqlens):
+    """The state-passing core on CUDA (the map pass's forward kernels, the backward from the
+    composed states with the map pass's saved tensors) at W = 1 in bf16 against the float64
+    reference of the whole sequences: output and every gradient (bf16's error-RMS bounds, as the
+    core's own GPU tests)."""
+    pytest.importorskip("fla")
+    cu, cup = pad_cu_seqlens(seqlens, 1)
+    *inputs, _ = _gdn_case((cup[1:] - cup[:-1]).tolist(), 2, 2, 64, 64, torch.bfloat16, "cuda")
+    leaves = [t.clone().requires_grad_() for t in inputs]
+    o = chunk_gated_delta_rule_cp_states(*leaves, cup.cuda(), None)
+    grad_o = torch.randn_like(o)
+    o.backward(grad_o)
+    ref = [t.detach().double().cpu().requires_grad_() for t in inputs]
+    o_ref = chunk_gated_delta_rule_reference(*ref, cup)
+    o_ref.backward(grad_o.double().cpu())
+    assert rel_error(o.cpu(), o_ref) < 5e-3
+    for name, a, e in zip(("q", "k", "v", "g", "beta"), leaves, ref):
+        assert rel_error(a.grad.cpu(), e.grad) < 1e-2, name
