@@ -1,5 +1,6 @@
 """Baselines the fused ops replace, shared by the benchmarks that time against them: the
-CP <-> head-parallel conversions as one all-to-all per sequence and per section (eager)."""
+CP <-> head-parallel conversions as one all-to-all per sequence and per section (eager), and
+FLA's own CP of the GatedDeltaNet layer (:func:`fla_cp_layer_step`)."""
 
 from __future__ import annotations
 
@@ -77,3 +78,33 @@ def hp2cp_per_sequence(y_hp: torch.Tensor, cu_seqlens_padded: torch.Tensor, sect
     if not seqs:
         return y_hp.new_empty((y_hp.shape[0] // world,) + tuple(y_hp.shape[1:-1]) + (y_hp.shape[-1] * world,))
     return torch.cat(seqs)
+
+
+def fla_cp_layer_step(layer, cu_seqlens: torch.Tensor, group=None):
+    """``step(x) -> y``: ``layer`` (a ``cp_ops.GatedDeltaNet``, its weights and its projections,
+    gates and gated norm) with the conv and the delta rule of FLA's own CP (fla-core's
+    ``fla.ops.cp``, eager, CUDA only): rank r of ``group`` holds rows ``[r T/W, (r+1) T/W)`` of
+    the packed stream ``cu_seqlens`` in sequence order (FLA's contiguous layout; ``T % W == 0``),
+    a sequence cut between ranks gets its conv halo and its incoming state from the ranks before.
+    ``group`` None: FLA's kernels on one GPU, the whole stream. FLA builds its context on the host
+    (``cu_seqlens`` read once, here); l2norm of q and k in FLA's kernel."""
+    from fla.modules.causal_conv1d.ops import causal_conv1d
+    from fla.ops.cp import build_cp_context
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    context = None if group is None else build_cp_context(cu_seqlens, group, conv1d_kernel_size=layer.conv_kernel_size)
+    cu = cu_seqlens if context is None else context.cu_seqlens
+    hk, width = layer.num_k_heads, layer.num_k_heads * layer.head_k_dim
+    weight = layer._conv_weight(0, hk)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        qkvba, z = layer._project(x)
+        mixed, _ = causal_conv1d(qkvba[None, :, : layer.conv_dim], weight, None, activation="silu", cu_seqlens=cu,
+                                 cp_context=context)  # fmt: skip
+        q, k, v = mixed[0].split([width, width, layer.value_dim], dim=-1)
+        q, k, v, g, beta = layer._delta_rule_inputs(q, k, v, qkvba[:, layer.conv_dim :], 0, hk)
+        o, _ = chunk_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None], cu_seqlens=cu,
+                                      cp_context=context, use_qk_l2norm_in_kernel=True)  # fmt: skip
+        return layer._project_out(o[0].reshape(x.shape[0], layer.value_dim), z)
+
+    return step

@@ -7,11 +7,11 @@ kernels, and the layer with CP on W GPUs.
     python -m benchmarks.bench_gdn --conv [--gather]    # our conv kernels against FLA's (--gather: permuted rows)
     python -m benchmarks.bench_gdn --conv --sweep       # our conv kernels' launch configs, in the layer's form
     python -m benchmarks.bench_gdn --cp W [--profile] [--compiled-only]
-                                   [--cudagraphs] [--states]    # spawns W NCCL ranks
+                                   [--cudagraphs] [--states] [--fla-cp]    # spawns W NCCL ranks
     python -m benchmarks.bench_gdn --cp 2 --smoke       # 2 gloo ranks on the CPU, a tiny layer
 
 Results (benchmarks/runner.py): ``gdn``; ``gdn-core``; ``conv``, ``conv-gather`` or ``conv-sweep``; ``gdn-cp-wW``
-(``-compiled``, ``-cudagraphs``, ``-states`` added with those flags, ``-slow-link`` with
+(``-compiled``, ``-cudagraphs``, ``-states``, ``-fla-cp`` added with those flags, ``-slow-link`` with
 NCCL_P2P_DISABLE=1; ``gdn-cp-smoke-wW``); with ``--backends``, ``-BACKEND`` after each layer result's
 name, one run of each backend. docs/benchmarks.md says what each row
 measures.
@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 import custom_ops
-from benchmarks.baselines import cp2hp_per_sequence, hp2cp_per_sequence
+from benchmarks.baselines import cp2hp_per_sequence, fla_cp_layer_step, hp2cp_per_sequence
 from benchmarks.cases import random_lengths as _lengths
 from benchmarks.common import (
     KERNEL_CLASSES,
@@ -447,7 +447,7 @@ def sent_mib(world: int, rows: int, num_seqs: int, heads: tuple, dtype, taps: in
 
 def _cp_rank(rank, world, device, tokens, seqs, out, smoke, opts: dict) -> None:
     """One CP rank of the multi-rank benchmark; ``opts``: the flags ``compiled_only``, ``cudagraphs``,
-    ``states`` and ``profile`` of the command line."""
+    ``states``, ``fla_cp`` and ``profile`` of the command line."""
     profile, full = opts["profile"], not opts["compiled_only"]
     group = dist.group.WORLD
     hidden, hk, hv, dk, dv = SMOKE_DIMS if smoke else (HIDDEN, HK, HV, DK, DV)
@@ -503,6 +503,7 @@ def _cp_rank(rank, world, device, tokens, seqs, out, smoke, opts: dict) -> None:
     results = {}
     result_name = f"gdn-cp{'-smoke' if smoke else ''}-w{world}"
     result_name += "-compiled" * opts["compiled_only"] + "-cudagraphs" * opts["cudagraphs"] + "-states" * opts["states"]
+    result_name += "-fla-cp" * bool(opts.get("fla_cp"))
     result_name += f"-{opts['backend']}" if opts.get("backend") else ""
     if os.environ.get("NCCL_P2P_DISABLE") == "1":  # NVLink and shared memory off: traffic on the network path
         result_name += "-slow-link"
@@ -530,6 +531,9 @@ def _cp_rank(rank, world, device, tokens, seqs, out, smoke, opts: dict) -> None:
         grad_cp = shard_thd(grad, cup, world, rank)
         real_cp = shard_thd(real, cup, world, rank)
         ref_cp = shard_thd(ref, cup, world, rank)[real_cp]
+        # FLA's CP: this rank's contiguous part of the stream in sequence order
+        part = slice(rank * rows // world, (rank + 1) * rows // world)
+        fla_in = (x[part].detach().requires_grad_(), grad[part], real[part], ref[part][real[part]])
         del ref
 
         def cp_step(fn):
@@ -558,6 +562,12 @@ def _cp_rank(rank, world, device, tokens, seqs, out, smoke, opts: dict) -> None:
             res["W eager unfused"] = timed(cp_step(unfused))
             res["err compiled unfused"] = check(compiled["unfused"])
             res["W compiled unfused"] = timed(cp_step(compiled["unfused"]))
+        if opts.get("fla_cp"):
+            fla_step = fla_cp_layer_step(layer, cup, group)
+            x_part, grad_part, real_part, ref_part = fla_in
+            res["err FLA CP"] = max_over_ranks(rel_error(fla_step(x_part).detach()[real_part], ref_part))
+            res["W FLA CP eager"] = timed(_fwd_bwd(lambda: fla_step(x_part), [x_part] + params, grad_part))
+        del fla_in
         if profile:  # every rank runs the profiled steps (they meet in the all-to-alls)
             res.update({f"prof W {k}": v for k, v in profile_step(cp_step(compiled["fn"]), device).items()})
 
@@ -571,6 +581,11 @@ def _cp_rank(rank, world, device, tokens, seqs, out, smoke, opts: dict) -> None:
             if full:
                 one["1 eager"] = median_ms_counted(
                     _fwd_bwd(lambda: layer(x_all, cup), [x_all] + params, grad), warmup, runs, device
+                )
+            if opts.get("fla_cp"):  # FLA's kernels on one GPU, the same layer, eager
+                fla_one = fla_cp_layer_step(layer, cup)
+                one["1 FLA eager"] = median_ms_counted(
+                    _fwd_bwd(lambda: fla_one(x_all), [x_all] + params, grad), warmup, runs, device
                 )
             if profile:
                 step = _fwd_bwd(lambda: compiled["fn"](x_all, cup), [x_all] + params, grad)
@@ -613,6 +628,9 @@ def _cp_table(results, cases, world, dims, dtype, runs, seq_runs, notes) -> tupl
         r = results[case] = collections.defaultdict(lambda: math.nan, results[case])
         r["eff compiled"] = r["1 compiled"] / (world * r["W compiled"])
         r["eff compiled states"] = r["1 compiled"] / (world * r["W compiled states"])
+        r["eff FLA CP"] = r["1 FLA eager"] / (world * r["W FLA CP eager"])
+        r["FLA CP cost"] = r["W FLA CP eager"] - r["1 FLA eager"] / world
+        r["states cost"] = r["W compiled states"] - r["1 compiled"] / world
         r["eff eager"] = r["1 eager"] / (world * r["W eager"])
         r["eff compiled unfused"] = r["1 compiled"] / (world * r["W compiled unfused"])
         r["eff eager unfused"] = r["1 eager"] / (world * r["W eager unfused"])
@@ -626,7 +644,8 @@ def _cp_table(results, cases, world, dims, dtype, runs, seq_runs, notes) -> tupl
         )  # fmt: skip
     e, t, x = "{:.2e}", "{:.3f}", "{:.2f}"
     errors = {"eager": "err eager", "compiled": "err compiled", "eager, per-seq a2a": "err per-seq",
-              "compiled, unfused": "err compiled unfused", "compiled, chunk states": "err compiled states"}  # fmt: skip
+              "compiled, unfused": "err compiled unfused", "compiled, chunk states": "err compiled states",
+              "FLA's CP (eager)": "err FLA CP"}  # fmt: skip
     table = [(f"rel error vs 1 GPU: CP {label}", key, e) for label, key in errors.items()]
     for mode in ("compiled", "eager"):
         table += [(f"1 GPU fwd+bwd {mode}", f"1 {mode}", t), (f"{w} fwd+bwd {mode}", f"W {mode}", t),
@@ -635,6 +654,10 @@ def _cp_table(results, cases, world, dims, dtype, runs, seq_runs, notes) -> tupl
                   (f"scaling efficiency, {mode}, unfused", f"eff {mode} unfused", x)]  # fmt: skip
     table += [(f"{w} fwd+bwd compiled, chunk states", "W compiled states", t),
               ("scaling efficiency, compiled, chunk states", "eff compiled states", x),
+              (f"cost over 1/{world} of 1 GPU, compiled, chunk states", "states cost", t),
+              ("1 GPU fwd+bwd eager, FLA's kernels", "1 FLA eager", t), (f"{w} fwd+bwd eager, FLA's CP", "W FLA CP eager", t),
+              ("scaling efficiency, FLA's CP", "eff FLA CP", x),
+              (f"cost over 1/{world} of 1 GPU, FLA's CP", "FLA CP cost", t),
               ("MiB one rank sends per fwd+bwd, by heads", "MiB heads", "{:.1f}"),
               ("MiB one rank sends per fwd+bwd, by chunk states", "MiB states", "{:.1f}")]  # fmt: skip
     table += [(f"{w} fwd+bwd eager, per-seq a2a", "W per-seq eager", t),
@@ -746,6 +769,9 @@ def main() -> None:
                         "per-seq or piece rows")
     parser.add_argument("--states", action="store_true",
                         help="with --cp: also the layer by chunk states (cp_ops.StatePassing), compiled")
+    parser.add_argument("--fla-cp", action="store_true",
+                        help="with --cp: also the layer with FLA's own CP conv and delta rule (fla.ops.cp, eager, "
+                        "contiguous layout) on W GPUs and FLA's kernels on one")
     parser.add_argument("--cudagraphs", action="store_true",
                         help="with --cp: compile the layer with CUDA graphs (Inductor's triton.cudagraphs), "
                         "on W GPUs and on one")
@@ -774,9 +800,11 @@ def main() -> None:
     args = parser.parse_args()
     if (args.gather or args.sweep) and not args.conv:
         raise SystemExit("--gather and --sweep need --conv")
-    opts = {k: getattr(args, k) for k in ("compiled_only", "cudagraphs", "profile", "states")}
-    if args.smoke and args.cudagraphs:
-        raise SystemExit("--cudagraphs needs GPUs, not --smoke")
+    opts = {k: getattr(args, k) for k in ("compiled_only", "cudagraphs", "profile", "states", "fla_cp")}
+    if args.smoke and (args.cudagraphs or args.fla_cp):
+        raise SystemExit("--cudagraphs and --fla-cp need GPUs, not --smoke")
+    if args.fla_cp and not args.cp:
+        raise SystemExit("--fla-cp is a row of the CP table: it needs --cp W")
     if args.smoke:
         world = args.cp or 2
         tokens, seqs = args.tokens or SMOKE_TOKENS, args.seqs or SMOKE_SEQS
