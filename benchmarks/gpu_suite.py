@@ -51,8 +51,9 @@ PARTS = {
     "ag-attention": (2, _bench("bench_attention", "cp", "--world", "{world}")),
     "gdn-cp": (2, _bench("bench_gdn", "--cp", "{world}", "--profile")),
     "gdn-cp-graphs": (2, _bench("bench_gdn", "--cp", "{world}", "--compiled-only", "--cudagraphs", "--profile")),
-    "gdn-cp-states": (2, _bench("bench_gdn", "--cp", "{world}", "--compiled-only", "--states", "--seqs", "8", "64",
-                                "--tokens", "32768", "131072")),
+    # one GPU, by heads, by chunk states and FLA's own CP in one run
+    "gdn-cp-states": (2, _bench("bench_gdn", "--cp", "{world}", "--compiled-only", "--states", "--fla-cp", "--seqs", "8",
+                                "64", "--tokens", "32768", "131072")),
     # NCCL's peer-to-peer and shared-memory transports off: a slow link between the ranks
     "gdn-cp-states-slow-link": (
         2,
