@@ -25,12 +25,14 @@ __all__ = ["chunk_gated_delta_rule_dual_chunks", "state_maps"]
 
 
 def _map_calls(q: torch.Tensor, v: torch.Tensor, num_seqs: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``(values, initial_state)`` of the map pass's calls: ``[v | 0]`` from ``[0 | I]`` in one, or,
-    where ``dv + dk`` exceeds the CUDA kernels' head dim, ``v`` from zeros and ``0`` from ``I``."""
+    """``(values, initial_state)`` of the map pass's calls: ``[v | 0]`` from ``[0 | I]`` in one, or
+    ``v`` from zeros and ``0`` from ``I`` in two, where ``dv + dk`` exceeds the kernels' head dim or
+    both calls take FlashQLA (whose kernels take ``dv = 128`` only; the backward then runs its
+    kernels too, from the first call's saved tensors)."""
     (num_rows, hv, dv), dk = v.shape, q.shape[-1]
     zeros = v.new_zeros(num_rows, hv, dk)
     identity = torch.eye(dk, dtype=state_dtype(q), device=q.device).expand(num_seqs, hv, dk, dk)
-    if q.is_cuda and dv + dk > MAX_HEAD_DIM:
+    if dv + dk > MAX_HEAD_DIM or backends.resolve(q, v) == backends.resolve(q, zeros) == "flashqla":
         return [(v, identity.new_zeros(num_seqs, hv, dk, dv)), (zeros, identity.contiguous())]
     return [(torch.cat([v, zeros], -1), torch.cat([identity.new_zeros(num_seqs, hv, dk, dv), identity], -1))]
 

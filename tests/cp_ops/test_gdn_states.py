@@ -51,6 +51,23 @@ def test_one_rank_runs_both_chunks_in_order():
     assert rel_error(got, chunk_gated_delta_rule(*inputs, cup)) < TOL
 
 
+def test_wide_heads_take_two_map_calls():
+    """dk + dv past the kernels' 256: the map pass runs as two calls (v from zeros, 0 from I), the
+    backward from the first one's saved tensors; W = 1, output and every gradient."""
+    cu, cup = pad_cu_seqlens(LAYOUTS[0], 1)
+    *inputs, _ = _gdn_case((cup[1:] - cup[:-1]).tolist(), 1, 2, 136, 130, torch.float64)
+    leaves = [t.clone().requires_grad_() for t in inputs]
+    ref = [t.clone().requires_grad_() for t in inputs]
+    o = chunk_gated_delta_rule_cp_states(*leaves, cup, None)
+    want = chunk_gated_delta_rule(*ref, cup)
+    grad = torch.randn_like(o)
+    o.backward(grad)
+    want.backward(grad)
+    assert rel_error(o, want) < TOL
+    for a, e in zip(leaves, ref):
+        assert rel_error(a.grad, e.grad) < TOL
+
+
 def _compare_rank(rank, world, heads, layouts, compiled=False):
     """The layer with :class:`StatePassing` on this rank's rows against the same layer on one
     rank (the whole batch), for each packing: output, x gradient, summed parameter gradients."""
@@ -107,14 +124,16 @@ def test_state_passing_compiles_whole_and_once():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("seqlens", [[300, 0, 1, 200, 64], [1000, 24]])
-def test_cuda_dual_chunks_match_the_reference_bf16(seqlens):
+@pytest.mark.parametrize("dim", [64, 128])
+def test_cuda_dual_chunks_match_the_reference_bf16(seqlens, dim):
     """The state-passing core on CUDA (the map pass's forward kernels, the backward from the
     composed states with the map pass's saved tensors) at W = 1 in bf16 against the float64
     reference of the whole sequences: output and every gradient (bf16's error-RMS bounds, as the
-    core's own GPU tests)."""
+    core's own GPU tests). Head dim 64: one map call on FLA's kernels; 128: two calls on
+    FlashQLA's where it is installed."""
     pytest.importorskip("fla")
     cu, cup = pad_cu_seqlens(seqlens, 1)
-    *inputs, _ = _gdn_case((cup[1:] - cup[:-1]).tolist(), 2, 2, 64, 64, torch.bfloat16, "cuda")
+    *inputs, _ = _gdn_case((cup[1:] - cup[:-1]).tolist(), 4, 2, dim, dim, torch.bfloat16, "cuda")
     leaves = [t.clone().requires_grad_() for t in inputs]
     o = chunk_gated_delta_rule_cp_states(*leaves, cup.cuda(), None)
     grad_o = torch.randn_like(o)
