@@ -43,7 +43,8 @@ def state_maps(q, k, v, g, beta, cu_seqlens, scale=None) -> torch.Tensor:
     product of its rows' ``exp(g) (I - beta k k^T)``) from the identity with v = 0. Arguments as
     :func:`custom_ops.chunk_gated_delta_rule`; differentiable."""
     calls = _map_calls(q, v, cu_seqlens.shape[0] - 1)
-    return torch.cat([chunk_gated_delta_rule_with_state(q, k, u, g, beta, cu_seqlens, scale, h)[1] for u, h in calls], -1)
+    finals = [chunk_gated_delta_rule_with_state(q, k, u, g, beta, cu_seqlens, scale, h)[1] for u, h in calls]
+    return torch.cat(finals, -1)
 
 
 def _compose(per_chunk: torch.Tensor, dv: int, world: int, rank: int, backward: bool) -> torch.Tensor:
@@ -70,28 +71,35 @@ def _gathered(x: torch.Tensor, group_name: str | None, world: int) -> torch.Tens
     return gathered.view(world, -1, 2, *x.shape[1:])
 
 
+def _halves(parts: list[torch.Tensor], dv: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Columns ``[:dv]`` and ``[dv:]`` of the map pass's outputs, from its two calls or its one (the
+    second half a copy, so that saving it does not keep the first alive)."""
+    return tuple(parts) if len(parts) == 2 else (parts[0][..., :dv], parts[0][..., dv:].contiguous())
+
+
 class _DualChunks(torch.autograd.Function):
     """:func:`chunk_gated_delta_rule_dual_chunks`: the forward and backward of the module docstring."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, local_cu, group_name, world, rank, scale):
         num_seqs, dv = local_cu.shape[0] - 1, v.shape[-1]
-        outs, maps, aux = [], [], None
+        runs = []
         for values, start in _map_calls(q, v, num_seqs):
             backend = backends.resolve(q, values)
-            o, final, *rest = torch.ops.cp_ops.chunk_gated_delta_rule_forward(
+            runs.append((backend, torch.ops.cp_ops.chunk_gated_delta_rule_forward(
                 q, k, values, g, beta, local_cu, scale, start, True, backend
-            )
-            outs, maps, aux = outs + [o], maps + [final], aux or (backend, rest)
-        o_map, maps = torch.cat(outs, -1), torch.cat(maps, -1)  # [T/W, Hv, dv+dk], [2B, Hv, dk, dv+dk]
+            )))  # fmt: skip
+        ctx.backend, (_, _, g_cum, A, fla_cu, chunk_indices) = runs[0]  # the backward's: the first call's
+        # [o^0 | scale P_t^T q_t] [T/W, Hv, dv+dk] and [S | M] [2B, Hv, dk, dv+dk], by columns
+        outs, finals = ([out[i] for _, out in runs] for i in (0, 1))
+        o_zero, q_map = _halves(outs, dv)
+        maps = torch.cat(finals, -1) if len(finals) > 1 else finals[0]
         incoming = _compose(_gathered(maps, group_name, world), dv, world, rank, backward=False)
+        ctx.scale, ctx.group_name, ctx.world, ctx.rank = scale, group_name, world, rank
+        transitions = _halves(finals, dv)[1]
+        ctx.save_for_backward(q, k, v, g, beta, local_cu, fla_cu, chunk_indices, g_cum, A, q_map, transitions, incoming)
         # each row from its chunk's incoming state: o = o^0 + H^T (scale P_t^T q_t), no second pass
-        q_map = o_map[..., dv:]
-        (ctx.backend, (g_cum, A, fla_cu, chunk_indices)), ctx.scale = aux, scale
-        ctx.group_name, ctx.world, ctx.rank = group_name, world, rank
-        ctx.save_for_backward(q, k, v, g, beta, local_cu, fla_cu, chunk_indices, g_cum, A, q_map,
-                              maps[..., dv:], incoming)  # fmt: skip
-        return o_map[..., :dv] + segment_matmul(q_map, incoming, local_cu)
+        return o_zero + segment_matmul(q_map, incoming, local_cu)
 
     @staticmethod
     def backward(ctx, grad_o):
