@@ -77,8 +77,8 @@ PARTS = {
                                 "--steps", "8", "--warmup", "3", "--profile")),
     "tests-dist": (
         2,
-        [sys.executable, "-m", "pytest", "tests/cp_ops/test_gpu_multi_rank.py", "-m", "gpu and dist", "-k",
-         "W{world}", "-q", "-p", "no:cacheprovider"],
+        [sys.executable, "-m", "pytest", "tests/cp_ops/test_gpu_multi_rank.py", "tests/cp_ops/test_attention_fa4.py",
+         "tests/test_bench_fla_baseline.py", "-m", "gpu and dist", "-k", "W{world}", "-q", "-p", "no:cacheprovider"],
     ),  # fmt: skip
 }
 # parts that need longer than the default --timeout: seconds, used where --timeout is shorter

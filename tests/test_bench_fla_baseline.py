@@ -47,6 +47,6 @@ def _rank(rank, world):
 @pytest.mark.gpu
 @pytest.mark.dist
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_fla_cp_matches_the_layer_on_two_gpus():
+def test_fla_cp_matches_the_layer_w2():
     pytest.importorskip("fla")
     run_ranks(2, _rank, backend="nccl")
