@@ -93,7 +93,7 @@ def fla_cp_layer_step(layer, cu_seqlens: torch.Tensor, group=None):
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     context = None if group is None else build_cp_context(cu_seqlens, group, conv1d_kernel_size=layer.conv_kernel_size)
-    cu = cu_seqlens if context is None else context.cu_seqlens
+    cu = cu_seqlens.long() if context is None else context.cu_seqlens  # FLA's varlen indices are int64
     hk, width = layer.num_k_heads, layer.num_k_heads * layer.head_k_dim
     weight = layer._conv_weight(0, hk)
 
