@@ -14,7 +14,12 @@ from torch._dynamo.utils import counters
 
 from cp_ops import COMPILE_OPTIONS, GatedDeltaNet, pad_cu_seqlens, shard_thd
 from cp_ops.gdn_strategies import StatePassing, chunk_gated_delta_rule_cp_states
-from custom_ops import chunk_gated_delta_rule, chunk_gated_delta_rule_reference, chunk_gated_delta_rule_with_state, state_maps
+from custom_ops import (
+    chunk_gated_delta_rule,
+    chunk_gated_delta_rule_reference,
+    chunk_gated_delta_rule_with_state,
+    state_maps,
+)
 from custom_ops.testing import rel_error
 from custom_ops.valid_tokens.reference import valid_token_mask
 from tests._dist import run_ranks
