@@ -123,6 +123,7 @@ def linear_cross_entropy_forward(
     d_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if grad_weight else weight.new_empty(0, dtype=acc)
     grads = grad_hidden or grad_weight
     kernel = use_triton(hidden) and acc == torch.float32
+    labels = labels.contiguous()  # the kernel reads a chunk's targets at unit stride
     for start in range(0, rows_total, chunk_rows):
         rows, targets = hidden[start : start + chunk_rows], labels[start : start + chunk_rows]
         logits = rows @ weight.T  # [chunk, V], the only logits alive

@@ -89,6 +89,14 @@ def test_kernel_over_several_column_blocks(vocab):
     _against_reference(*_leaves(6, 4, vocab, torch.float32, seed=1), labels, torch.float32, chunk_rows=4)
 
 
+@pytest.mark.interpret
+def test_kernel_reads_strided_labels():
+    """Labels that are a strided view (a column of a [N, 2] tensor) give the loss of their values."""
+    labels = torch.stack([torch.tensor([3, IGNORE, 0, 6, 2]), torch.tensor([1, 2, 3, 4, 5])], 1)[:, 0]
+    assert labels.stride(0) == 2
+    _against_reference(*_leaves(5, 4, 7, torch.float32, seed=2), labels, torch.float32, chunk_rows=2)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_cuda_kernel_matches_the_float64_loss(dtype):
