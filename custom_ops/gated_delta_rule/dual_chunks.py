@@ -24,17 +24,19 @@ from custom_ops.runtime.groups import group_rank, resolve_group
 __all__ = ["chunk_gated_delta_rule_dual_chunks", "state_maps"]
 
 
-def _map_calls(q: torch.Tensor, v: torch.Tensor, num_seqs: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``(values, initial_state)`` of the map pass's calls: ``[v | 0]`` from ``[0 | I]`` in one, or
-    ``v`` from zeros and ``0`` from ``I`` in two, where ``dv + dk`` exceeds the kernels' head dim or
-    both calls take FlashQLA (whose kernels take ``dv = 128`` only; the backward then runs its
-    kernels too, from the first call's saved tensors)."""
+def _map_calls(q: torch.Tensor, v: torch.Tensor, num_seqs: int) -> list[tuple[torch.Tensor, torch.Tensor, str]]:
+    """``(values, initial_state, backend)`` of the map pass's calls: ``[v | 0]`` from ``[0 | I]`` in
+    one, or ``v`` from zeros and ``0`` from ``I`` in two, where ``dv + dk`` exceeds the kernels' head
+    dim or both calls take FlashQLA (whose kernels take ``dv = 128`` only; the backward then runs
+    its kernels too, from the first call's saved tensors)."""
     (num_rows, hv, dv), dk = v.shape, q.shape[-1]
     zeros = v.new_zeros(num_rows, hv, dk)
     identity = torch.eye(dk, dtype=state_dtype(q), device=q.device).expand(num_seqs, hv, dk, dk)
-    if dv + dk > MAX_HEAD_DIM or backends.resolve(q, v) == backends.resolve(q, zeros) == "flashqla":
-        return [(v, identity.new_zeros(num_seqs, hv, dk, dv)), (zeros, identity.contiguous())]
-    return [(torch.cat([v, zeros], -1), torch.cat([identity.new_zeros(num_seqs, hv, dk, dv), identity], -1))]
+    start_zero, split = identity.new_zeros(num_seqs, hv, dk, dv), (backends.resolve(q, v), backends.resolve(q, zeros))
+    if dv + dk > MAX_HEAD_DIM or split == ("flashqla", "flashqla"):
+        return [(v, start_zero, split[0]), (zeros, identity.contiguous(), split[1])]
+    values = torch.cat([v, zeros], -1)
+    return [(values, torch.cat([start_zero, identity], -1), backends.resolve(q, values))]
 
 
 def state_maps(q, k, v, g, beta, cu_seqlens, scale=None) -> torch.Tensor:
@@ -43,7 +45,7 @@ def state_maps(q, k, v, g, beta, cu_seqlens, scale=None) -> torch.Tensor:
     product of its rows' ``exp(g) (I - beta k k^T)``) from the identity with v = 0. Arguments as
     :func:`custom_ops.chunk_gated_delta_rule`; differentiable."""
     calls = _map_calls(q, v, cu_seqlens.shape[0] - 1)
-    finals = [chunk_gated_delta_rule_with_state(q, k, u, g, beta, cu_seqlens, scale, h)[1] for u, h in calls]
+    finals = [chunk_gated_delta_rule_with_state(q, k, u, g, beta, cu_seqlens, scale, h)[1] for u, h, _ in calls]
     return torch.cat(finals, -1)
 
 
@@ -84,8 +86,7 @@ class _DualChunks(torch.autograd.Function):
     def forward(ctx, q, k, v, g, beta, local_cu, group_name, world, rank, scale):
         num_seqs, dv = local_cu.shape[0] - 1, v.shape[-1]
         runs = []
-        for values, start in _map_calls(q, v, num_seqs):
-            backend = backends.resolve(q, values)
+        for values, start, backend in _map_calls(q, v, num_seqs):
             runs.append((backend, torch.ops.cp_ops.chunk_gated_delta_rule_forward(
                 q, k, values, g, beta, local_cu, scale, start, True, backend
             )))  # fmt: skip
@@ -122,5 +123,4 @@ def chunk_gated_delta_rule_dual_chunks(q, k, v, g, beta, local_cu, group=None, s
     each sequence), across the ranks of ``group``: o ``[T/W, Hv, dv]``, equal to the sequence-order
     result's rows of this rank. Differentiable in q, k, v, g, beta (docs/design.md section 4.3)."""
     name, world = resolve_group(group)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
     return _DualChunks.apply(q, k, v, g, beta, local_cu, name, world, group_rank(group), scale)
