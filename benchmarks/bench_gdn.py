@@ -87,17 +87,21 @@ def piece_steps(layer: GatedDeltaNet, x: torch.Tensor, cup: torch.Tensor, world:
     def randn(*shape, dt=dtype):
         return torch.randn(*shape, device=dev, dtype=dt)
 
+    def core_inputs(num_rows: int, num_k: int, num_v: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """``[q, k, v, g, beta]`` of the core on ``num_rows`` rows (unit-norm keys, log decays; leaves)
+        and a gradient of its output."""
+        q, k = (torch.nn.functional.normalize(randn(num_rows, num_k, dk), dim=-1).requires_grad_() for _ in "qk")
+        v = randn(num_rows, num_v, dv).requires_grad_()
+        g = torch.nn.functional.logsigmoid(randn(num_rows, num_v, dt=torch.float32) + 3).requires_grad_()
+        beta = torch.rand(num_rows, num_v, device=dev).requires_grad_()
+        return [q, k, v, g, beta], randn(num_rows, num_v, dv)
+
     with torch.no_grad():
         proj_grads = tuple(torch.randn_like(t) for t in layer._project(x))  # qkvba, z
     # the conv reads the head-parallel projection's first columns and writes its whole gradient, as in the layer
     proj_hp = randn(rows, sum(layer._exchanged_sections(world))).requires_grad_()
     weight = layer.conv1d.weight[:conv_w, 0, :].detach().contiguous().requires_grad_()
-    q = torch.nn.functional.normalize(randn(rows, hk, dk), dim=-1).requires_grad_()
-    k = torch.nn.functional.normalize(randn(rows, hk, dk), dim=-1).requires_grad_()
-    v = randn(rows, hv, dv).requires_grad_()
-    g = torch.nn.functional.logsigmoid(randn(rows, hv, dt=torch.float32) + 3).requires_grad_()
-    beta = torch.rand(rows, hv, device=dev).requires_grad_()
-    o_grad = randn(rows, hv, dv)
+    core_leaves, o_grad = core_inputs(rows, hk, hv)
     # the gated norm runs on the local rows, all heads
     z = randn(local_rows, layer.num_v_heads, dv).requires_grad_()
     o_in = randn(local_rows, layer.num_v_heads, dv).requires_grad_()
@@ -106,19 +110,15 @@ def piece_steps(layer: GatedDeltaNet, x: torch.Tensor, cup: torch.Tensor, world:
     norm_c = torch.compile(layer.norm, fullgraph=True, dynamic=True)
 
     def core():
-        return custom_ops.chunk_gated_delta_rule(q, k, v, g, beta, cup)
+        return custom_ops.chunk_gated_delta_rule(*core_leaves, cup)
 
     states = {}
     if world > 1:
         chunks = custom_ops.chunk_rows(cup, world).repeat_interleave(2)
         local_cu = torch.nn.functional.pad(torch.cumsum(chunks, 0), (1, 0))
-        heads = (layer.num_k_heads, layer.num_v_heads)
-        qs, ks = (torch.nn.functional.normalize(randn(local_rows, heads[0], dk), dim=-1).requires_grad_() for _ in "qk")
-        vs, grad_s = randn(local_rows, heads[1], dv).requires_grad_(), randn(local_rows, heads[1], dv)
-        gs = torch.nn.functional.logsigmoid(randn(local_rows, heads[1], dt=torch.float32) + 3).requires_grad_()
-        bs = torch.rand(local_rows, heads[1], device=dev).requires_grad_()
-        by_states = partial(custom_ops.chunk_gated_delta_rule_dual_chunks, qs, ks, vs, gs, bs, local_cu.to(cup.dtype))
-        states["core by states fwd+bwd"] = _fwd_bwd(by_states, [qs, ks, vs, gs, bs], grad_s)
+        leaves, grad_s = core_inputs(local_rows, layer.num_k_heads, layer.num_v_heads)
+        by_states = partial(custom_ops.chunk_gated_delta_rule_dual_chunks, *leaves, local_cu.to(cup.dtype))
+        states["core by states fwd+bwd"] = _fwd_bwd(by_states, leaves, grad_s)
 
     return {
         "in_proj fwd+bwd": _fwd_bwd(lambda: layer._project(x), [x, layer.in_proj.weight], proj_grads),
@@ -128,7 +128,7 @@ def piece_steps(layer: GatedDeltaNet, x: torch.Tensor, cup: torch.Tensor, world:
             (randn(2, rows, hk * dk), randn(rows, hv * dv), randn(rows, proj_hp.shape[1] - conv_w)),
         ),
         "core fwd": core,
-        "core fwd+bwd": _fwd_bwd(core, [q, k, v, g, beta], o_grad),
+        "core fwd+bwd": _fwd_bwd(core, core_leaves, o_grad),
         "gated norm fwd+bwd eager": _fwd_bwd(lambda: layer.norm(o_in, z), [o_in, z], norm_grad),
         "gated norm fwd+bwd compiled": _fwd_bwd(lambda: norm_c(o_in, z), [o_in, z], norm_grad),
         "out_proj fwd+bwd": _fwd_bwd(
