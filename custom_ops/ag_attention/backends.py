@@ -49,7 +49,9 @@ def requested() -> str:
     return _override if _override is not None else env.attention_backend()
 
 
+# constants to torch.compile, as the GDN backend's lookups are
 @functools.cache
+@torch.compiler.assume_constant_result
 def fa4_version() -> str | None:
     """The installed flash-attn-4's version, None where it is not installed (read from its
     metadata: importing it loads the CuTe DSL)."""
@@ -71,6 +73,7 @@ def _tag_compile_caches() -> None:
 
 
 @functools.cache
+@torch.compiler.assume_constant_result
 def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 

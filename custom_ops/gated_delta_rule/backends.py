@@ -55,7 +55,10 @@ def requested() -> str:
     return _override if _override is not None else env.gdn_backend()
 
 
+# constants to torch.compile: Dynamo skips importlib's lookups on some torch releases (2.11), and
+# a trace that reaches them (the state mode's map pass resolves its calls' backends) would break
 @functools.cache
+@torch.compiler.assume_constant_result
 def installed_version(package: str) -> str | None:
     """The installed version of distribution ``package``, None where it is not importable."""
     module = package.replace("-", "_")
@@ -79,6 +82,7 @@ def _tag_compile_caches() -> None:
 
 
 @functools.cache
+@torch.compiler.assume_constant_result
 def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 

@@ -149,3 +149,22 @@ def test_cuda_dual_chunks_match_the_reference_bf16(seqlens, dim):
     assert rel_error(o.cpu(), o_ref) < 5e-3
     for name, a, e in zip(("q", "k", "v", "g", "beta"), leaves, ref):
         assert rel_error(a.grad.cpu(), e.grad) < 1e-2, name
+
+
+@pytest.mark.gpu
+def test_cuda_dual_chunks_compile_fullgraph():
+    """The state-passing core on CUDA under torch.compile(fullgraph=True): the map pass resolves
+    its calls' backends while Dynamo traces it (FlashQLA's where it is installed, at head dim
+    128), and the graph gives the eager core's output and gradients."""
+    pytest.importorskip("fla")
+    cu, cup = pad_cu_seqlens([1000, 24], 1)
+    *inputs, _ = _gdn_case((cup[1:] - cup[:-1]).tolist(), 4, 2, 128, 128, torch.bfloat16, "cuda")
+    grad_o, runs = None, []
+    for fn in (chunk_gated_delta_rule_cp_states, torch.compile(chunk_gated_delta_rule_cp_states, fullgraph=True)):
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        o = fn(*leaves, cup.cuda(), None)
+        grad_o = torch.randn_like(o) if grad_o is None else grad_o
+        o.backward(grad_o)
+        runs.append([o, *(t.grad for t in leaves)])
+    for name, eager, compiled in zip(("o", "q", "k", "v", "g", "beta"), *runs):
+        assert rel_error(compiled, eager) < 1e-3, name

@@ -160,3 +160,17 @@ def test_precompile_command_refuses_malformed_head_counts(capsys):
     for argv in ([], ["--states"], ["16-32"], ["16/32", "8"]):
         assert _main(argv) == 2
         assert "usage: python -m custom_ops.gated_delta_rule.flash_qla [--states] HK/HV" in capsys.readouterr().err
+
+
+def test_the_choice_traces_whole():
+    """The state mode resolves its calls' backends while Dynamo traces it: what the choice reads
+    (FlashQLA's installed version, the device's capability, the backend asked for) traces under
+    fullgraph=True (Dynamo refuses importlib's lookups on some torch releases; they are constants
+    to it)."""
+
+    def choose(q):
+        return q + len(backends.flash_qla_unfit(q, q)) + len(backends.requested())
+
+    q = torch.zeros(3, 1, 128)
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(choose, fullgraph=True, backend="eager")(q), choose(q))
