@@ -588,12 +588,17 @@ def _rank(
         # one GPU: rank 0 alone; the other ranks wait at the barrier. The op as called, and
         # compiled as the CP forms are (with CUDA graphs under --cudagraphs): the baseline
         # of the compiled CP forms, like for like
-        t1, t1c = [0.0, 0.0], [0.0, 0.0]
+        # and the op at W = 1 on each backend of --backends, compiled as its CP form is
+        t1, t1c, t1b = [0.0, 0.0], [0.0, 0.0], {b: [0.0, 0.0] for b in attention_backends}
         if rank == 0:
             fwd, step = _fwd_and_step(one_gpu, q, k, v, dout)
             t1 = [timed(fwd), timed(step)]
             fwd_c, step_c = _fwd_and_step(_compiled(one_gpu, cudagraphs), q, k, v, dout)
             t1c = [timed(fwd_c), timed(step_c)]
+            for b in attention_backends:
+                fwd_b, step_b = _fwd_and_step(_compiled(cp_attention(cu, cup, None, b), cudagraphs, COMPILE_OPTIONS),
+                                              q, k, v, dout)  # fmt: skip
+                t1b[b] = [timed(fwd_b), timed(step_b)]
             if profile:
                 profiles[(total, "1 GPU")] = profile_step(step, named=PROFILED_KERNELS, runs=PROFILE_RUNS)
                 profiles[(total, "1 GPU compiled")] = profile_step(step_c, named=PROFILED_KERNELS, runs=PROFILE_RUNS)
@@ -616,9 +621,12 @@ def _rank(
                    t1[idx] / (world * w1), t1[idx] / (world * w2), w2 / w1,
                    t_ag if idx == 0 else "", wc, t1[idx] / (world * wc),
                    t1c[idx], t1c[idx] / (world * wc)]  # fmt: skip
-            for form in [f"G={g}" for g in head_groups] + list(attention_backends):  # compiled: against
-                tg = times[form]["ms"][idx]  # the compiled one-GPU step
+            for g in head_groups:  # compiled: against the compiled one-GPU step
+                tg = times[f"G={g}"]["ms"][idx]
                 row += [tg, t1c[idx] / (world * tg)]
+            for b in attention_backends:  # against the op at W = 1 on the same backend
+                tb = times[b]["ms"][idx]
+                row += [t1b[b][idx], tb, t1b[b][idx] / (world * tb)]
             rows.append(row)
         if rank == 0:  # a line and the tables so far, so a run cut short by a time limit still reports
             print(f"T={total}: " + ", ".join(
@@ -644,6 +652,7 @@ def _tables(rows, profiles, env, world, heads, kv_heads, head_dim, runs, gqa, sm
         f"D = {head_dim}; T = real tokens of the global batch (packed documents); times in ms, median "
         f"over {runs} runs, max over ranks; eff = T_1 / (W * T_W)"
         + ("; the compiled forms, one GPU's too, with CUDA graphs (--cudagraphs)" if cudagraphs else "")
+        + ("; a backend's eff: against the op at W = 1 on that backend" if attention_backends else "")
     )
     ms, eff = "{:.3f}", "{:.2f}"
     columns = {"T": None, "docs": None, "pass": None, "1 GPU": ms, f"W={world} 1 launch": ms,
@@ -653,7 +662,8 @@ def _tables(rows, profiles, env, world, heads, kv_heads, head_dim, runs, gqa, sm
     for g in head_groups:
         columns.update({f"W={world} compiled, {g} head groups": ms, f"eff, {g} groups": eff})
     for b in attention_backends:
-        columns.update({f"W={world} compiled, {b} backend": ms, f"eff, {b} backend": eff})
+        columns.update({f"1 GPU compiled, {b} backend": ms, f"W={world} compiled, {b} backend": ms,
+                        f"eff, {b} backend": eff})  # fmt: skip
     title = f"All-gather CP attention, W = {world}, against segment attention on one GPU"
     results = [Result("ag_attention", title, list(columns), rows, notes, env, name=name,
                       formats=list(columns.values()))]  # fmt: skip
