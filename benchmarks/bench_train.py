@@ -382,13 +382,16 @@ def fit_context(args: argparse.Namespace) -> Result:
     """The ``--fit-context`` searches: at each W, with and without ``--ac`` (``--ac``), the longest single
     sequence (``--max-seqs 1``) for which the recipe runs ``--fit-steps`` steps at (dp 1, cp W), each
     trial a torchrun of its own (an out-of-memory trial leaves nothing behind), by :func:`longest_fit`
-    from ``--fit-start`` tokens per GPU; a row per search, with the longest run's numbers."""
-    rows = []
+    from ``--fit-start`` tokens per GPU; a row per search, with the longest run's numbers. The table so
+    far is written after every trial, so a run cut short keeps the trials it finished."""
+    rows: list[dict] = []
     modes = {"off": [False], "on": [True], "both": [False, True]}[args.ac]
     with tempfile.TemporaryDirectory() as tmp:
         for world in [int(w) for w in args.fit_context.split(",")]:
             for ac in modes:
-                runs = {}
+                runs, tried = {}, []
+                row = {"W": world, "ac": "on" if ac else "off"}
+                rows.append(row)
 
                 def trial(tokens: int) -> str:
                     log = Path(tmp) / f"fit-w{world}-ac{int(ac)}-{tokens}.json"
@@ -399,16 +402,27 @@ def fit_context(args: argparse.Namespace) -> Result:
                     status = torchrun(world, recipe_args, args.timeout)
                     if status == "ok":
                         runs[tokens] = summarise(json.loads(log.read_text()), warmup=1)
+                    tried.append((tokens, status))
+                    row.update(_fit_row(world, ac, tried, runs))
+                    emit([_fit_result(args, rows)], args.out, quiet=True)
                     return status
 
-                start = args.fit_start * world
-                best, tried = longest_fit(trial, start, args.fit_granularity, args.fit_limit or 8 * start)
-                failed = [n for n, status in tried if status != "ok" and (best is None or n > best)]
-                row = {"W": world, "ac": "on" if ac else "off", "longest tokens": best,
-                       "shortest failed": min(failed, default=None),
-                       "trials": "; ".join(f"{n} {status}" for n, status in tried), **runs.get(best, {})}  # fmt: skip
-                print(f"[bench_train] fit-context W={world} ac={row['ac']}: {best} tokens", flush=True)
-                rows.append(row)
+                longest_fit(trial, args.fit_start * world, args.fit_granularity,
+                            args.fit_limit or 8 * args.fit_start * world)  # fmt: skip
+                print(f"[bench_train] fit-context W={world} ac={row['ac']}: {row['longest tokens']} tokens", flush=True)
+    return _fit_result(args, rows)
+
+
+def _fit_row(world: int, ac: bool, tried: list[tuple[int, str]], runs: dict[int, dict]) -> dict:
+    """A ``--fit-context`` row from the trials so far: the longest length that ran, the shortest
+    longer one that did not, every trial, and the longest run's numbers."""
+    best = max((n for n, status in tried if status == "ok"), default=None)
+    failed = [n for n, status in tried if status != "ok" and (best is None or n > best)]
+    return {"W": world, "ac": "on" if ac else "off", "longest tokens": best, "shortest failed": min(failed, default=None),
+            "trials": "; ".join(f"{n} {status}" for n, status in tried), **runs.get(best, {})}  # fmt: skip
+
+
+def _fit_result(args: argparse.Namespace, rows: list[dict]) -> Result:
     return Result(
         benchmark="train", name=f"train-fit-context-{args.preset}{suffix(args)}",
         title=f"The longest single sequence that trains, preset {args.preset}"

@@ -50,12 +50,13 @@ def test_longest_fit_refuses_a_start_off_the_grid():
         bench_train.longest_fit(lambda n: "ok", 100, 64, 1000)
 
 
-def test_fit_context_table(tmp_path, monkeypatch):
-    """Each W and --ac mode searched with its own runs (stubs here: W x 300000 tokens fit, more run
-    out of memory), the longest run's numbers in its row, every trial listed."""
-    calls = []
+def _recipe_stub(calls, stop_after=None):
+    """A stand-in for bench_train's torchrun: W x 300000 tokens fit, more run out of memory; the
+    call after ``stop_after`` calls raises, as a run stopped by a time limit ends."""
 
     def torchrun(world, recipe_args, timeout, entry=None):
+        if stop_after is not None and len(calls) == stop_after:
+            raise KeyboardInterrupt
         tokens = int(recipe_args[recipe_args.index("--tokens-per-step") + 1])
         calls.append((world, tokens, "--ac" in recipe_args, recipe_args[recipe_args.index("--max-seqs") + 1]))
         if tokens > 300_000 * world:
@@ -65,16 +66,46 @@ def test_fit_context_table(tmp_path, monkeypatch):
         Path(recipe_args[recipe_args.index("--log-json") + 1]).write_text(json.dumps(log))
         return "ok"
 
-    monkeypatch.setattr(bench_train, "torchrun", torchrun)
-    bench_train.main(["--fit-context", "1,2", "--vocab-size", "151936", "--fit-start", "131072", "--fit-granularity",
-                      "32768", "--out", str(tmp_path)])  # fmt: skip
-    result = json.loads((tmp_path / "train-fit-context-slice4-v151936.json").read_text())
-    rows = [dict(zip(result["columns"], row)) for row in result["rows"]]
+    return torchrun
+
+
+FIT_ARGS = ["--fit-context", "1,2", "--vocab-size", "151936", "--fit-start", "131072", "--fit-granularity", "32768"]
+
+
+def _fit_rows(path):
+    result = json.loads((path / "train-fit-context-slice4-v151936.json").read_text())
+    return [dict(zip(result["columns"], row)) for row in result["rows"]]
+
+
+def test_fit_context_table(tmp_path, monkeypatch):
+    """Each W and --ac mode searched with its own runs (stubs here), the longest run's numbers in
+    its row, every trial listed."""
+    calls = []
+    monkeypatch.setattr(bench_train, "torchrun", _recipe_stub(calls))
+    bench_train.main([*FIT_ARGS, "--out", str(tmp_path)])
+    rows = _fit_rows(tmp_path)
     assert [(r["W"], r["ac"]) for r in rows] == [(1, "off"), (1, "on"), (2, "off"), (2, "on")]
     assert [r["longest tokens"] for r in rows] == [294_912, 294_912, 589_824, 589_824]
     assert rows[0]["step ms"] == 294.912 and rows[0]["first step s"] == 90.0 and rows[0]["shortest failed"] == 327_680
     assert rows[0]["trials"].startswith("131072 ok; 262144 ok; 524288 out of memory")
     assert {c[3] for c in calls} == {"1"} and sum(c[2] for c in calls) == len(calls) // 2
+
+
+def test_fit_context_keeps_the_trials_of_a_run_cut_short(tmp_path, monkeypatch):
+    """The table is written after every trial: a run stopped in its second search keeps the first
+    search's row and the second's trials so far, its longest run's numbers with them."""
+    calls = []
+    monkeypatch.setattr(bench_train, "torchrun", _recipe_stub(calls))
+    bench_train.main([*FIT_ARGS, "--ac", "off", "--out", str(tmp_path / "whole")])
+    first_search = len([c for c in calls if c[0] == 1])
+    calls.clear()
+    monkeypatch.setattr(bench_train, "torchrun", _recipe_stub(calls, stop_after=first_search + 2))
+    with pytest.raises(KeyboardInterrupt):
+        bench_train.main([*FIT_ARGS, "--ac", "off", "--out", str(tmp_path / "cut")])
+    whole, cut = _fit_rows(tmp_path / "whole"), _fit_rows(tmp_path / "cut")
+    assert cut[0] == whole[0]
+    assert cut[1]["trials"] == "262144 ok; 524288 ok" and cut[1]["longest tokens"] == 524_288
+    assert cut[1]["step ms"] == 524.288 and cut[1]["shortest failed"] is None
 
 
 class _Counter:
