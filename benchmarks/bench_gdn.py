@@ -172,7 +172,15 @@ def bench_case(layer, tokens: int, num_seqs: int, kernel_time: bool = False, sha
     res = {name: median_ms(fn, 100, LAYER_REP_MS) for name, fn in steps.items()}
     if kernel_time:
         res.update({f"{name}: kernels": kernel_ms(fn) for name, fn in steps.items()})
+        for name in [n for n in steps if n.endswith("core by states fwd+bwd")]:
+            profile = profile_step(steps[name], named=("segment_matmul",))  # prints the largest others
+            res.update({f"{name}: {k}": profile[k] for k in STATES_PROFILE})
     return res
+
+
+# where the state-passing core's kernel time goes (--kernel-time): the delta rule's kernels (FLA's,
+# or FlashQLA's under "other"), the compositions' GEMMs, the segment matmuls, the small ops around them
+STATES_PROFILE = ("GPU busy", "FLA", "GEMMs", "segment_matmul kernels", "Inductor-fused", "other")
 
 
 # --- the GDN core alone, by kernel backend ----------------------------------------------------
@@ -793,7 +801,8 @@ def main() -> None:
                         "on W GPUs and on one")
     add_out_argument(parser)
     parser.add_argument("--kernel-time", action="store_true",
-                        help="one GPU: also the summed kernel time of each row (torch.profiler)")
+                        help="one GPU: also the summed kernel time of each row (torch.profiler) and, with "
+                        "--rank-share, the state-passing core's by kernel class")
     parser.add_argument("--profile", action="store_true",
                         help="with --cp: also split rank 0's compiled step (1 GPU and W GPUs) by kernel class "
                         "and GPU idle time (torch.profiler)")
