@@ -117,10 +117,9 @@ def piece_steps(layer: GatedDeltaNet, x: torch.Tensor, cup: torch.Tensor, world:
 
     states = {}
     if world > 1:
-        chunks = custom_ops.chunk_rows(cup, world).repeat_interleave(2)
-        local_cu = torch.nn.functional.pad(torch.cumsum(chunks, 0), (1, 0))
         leaves, grad_s = core_inputs(local_rows, layer.num_k_heads, layer.num_v_heads)
-        by_states = partial(custom_ops.chunk_gated_delta_rule_dual_chunks, *leaves, local_cu.to(cup.dtype))
+        local_cu = custom_ops.local_chunk_bounds(cup, world)
+        by_states = partial(custom_ops.chunk_gated_delta_rule_dual_chunks, *leaves, local_cu)
         states["core by states fwd+bwd"] = _fwd_bwd(by_states, leaves, grad_s)
 
     return {

@@ -13,7 +13,6 @@ from typing import NamedTuple
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from cp_ops.exchange import thd_cp2hp_blocks, thd_cp2hp_overlap, thd_hp2cp_blocks
 from custom_ops import (
@@ -22,6 +21,7 @@ from custom_ops import (
     chunk_gated_delta_rule_dual_chunks,
     chunk_rows,
     group_rank,
+    local_chunk_bounds,
     rank_to_seq_index,
     resolve_group,
     thd_hp2cp,
@@ -216,7 +216,7 @@ class _Chunks(NamedTuple):
         cup = cu_seqlens_padded
         chunk = chunk_rows(cup, world).long()  # [B]
         num_seqs = chunk.shape[0]
-        local_cu = _local_cu(cup, world).long()
+        local_cu = local_chunk_bounds(cup, world).long()
         ids = torch.arange(2 * num_seqs + 1, device=cup.device)
         extended_cu = local_cu + ids * halo
         row = torch.arange(num_rows, device=cup.device)
@@ -239,13 +239,6 @@ class _Chunks(NamedTuple):
         source = ((owner * 2 * num_seqs + 2 * seq + slot) * halo + tail).clamp(min=0)
         return _Chunks(local_cu.to(cup.dtype), extended_cu.to(cup.dtype), rows, halo_rows, source.reshape(-1),
                        valid.reshape(-1, 1), halo)  # fmt: skip
-
-
-def _local_cu(cu_seqlens_padded: torch.Tensor, world: int) -> torch.Tensor:
-    """``[2B+1]`` bounds of a rank's chunks among its rows, in cup's dtype: chunk ``r``, then
-    ``2W-1-r``, of each sequence, ``P_i / 2W`` rows each."""
-    chunk = chunk_rows(cu_seqlens_padded, world).repeat_interleave(2)
-    return F.pad(torch.cumsum(chunk, 0), (1, 0)).to(cu_seqlens_padded.dtype)
 
 
 def _with_halos(conv_in: torch.Tensor, chunks: _Chunks, group_name: str | None, world: int) -> torch.Tensor:
@@ -271,5 +264,5 @@ def chunk_gated_delta_rule_cp_states(q, k, v, g, beta, cu_seqlens_padded, group,
     (``[T/W, ...]``; ``cu_seqlens_padded`` global), by :func:`custom_ops.chunk_gated_delta_rule_dual_chunks`
     over its chunks: o ``[T/W, Hv, dv]``, equal to the sequence-order result's rows of this rank;
     differentiable in q, k, v, g, beta."""
-    local_cu = _local_cu(cu_seqlens_padded, resolve_group(group)[1])
+    local_cu = local_chunk_bounds(cu_seqlens_padded, resolve_group(group)[1])
     return chunk_gated_delta_rule_dual_chunks(q, k, v, g, beta, local_cu, group, scale)

@@ -51,6 +51,7 @@ from custom_ops.thd.checks import check_cp_size, check_index_tensor
 from custom_ops.thd.index import (
     chunk_rows,
     chunk_spans,
+    local_chunk_bounds,
     local_chunks,
     local_offsets,
     local_positions,
@@ -127,6 +128,7 @@ __all__ = [
     "local_chunks",
     "local_offsets",
     "chunk_rows",
+    "local_chunk_bounds",
     "valid_rows",
     "local_positions",
     "shard_rows",

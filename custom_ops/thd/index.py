@@ -24,6 +24,7 @@ __all__ = [
     "local_chunks",
     "local_offsets",
     "chunk_rows",
+    "local_chunk_bounds",
     "valid_rows",
     "local_positions",
     "shard_rows",
@@ -53,6 +54,13 @@ def local_offsets(offsets: torch.Tensor, cp_size: int) -> torch.Tensor:
 def chunk_rows(cu_seqlens_padded: torch.Tensor, cp_size: int) -> torch.Tensor:
     """``c_i = P_i / 2W``, the rows of each chunk of every sequence (``[B]``, cup's dtype)."""
     return (cu_seqlens_padded[1:] - cu_seqlens_padded[:-1]) // padding_multiple(cp_size)
+
+
+def local_chunk_bounds(cu_seqlens_padded: torch.Tensor, cp_size: int) -> torch.Tensor:
+    """``[2B+1]`` bounds of every rank's chunks among its rows (cup's dtype): chunk ``r``, then
+    ``2W-1-r``, of each sequence, ``c_i`` rows each (the same bounds on every rank)."""
+    chunk = chunk_rows(cu_seqlens_padded, cp_size).repeat_interleave(2)
+    return torch.nn.functional.pad(torch.cumsum(chunk, 0), (1, 0)).to(cu_seqlens_padded.dtype)
 
 
 def valid_rows(seqlens: torch.Tensor, chunk_len: torch.Tensor, chunk) -> torch.Tensor:

@@ -14,6 +14,7 @@ def test_worked_example():
     assert cup.tolist() == [0, 8, 12, 12]
     assert thd_index.chunk_rows(cup, 2).tolist() == [2, 1, 0]
     assert thd_index.local_offsets(cup, 2).tolist() == [0, 4, 6, 6]
+    assert thd_index.local_chunk_bounds(cup, 2).tolist() == [0, 2, 4, 5, 6, 6, 6]
     assert thd_index.seq_to_rank_index(cup, 2, 12).tolist() == [0, 1, 6, 7, 8, 11, 2, 3, 4, 5, 9, 10]
     assert thd_index.local_positions(cup, 2, 0, 6).tolist() == [0, 1, 6, 7, 0, 3]
     assert thd_index.local_positions(cup, 2, 1, 6).tolist() == [2, 3, 4, 5, 1, 2]
@@ -42,3 +43,8 @@ def test_maps_match_the_loop_definition(layout):
     rank0_chunks = [c for _, _, c in spans[: 2 * len(seqlens) : 2]]  # one chunk of each sequence
     assert [c * thd_index.padding_multiple(cp_size) for c in rank0_chunks] == cup.diff().tolist()
     assert thd_index.chunk_rows(cup, cp_size).tolist() == rank0_chunks
+    bounds, per_rank_spans = thd_index.local_chunk_bounds(cup, cp_size), 2 * len(seqlens)
+    assert bounds.dtype == cup.dtype
+    for r in range(cp_size):  # the bounds of each rank's spans, in its row order
+        sizes = [c for _, _, c in spans[r * per_rank_spans : (r + 1) * per_rank_spans]]
+        assert bounds.tolist() == [sum(sizes[:i]) for i in range(len(sizes) + 1)]
