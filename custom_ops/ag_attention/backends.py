@@ -12,7 +12,6 @@ with. The design follows the gated delta rule's (:mod:`custom_ops.gated_delta_ru
 
 from __future__ import annotations
 
-import functools
 import importlib.metadata
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ import torch
 
 from custom_ops import env
 from custom_ops.runtime.compile_cache import replace_tag
+from custom_ops.runtime.constants import compile_constant
 
 __all__ = ["BACKENDS", "Machine", "describe", "fa4_unfit", "here", "resolve", "set_backend"]
 
@@ -49,9 +49,7 @@ def requested() -> str:
     return _override if _override is not None else env.attention_backend()
 
 
-# constants to torch.compile, as the GDN backend's lookups are
-@functools.cache
-@torch.compiler.assume_constant_result
+@compile_constant
 def fa4_version() -> str | None:
     """The installed flash-attn-4's version, None where it is not installed (read from its
     metadata: importing it loads the CuTe DSL)."""
@@ -72,8 +70,7 @@ def _tag_compile_caches() -> None:
     replace_tag("attn-", f"attn-{asked}-fa4-{fa4_version() or 'none'}")
 
 
-@functools.cache
-@torch.compiler.assume_constant_result
+@compile_constant
 def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 

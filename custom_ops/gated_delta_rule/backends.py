@@ -13,7 +13,6 @@ compiled graph keeps the backend it was traced with, and the backward runs the f
 
 from __future__ import annotations
 
-import functools
 import importlib.metadata
 import importlib.util
 from collections.abc import Callable
@@ -23,6 +22,7 @@ import torch
 
 from custom_ops import env
 from custom_ops.runtime.compile_cache import replace_tag
+from custom_ops.runtime.constants import compile_constant
 
 __all__ = ["BACKENDS", "Machine", "describe", "flash_qla_unfit", "here", "installed_version", "resolve", "set_backend"]
 
@@ -55,10 +55,8 @@ def requested() -> str:
     return _override if _override is not None else env.gdn_backend()
 
 
-# constants to torch.compile: Dynamo skips importlib's lookups on some torch releases (2.11), and
-# a trace that reaches them (the state mode's map pass resolves its calls' backends) would break
-@functools.cache
-@torch.compiler.assume_constant_result
+# the state mode's map pass resolves its calls' backends while Dynamo traces it
+@compile_constant
 def installed_version(package: str) -> str | None:
     """The installed version of distribution ``package``, None where it is not importable."""
     module = package.replace("-", "_")
@@ -81,8 +79,7 @@ def _tag_compile_caches() -> None:
     replace_tag("gdn-", f"gdn-{asked}-flashqla-{installed_version('flash-qla') or 'none'}")
 
 
-@functools.cache
-@torch.compiler.assume_constant_result
+@compile_constant
 def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
