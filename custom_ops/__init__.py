@@ -33,6 +33,8 @@ from custom_ops.gated_delta_rule.reference import (
 )
 from custom_ops.grouped_matmul.op import segment_matmul
 from custom_ops.grouped_matmul.reference import segment_matmul_reference
+from custom_ops.mlp.op import default_tile_rows, swiglu_mlp
+from custom_ops.mlp.reference import swiglu_mlp_reference
 from custom_ops.runtime.collectives import all_gather_rows, all_to_all_rows, overlapped_exchange, reduce_scatter_rows
 from custom_ops.runtime.compile_cache import tag_compile_caches
 from custom_ops.runtime.groups import group_rank, group_size, resolve_group
@@ -106,6 +108,8 @@ __all__ = [
     # the loss
     "linear_cross_entropy",
     "default_chunk_rows",
+    "swiglu_mlp",
+    "default_tile_rows",
     # references
     "thd_seq_to_rank_order_reference",
     "thd_rank_to_seq_order_reference",
@@ -123,6 +127,7 @@ __all__ = [
     "chunk_gated_delta_rule_with_state_reference",
     "segment_matmul_reference",
     "linear_cross_entropy_reference",
+    "swiglu_mlp_reference",
     # the THD layout: index maps, checks, the checked mode
     "padding_multiple",
     "local_chunks",

@@ -49,6 +49,9 @@ OPS = (
     Op("segment_matmul_weight_grad", "custom_ops.grouped_matmul.op", False),
     Op("linear_cross_entropy", "custom_ops.cross_entropy.op", True),
     Op("linear_cross_entropy_forward", "custom_ops.cross_entropy.op", False),
+    Op("swiglu_mlp", "custom_ops.mlp.op", True),
+    Op("swiglu_mlp_forward", "custom_ops.mlp.op", False),
+    Op("swiglu_mlp_backward", "custom_ops.mlp.op", False),
     Op("check_layout", "custom_ops.check_layout.op", False),
 )
 

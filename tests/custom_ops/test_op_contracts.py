@@ -229,6 +229,20 @@ def _linear_cross_entropy_samples(params, dtype, grad):
     ]  # fmt: skip
 
 
+def _swiglu_mlp_samples(params, dtype, grad):
+    (rows, hidden_dim, inter), tile_rows = params
+    x, dy = random_tensor((rows, hidden_dim), dtype), random_tensor((rows, hidden_dim), dtype)
+    w_gate, w_up = random_tensor((inter, hidden_dim), dtype), random_tensor((inter, hidden_dim), dtype)
+    w_down = random_tensor((hidden_dim, inter), dtype)
+    weights = (w_gate, w_up, w_down)
+    return [
+        (ops.swiglu_mlp.default, (_floats(x, grad), *(_floats(w, grad) for w in weights), tile_rows), {}),
+        (ops.swiglu_mlp_forward.default, (x, *weights, tile_rows), {}),
+        (ops.swiglu_mlp_backward.default, (dy, x, *weights, tile_rows, True, True), {}),
+        (ops.swiglu_mlp_backward.default, (dy, x, *weights, tile_rows, False, False), {}),
+    ]
+
+
 def _check_layout_samples(params, dtype, grad):
     packing = params[0]
     cu = packing.cu_seqlens.to(dtype)
@@ -298,6 +312,11 @@ FAMILIES = {
         st.tuples(st.sampled_from([(0, 4, 5), (7, 4, 5), (13, 8, 3)]), st.sampled_from([1, 4, 64]),
                   st.integers(0, 3)),
         ((9, 4, 6), 4, 2), FLOAT_DTYPES, _linear_cross_entropy_samples,
+    ),
+    "swiglu_mlp": Family(
+        ("swiglu_mlp", "swiglu_mlp_forward", "swiglu_mlp_backward", "swiglu_mlp_backward"),
+        st.tuples(st.sampled_from([(0, 4, 5), (7, 4, 5), (13, 8, 3)]), st.sampled_from([1, 4, 64])),
+        ((9, 4, 6), 4), FLOAT_DTYPES, _swiglu_mlp_samples,
     ),
     "check_layout": Family(
         ("check_layout",), st.tuples(_packing), (thd_packing(2, [3, 0, 5]),),
