@@ -113,6 +113,9 @@ class TrainConfig:
     dtype: str = flag("bf16", choices=("bf16", "fp32"))
     compile: bool = flag(False, action="store_true", help="torch.compile(fullgraph=True) every decoder layer")
     ac: bool = flag(False, action="store_true", help="activation checkpointing per decoder layer")
+    tiled_mlp: bool = flag(
+        False, action="store_true",
+        help="the MLPs over row tiles, saving only their input (cp_ops.integrations.tiled_mlp): for long sequences")  # fmt: skip
     loss: str = flag(
         "fused", choices=("fused", "unfused"),
         help="fused: the loss from the hidden states in row chunks, never the logits "
@@ -500,6 +503,10 @@ def setup(cfg: TrainConfig, rank: int, world: int, device: torch.device) -> Run:
     # where FSDP2 has unsharded them; either order works, the patch comes first here
     gdn_cp = StatePassing() if cfg.gdn_cp == "states" else None
     apply_context_parallel(model, mesh["cp"] if cfg.cp > 1 else None, gdn_cp, fused_loss=cfg.loss == "fused")
+    if cfg.tiled_mlp:
+        from cp_ops.integrations.tiled_mlp import apply_tiled_mlp
+
+        apply_tiled_mlp(model)
     for layer in model.model.layers:
         wrap_layer(layer, cfg)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
