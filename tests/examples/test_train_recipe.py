@@ -103,13 +103,16 @@ def _check_steps(log: dict, want: list[tuple[float, float]], first: int = 1) -> 
 def _more_runs(rank: int, world: int, ckpt: str, out: str) -> None:
     """In one spawn of 2 ranks (the ranks' imports are the cost of a run): a run resumed from the
     checkpoint of step 4, a run at (dp 2, cp 1) keeping the layers' parameters unsharded from
-    forward to backward, one at cp 2 with the Gated DeltaNet layers by chunk states and one at
-    cp 2 with the unfused loss, through the recipe's own train()."""
+    forward to backward, one at cp 2 with the Gated DeltaNet layers by chunk states, one at
+    cp 2 with the unfused loss and one at cp 2 with the MLPs over row tiles, through the recipe's
+    own train()."""
     resume = ["--cp", "2", "--steps", "5", "--checkpoint-dir", ckpt, "--resume", f"{ckpt}/step-00000004"]
     dp2 = ["--dp", "2", "--steps", str(STEPS), "--reshard-after-forward", "never", *CLIP]
     states = ["--cp", "2", "--gdn-cp", "states", "--steps", str(STEPS)]
     unfused = ["--cp", "2", "--loss", "unfused", "--steps", str(STEPS)]
-    for name, argv in (("resumed", resume), ("dp2", dp2), ("states", states), ("unfused", unfused)):
+    tiled = ["--cp", "2", "--tiled-mlp", "--steps", str(STEPS)]
+    runs = (("resumed", resume), ("dp2", dp2), ("states", states), ("unfused", unfused), ("tiled", tiled))
+    for name, argv in runs:
         recipe.train(_cfg(*argv, "--log-json", f"{out}/{name}.json"), rank, world, torch.device("cpu"))
 
 
@@ -158,6 +161,7 @@ def test_recipe_equals_one_process_and_resumes_exactly(tmp_path):
     _check_steps(json.loads((tmp_path / "dp2.json").read_text()), _one_process(2, *CLIP))
     _check_steps(json.loads((tmp_path / "states.json").read_text()), one)
     _check_steps(json.loads((tmp_path / "unfused.json").read_text()), one)
+    _check_steps(json.loads((tmp_path / "tiled.json").read_text()), one)
     assert run["settings"]["loss"] == "fused"
     # --resume without a path takes the latest complete checkpoint; other settings are refused
     # with the command line, before any rank starts
