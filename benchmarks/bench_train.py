@@ -29,6 +29,7 @@ import argparse
 import itertools
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -114,8 +115,13 @@ def vocab_args(args: argparse.Namespace) -> list[str]:
 
 
 def suffix(args: argparse.Namespace) -> str:
-    """``-vV`` in a result's name when the vocabulary is not the preset's."""
-    return f"-v{args.vocab_size}" if args.vocab_size else ""
+    """``-vV`` in a result's name when the vocabulary is not the preset's, then the words of
+    --extra (``--ac --tiled-mlp``: ``-ac-tiled-mlp``; --smoke's ``--device cpu`` left out), so a
+    run with other recipe settings does not write over another's result."""
+    words = [re.sub(r"[^A-Za-z0-9_.-]+", "_", a.lstrip("-")) for a in args.extra]
+    if "device" in words:
+        del words[words.index("device") : words.index("device") + 2]
+    return (f"-v{args.vocab_size}" if args.vocab_size else "") + "".join(f"-{w}" for w in words)
 
 
 def run_one(world: int, tokens: int, graphs: bool, args: argparse.Namespace, tmp: Path,

@@ -58,7 +58,8 @@ def _recipe_stub(calls, stop_after=None):
         if stop_after is not None and len(calls) == stop_after:
             raise KeyboardInterrupt
         tokens = int(recipe_args[recipe_args.index("--tokens-per-step") + 1])
-        calls.append((world, tokens, "--ac" in recipe_args, recipe_args[recipe_args.index("--max-seqs") + 1]))
+        calls.append((world, tokens, "--ac" in recipe_args, recipe_args[recipe_args.index("--max-seqs") + 1],
+                      recipe_args))  # fmt: skip
         if tokens > 300_000 * world:
             return "out of memory"
         step = {"step_ms": tokens / 1e3, "tokens_per_s": 1e6, "mfu": 0.4, "peak_mem_gib": 100.0}
@@ -106,6 +107,16 @@ def test_fit_context_keeps_the_trials_of_a_run_cut_short(tmp_path, monkeypatch):
     assert cut[0] == whole[0]
     assert cut[1]["trials"] == "262144 ok; 524288 ok" and cut[1]["longest tokens"] == 524_288
     assert cut[1]["step ms"] == 524.288 and cut[1]["shortest failed"] is None
+
+
+def test_recipe_settings_name_the_result(tmp_path, monkeypatch):
+    """--extra reaches every trial's recipe and names the result, so runs with other settings
+    keep their own files."""
+    calls = []
+    monkeypatch.setattr(bench_train, "torchrun", _recipe_stub(calls))
+    bench_train.main([*FIT_ARGS, "--ac", "on", "--out", str(tmp_path), "--extra", "--tiled-mlp"])
+    assert [p.name for p in tmp_path.iterdir()] == ["train-fit-context-slice4-v151936-tiled-mlp.json"]
+    assert calls and all(c[2] and "--tiled-mlp" in c[4] for c in calls)
 
 
 class _Counter:
