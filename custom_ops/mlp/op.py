@@ -33,13 +33,17 @@ def default_tile_rows(intermediate_size: int) -> int:
     return rows // 64 * 64 if rows >= 64 else rows
 
 
-def _check(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, tile_rows) -> None:
+def _check(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, tile_rows,
+           rows: bool = True) -> None:  # fmt: skip
+    """The ops' argument checks; ``rows``: x is ``[N, H]`` (the forward and backward ops), else ``[..., H]``."""
     for name, t in (("x", x), ("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    hidden, inter = x.shape[-1], w_gate.shape[0]
+    if x.dim() < 1 or (rows and x.dim() != 2):
+        raise ValueError(f"x must be {'[N, H]' if rows else '[..., H]'}, got shape {tuple(x.shape)}")
+    hidden, inter = x.shape[-1], w_gate.shape[0] if w_gate.dim() else 0
     shapes = [tuple(t.shape) for t in (w_gate, w_up, w_down)]
-    if w_gate.dim() != 2 or shapes != [(inter, hidden), (inter, hidden), (hidden, inter)]:
+    if shapes != [(inter, hidden), (inter, hidden), (hidden, inter)]:
         raise ValueError(f"w_gate and w_up must be [I, H] and w_down [H, I] with H = {hidden} (x's last dim), got "
                          f"{shapes}")  # fmt: skip
     if not x.dtype.is_floating_point or any(t.dtype != x.dtype for t in (w_gate, w_up, w_down)):
@@ -146,7 +150,7 @@ swiglu_mlp_forward.register_autograd(_backward, setup_context=_setup_context)
     "(Tensor x, Tensor w_gate, Tensor w_up, Tensor w_down, int? tile_rows=None) -> Tensor",
 )
 def _swiglu_mlp_composite(x, w_gate, w_up, w_down, tile_rows=None):
-    _check(x, w_gate, w_up, w_down, tile_rows)
+    _check(x, w_gate, w_up, w_down, tile_rows, rows=False)
     rows = x.reshape(-1, x.shape[-1])
     out = torch.ops.cp_ops.swiglu_mlp_forward(rows, w_gate, w_up, w_down, tile_rows or default_tile_rows(w_gate.shape[0]))
     return out.reshape(*x.shape[:-1], w_down.shape[0])

@@ -146,3 +146,7 @@ def test_bad_dtypes_and_settings():
         swiglu_mlp(x, wg.double(), wu, wd)
     with pytest.raises(ValueError, match="tile_rows must be at least 1"):
         swiglu_mlp(x, wg, wu, wd, tile_rows=0)
+    with pytest.raises(ValueError, match=r"x must be \[\.\.\., H\], got shape \(\)"):
+        swiglu_mlp(torch.tensor(1.0), wg, wu, wd)
+    with pytest.raises(ValueError, match=r"x must be \[N, H\], got shape \(1, 4, 3\)"):
+        torch.ops.cp_ops.swiglu_mlp_forward(x[None], wg, wu, wd, 2)
