@@ -150,6 +150,10 @@ swiglu_mlp_forward.register_autograd(_backward, setup_context=_setup_context)
     "(Tensor x, Tensor w_gate, Tensor w_up, Tensor w_down, int? tile_rows=None) -> Tensor",
 )
 def _swiglu_mlp_composite(x, w_gate, w_up, w_down, tile_rows=None):
+    device = x.device.type if isinstance(x, torch.Tensor) else "cpu"
+    if torch.is_autocast_enabled(device):  # as nn.Linear under autocast: the GEMMs in its dtype
+        dtype = torch.get_autocast_dtype(device)
+        x, w_gate, w_up, w_down = (t.to(dtype) if isinstance(t, torch.Tensor) else t for t in (x, w_gate, w_up, w_down))
     _check(x, w_gate, w_up, w_down, tile_rows, rows=False)
     rows = x.reshape(-1, x.shape[-1])
     out = torch.ops.cp_ops.swiglu_mlp_forward(rows, w_gate, w_up, w_down, tile_rows or default_tile_rows(w_gate.shape[0]))
@@ -166,6 +170,7 @@ def swiglu_mlp(
     """``down(silu(gate(x)) * up(x))`` of ``x [..., H]`` with bias-free ``nn.Linear`` weights
     (``w_gate``, ``w_up`` ``[I, H]``, ``w_down`` ``[H, I]``), ``tile_rows`` rows at a time (default
     :func:`default_tile_rows`), saving only x for the backward: the MLP of transformers'
-    ``Qwen3NextMLP`` (``hidden_act`` silu) at a long sequence's memory. Differentiable in x and
-    the weights. Raises ``TypeError`` / ``ValueError`` on mismatched shapes, dtypes or devices."""
+    ``Qwen3NextMLP`` (``hidden_act`` silu) at a long sequence's memory; under autocast in its dtype.
+    Differentiable in x and the weights. Raises ``TypeError`` / ``ValueError`` on mismatched shapes,
+    dtypes or devices."""
     return torch.ops.cp_ops.swiglu_mlp(x, w_gate, w_up, w_down, tile_rows)

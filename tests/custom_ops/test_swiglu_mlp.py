@@ -62,6 +62,21 @@ def test_bf16_weight_gradients_sum_in_float32():
         assert rel_error(a, b) < TOLERANCE[torch.bfloat16] and rel_error(a, c) < TOLERANCE[torch.bfloat16]
 
 
+def test_autocast_runs_it_in_the_autocast_dtype():
+    """float32 x and weights under bf16 autocast: a bf16 output and float32 gradients, as the
+    reference's nn.Linear GEMMs give under autocast, eager and compiled."""
+    leaves = _leaves(30, 8, 12, torch.float32)
+    compiled = torch.compile(swiglu_mlp, fullgraph=True, backend="aot_eager")
+    runs = []
+    for fn in (swiglu_mlp, compiled, swiglu_mlp_reference):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            runs.append(_out_and_grads(fn, leaves))
+    for got in runs[:2]:
+        for a, b in zip(got, runs[2]):
+            assert a.dtype == b.dtype and rel_error(a, b) < TOLERANCE[torch.bfloat16]
+    assert runs[2][0].dtype == torch.bfloat16 and runs[2][1].dtype == torch.float32
+
+
 def test_the_backward_saves_x_and_the_weights_alone():
     """What autograd keeps for the backward: x and the three weights, none of the [N, I]
     intermediates the reference saves."""
