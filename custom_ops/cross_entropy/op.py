@@ -21,7 +21,7 @@ from custom_ops.cross_entropy.kernels import BLOCK_COLS, cross_entropy_rows_kern
 from custom_ops.cross_entropy.reference import accumulation_dtype
 from custom_ops.runtime.launch import launch_direct, use_triton
 from custom_ops.runtime.registration import NAMESPACE, composite_op, opaque_op
-from custom_ops.runtime.tiles import next_power_of_2
+from custom_ops.runtime.tiles import next_power_of_2, rows_within
 
 __all__ = ["linear_cross_entropy", "default_chunk_rows"]
 
@@ -32,9 +32,8 @@ REDUCTIONS = ("mean", "sum")
 
 def default_chunk_rows(vocab_size: int) -> int:
     """Rows per chunk when none are given: ``CHUNK_ELEMENTS / vocab_size``, a multiple of 64 where
-    that is at least 64 (row counts the GEMMs tile evenly)."""
-    rows = max(1, CHUNK_ELEMENTS // max(vocab_size, 1))
-    return rows // 64 * 64 if rows >= 64 else rows
+    that is at least 64 (:func:`~custom_ops.runtime.tiles.rows_within`)."""
+    return rows_within(CHUNK_ELEMENTS, vocab_size)
 
 
 def _check(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_rows: Optional[int]) -> None:

@@ -18,7 +18,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from custom_ops.cross_entropy.reference import accumulation_dtype
 from custom_ops.runtime.registration import NAMESPACE, composite_op, opaque_op
+from custom_ops.runtime.tiles import rows_within
 
 __all__ = ["swiglu_mlp", "default_tile_rows"]
 
@@ -28,9 +30,8 @@ TILE_ELEMENTS = 2**25
 
 def default_tile_rows(intermediate_size: int) -> int:
     """Rows per tile when none are given: ``TILE_ELEMENTS / intermediate_size``, a multiple of 64
-    where that is at least 64 (row counts the GEMMs tile evenly)."""
-    rows = max(1, TILE_ELEMENTS // max(intermediate_size, 1))
-    return rows // 64 * 64 if rows >= 64 else rows
+    where that is at least 64 (:func:`~custom_ops.runtime.tiles.rows_within`)."""
+    return rows_within(TILE_ELEMENTS, intermediate_size)
 
 
 def _check(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, tile_rows,
@@ -53,10 +54,6 @@ def _check(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: to
         raise ValueError("x and the weights must be on one device")
     if tile_rows is not None and tile_rows < 1:
         raise ValueError(f"tile_rows must be at least 1, got {tile_rows}")
-
-
-def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 @opaque_op(f"{NAMESPACE}::swiglu_mlp_forward", mutates_args=())
@@ -94,7 +91,7 @@ def swiglu_mlp_backward(
     each tile's projections recomputed; the weights' summed over the tiles in float32 (float64 for
     float64) and returned in their dtype. An unrequested gradient is an empty tensor."""
     _check(x, w_gate, w_up, w_down, tile_rows)
-    acc = _accumulation_dtype(x.dtype)
+    acc = accumulation_dtype(x.dtype)
     d_x = torch.empty_like(x) if grad_x else x.new_empty(0)
     d_w = [torch.zeros(w.shape, dtype=acc, device=w.device) for w in (w_gate, w_up, w_down)] if grad_weights else []
     for start in range(0, x.shape[0], tile_rows):
@@ -103,8 +100,9 @@ def swiglu_mlp_backward(
         act = F.silu(gate)
         d_hidden = d_out @ w_down  # [rows, I]
         # silu'(g) = s (1 + g (1 - s)), s = sigmoid(g): in the accumulation dtype, then x's
-        sig = torch.sigmoid(gate.to(acc))
-        d_gate = (d_hidden.to(acc) * up.to(acc) * sig * (1 + gate.to(acc) * (1 - sig))).to(x.dtype)
+        gate_acc = gate.to(acc)
+        sig = torch.sigmoid(gate_acc)
+        d_gate = (d_hidden.to(acc) * up.to(acc) * sig * (1 + gate_acc * (1 - sig))).to(x.dtype)
         d_up = d_hidden * act
         if grad_x:
             torch.mm(d_gate, w_gate, out=d_x[start : start + tile_rows]).addmm_(d_up, w_up)

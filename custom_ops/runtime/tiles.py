@@ -18,6 +18,14 @@ def next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
+def rows_within(elements: int, width: int) -> int:
+    """The most rows of ``width`` entries within ``elements`` entries (at least 1), a multiple of
+    64 where that is at least 64 (row counts the GEMMs tile evenly): the default chunk of the
+    ops that run over row chunks."""
+    rows = max(1, elements // max(width, 1))
+    return rows // 64 * 64 if rows >= 64 else rows
+
+
 @dataclass(frozen=True)
 class RowSettings:
     """Tile shape of the row-moving kernels (reorder, valid-token copy): a program moves whole
