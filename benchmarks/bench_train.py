@@ -409,7 +409,7 @@ def fit_context(args: argparse.Namespace) -> Result:
                     if status == "ok":
                         runs[tokens] = summarise(json.loads(log.read_text()), warmup=1)
                     tried.append((tokens, status))
-                    row.update(_fit_row(world, ac, tried, runs))
+                    row.update(_fit_outcome(tried, runs))
                     emit([_fit_result(args, rows)], args.out, quiet=True)
                     return status
 
@@ -419,12 +419,12 @@ def fit_context(args: argparse.Namespace) -> Result:
     return _fit_result(args, rows)
 
 
-def _fit_row(world: int, ac: bool, tried: list[tuple[int, str]], runs: dict[int, dict]) -> dict:
-    """A ``--fit-context`` row from the trials so far: the longest length that ran, the shortest
-    longer one that did not, every trial, and the longest run's numbers."""
+def _fit_outcome(tried: list[tuple[int, str]], runs: dict[int, dict]) -> dict:
+    """A ``--fit-context`` search's columns from its trials so far: the longest length that ran, the
+    shortest longer one that did not, every trial, and the longest run's numbers."""
     best = max((n for n, status in tried if status == "ok"), default=None)
     failed = [n for n, status in tried if status != "ok" and (best is None or n > best)]
-    return {"W": world, "ac": "on" if ac else "off", "longest tokens": best, "shortest failed": min(failed, default=None),
+    return {"longest tokens": best, "shortest failed": min(failed, default=None),
             "trials": "; ".join(f"{n} {status}" for n, status in tried), **runs.get(best, {})}  # fmt: skip
 
 
