@@ -4,7 +4,7 @@ Against the reference (the MLP as transformers writes it) on drawn shapes and ti
 that do not divide the rows, larger than the rows, no rows), in float32 and float64; gradcheck in
 float64; bf16 weights' gradients summed in float32; the backward's saved tensors are x and the
 weights alone; opcheck; compiled with ``fullgraph=True`` over two row counts without a recompile;
-bad input.
+bad input; on a GPU, bf16 at slice4's widths.
 """
 
 import pytest
@@ -142,6 +142,25 @@ def test_compiled_fullgraph_two_row_counts_no_recompile():
         for got, want in zip(*results):
             assert rel_error(got, want) < 1e-5
     assert counter.frame_count == 1
+
+
+@pytest.mark.gpu
+def test_cuda_bf16_at_slice4_widths_holds_less():
+    """On the GPU in bf16 at slice4's widths (H 1024, I 5632), 16384 rows in tiles of 4096: within
+    bf16's tolerance of float64, and what the forward leaves for the backward is x alone (the
+    reference leaves its four [N, I] intermediates)."""
+    leaves = [t.detach().cuda().requires_grad_() for t in _leaves(16384, 1024, 5632, torch.bfloat16)]
+    exact = _out_and_grads(swiglu_mlp_reference, [t.double() for t in leaves])
+    for a, c in zip(_out_and_grads(swiglu_mlp, leaves, tile_rows=4096), exact):
+        assert a.dtype == torch.bfloat16 and rel_error(a, c) < TOLERANCE[torch.bfloat16]
+
+    def held(fn, **kwargs):
+        start = torch.cuda.memory_allocated()
+        out = fn(*leaves, **kwargs)
+        return torch.cuda.memory_allocated() - start - out.numel() * out.element_size()
+
+    x_bytes = leaves[0].numel() * 2
+    assert held(swiglu_mlp, tile_rows=4096) <= x_bytes < held(swiglu_mlp_reference) / 10
 
 
 @pytest.mark.parametrize(
