@@ -54,6 +54,7 @@ from cp_ops import COMPILE_OPTIONS, pad_cu_seqlens, shard_thd
 from custom_ops import ag_thd_attention, all_gather_rows, resolve_group
 from custom_ops.ag_attention.backends import describe as describe_attention
 from custom_ops.ag_attention.backends import fa4_version
+from custom_ops.ag_attention.backends import set_backend as set_attention_backend
 from custom_ops.ag_attention.op import _ag_thd_attention
 from custom_ops.testing import TOLERANCE, rel_error
 
@@ -561,6 +562,9 @@ def _rank(
     profiles = {}
 
     env = environment(world, attention=describe_attention(head_dim)) if rank == 0 else None
+    # the op as called runs the segment kernels, as the one-GPU baseline does; the other backends
+    # are forms of their own (--backends), named, not resolved
+    set_attention_backend("segment")
 
     def tables() -> list[Result]:
         return _tables(rows, profiles, env, world, heads, kv_heads, head_dim, runs, gqa, smoke, cudagraphs,

@@ -83,8 +83,8 @@ VARIABLES: tuple[Variable, ...] = (
         "CP_OPS_ATTENTION_BACKEND", ("auto", "segment", "fa4"), "auto",
         "the all-gather CP attention's CUDA kernels: `fa4` FlashAttention 4's varlen kernels (the `fa4` "
         "extra; an error where a call does not fit them), `segment` the package's segment-attention "
-        "kernels, `auto` FlashAttention 4's where installed and the call fits them at W = 1 (W >= 2 asks "
-        "for `fa4`: its two calls a rank have run on the CPU emulation only), else the segment kernels; "
+        "kernels, `auto` FlashAttention 4's where installed and the call fits them, at any W, else the "
+        "segment kernels; "
         "CPU tensors always take the segment path (its torch reference)",
         "each time `ag_thd_attention` is traced or called eagerly (a compiled graph keeps its choice)",
     ),

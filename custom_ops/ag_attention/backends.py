@@ -128,21 +128,18 @@ def fa4_unfit(q: torch.Tensor, k: torch.Tensor, causal: bool, window: tuple[int,
 
 
 def resolve(q: torch.Tensor, k: torch.Tensor, causal: bool = True, window: tuple[int, int] = (-1, -1),
-            backend: str = "auto", machine: Machine | None = None, world: int = 1) -> str:  # fmt: skip
-    """The backend that runs a call on q ``[T, Hq, D]`` and k ``[T, Hkv, D]`` over ``world`` CP
+            backend: str = "auto", machine: Machine | None = None) -> str:  # fmt: skip
+    """The backend that runs a call on q ``[T, Hq, D]`` and k ``[T, Hkv, D]``, at any number of CP
     ranks: ``segment`` on the CPU; else ``backend``, where ``auto`` is :func:`requested`'s choice
-    and that, where ``auto`` again, ``fa4`` if ``world`` is 1 and it fits the call
-    (:func:`fa4_unfit`), else ``segment``. ``fa4`` asked for where it does not fit raises
-    ``ValueError`` with the reason."""
+    and that, where ``auto`` again, ``fa4`` if it fits the call (:func:`fa4_unfit`), else
+    ``segment``. ``fa4`` asked for where it does not fit raises ``ValueError`` with the reason."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if q.device.type != "cuda":
         return "segment"
     if backend == "auto":
         backend = requested()
-    # auto leaves W >= 2 (two calls a rank, dk/dv summed) to the segment kernels until that form
-    # has run on GPUs as the one-call form of W = 1 has; asked for, it is taken
-    if backend == "segment" or (backend == "auto" and world > 1):
+    if backend == "segment":
         return "segment"
     reason = fa4_unfit(q, k, causal, window, machine)
     if backend == "fa4" and reason is not None:

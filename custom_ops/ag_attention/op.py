@@ -85,7 +85,7 @@ def _ag_thd_attention(q, k, v, cu_seqlens, cu_seqlens_padded, causal, window_lef
     cu_seqlens = checked("thd_shard", cu_seqlens, (cu_seqlens_padded,), cp_size, q.shape[0])
     window = (window_left, window_right)
     if backend is None:
-        backend = backends.resolve(q, k, causal, window, world=cp_size)
+        backend = backends.resolve(q, k, causal, window)
     if group_name is None:
         if cp_size != 1:
             raise ValueError(f"cp_size = {cp_size} needs a process group (group_name is None)")

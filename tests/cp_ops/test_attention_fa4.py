@@ -93,8 +93,6 @@ def test_cpu_tensors_take_the_segment_path_whatever_is_asked(monkeypatch):
 def test_auto_takes_fa4_where_the_call_fits_it(monkeypatch):
     q, k = _cuda_like(64, 16, 256), _cuda_like(64, 2, 256)
     assert backends.resolve(q, k, machine=HOPPER) == "fa4"
-    assert backends.resolve(q, k, machine=HOPPER, world=2) == "segment"  # auto: W = 1 only
-    assert backends.resolve(q, k, backend="fa4", machine=HOPPER, world=2) == "fa4"
     assert backends.resolve(q, k, True, (100, -1), machine=HOPPER) == "fa4"
     assert backends.resolve(q, k, False, (-1, -1), machine=HOPPER) == "fa4"
     assert backends.resolve(q, k, machine=_machine(capability=(10, 0))) == "fa4"
