@@ -26,6 +26,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from functools import partial
 
 import torch
@@ -529,6 +530,13 @@ def _cp_rank(rank, world, device, tokens, seqs, out, smoke, opts: dict) -> None:
         return Result("gdn", table[0], table[1], table[2], table[3], env, name=result_name)
 
     for total, num_seqs in shapes:
+        start = time.perf_counter()
+
+        def progress(what: str) -> None:
+            """A line per phase on rank 0: where a run cut short by a time limit spent it (compiles, autotuning)."""
+            if rank == 0:
+                print(f"[bench_gdn] T={total} B={num_seqs}: {what} at {time.perf_counter() - start:.0f} s", flush=True)
+
         lens = _lengths(total, num_seqs, torch.Generator().manual_seed(total + num_seqs))
         cu, cup = pad_cu_seqlens(lens, world, device=device)
         rows = int(cup[-1])
@@ -565,13 +573,17 @@ def _cp_rank(rank, world, device, tokens, seqs, out, smoke, opts: dict) -> None:
             out_cp.backward(grad_cp)
             return err
 
+        progress("one-device reference done")
         res = {"err eager": check(layer)}
+        progress("eager CP step done")
         compiled, res["err compiled"] = check_compiled(compiled, compile_layer, "the layer")
         res["W compiled"] = timed(cp_step(compiled["fn"]))
+        progress("compiled CP step timed")
         res["MiB heads"], res["MiB states"] = sent_mib(world, rows, num_seqs, (hk, hv, dk, dv), dtype, 4)
         if states is not None:
             states, res["err compiled states"] = check_compiled(states, compile_states, "the layer by chunk states")
             res["W compiled states"] = timed(cp_step(states["fn"]))
+            progress("compiled state mode timed")
         if full:
             res["err per-seq"] = check(per_sequence)
             res["W per-seq eager"] = timed(cp_step(per_sequence), per_sequence=True)
@@ -585,6 +597,7 @@ def _cp_rank(rank, world, device, tokens, seqs, out, smoke, opts: dict) -> None:
             res["err FLA CP"] = max_over_ranks(rel_error(fla_step(x_part).detach()[real_part], ref_part))
             res.update(res_fla)
             res["W FLA CP eager"] = timed(_fwd_bwd(lambda: fla_step(x_part), [x_part] + params, grad_part))
+            progress("FLA's CP timed")
         del fla_in
         if profile:  # every rank runs the profiled steps (they meet in the all-to-alls)
             res.update({f"prof W {k}": v for k, v in profile_step(cp_step(compiled["fn"]), device).items()})
@@ -610,6 +623,7 @@ def _cp_rank(rank, world, device, tokens, seqs, out, smoke, opts: dict) -> None:
                 one.update({f"prof 1 {k}": v for k, v in profile_step(step).items()})
             del x_all
         dist.barrier()
+        progress("one GPU timed")
         del x, grad
         torch.cuda.empty_cache()
 
