@@ -17,15 +17,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from custom_ops.runtime.dtypes import accumulation_dtype
 from custom_ops.thd.index import row_positions
 
 
 # FLA's and Qwen3-Next's epsilon for the q/k l2 normalisation, which causal_conv1d_gather applies
 L2NORM_EPS = 1e-6
-
-
-def _compute_dtype(t: torch.Tensor) -> torch.dtype:
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
 _ACTIVATIONS = (None, "identity", "silu", "swish")
@@ -56,7 +53,7 @@ def causal_conv1d_reference(
     the row's position in its sequence is below j: the zero history.
     """
     check_activation(activation)
-    dtype = _compute_dtype(x)
+    dtype = accumulation_dtype(x.dtype)
     num_rows, kernel = x.shape[0], weight.shape[1]
     pos = row_positions(cu_seqlens, num_rows)
     xc, wc = x.to(dtype), weight.to(dtype)
@@ -112,14 +109,14 @@ def from_column_blocks(blocks: torch.Tensor) -> torch.Tensor:
 def l2norm_groups(y: torch.Tensor, dim: int, eps: float = L2NORM_EPS) -> torch.Tensor:
     """``y / sqrt(sum(y^2) + eps)`` over each group of ``dim`` columns of ``y [T, n*dim]``, computed
     in at least float32, in y's dtype."""
-    yc = y.to(_compute_dtype(y)).unflatten(-1, (-1, dim))
+    yc = y.to(accumulation_dtype(y.dtype)).unflatten(-1, (-1, dim))
     return (yc * torch.rsqrt(yc.square().sum(-1, keepdim=True) + eps)).flatten(-2).to(y.dtype)
 
 
 def l2norm_groups_backward(y: torch.Tensor, grad: torch.Tensor, dim: int, eps: float = L2NORM_EPS) -> torch.Tensor:
     """The gradient of y from that of ``l2norm_groups(y, dim, eps)``: with ``r = rsqrt(sum(y^2) + eps)``
     per group, ``r * grad - r^3 * y * sum(grad * y)``."""
-    dtype = _compute_dtype(y)
+    dtype = accumulation_dtype(y.dtype)
     yc, gc = (t.to(dtype).unflatten(-1, (-1, dim)) for t in (y, grad))
     r = torch.rsqrt(yc.square().sum(-1, keepdim=True) + eps)
     return (r * gc - r.pow(3) * yc * (gc * yc).sum(-1, keepdim=True)).flatten(-2).to(grad.dtype)
@@ -156,7 +153,7 @@ def causal_conv1d_reference_backward(
     ``dw[:, K-1-j] = sum_t [pos(t) >= j] dpre[t] x[t-j]``, ``db = sum_t dpre[t]``.
     dbias is returned (as the sum) even when bias is None.
     """
-    dtype = _compute_dtype(x)
+    dtype = accumulation_dtype(x.dtype)
     num_rows, kernel = x.shape[0], weight.shape[1]
     pos = row_positions(cu_seqlens, num_rows)
     xc, wc, dy = x.to(dtype), weight.to(dtype), grad_y.to(dtype)

@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 
 from custom_ops.cross_entropy.kernels import BLOCK_COLS, cross_entropy_rows_kernel
-from custom_ops.cross_entropy.reference import accumulation_dtype
+from custom_ops.runtime.dtypes import accumulation_dtype
 from custom_ops.runtime.launch import launch_direct, use_triton
 from custom_ops.runtime.registration import NAMESPACE, composite_op, opaque_op
 from custom_ops.runtime.tiles import next_power_of_2, rows_within

@@ -8,10 +8,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-
-def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype the loss is computed and returned in: float64 for float64 inputs, else float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
+from custom_ops.runtime.dtypes import accumulation_dtype
 
 
 def linear_cross_entropy_reference(

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import torch
 
+from custom_ops.runtime.dtypes import accumulation_dtype
 from custom_ops.thd.index import row_positions
 
 
 def state_dtype(q: torch.Tensor) -> torch.dtype:
     """The dtype the references compute in and the recurrent states have: float64 for float64
     inputs, else float32."""
-    return torch.float64 if q.dtype == torch.float64 else torch.float32
+    return accumulation_dtype(q.dtype)
 
 
 def _row_sequences(cu_seqlens: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

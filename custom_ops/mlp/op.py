@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from custom_ops.cross_entropy.reference import accumulation_dtype
+from custom_ops.runtime.dtypes import accumulation_dtype
 from custom_ops.runtime.registration import NAMESPACE, composite_op, opaque_op
 from custom_ops.runtime.tiles import rows_within
 

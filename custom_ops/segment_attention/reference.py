@@ -12,16 +12,13 @@ from __future__ import annotations
 
 import torch
 
+from custom_ops.runtime.dtypes import accumulation_dtype
 from custom_ops.thd.validation import Segments
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def lse_dtype(dtype: torch.dtype) -> torch.dtype:
     """lse is float32, except for float64 inputs (float64, so gradcheck sees exact values)."""
-    return _compute_dtype(dtype)
+    return accumulation_dtype(dtype)
 
 
 def resolve_scale(scale: float | None, head_dim: int) -> float:
@@ -70,7 +67,7 @@ def _scores(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
     """``[Hq, Tq, Tk]`` scaled scores in the compute dtype; GQA without copying k."""
     tq, hq, d = q.shape
     tk, hkv, _ = k.shape
-    dt = _compute_dtype(q.dtype)
+    dt = accumulation_dtype(q.dtype)
     q4 = q.to(dt).reshape(tq, hkv, hq // hkv, d)
     s = torch.einsum("tkgd,ukd->kgtu", q4, k.to(dt)) * scale
     return s.reshape(hq, tq, tk)
