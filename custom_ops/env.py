@@ -84,8 +84,7 @@ VARIABLES: tuple[Variable, ...] = (
         "the all-gather CP attention's CUDA kernels: `fa4` FlashAttention 4's varlen kernels (the `fa4` "
         "extra; an error where a call does not fit them), `segment` the package's segment-attention "
         "kernels, `auto` FlashAttention 4's where installed and the call fits them, at any W, else the "
-        "segment kernels; "
-        "CPU tensors always take the segment path (its torch reference)",
+        "segment kernels; CPU tensors always take the segment path (its torch reference)",
         "each time `ag_thd_attention` is traced or called eagerly (a compiled graph keeps its choice)",
     ),
     Variable(
