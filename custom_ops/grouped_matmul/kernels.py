@@ -1,6 +1,8 @@
 """Triton kernels of the segment matmul: rows grouped into segments, a matrix per segment and
 head. The forward visits each row tile once and the segments it spans; the weight gradient
-sums each segment's rows in one program (no atomics: deterministic)."""
+sums each segment's rows in one program (no atomics: deterministic). The products run on tensor
+cores at ``PRECISION`` (``tl.dot``'s input precision: ``tf32``, exact for 16-bit operands, or
+``tf32x3``, about float32's, where an operand is float32), accumulated in float32."""
 
 import triton
 import triton.language as tl
@@ -28,6 +30,7 @@ def segment_matmul_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """One tile of BLOCK_M rows x one head x BLOCK_N columns: ``y[r] = x[r] @ w[seg(r)]`` summed
     over the segments the tile's rows fall in (most tiles: one); rows in no segment get 0."""
@@ -54,7 +57,7 @@ def segment_matmul_kernel(
             other=0.0,
         ).to(tl.float32)
         xs = tl.where((seg == s)[:, None], x, 0.0)
-        acc += tl.dot(xs, w, input_precision="ieee")
+        acc += tl.dot(xs, w, input_precision=PRECISION)
     tl.store(
         Y + rows[:, None].to(tl.int64) * stride_yr + h * stride_yh + cols[None, :],
         acc.to(Y.dtype.element_ty),
@@ -81,6 +84,7 @@ def segment_matmul_weight_grad_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """One segment x one head x BLOCK_N columns: ``dw[s] = sum_r x[r]^T dy[r]`` over the
     segment's rows, in BLOCK_M-row steps, summed in registers and stored once."""
@@ -105,7 +109,7 @@ def segment_matmul_weight_grad_kernel(
             mask=row_ok[:, None] & (cols < N)[None, :],
             other=0.0,
         ).to(tl.float32)
-        acc += tl.dot(tl.trans(x), dy, input_precision="ieee")
+        acc += tl.dot(tl.trans(x), dy, input_precision=PRECISION)
     tl.store(
         DW + s.to(tl.int64) * stride_ws + h * stride_wh + offs_k[:, None] * stride_wk + cols[None, :],
         acc,

@@ -34,11 +34,14 @@ def _tile(n: int, cap: int) -> int:
     return block
 
 
-def _tiles(k: int, n: int) -> dict:
-    """The kernels' shape constexprs: K and N, whole K per program, BLOCK_M rows and BLOCK_N
-    columns a program (smaller under the interpreter, which runs tiles in numpy)."""
+def _tiles(k: int, n: int, *operands: torch.Tensor) -> dict:
+    """The kernels' constexprs: K and N, whole K per program, BLOCK_M rows and BLOCK_N columns a
+    program (smaller under the interpreter, which runs tiles in numpy), and the products'
+    precision: TF32, exact for 16-bit ``operands``, else TF32x3 (each float32 as two TF32 parts)."""
     block_m, cap_n = (16, 32) if triton_interpreting() else (64, 64)
-    return dict(K=k, N=n, BLOCK_M=block_m, BLOCK_K=_tile(k, _MAX_KERNEL_DIM), BLOCK_N=_tile(n, cap_n))
+    precision = "tf32" if all(t.dtype in (torch.float16, torch.bfloat16) for t in operands) else "tf32x3"
+    return dict(K=k, N=n, BLOCK_M=block_m, BLOCK_K=_tile(k, _MAX_KERNEL_DIM), BLOCK_N=_tile(n, cap_n),
+                PRECISION=precision)  # fmt: skip
 
 
 def _check_operand(name: str, t: torch.Tensor, dims: int, x: torch.Tensor) -> None:
@@ -94,7 +97,7 @@ def _segment_matmul(x: torch.Tensor, w: torch.Tensor, cu: torch.Tensor) -> torch
     y = torch.empty(rows, heads, n, dtype=x.dtype, device=x.device)
     if y.numel() == 0:
         return y
-    x, w, tiles = x.contiguous(), w.contiguous(), _tiles(k, n)
+    x, w, tiles = x.contiguous(), w.contiguous(), _tiles(k, n, x, w)
     launch_direct(
         segment_matmul_kernel, (cdiv(rows, tiles["BLOCK_M"]), heads, cdiv(n, tiles["BLOCK_N"])),
         x, w, cu, y, rows, w.shape[0], x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2),
@@ -124,7 +127,7 @@ def _segment_matmul_weight_grad(x: torch.Tensor, dy: torch.Tensor, cu: torch.Ten
     dw = torch.zeros(segments, heads, k, n, dtype=torch.float32, device=x.device)
     if dw.numel() == 0:
         return dw
-    x, dy, tiles = x.contiguous(), dy.contiguous(), _tiles(k, n)
+    x, dy, tiles = x.contiguous(), dy.contiguous(), _tiles(k, n, x, dy)
     launch_direct(
         segment_matmul_weight_grad_kernel, (segments, heads, cdiv(n, tiles["BLOCK_N"])),
         x, dy, cu, dw, rows, x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), dw.stride(0), dw.stride(1),

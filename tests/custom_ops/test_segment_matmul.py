@@ -2,7 +2,8 @@
 
 The reference against a Python loop (the definition), gradcheck in float64, the Triton kernels
 under the interpreter against the reference (hypothesis-drawn bounds: empty segments, rows
-before the first and after the last, one tile spanning many segments), opcheck, bad input."""
+before the first and after the last, one tile spanning many segments), compiled for sm_90 at
+each operand precision, opcheck, bad input."""
 
 import pytest
 import torch
@@ -107,6 +108,37 @@ def test_bad_input(shapes, message):
         segment_matmul(x, w, cu)
     with pytest.raises(TypeError, match="int32 or int64"):
         segment_matmul(torch.randn(4, 2, 3), torch.randn(2, 2, 3, 5), torch.arange(3.0))
+
+
+@pytest.mark.parametrize("kind", ["forward", "weight_grad"])
+@pytest.mark.parametrize("x_type, other_type", [("*bf16", "*fp32"), ("*bf16", "*bf16"), ("*fp32", "*fp32")])
+def test_kernels_compile_for_hopper(kind, x_type, other_type):
+    """The interpreter ignores tl.dot's input precision: compile both kernels for sm_90 with the
+    precision the op gives their operands (TF32 for 16-bit ones, TF32x3 with a float32 one) at the
+    state mode's widths (128 x 128), as the GPU launches them, down to tensor-core instructions."""
+    pytest.importorskip("triton.backends.nvidia")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from custom_ops.grouped_matmul import kernels
+    from custom_ops.grouped_matmul.op import _tiles
+
+    kernel = kernels.segment_matmul_kernel if kind == "forward" else kernels.segment_matmul_weight_grad_kernel
+    dtypes = {"*bf16": torch.bfloat16, "*fp32": torch.float32}
+    operands = (torch.empty(0, dtype=dtypes[x_type]), torch.empty(0, dtype=dtypes[other_type]))
+    constants = {**_tiles(128, 128, *operands), "BLOCK_M": 64}
+    assert constants["PRECISION"] == ("tf32" if x_type == other_type == "*bf16" else "tf32x3")
+    out_type = x_type if kind == "forward" else "*fp32"
+    pointers = {"X": x_type, "W": other_type, "DY": other_type, "CU": "*i64", "Y": out_type, "DW": out_type}
+    names = kernel.arg_names
+    signature = {n: "constexpr" if n in constants else pointers.get(n, "i32") for n in names}
+    source = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(k),): v for k, v in constants.items()})
+    try:
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    except (ImportError, TypeError, AttributeError) as e:  # compile API of another triton release
+        pytest.skip(f"cannot compile for sm_90 with triton {triton.__version__}: {e}")
+    assert "wgmma" in compiled.asm["ptx"] or "mma.sync" in compiled.asm["ptx"]
 
 
 @pytest.mark.gpu
