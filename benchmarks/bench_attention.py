@@ -52,7 +52,6 @@ from benchmarks.runner import Result, add_out_argument, checks_off, emit, enviro
 from benchmarks.timing import kernel_breakdown, median_ms, median_ms_counted
 from cp_ops import COMPILE_OPTIONS, pad_cu_seqlens, shard_thd
 from custom_ops import ag_thd_attention, all_gather_rows, resolve_group
-from custom_ops.ag_attention.backends import describe as describe_attention
 from custom_ops.ag_attention.backends import fa4_version
 from custom_ops.ag_attention.backends import set_backend as set_attention_backend
 from custom_ops.ag_attention.op import _ag_thd_attention
@@ -561,10 +560,11 @@ def _rank(
     rows = []
     profiles = {}
 
-    env = environment(world, attention=describe_attention(head_dim)) if rank == 0 else None
     # the op as called runs the segment kernels, as the one-GPU baseline does; the other backends
     # are forms of their own (--backends), named, not resolved
     set_attention_backend("segment")
+    named = [f"fa4 {fa4_version()}"] if "fa4" in attention_backends and fa4_version() else []
+    env = environment(world, attention=", ".join(["segment", *named])) if rank == 0 else None
 
     def tables() -> list[Result]:
         return _tables(rows, profiles, env, world, heads, kv_heads, head_dim, runs, gqa, smoke, cudagraphs,
