@@ -29,7 +29,7 @@ def _leaves(rows, hidden, inter, dtype, seed=0, lead=()):
 def _out_and_grads(fn, leaves, **kwargs):
     leaves = [t.detach().clone().requires_grad_() for t in leaves]
     out = fn(*leaves, **kwargs)
-    out.backward(torch.linspace(-1, 1, out.numel(), dtype=out.dtype).reshape(out.shape))
+    out.backward(torch.linspace(-1, 1, out.numel(), dtype=out.dtype, device=out.device).reshape(out.shape))
     return [out.detach(), *(t.grad for t in leaves)]
 
 
