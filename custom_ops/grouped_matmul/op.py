@@ -15,6 +15,7 @@ import torch
 
 from custom_ops.grouped_matmul.kernels import segment_matmul_kernel, segment_matmul_weight_grad_kernel
 from custom_ops.grouped_matmul.reference import segment_matmul_reference, segment_matmul_weight_grad_reference
+from custom_ops.runtime.dtypes import accumulation_dtype
 from custom_ops.runtime.launch import launch_direct, triton_interpreting, use_triton
 from custom_ops.runtime.registration import NAMESPACE, kernel_op
 from custom_ops.runtime.tiles import cdiv
@@ -112,10 +113,6 @@ def _(x, w, cu):
     return x.new_empty(*x.shape[:2], w.shape[-1])
 
 
-def _grad_dtype(*tensors: torch.Tensor) -> torch.dtype:
-    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
-
-
 @kernel_op(f"{NAMESPACE}::segment_matmul_weight_grad", mutates_args=(), opaque=True)
 def _segment_matmul_weight_grad(x: torch.Tensor, dy: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
     """``dw [S, H, K, N]``, the sum over each segment's rows of ``x[r, h]^T dy[r, h]``, in float32
@@ -139,7 +136,8 @@ def _segment_matmul_weight_grad(x: torch.Tensor, dy: torch.Tensor, cu: torch.Ten
 @_segment_matmul_weight_grad.register_fake
 def _(x, dy, cu):
     _check_grad(x, dy, cu)
-    return x.new_empty(cu.shape[0] - 1, x.shape[1], x.shape[2], dy.shape[-1], dtype=_grad_dtype(x, dy))
+    dtype = accumulation_dtype(torch.promote_types(x.dtype, dy.dtype))
+    return x.new_empty(cu.shape[0] - 1, x.shape[1], x.shape[2], dy.shape[-1], dtype=dtype)
 
 
 def _setup_context(ctx, inputs, output):

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from custom_ops.runtime.dtypes import accumulation_dtype
+
 
 def row_segments(cu: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(segment [R], inside [R])``: each row's segment under the bounds ``cu [S+1]`` (the last
@@ -20,7 +22,7 @@ def segment_matmul_reference(x: torch.Tensor, w: torch.Tensor, cu: torch.Tensor)
     """``y [R, H, N]``: row r of segment s (``cu[s] <= r < cu[s+1]``) times its segment's matrix,
     ``y[r, h] = x[r, h] @ w[s, h]``, in float32 (float64 for float64) and returned in x's dtype;
     rows in no segment get 0. x ``[R, H, K]``, w ``[S, H, K, N]``. Memory ``O(R H K N)``."""
-    dt = torch.float64 if torch.float64 in (x.dtype, w.dtype) else torch.float32
+    dt = accumulation_dtype(torch.promote_types(x.dtype, w.dtype))
     seg, inside = row_segments(cu, x.shape[0])
     if w.shape[0] == 0:
         return x.new_zeros(*x.shape[:2], w.shape[-1])
@@ -31,7 +33,7 @@ def segment_matmul_reference(x: torch.Tensor, w: torch.Tensor, cu: torch.Tensor)
 def segment_matmul_weight_grad_reference(x: torch.Tensor, dy: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
     """``dw [S, H, K, N] = sum over the rows r of segment s of x[r, h]^T dy[r, h]``: the gradient of
     :func:`segment_matmul_reference` in w, in float32 (float64 for float64 inputs)."""
-    dt = torch.float64 if torch.float64 in (x.dtype, dy.dtype) else torch.float32
+    dt = accumulation_dtype(torch.promote_types(x.dtype, dy.dtype))
     seg, inside = row_segments(cu, x.shape[0])
     outer = torch.einsum("rhk,rhn->rhkn", x.to(dt), dy.to(dt)) * inside[:, None, None, None]
     dw = outer.new_zeros(cu.shape[0] - 1, *outer.shape[1:])
